@@ -1,0 +1,44 @@
+"""spectral-ops: spectral-power weight decay ``S_p(W) = U diag(s^p) V^T`` without an SVD.
+
+The public API is autograd-free and takes ``(..., m, n)`` tensors on CPU or CUDA in float64,
+float32, float16 or bfloat16. ``spectral_ops.dispatch`` picks the backend (CUDA extension, then
+Triton, then PyTorch) per call; ``spectral_ops.reference`` holds the FP64 SVD oracles.
+"""
+
+from . import reference
+from ._version import __version__
+from .coefficients import MUON_QUINTIC, NEWTON_SCHULZ_SIGN, polar_express_coefficients
+from .decay import Band, SpectralStabilityError, spectral_decay_
+from .dispatch import BackendUnavailableError, backend_for, backend_status, last_backend, use_backend
+from .ops import (
+    band_direction,
+    band_projectors,
+    msign,
+    polar,
+    spectral_norm_bounds,
+    spectral_power,
+    svt,
+)
+
+__all__ = [
+    "__version__",
+    "Band",
+    "BackendUnavailableError",
+    "MUON_QUINTIC",
+    "NEWTON_SCHULZ_SIGN",
+    "SpectralStabilityError",
+    "backend_for",
+    "backend_status",
+    "band_direction",
+    "band_projectors",
+    "last_backend",
+    "msign",
+    "polar",
+    "polar_express_coefficients",
+    "reference",
+    "spectral_decay_",
+    "spectral_norm_bounds",
+    "spectral_power",
+    "svt",
+    "use_backend",
+]

@@ -1,0 +1,1 @@
+"""Backends: one module each. ``spectral_ops.dispatch`` is the only place that chooses between them."""

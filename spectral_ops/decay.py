@@ -1,0 +1,229 @@
+"""The in-place decoupled decay step (SPEC 1.5): ``W <- W - scale * (lambda_p S_p(W) + lambda_1 W)``.
+
+Every check (arguments, NaN/Inf, devices, the p > 1 stability guard) runs before the first write,
+and each weight is written once, from a fully computed result, so a failure never leaves a weight
+half-updated.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from . import dispatch
+from ._checks import (
+    check_choice,
+    check_coefficient,
+    check_finite,
+    check_matrix,
+    check_power,
+    check_same_device,
+    check_steps,
+)
+from .backends.base import DecayRequest
+from .backends.torch_backend import compute_dtype, spectral_norm_bounds
+from .coefficients import resolve_polar_coefficients
+from .ops import band_spec, sign_coefficients
+
+CONVENTIONS = ("decoupled", "independent")
+P0_MODES = ("explicit", "prox")
+STABILITY_POLICIES = ("raise", "warn", "clamp", "ignore")
+# "clamp" limits the relative shrink of the largest mode to this fraction in one step.
+CLAMP_SHRINK = 0.5
+
+
+class SpectralStabilityError(ValueError):
+    """A p > 1 decay step would push the largest singular values through zero (SPEC 1.5)."""
+
+
+@dataclass(frozen=True)
+class Band:
+    """Band-selective decay (SPEC 1.4), split at singular value ``tau``.
+
+    ``mode`` is ``"top"`` (the spectral rule above ``tau``, ordinary decay below), ``"bot"``,
+    ``"top_only"``, ``"bot_only"`` or ``"two_band"``. In ``"two_band"`` the call's ``p`` and
+    ``weight_decay`` act on the top band and ``p_bot``/``weight_decay_bot`` on the bottom one.
+    """
+
+    tau: float
+    mode: str = "top"
+    p_bot: int = 1
+    weight_decay_bot: float = 0.0
+    sign_steps: int | None = None
+    sign_method: str = "polar_express"
+
+    @classmethod
+    def coerce(cls, band) -> "Band | None":
+        """Accept a :class:`Band`, a dict of its fields (as stored in param groups) or None."""
+        if band is None or isinstance(band, Band):
+            return band
+        if isinstance(band, dict):
+            unknown = set(band) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"unknown band options {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
+            return cls(**band)
+        raise TypeError(f"band must be a Band, a dict or None, got {type(band).__name__}")
+
+
+def _as_list(W):
+    if isinstance(W, torch.Tensor):
+        return [W]
+    if isinstance(W, (list, tuple)):
+        return list(W)
+    raise TypeError(f"W must be a tensor or a list of tensors, got {type(W).__name__}")
+
+
+def _check_distinct(tensors) -> None:
+    seen = {}
+    for i, t in enumerate(tensors):
+        if t.numel() and t.data_ptr() in seen:
+            raise ValueError(f"W[{seen[t.data_ptr()]}] and W[{i}] share memory; each weight may appear once")
+        seen[t.data_ptr()] = i
+
+
+def _stability_terms(p: int, weight_decay, band: Band | None):
+    """``(power, coefficient, capped_at_tau)`` for each spectral part that can overshoot."""
+    if band is None:
+        terms = [(p, weight_decay, False)]
+    elif band.mode == "two_band":
+        terms = [(p, weight_decay, False), (band.p_bot, band.weight_decay_bot, True)]
+    else:
+        terms = [(p, weight_decay, band.mode in ("bot", "bot_only"))]
+    return [(power, coefficient, capped) for power, coefficient, capped in terms if power > 1]
+
+
+def _guarded_scale(stack, p, scale, weight_decay, band, policy):
+    """The per-matrix spectral scale after the stability guard (SPEC 1.5), before any write.
+
+    The per-mode map ``s -> s - eta lambda s^p`` is monotone only while
+    ``kappa = eta lambda s_max^(p-1) < 1``. ``||W||_F`` bounds ``s_max`` for free; only when that
+    is not enough are the Gram-squaring bounds computed. The guard therefore never misses a
+    violation and can only be conservative by the bounds' ratio.
+    """
+    terms = _stability_terms(p, weight_decay, band)
+    if not terms or policy == "ignore":
+        return None
+
+    def worst_kappa(s_max):
+        kappas = [
+            scale * coefficient * (s_max.clamp(max=float(band.tau)) if capped else s_max) ** (power - 1)
+            for power, coefficient, capped in terms
+        ]
+        return torch.stack(kappas).amax(0)
+
+    work = stack.to(compute_dtype(stack.dtype))
+    if bool((worst_kappa(torch.linalg.matrix_norm(work)) < 1).all()):
+        return None
+    worst = worst_kappa(spectral_norm_bounds(work)[1])
+    violating = worst >= 1
+    if not bool(violating.any()):
+        return None
+    message = (
+        f"spectral decay with p={p} is unstable for {int(violating.sum())} of {violating.numel()} "
+        f"matrices: lr * coefficient * s_max^(p-1) reaches {float(worst.max()):.4g} >= 1, which would "
+        "push the largest singular values through zero and flip their sign. Lower the learning rate or "
+        "coefficient, or pass stability='clamp'."
+    )
+    if policy == "raise":
+        raise SpectralStabilityError(message)
+    if policy == "warn":
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        return None
+    factor = torch.where(violating, CLAMP_SHRINK / worst, torch.ones_like(worst))
+    return factor[..., None, None]
+
+
+@torch.no_grad()
+def spectral_decay_(
+    W,
+    p: int,
+    lr,
+    weight_decay,
+    *,
+    ordinary_weight_decay=0.0,
+    convention: str = "decoupled",
+    schedule=None,
+    band=None,
+    p0_mode: str = "explicit",
+    steps: int | None = None,
+    coefficients=None,
+    stability: str = "raise",
+):
+    """Decay ``W`` in place: ``W <- W - s * (weight_decay * S_p(W) + ordinary_weight_decay * W)``.
+
+    ``s`` is ``lr`` under ``convention="decoupled"`` (the decay follows the current learning rate,
+    as torch's AdamW) and ``schedule`` (``eta_t``, the lr divided by the peak lr) under
+    ``"independent"``. The direction comes from the weights before the update.
+
+    ``W`` is one tensor ``(..., m, n)`` or a list of them; same-shape tensors of a list are decayed
+    as one batch. Returns ``W``. ``band`` (a :class:`Band` or dict) makes the decay band-selective;
+    ``p0_mode="prox"`` replaces the explicit ``p = 0`` step by exact soft-thresholding. For
+    ``p > 1``, ``stability`` decides what happens if the step would flip the largest modes:
+    ``"raise"`` (:class:`SpectralStabilityError`, nothing written), ``"warn"``, ``"clamp"`` (shrink
+    those matrices' coefficient so the largest mode loses at most half) or ``"ignore"``.
+    """
+    tensors = _as_list(W)
+    for i, t in enumerate(tensors):
+        check_matrix(t, f"W[{i}]" if not isinstance(W, torch.Tensor) else "W")
+    check_same_device(tensors)
+    _check_distinct(tensors)
+    p = check_power(p)
+    check_coefficient(lr, "lr")
+    check_coefficient(weight_decay, "weight_decay")
+    check_coefficient(ordinary_weight_decay, "ordinary_weight_decay")
+    check_choice(convention, "convention", CONVENTIONS)
+    check_choice(p0_mode, "p0_mode", P0_MODES)
+    check_choice(stability, "stability", STABILITY_POLICIES)
+    if convention == "independent":
+        if schedule is None:
+            raise ValueError("convention='independent' needs schedule= (eta_t: the current lr / the peak lr)")
+        scale = check_coefficient(schedule, "schedule")
+    else:
+        scale = lr
+    band = Band.coerce(band)
+    if band is not None and p == 0 and p0_mode == "prox":
+        raise ValueError("p0_mode='prox' soft-thresholds the whole spectrum; it cannot be combined with band")
+    spec = None
+    if band is not None:
+        two_band = band.mode == "two_band"
+        check_coefficient(band.weight_decay_bot, "band.weight_decay_bot")
+        spec = band_spec(
+            band.tau,
+            band.mode,
+            p_bot=band.p_bot,
+            lambda_top=weight_decay if two_band else 1.0,
+            lambda_bot=band.weight_decay_bot if two_band else 1.0,
+        )
+    polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
+    sign_c = sign_coefficients(band.sign_steps if band else None, band.sign_method if band else "polar_express")
+    check_finite(tensors, "W")
+
+    groups = defaultdict(list)
+    for t in tensors:
+        if t.numel():
+            groups[(tuple(t.shape), t.dtype)].append(t)
+    spectral = scale if spec is not None and spec.mode == "two_band" else scale * weight_decay
+    plans = []
+    for group in groups.values():
+        stack = group[0] if len(group) == 1 else torch.stack(group)
+        clamp = _guarded_scale(stack, p, scale, weight_decay, band, stability)
+        request = DecayRequest(
+            p=p,
+            spectral_scale=spectral if clamp is None else spectral * clamp,
+            ordinary_scale=scale * ordinary_weight_decay,
+            band=spec,
+            p0_mode=p0_mode,
+            polar_coefficients=polar_c,
+            sign_coefficients=sign_c,
+        )
+        plans.append((group, stack, request))
+
+    for group, stack, request in plans:
+        dispatch.select("decay_", stack).decay_(stack, request)
+        if len(group) > 1:
+            for t, new in zip(group, stack.unbind(0)):
+                t.copy_(new)
+    return W

@@ -1,0 +1,224 @@
+"""The public spectral functions (SPEC 1.2-1.4): validation here, the math in the backends.
+
+Every function takes ``(..., m, n)`` tensors (CPU or CUDA; float64, float32, float16, bfloat16;
+any strides), runs without autograd and returns a new tensor of the input's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import dispatch
+from ._checks import (
+    check_choice,
+    check_coefficient,
+    check_finite,
+    check_matrix,
+    check_power,
+    check_steps,
+)
+from .backends.base import BandSpec
+from .backends.torch_backend import compute_dtype, svd_spectral_power
+from .backends.torch_backend import spectral_norm_bounds as _spectral_norm_bounds
+from .coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients, resolve_polar_coefficients
+
+SIGN_METHODS = ("newton_schulz", "polar_express")
+# Newton-Schulz's quintic converges only linearly near 1 (p'(1) = -3/5): 30 steps take a mode at
+# 1e-3 of ||A||_F to within ~1e-5 of its sign. Polar Express needs 8 for the same range.
+DEFAULT_SIGN_STEPS = {"newton_schulz": 30, "polar_express": 8}
+BAND_MODES = ("top", "bot", "top_only", "bot_only", "two_band")
+POWER_METHODS = ("auto", "gram", "svd")
+
+
+def _validated(W, name: str = "W") -> torch.Tensor:
+    check_matrix(W, name)
+    check_finite([W], name)
+    return W
+
+
+def sign_coefficients(steps=None, method: str = "newton_schulz") -> tuple:
+    """The per-step quintics of the matrix-sign iteration for ``method`` (SPEC 1.4)."""
+    check_choice(method, "method", SIGN_METHODS)
+    steps = check_steps(steps) or DEFAULT_SIGN_STEPS[method]
+    if method == "polar_express":
+        return polar_express_coefficients(steps)
+    return (NEWTON_SCHULZ_SIGN,) * steps
+
+
+@torch.no_grad()
+def polar(W: torch.Tensor, steps: int | None = None, coefficients=None) -> torch.Tensor:
+    """Polar Express approximation of ``U V^T`` (SPEC 1.3).
+
+    ``W`` is Frobenius-normalised (with margin 1.01) and iterated in its wide orientation.
+    ``steps`` defaults to 8. ``coefficients`` replaces Polar Express: one ``(a, b, c)`` triple
+    repeated ``steps`` times (e.g. ``coefficients.MUON_QUINTIC``) or a list of triples.
+    Singular values below ``1e-3 * ||W||_F`` are only partly lifted towards 1 (the design bound).
+    """
+    _validated(W)
+    polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
+    if W.numel() == 0:
+        return W.clone()
+    return dispatch.select("polar", W).polar(W, polar_c)
+
+
+@torch.no_grad()
+def msign(A: torch.Tensor, steps: int | None = None, method: str = "newton_schulz") -> torch.Tensor:
+    """Matrix sign ``Z diag(sign(xi)) Z^T`` of a symmetric ``A`` without an eigendecomposition.
+
+    ``method="newton_schulz"`` iterates ``Z (3I - 16/5 Z^2 + 6/5 Z^4)`` (default 30 steps);
+    ``"polar_express"`` uses the Polar Express quintics (default 8). Eigenvalues closer to zero
+    than ``~1e-3 ||A||_F`` are not fully resolved with the default steps.
+    """
+    _validated(A, "A")
+    if A.shape[-1] != A.shape[-2]:
+        raise ValueError(f"A must be square (..., r, r), got shape {tuple(A.shape)}")
+    coefficients = sign_coefficients(steps, method)
+    if A.numel() == 0:
+        return A.clone()
+    _check_symmetric(A)
+    return dispatch.select("msign", A).msign(A, coefficients)
+
+
+def _check_symmetric(A: torch.Tensor) -> None:
+    work = A.to(compute_dtype(A.dtype))
+    asymmetry = (work - work.mT).abs().amax()
+    allowed = 64 * torch.finfo(A.dtype).eps * work.abs().amax()
+    if asymmetry > allowed:
+        raise ValueError(
+            f"A must be symmetric: max |A - A^T| = {float(asymmetry):.3g} exceeds {float(allowed):.3g}"
+        )
+
+
+# Small sides for which the Gram route beat LAPACK's SVD (p = 2, float32) on the 2-core CPU this
+# package is tested on; in float64 and outside this range the SVD was as fast or faster. The
+# measurements are in the README ("Choosing a method").
+CPU_GRAM_SMALL_SIDES_FP32 = range(128, 513)
+
+
+def _auto_method(W: torch.Tensor, p: int) -> str:
+    """The faster accurate route for the device, dtype and shape.
+
+    On GPUs the Gram route always wins (it is a chain of matmuls); on CPUs only in float32 at
+    mid sizes, per the measured crossover above.
+    """
+    if p == 1 or W.device.type != "cpu":
+        return "gram"
+    small_side = min(W.shape[-2:])
+    if compute_dtype(W.dtype) == torch.float32 and small_side in CPU_GRAM_SMALL_SIDES_FP32:
+        return "gram"
+    return "svd"
+
+
+@torch.no_grad()
+def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int | None = None,
+                   coefficients=None) -> torch.Tensor:
+    """``S_p(W) = U diag(s^p) V^T`` for an integer ``p >= 0`` (SPEC 1.1-1.2).
+
+    ``method="gram"``: the SVD-free route (odd ``p``: ``W G^k``; even: ``Q G^k``; ``G`` the
+    smaller Gram, powers by repeated squaring, ``G`` shared with the first Polar Express step).
+    ``"svd"``: a thin SVD in the compute dtype. ``"auto"``: whichever is faster for the device
+    and shape. ``steps``/``coefficients`` configure the polar factor as in :func:`polar`.
+    """
+    _validated(W)
+    p = check_power(p)
+    check_choice(method, "method", POWER_METHODS)
+    polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
+    if W.numel() == 0:
+        return W.clone()
+    if method == "auto":
+        method = _auto_method(W, p)
+    if method == "svd":
+        return svd_spectral_power(W, p, compute_dtype(W.dtype)).to(W.dtype)
+    return dispatch.select("spectral_power", W).spectral_power(W, p, polar_c)
+
+
+def _check_tau(tau, name: str = "tau"):
+    return check_coefficient(tau, name, positive=True)
+
+
+@torch.no_grad()
+def band_projectors(W: torch.Tensor, tau, steps: int | None = None, method: str = "polar_express"):
+    """``(P_top, P_bot)``: projectors onto the singular directions with ``s > tau`` / ``s < tau``.
+
+    They live on the small side: ``n x n`` right projectors (``W @ P``) for ``m >= n``, ``m x m``
+    left projectors (``P @ W``) for ``m < n``. Built from ``msign(G - tau^2 I)`` with ``steps``
+    sign iterations of ``method``; accuracy depends on the gap of ``s^2`` around ``tau^2``.
+    """
+    _validated(W)
+    _check_tau(tau)
+    coefficients = sign_coefficients(steps, method)
+    if W.numel() == 0:
+        r = min(W.shape[-2:])
+        empty = W.new_zeros(*W.shape[:-2], r, r)
+        return empty, empty.clone()
+    return dispatch.select("band_projectors", W).band_projectors(W, tau, coefficients)
+
+
+def band_spec(tau, mode: str = "top", *, p_bot: int = 1, lambda_top=1.0, lambda_bot=1.0) -> BandSpec:
+    """Validate a band rule (shared by :func:`band_direction` and :func:`spectral_decay_`)."""
+    _check_tau(tau)
+    check_choice(mode, "mode", BAND_MODES)
+    return BandSpec(
+        tau=tau,
+        mode=mode,
+        p_bot=check_power(p_bot, "p_bot"),
+        lambda_top=check_coefficient(lambda_top, "lambda_top"),
+        lambda_bot=check_coefficient(lambda_bot, "lambda_bot"),
+    )
+
+
+@torch.no_grad()
+def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: int = 1,
+                   lambda_top=1.0, lambda_bot=1.0, steps: int | None = None,
+                   sign_steps: int | None = None, sign_method: str = "polar_express") -> torch.Tensor:
+    """A band-selective decay direction (SPEC 1.4), with ``P_top``/``P_bot`` split at ``tau``.
+
+    ========== ================================================
+    ``top``      ``S_p(W) P_top + W P_bot``
+    ``bot``      ``W P_top + S_p(W) P_bot``
+    ``top_only`` ``S_p(W) P_top``
+    ``bot_only`` ``S_p(W) P_bot``
+    ``two_band`` ``lambda_top S_p(W) P_top + lambda_bot S_{p_bot}(W) P_bot``
+    ========== ================================================
+    """
+    _validated(W)
+    p = check_power(p)
+    band = band_spec(tau, mode, p_bot=p_bot, lambda_top=lambda_top, lambda_bot=lambda_bot)
+    polar_c = resolve_polar_coefficients(check_steps(steps), None)
+    sign_c = sign_coefficients(sign_steps, sign_method)
+    if W.numel() == 0:
+        return W.clone()
+    return dispatch.select("band_direction", W).band_direction(W, p, band, polar_c, sign_c)
+
+
+@torch.no_grad()
+def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None = None,
+        sign_method: str = "polar_express") -> torch.Tensor:
+    """Singular-value soft-thresholding ``U (S - t)_+ V^T = (W - t Q) P_top(t)``, without an SVD.
+
+    Exact in exact arithmetic; numerically limited by the polar factor's design bound and by the
+    gap of the singular values around ``t`` (as for :func:`band_projectors`).
+    """
+    _validated(W)
+    check_coefficient(t, "t", positive=True)
+    polar_c = resolve_polar_coefficients(check_steps(steps), None)
+    sign_c = sign_coefficients(sign_steps, sign_method)
+    if W.numel() == 0:
+        return W.clone()
+    return dispatch.select("svt", W).svt(W, t, polar_c, sign_c)
+
+
+@torch.no_grad()
+def spectral_norm_bounds(W: torch.Tensor, squarings: int = 3):
+    """Per-matrix ``(lower, upper)`` bounds on the largest singular value, without an SVD.
+
+    From ``||G^(2^j)||_F`` after ``squarings`` squarings of the Gram; ``upper / lower`` is at most
+    ``r^(1 / 2^(squarings + 2))`` (1.3 for ``r = 4096`` with the default 3).
+    """
+    _validated(W)
+    if isinstance(squarings, bool) or not isinstance(squarings, int) or squarings < 0:
+        raise ValueError(f"squarings must be an integer >= 0, got {squarings!r}")
+    if W.numel() == 0:
+        zeros = W.new_zeros(W.shape[:-2], dtype=compute_dtype(W.dtype))
+        return zeros, zeros.clone()
+    return _spectral_norm_bounds(W, squarings)

@@ -1,0 +1,136 @@
+"""Bad input raises a precise error before anything is computed or written."""
+
+import math
+
+import pytest
+import torch
+
+import spectral_ops as so
+
+
+def good(seed=0):
+    return torch.randn(8, 6, generator=torch.Generator().manual_seed(seed))
+
+
+PUBLIC_OPS = {
+    "polar": lambda W: so.polar(W),
+    "spectral_power": lambda W: so.spectral_power(W, 2),
+    "band_projectors": lambda W: so.band_projectors(W, 1.0),
+    "band_direction": lambda W: so.band_direction(W, 1.0, 2),
+    "svt": lambda W: so.svt(W, 1.0),
+    "spectral_decay_": lambda W: so.spectral_decay_(W, 2, 0.1, 0.1),
+    "spectral_norm_bounds": lambda W: so.spectral_norm_bounds(W),
+}
+
+
+@pytest.mark.parametrize("op", PUBLIC_OPS)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.complex64, torch.bool])
+def test_integer_and_complex_dtypes(op, dtype):
+    with pytest.raises(TypeError, match="dtype"):
+        PUBLIC_OPS[op](torch.ones(4, 3, dtype=dtype))
+
+
+@pytest.mark.parametrize("op", PUBLIC_OPS)
+def test_fewer_than_two_dimensions(op):
+    with pytest.raises(ValueError, match="at least 2 dimensions"):
+        PUBLIC_OPS[op](torch.ones(5))
+
+
+@pytest.mark.parametrize("op", PUBLIC_OPS)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nan_and_inf(op, bad):
+    W = good()
+    W[3, 2] = bad
+    original = W.clone()
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        PUBLIC_OPS[op](W)
+    assert torch.equal(W.isnan(), original.isnan()) and torch.equal(W.nan_to_num(), original.nan_to_num())
+
+
+def test_not_a_tensor():
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        so.polar([[1.0, 2.0], [3.0, 4.0]])
+
+
+@pytest.mark.parametrize("p, error", [(-1, ValueError), (1.5, ValueError), (2.0, TypeError), (True, ValueError),
+                                      ("2", ValueError)])
+def test_invalid_power(p, error):
+    for call in (lambda: so.spectral_power(good(), p), lambda: so.spectral_decay_(good(), p, 0.1, 0.1)):
+        with pytest.raises(error, match="p"):
+            call()
+
+
+@pytest.mark.parametrize("steps", [0, -3, 2.5, True])
+def test_invalid_steps(steps):
+    with pytest.raises(ValueError, match="steps"):
+        so.polar(good(), steps=steps)
+    with pytest.raises(ValueError, match="steps"):
+        so.msign(torch.eye(3), steps=steps)
+    with pytest.raises(ValueError, match="steps"):
+        so.spectral_decay_(good(), 2, 0.1, 0.1, steps=steps)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr=-0.1), "lr"),
+        (dict(weight_decay=-1.0), "weight_decay"),
+        (dict(ordinary_weight_decay=-0.1), "ordinary_weight_decay"),
+        (dict(lr=math.nan), "lr"),
+        (dict(lr=torch.tensor([0.1, 0.2])), "lr"),
+        (dict(convention="coupled"), "convention"),
+        (dict(p0_mode="implicit"), "p0_mode"),
+        (dict(stability="maybe"), "stability"),
+        (dict(convention="independent", schedule=-1.0), "schedule"),
+        (dict(band={"tau": -1.0}), "tau"),
+        (dict(band={"tau": 1.0, "mode": "middle"}), "mode"),
+        (dict(band={"tau": 1.0, "mode": "two_band", "weight_decay_bot": -1.0}), "weight_decay_bot"),
+        (dict(coefficients=[(1.0, 2.0)]), "coefficients"),
+    ],
+)
+def test_bad_decay_arguments_leave_weights_bitwise_unchanged(kwargs, match):
+    W = good()
+    original = W.clone()
+    arguments = dict(p=2, lr=0.1, weight_decay=0.1)
+    arguments.update(kwargs)
+    with pytest.raises((ValueError, TypeError), match=match):
+        so.spectral_decay_(W, **arguments)
+    assert torch.equal(W, original)
+
+
+def test_a_bad_tensor_in_a_list_leaves_every_weight_unchanged():
+    tensors = [good(0), good(1), good(2)]
+    tensors[2][0, 0] = math.nan
+    originals = [t.clone() for t in tensors]
+    with pytest.raises(ValueError, match=r"W\[2\] contains NaN or Inf"):
+        so.spectral_decay_(tensors, 2, 0.1, 0.1)
+    for t, original in zip(tensors[:2], originals):
+        assert torch.equal(t, original)
+
+
+def test_tensors_on_different_devices():
+    with pytest.raises(ValueError, match="one device"):
+        so.spectral_decay_([good(), torch.zeros(8, 6, device="meta")], 2, 0.1, 0.1)
+
+
+def test_the_same_weight_twice():
+    W = good()
+    with pytest.raises(ValueError, match="share memory"):
+        so.spectral_decay_([W, W], 2, 0.1, 0.1)
+
+
+@pytest.mark.parametrize("tau", [0.0, -1.0, math.inf])
+def test_invalid_threshold(tau):
+    with pytest.raises(ValueError, match="tau"):
+        so.band_projectors(good(), tau)
+    with pytest.raises(ValueError, match="t "):
+        so.svt(good(), tau)
+
+
+def test_invalid_method_names():
+    with pytest.raises(ValueError, match="method"):
+        so.spectral_power(good(), 2, method="eig")
+    with pytest.raises(ValueError, match="method"):
+        so.msign(torch.eye(3), method="halley")
+    with pytest.raises(ValueError, match="mode"):
+        so.band_direction(good(), 1.0, 2, mode="middle")

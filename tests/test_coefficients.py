@@ -1,0 +1,122 @@
+"""The Polar Express construction (SPEC 1.3) is tested by its defining properties, not by values."""
+
+import math
+
+import numpy as np
+import pytest
+
+from spectral_ops.coefficients import (
+    CUSHION,
+    MUON_QUINTIC,
+    minimax_quintic,
+    odd_quintic,
+    polar_express_coefficients,
+    resolve_polar_coefficients,
+)
+
+
+def composed(coefficients, x):
+    for step in coefficients:
+        x = odd_quintic(step, x)
+    return x
+
+
+def unsafe_steps(steps=8, lower=1e-3):
+    """The designed polynomials before the safety rescaling (safety = 1 leaves them untouched)."""
+    return polar_express_coefficients(steps, lower, safety=1.0)
+
+
+def design_intervals(steps=8, lower=1e-3):
+    """The ``[l, u]`` each greedy step was designed for, replayed from the construction rule."""
+    lo, hi, intervals = lower, 1.0, []
+    for step in unsafe_steps(steps, lower):
+        intervals.append((lo, hi))
+        lo = odd_quintic(step, lo)
+        hi = 2.0 - lo
+    return intervals
+
+
+@pytest.mark.parametrize("lo, hi", [(1e-3, 1.0), (0.05, 1.0), (0.3, 0.9), (0.7, 1.3)])
+def test_minimax_quintic_equioscillates(lo, hi):
+    (a, b, c), error, points = minimax_quintic(lo, hi)
+    values = odd_quintic((a, b, c), np.array(points))
+    # p = 1-E, 1+E, 1-E, 1+E at the four alternation points ...
+    np.testing.assert_allclose(values - 1.0, [-error, error, -error, error], atol=1e-13)
+    # ... the interior ones are critical points ...
+    derivative = a + 3 * b * np.array(points[1:3]) ** 2 + 5 * c * np.array(points[1:3]) ** 4
+    np.testing.assert_allclose(derivative, 0.0, atol=1e-10)
+    # ... and no point of the interval deviates more (the equioscillation theorem's optimum).
+    grid = np.linspace(lo, hi, 100_001)
+    assert np.abs(1.0 - odd_quintic((a, b, c), grid)).max() <= error * (1 + 1e-9)
+
+
+def test_each_greedy_step_is_minimax_on_its_cushioned_interval():
+    for (lo, hi), step in zip(design_intervals(), unsafe_steps()):
+        design_lo = max(lo, CUSHION * hi)
+        optimum, error, _ = minimax_quintic(design_lo, hi)
+        if design_lo > lo:  # re-centred: a rescaled optimum with p(l) + p(u) = 2
+            scale = step[0] / optimum[0]
+            np.testing.assert_allclose(step, [scale * k for k in optimum], rtol=1e-12)
+            assert odd_quintic(step, lo) + odd_quintic(step, hi) == pytest.approx(2.0, abs=1e-12)
+        elif error > 0:
+            np.testing.assert_allclose(step, optimum, rtol=1e-12)
+
+
+def test_default_steps_map_design_range_to_one():
+    x = np.geomspace(1e-3, 1.0, 200_001)
+    assert np.abs(composed(polar_express_coefficients(), x) - 1.0).max() < 1e-12
+
+
+def test_safety_applies_to_all_steps_but_the_last():
+    safe, unsafe = polar_express_coefficients(), unsafe_steps()
+    for (a, b, c), (ua, ub, uc) in zip(safe[:-1], unsafe[:-1]):
+        np.testing.assert_allclose([a, b, c], [ua / 1.01, ub / 1.01**3, uc / 1.01**5], rtol=1e-15)
+    assert safe[-1] == unsafe[-1]
+
+
+def test_modes_below_the_design_bound_are_only_partly_lifted():
+    lifted = composed(polar_express_coefficients(), np.array([1e-5, 1e-4]))
+    assert np.all(lifted < 0.9), "below the design bound the polar factor is inaccurate by design"
+
+
+def test_collapsed_interval_uses_the_rescaled_classical_quintic():
+    u = 1.2
+    (a, b, c), error, _ = minimax_quintic(u * (1 - 1e-7), u)
+    assert error == 0.0
+    np.testing.assert_allclose([a * u, b * u**3, c * u**5], [15 / 8, -10 / 8, 3 / 8])
+    assert odd_quintic((a, b, c), u) == pytest.approx(1.0)
+    # Enough steps collapse the interval, so the construction reaches that branch by itself.
+    last = polar_express_coefficients(12)[-1]
+    assert last[0] * 8 / 15 == pytest.approx(last[2] * 8 / 3, rel=1e-6)
+
+
+def test_muon_quintic_does_not_converge():
+    x = np.geomspace(1e-3, 1.0, 1001)
+    y = composed([MUON_QUINTIC] * 10, x)
+    assert np.abs(y - 1.0).max() > 0.1
+
+
+def test_coefficients_are_cached_and_immutable():
+    assert polar_express_coefficients() is polar_express_coefficients(8, 1e-3, 1.01)
+    assert isinstance(polar_express_coefficients()[0], tuple)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(steps=0), dict(steps=2.5), dict(lower=0.0), dict(lower=1.5), dict(safety=0.9)]
+)
+def test_bad_construction_arguments(kwargs):
+    with pytest.raises(ValueError):
+        polar_express_coefficients(**kwargs)
+
+
+def test_resolve_coefficients():
+    assert resolve_polar_coefficients(None, None) == polar_express_coefficients(8)
+    assert resolve_polar_coefficients(5, MUON_QUINTIC) == (MUON_QUINTIC,) * 5
+    explicit = [(2.0, -1.5, 0.5)] * 3
+    assert len(resolve_polar_coefficients(None, explicit)) == 3
+    with pytest.raises(ValueError, match="does not match"):
+        resolve_polar_coefficients(4, explicit)
+    with pytest.raises(ValueError, match="triple"):
+        resolve_polar_coefficients(None, [(1.0, 2.0)])
+    with pytest.raises(ValueError, match="finite"):
+        resolve_polar_coefficients(None, (math.nan, 1.0, 1.0))

@@ -1,0 +1,247 @@
+"""The SVD-free ops against the FP64 SVD oracle (SPEC 1.2-1.4).
+
+Tolerances: the Gram route is a chain of at most ~30 matmuls (8 Polar Express steps of three
+products, the Gram powers, the last product), each adding ~sqrt(k) * u relative error for inner
+size k <= 128, and the Polar Express map itself is within 1e-14 of 1 on its design range. That
+gives ~30 * 11 * u: about 4e-14 in float64 and 4e-5 in float32, rounded up to 1e-12 and 5e-5.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import spectral_ops as so
+from spectral_ops import reference
+from spectral_ops.coefficients import odd_quintic, polar_express_coefficients
+from spectral_ops.testing import log_spaced_spectrum, matrix_with_spectrum, relative_error
+
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 5e-5}
+SHAPES = [(24, 24), (40, 16), (16, 40), (3, 20, 12), (2, 2, 12, 20)]
+
+
+def polar_express_map(x):
+    """The scalar map the 8 default Polar Express steps apply to a normalised singular value."""
+    for step in polar_express_coefficients():
+        x = odd_quintic(step, x)
+    return x
+
+
+def predicted_spectral_power(W, p):
+    """What the Gram route computes in exact arithmetic: ``U diag(s^p phi(s / 1.01||W||_F)) V^T``.
+
+    ``phi`` is the Polar Express map for even ``p`` and 1 for odd ``p`` (no polar factor involved).
+    """
+    U, s, Vh = torch.linalg.svd(W.double(), full_matrices=False)
+    x = (s / (1.01 * torch.linalg.vector_norm(W.double(), dim=(-2, -1), keepdim=True)[..., 0])).numpy()
+    factor = torch.from_numpy(polar_express_map(x) / np.where(x > 0, x, 1.0) * x if p % 2 == 0 else np.ones_like(x))
+    weights = s**p * factor if p > 0 else factor
+    return (U * weights[..., None, :]) @ Vh
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("p", range(7))
+def test_spectral_power_matches_svd_within_design_range(p, shape, dtype):
+    # Condition 100 keeps every mode above the design bound (s_min / (1.01 ||W||_F) > 1e-3).
+    W = matrix_with_spectrum(shape, log_spaced_spectrum(min(shape[-2:]), 100), dtype, seed=p)
+    result = so.spectral_power(W, p, method="gram")
+    assert result.dtype == dtype and result.shape == W.shape
+    assert relative_error(result, reference.spectral_power_svd(W, p)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("condition", [10.0, 1e3, 1e5])
+@pytest.mark.parametrize("p", [0, 2, 4])
+def test_gram_route_is_the_polar_express_map_at_any_condition(p, condition):
+    """Even at condition 1e5 the result is exactly the scalar map applied mode by mode."""
+    W = matrix_with_spectrum((48, 32), log_spaced_spectrum(32, condition), torch.float64, seed=7)
+    assert relative_error(so.spectral_power(W, p, method="gram"), predicted_spectral_power(W, p)) < 1e-12
+
+
+def test_polar_lifts_modes_below_the_design_bound_only_partly():
+    """The documented limit: modes far below 1e-3 ||W||_F are only partly lifted towards 1."""
+    s = log_spaced_spectrum(32, 1e6)
+    W = matrix_with_spectrum((48, 32), s, torch.float64, seed=3)
+    U, _, Vh = torch.linalg.svd(W, full_matrices=False)
+    per_mode = torch.diagonal(U.mT @ so.polar(W) @ Vh.mT)
+    x = s / (1.01 * torch.linalg.matrix_norm(W))
+    assert (per_mode[x < 1e-4] < 0.9).all()
+    assert torch.allclose(per_mode[x >= 1e-3], torch.ones(int((x >= 1e-3).sum()), dtype=torch.float64), atol=1e-10)
+
+
+@pytest.mark.parametrize("p", [0, 2, 4])
+def test_error_below_the_design_bound_is_bounded_by_the_share_of_those_modes(p):
+    # Weighted by s^p, the damage shrinks fast with p: the SVD error stays below the s^p share
+    # of the modes under the bound, each of which is off by at most 1.
+    s = log_spaced_spectrum(32, 1e6)
+    W = matrix_with_spectrum((48, 32), s, torch.float64, seed=3)
+    below = s / (1.01 * torch.linalg.matrix_norm(W)) < 1e-3
+    share = float(torch.linalg.vector_norm(s[below] ** p) / torch.linalg.vector_norm(s**p))
+    error = relative_error(so.spectral_power(W, p, method="gram"), reference.spectral_power_svd(W, p))
+    assert error <= share + 1e-12
+    assert (error > 1e-3) == (p == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("p", [0, 1, 2, 3])
+def test_rank_deficient_zero_modes_contribute_nothing(p, dtype):
+    rank = 5
+    generator = torch.Generator().manual_seed(p)
+    W = (torch.randn(30, rank, generator=generator, dtype=torch.float64)
+         @ torch.randn(rank, 20, generator=generator, dtype=torch.float64)).to(dtype)
+    result = so.spectral_power(W, p, method="gram").double()
+    U, s, Vh = torch.linalg.svd(W.double(), full_matrices=False)
+    # Rounding W to the dtype leaves "zero" modes of size ~u ||W||. Polar Express multiplies such
+    # a mode by at most the product of the 8 linear coefficients (~6.4e3) when p = 0; for p > 0
+    # it is weighted by s^p instead, i.e. vanishes.
+    growth = float(np.prod([a for a, _, _ in polar_express_coefficients()]))
+    allowed = 10 * growth * torch.finfo(dtype).eps
+    assert float((result @ Vh[rank:].mT).norm() / result.norm()) < allowed
+    expected = (U[:, :rank] * reference.power_weights(s[:rank], p, 30)) @ Vh[:rank]
+    assert relative_error(result, expected) < allowed
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("p", [0, 1, 2, 3])
+def test_low_precision_computes_in_float32_and_rounds_once(p, dtype):
+    # fp32 math, then one rounding of the output: error ~ the dtype's half-ulp.
+    W = matrix_with_spectrum((2, 24, 16), log_spaced_spectrum(16, 10), dtype, seed=11)
+    result = so.spectral_power(W, p, method="gram")
+    assert result.dtype == dtype
+    assert relative_error(result, reference.spectral_power_svd(W, p)) < torch.finfo(dtype).eps
+
+
+@pytest.mark.parametrize("method", ["svd", "auto"])
+@pytest.mark.parametrize("p", [0, 2, 5])
+def test_other_methods(method, p):
+    W = matrix_with_spectrum((20, 12), log_spaced_spectrum(12, 100), torch.float32, seed=1)
+    assert relative_error(so.spectral_power(W, p, method=method), reference.spectral_power_svd(W, p)) < 5e-5
+
+
+def test_non_contiguous_inputs():
+    base = matrix_with_spectrum((32, 20), log_spaced_spectrum(20, 10), torch.float64, seed=5)
+    transposed = base.mT  # a view: 20 x 32, strides (1, 20)
+    assert relative_error(so.spectral_power(transposed, 2, method="gram"),
+                          reference.spectral_power_svd(transposed, 2)) < 1e-12
+    sliced = base[::2]
+    assert relative_error(so.polar(sliced), reference.polar_svd(sliced)) < 1e-12
+
+
+def test_zero_and_empty_matrices():
+    for p in range(4):
+        zero = torch.zeros(3, 5, 4)
+        assert torch.equal(so.spectral_power(zero, p, method="gram"), zero)
+    empty = torch.zeros(0, 5, 4)
+    assert so.spectral_power(empty, 2).shape == empty.shape
+    assert so.polar(torch.zeros(5, 0)).shape == (5, 0)
+
+
+def test_polar_is_orthogonal_and_matches_svd():
+    W = matrix_with_spectrum((3, 50, 20), log_spaced_spectrum(20, 100), torch.float32, seed=2)
+    Q = so.polar(W)
+    identity = torch.eye(20).expand(3, 20, 20)
+    assert torch.allclose(Q.mT @ Q, identity, atol=1e-5)
+    assert relative_error(Q, reference.polar_svd(W)) < TOLERANCE[torch.float32]
+
+
+def test_polar_with_muon_coefficients_stays_coarse():
+    W = matrix_with_spectrum((40, 40), log_spaced_spectrum(40, 100), torch.float64, seed=2)
+    coarse = so.polar(W, steps=5, coefficients=so.MUON_QUINTIC)
+    singular_values = torch.linalg.svdvals(coarse)
+    assert (singular_values - 1).abs().max() > 0.05  # Muon's quintic never converges to 1
+
+
+def eigen_gapped_symmetric(r, gap, seed):
+    """Symmetric matrix whose eigenvalues avoid (-gap, gap) relative to its Frobenius norm."""
+    generator = torch.Generator().manual_seed(seed)
+    Z, _ = torch.linalg.qr(torch.randn(r, r, generator=generator, dtype=torch.float64))
+    magnitudes = torch.logspace(0, np.log10(gap), r, dtype=torch.float64)
+    signs = torch.where(torch.arange(r) % 3 == 0, -1.0, 1.0).double()
+    xi = magnitudes * signs
+    A = (Z * xi) @ Z.mT
+    return A / torch.linalg.matrix_norm(A)
+
+
+def sign_residual(coefficients, magnitudes):
+    """Worst ``|1 - f(x)|`` of the composed scalar sign map over the eigenvalue magnitudes."""
+    x = np.asarray(magnitudes, dtype=np.float64)
+    for step in coefficients:
+        x = odd_quintic(step, x)
+    return float(np.abs(1.0 - x).max())
+
+
+@pytest.mark.parametrize("method, steps", [("newton_schulz", None), ("polar_express", None), ("polar_express", 10)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_msign_against_eigh(method, steps, dtype):
+    # Eigenvalues down to 1e-2 ||A||_F. The iteration's own residual there is the scalar map's
+    # (Newton-Schulz converges only linearly, 0.6 per step, so it is ~1e-7 after 30 steps);
+    # round-off adds ~30 steps x 3 products x u.
+    A = eigen_gapped_symmetric(24, 1e-2, seed=4).to(dtype)
+    result = so.msign(A, steps=steps, method=method)
+    coefficients = so.ops.sign_coefficients(steps, method)
+    magnitudes = torch.linalg.eigvalsh(A.double()).abs() / torch.linalg.matrix_norm(A.double())
+    allowed = sign_residual(coefficients, magnitudes.numpy()) + 1000 * torch.finfo(dtype).eps
+    assert relative_error(result, reference.msign_eigh(A)) < allowed
+
+
+def test_msign_rejects_non_square_and_non_symmetric():
+    with pytest.raises(ValueError, match="square"):
+        so.msign(torch.randn(4, 5))
+    with pytest.raises(ValueError, match="symmetric"):
+        so.msign(torch.randn(5, 5))
+
+
+def gapped_matrix(shape, tau, dtype=torch.float64, seed=0):
+    """Singular values split into two clusters, [0.3, 0.7] tau and [1.4, 3] tau."""
+    r = min(shape[-2:])
+    low = torch.linspace(0.3, 0.7, r // 2, dtype=torch.float64)
+    high = torch.linspace(1.4, 3.0, r - r // 2, dtype=torch.float64)
+    return matrix_with_spectrum(shape, torch.cat([high, low]) * tau, dtype, seed=seed)
+
+
+@pytest.mark.parametrize("shape", [(30, 12), (12, 30), (2, 16, 16)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_band_projectors(shape, dtype):
+    tau = 1.5
+    W = gapped_matrix(shape, tau, dtype)
+    P_top, P_bot = so.band_projectors(W, tau)
+    r = min(shape[-2:])
+    assert P_top.shape == (*shape[:-2], r, r)
+    tolerance = 1e-10 if dtype == torch.float64 else 1e-4
+    expected_top, expected_bot = reference.band_projectors_svd(W, tau)
+    assert relative_error(P_top, expected_top) < tolerance
+    assert relative_error(P_bot, expected_bot) < tolerance
+    identity = torch.eye(r, dtype=dtype)
+    assert torch.allclose(P_top + P_bot, identity.expand_as(P_top), atol=10 * torch.finfo(dtype).eps)
+    for P in (P_top, P_bot):
+        assert relative_error(P @ P, P) < tolerance  # near-idempotent
+
+
+@pytest.mark.parametrize("mode", ["top", "bot", "top_only", "bot_only", "two_band"])
+@pytest.mark.parametrize("shape", [(30, 12), (12, 30)], ids=str)
+def test_band_direction(mode, shape):
+    tau = 0.8
+    W = gapped_matrix(shape, tau, seed=1)
+    result = so.band_direction(W, tau, 2, mode, p_bot=0, lambda_top=0.5, lambda_bot=2.0)
+    expected = reference.band_direction_svd(W, tau, 2, mode, p_bot=0, lambda_top=0.5, lambda_bot=2.0)
+    assert relative_error(result, expected) < 1e-10
+
+
+def test_two_band_with_p_one_and_equal_coefficients_is_ordinary_decay():
+    W = gapped_matrix((20, 14), 1.0, seed=2)
+    result = so.band_direction(W, 1.0, 1, "two_band", p_bot=1, lambda_top=0.3, lambda_bot=0.3)
+    assert relative_error(result, 0.3 * W) < 1e-12
+
+
+@pytest.mark.parametrize("shape", [(30, 12), (12, 30), (3, 16, 16)], ids=str)
+def test_svt_equals_svd_soft_threshold(shape):
+    t = 1.0
+    W = gapped_matrix(shape, t, seed=3)
+    assert relative_error(so.svt(W, t), reference.svt_svd(W, t)) < 1e-10
+
+
+def test_spectral_norm_bounds_bracket_the_largest_singular_value():
+    W = matrix_with_spectrum((4, 64, 48), log_spaced_spectrum(48, 30) * 3.0, torch.float64, seed=9)
+    lower, upper = so.spectral_norm_bounds(W)
+    s_max = torch.linalg.matrix_norm(W, 2)
+    assert (lower <= s_max * (1 + 1e-12)).all() and (s_max <= upper * (1 + 1e-12)).all()
+    assert (upper / lower <= 48 ** (1 / 32) * (1 + 1e-12)).all()
