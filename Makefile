@@ -1,0 +1,28 @@
+# Two entry points: `make demo` (set up, then run the main job) and `make test` (set up, then run
+# the test suite). Both create .venv on first use and reinstall when the build files change.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# Where nvcc exists, the CUDA extension must build: a compile error fails `make test` (and CI).
+NVCC := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+export SPECTRAL_OPS_REQUIRE_CUDA ?= $(if $(NVCC),1,0)
+
+.PHONY: demo test clean
+
+$(STAMP): requirements-test.txt pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -r requirements-test.txt
+	$(PY) -m pip install --quiet --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m spectral_ops
+	$(PY) -m spectral_ops.demo
+
+test: $(STAMP)
+	$(PY) -m pytest tests -q
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info spectral_ops/_C*.so spectral_ops/_build_info.json

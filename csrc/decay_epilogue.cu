@@ -1,0 +1,288 @@
+// The in-place decay epilogue W <- alpha * W + beta * D; the contract is in ops.h.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "common.h"
+#include "ops.h"
+
+namespace spectral_ops {
+namespace {
+
+constexpr const char* kOp = "decay_epilogue_";
+constexpr int kThreads = 256;
+// Far more resident blocks than any GPU has; bigger tensors are walked grid-stride.
+constexpr int64_t kMaxBlocks = int64_t{1} << 16;
+
+struct Dim {
+  int64_t size;
+  int64_t stride;
+};
+
+// W's dims, innermost first. Kernels index it only through unrolled constants, so it stays in the
+// parameter bank instead of being copied to local memory.
+struct StridedLayout {
+  int ndim;
+  int64_t sizes[kMaxDims];
+  int64_t strides[kMaxDims];
+};
+
+// fp64 weights keep fp64 math: rounding them through fp32 would destroy what fp64 is for.
+template <typename W>
+using Math = std::conditional_t<std::is_same_v<W, double>, double, float>;
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
+  T v[N];
+};
+
+// 16-byte accesses to W; D (possibly fp32 under an fp16 W) follows W's element count.
+template <typename W>
+constexpr int kVec = 16 / static_cast<int>(sizeof(W));
+
+__device__ __forceinline__ float to_math(float v) { return v; }
+__device__ __forceinline__ double to_math(double v) { return v; }
+__device__ __forceinline__ float to_math(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_math(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename W>
+__device__ __forceinline__ W round_nearest(Math<W> v);
+template <>
+__device__ __forceinline__ float round_nearest<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ double round_nearest<double>(double v) { return v; }
+template <>
+__device__ __forceinline__ __half round_nearest<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 round_nearest<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// Stochastic rounding: round away from zero with probability (|v| - |toward-zero neighbour|) / gap,
+// so the stored value is unbiased. `bits` is uniform over 32 bits.
+template <typename W>
+__device__ __forceinline__ W round_stochastic(float v, uint32_t bits);
+
+template <>
+__device__ __forceinline__ __nv_bfloat16 round_stochastic<__nv_bfloat16>(float v, uint32_t bits) {
+  uint32_t u = __float_as_uint(v);
+  // Noise in the low bits of a NaN could carry it into an infinity.
+  if ((u & 0x7f800000u) == 0x7f800000u) return __float2bfloat16_rn(v);
+  // bfloat16 is float32 without the low 16 bits: add 16 noise bits there and let the carry decide.
+  u += bits >> 16;
+  return __ushort_as_bfloat16(static_cast<unsigned short>(u >> 16));
+}
+
+template <>
+__device__ __forceinline__ __half round_stochastic<__half>(float v, uint32_t bits) {
+  // Beyond the largest half (and for Inf/NaN) round-to-nearest decides whether to overflow.
+  if (!(fabsf(v) <= 65504.0f)) return __float2half_rn(v);
+  const __half toward_zero = __float2half_rz(v);
+  const float low = __half2float(toward_zero);
+  // Exact: v and low share sign and exponent range (Sterbenz), or low is 0.
+  const float residual = fabsf(v - low);
+  if (residual == 0.0f) return toward_zero;
+  const __half away = __ushort_as_half(static_cast<unsigned short>(__half_as_ushort(toward_zero) + 1));
+  const float gap = fabsf(__half2float(away) - low);
+  const float uniform = static_cast<float>(bits >> 8) * 0x1p-24f;
+  return uniform * gap < residual ? away : toward_zero;
+}
+
+__host__ __device__ __forceinline__ uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Counter-based (splitmix64 keyed by the mixed seed): the bits of element i depend on
+// (seed, offset + i) only, never on the launch configuration or on W's strides.
+__device__ __forceinline__ uint32_t random_bits(uint64_t key, uint64_t counter) {
+  return static_cast<uint32_t>(mix64(key + counter * 0x9e3779b97f4a7c15ull) >> 32);
+}
+
+template <typename W, typename D, bool kStochastic>
+__device__ __forceinline__ W decay_element(W w, D d, Math<W> alpha, Math<W> beta, uint64_t key, uint64_t counter) {
+  const Math<W> v = fma(beta, static_cast<Math<W>>(to_math(d)), alpha * to_math(w));
+  if constexpr (kStochastic) {
+    return round_stochastic<W>(v, random_bits(key, counter));
+  } else {
+    return round_nearest<W>(v);
+  }
+}
+
+template <typename W, typename D, bool kStochastic>
+__global__ void __launch_bounds__(kThreads)
+    decay_contiguous_kernel(W* w, const D* d, int64_t n, Math<W> alpha, Math<W> beta, uint64_t key, uint64_t offset) {
+  constexpr int vec = kVec<W>;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t n_packs = n / vec;
+  for (int64_t p = first; p < n_packs; p += step) {
+    Pack<W, vec> wp = reinterpret_cast<const Pack<W, vec>*>(w)[p];
+    const Pack<D, vec> dp = reinterpret_cast<const Pack<D, vec>*>(d)[p];
+#pragma unroll
+    for (int j = 0; j < vec; ++j) {
+      wp.v[j] = decay_element<W, D, kStochastic>(wp.v[j], dp.v[j], alpha, beta, key, offset + p * vec + j);
+    }
+    reinterpret_cast<Pack<W, vec>*>(w)[p] = wp;
+  }
+  // Fewer than `vec` elements are left after the last whole pack.
+  const int64_t i = n_packs * vec + first;
+  if (i < n) w[i] = decay_element<W, D, kStochastic>(w[i], d[i], alpha, beta, key, offset + i);
+}
+
+template <typename W, typename D, bool kStochastic>
+__global__ void __launch_bounds__(kThreads) decay_strided_kernel(W* w, const D* d, int64_t n, StridedLayout layout,
+                                                                 Math<W> alpha, Math<W> beta, uint64_t key,
+                                                                 uint64_t offset) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = first; i < n; i += step) {
+    int64_t rest = i;
+    int64_t w_offset = 0;
+#pragma unroll
+    for (int k = 0; k < kMaxDims; ++k) {
+      if (k < layout.ndim) {
+        w_offset += (rest % layout.sizes[k]) * layout.strides[k];
+        rest /= layout.sizes[k];
+      }
+    }
+    w[w_offset] = decay_element<W, D, kStochastic>(w[w_offset], d[i], alpha, beta, key, offset + i);
+  }
+}
+
+int blocks_for(int64_t items) {
+  return static_cast<int>(std::clamp<int64_t>((items + kThreads - 1) / kThreads, 1, kMaxBlocks));
+}
+
+// W's dims of size > 1, outermost first, with neighbours merged where W's memory runs on from one
+// into the other. Merging keeps the row-major element order that D (contiguous) is indexed by.
+std::vector<Dim> merged_dims(const TensorDesc& t) {
+  std::vector<Dim> dims;
+  for (int i = 0; i < t.ndim(); ++i) {
+    if (t.shape[i] == 1) continue;
+    if (!dims.empty() && dims.back().stride == t.strides[i] * t.shape[i]) {
+      dims.back() = {dims.back().size * t.shape[i], t.strides[i]};
+    } else {
+      dims.push_back({t.shape[i], t.strides[i]});
+    }
+  }
+  return dims;
+}
+
+// In place, two elements sharing memory would race. Sufficient test: ordered by stride, each dim
+// must step past everything the smaller dims reach.
+void check_no_overlap(const TensorDesc& w, std::vector<Dim> dims) {
+  std::sort(dims.begin(), dims.end(), [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
+  int64_t extent = 1;
+  for (const Dim& dim : dims) {
+    if (dim.stride < extent) {
+      throw std::invalid_argument(w.describe() + ": elements overlap in memory, so it cannot be updated in place");
+    }
+    extent += (dim.size - 1) * dim.stride;
+  }
+}
+
+void check_contiguous(const TensorDesc& t) {
+  int64_t expected = 1;
+  for (int i = t.ndim() - 1; i >= 0; --i) {
+    if (t.shape[i] != 1 && t.strides[i] != expected) {
+      throw std::invalid_argument(t.describe() + ": must be contiguous");
+    }
+    expected *= t.shape[i];
+  }
+}
+
+template <typename W, typename D, bool kStochastic>
+void launch(const TensorDesc& w, const TensorDesc& d, const std::vector<Dim>& dims, double alpha, double beta,
+            uint64_t key, uint64_t offset, cudaStream_t stream) {
+  const int64_t n = w.numel();
+  const Math<W> a = static_cast<Math<W>>(alpha);
+  const Math<W> b = static_cast<Math<W>>(beta);
+  const bool contiguous = dims.empty() || (dims.size() == 1 && dims[0].stride == 1);
+  const bool aligned = w.data % alignof(Pack<W, kVec<W>>) == 0 && d.data % alignof(Pack<D, kVec<W>>) == 0;
+  if (contiguous && aligned) {
+    decay_contiguous_kernel<W, D, kStochastic><<<blocks_for(n / kVec<W>), kThreads, 0, stream>>>(
+        w.ptr<W>(), d.ptr<const D>(), n, a, b, key, offset);
+  } else {
+    StridedLayout layout{};
+    layout.ndim = static_cast<int>(dims.size());
+    for (int k = 0; k < layout.ndim; ++k) {
+      layout.sizes[k] = dims[dims.size() - 1 - k].size;
+      layout.strides[k] = dims[dims.size() - 1 - k].stride;
+    }
+    decay_strided_kernel<W, D, kStochastic><<<blocks_for(n), kThreads, 0, stream>>>(
+        w.ptr<W>(), d.ptr<const D>(), n, layout, a, b, key, offset);
+  }
+}
+
+template <typename W, typename D>
+void launch_rounding(bool stochastic_rounding, const TensorDesc& w, const TensorDesc& d, const std::vector<Dim>& dims,
+                     double alpha, double beta, uint64_t key, uint64_t offset, cudaStream_t stream) {
+  if constexpr (std::is_same_v<W, __half> || std::is_same_v<W, __nv_bfloat16>) {
+    if (stochastic_rounding) return launch<W, D, true>(w, d, dims, alpha, beta, key, offset, stream);
+  }
+  launch<W, D, false>(w, d, dims, alpha, beta, key, offset, stream);
+}
+
+template <typename W>
+void launch_typed(bool stochastic_rounding, const TensorDesc& w, const TensorDesc& d, const std::vector<Dim>& dims,
+                  double alpha, double beta, uint64_t key, uint64_t offset, cudaStream_t stream) {
+  if (d.dtype == DType::kFloat32) {
+    launch_rounding<W, float>(stochastic_rounding, w, d, dims, alpha, beta, key, offset, stream);
+  } else {
+    launch_rounding<W, W>(stochastic_rounding, w, d, dims, alpha, beta, key, offset, stream);
+  }
+}
+
+}  // namespace
+
+void decay_epilogue_(const TensorDesc& w, const TensorDesc& d, double alpha, double beta, bool stochastic_rounding,
+                     uint64_t seed, uint64_t offset, cudaStream_t stream) {
+  if (d.dtype != DType::kFloat32 && d.dtype != w.dtype) {
+    throw TypeError(std::string("d: dtype ") + dtype_name(d.dtype) + " must be float32 or w's dtype (" +
+                    dtype_name(w.dtype) + ")");
+  }
+  if (w.shape != d.shape) {
+    throw std::invalid_argument("shape mismatch: w has shape " + format_dims(w.shape) + " but d has shape " +
+                                format_dims(d.shape));
+  }
+  if (w.device != d.device) {
+    throw std::invalid_argument("device mismatch: w is on " + format_device(w.device) + " but d is on " +
+                                format_device(d.device));
+  }
+  const std::vector<Dim> dims = merged_dims(w);
+  // An empty tensor has no elements to overlap or to order.
+  if (w.numel() > 0) {
+    check_no_overlap(w, dims);
+    check_contiguous(d);
+    if (dims.size() > static_cast<size_t>(kMaxDims)) {
+      throw std::invalid_argument(w.describe() + ": its layout has " + std::to_string(dims.size()) +
+                                  " dims that cannot be merged; at most " + std::to_string(kMaxDims) +
+                                  " are supported");
+    }
+  }
+
+  require_device(kOp, w.device);
+  if (w.numel() == 0) return;
+  DeviceGuard guard(kOp, w.device);
+  const uint64_t key = mix64(seed);
+  switch (w.dtype) {
+    case DType::kFloat32:
+      launch_typed<float>(stochastic_rounding, w, d, dims, alpha, beta, key, offset, stream);
+      break;
+    case DType::kFloat16:
+      launch_typed<__half>(stochastic_rounding, w, d, dims, alpha, beta, key, offset, stream);
+      break;
+    case DType::kBFloat16:
+      launch_typed<__nv_bfloat16>(stochastic_rounding, w, d, dims, alpha, beta, key, offset, stream);
+      break;
+    case DType::kFloat64:
+      launch_typed<double>(stochastic_rounding, w, d, dims, alpha, beta, key, offset, stream);
+      break;
+  }
+  SPECTRAL_OPS_CUDA_CHECK(kOp, cudaGetLastError());
+}
+
+}  // namespace spectral_ops
