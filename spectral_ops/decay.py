@@ -23,7 +23,7 @@ from ._checks import (
     check_same_device,
     check_steps,
 )
-from .backends.base import DecayRequest
+from .backends.base import BandSpec, DecayRequest
 from .backends.torch_backend import compute_dtype, spectral_norm_bounds
 from .coefficients import resolve_polar_coefficients
 from .ops import band_spec, sign_coefficients
@@ -136,6 +136,50 @@ def _guarded_scale(stack, p, scale, weight_decay, band, policy):
     return factor[..., None, None]
 
 
+@dataclass(frozen=True)
+class DecayOptions:
+    """The validated, tensor-independent part of a decay call."""
+
+    p: int
+    band: Band | None
+    band_spec: BandSpec | None
+    polar_coefficients: tuple
+    sign_coefficients: tuple
+
+
+def check_decay_options(p, weight_decay, *, ordinary_weight_decay=0.0, convention="decoupled", band=None,
+                        p0_mode="explicit", steps=None, coefficients=None, stability="raise") -> DecayOptions:
+    """Validate every decay hyper-parameter (optimizers call this at construction time)."""
+    p = check_power(p)
+    check_coefficient(weight_decay, "weight_decay")
+    check_coefficient(ordinary_weight_decay, "ordinary_weight_decay")
+    check_choice(convention, "convention", CONVENTIONS)
+    check_choice(p0_mode, "p0_mode", P0_MODES)
+    check_choice(stability, "stability", STABILITY_POLICIES)
+    band = Band.coerce(band)
+    spec = None
+    if band is not None:
+        if p == 0 and p0_mode == "prox":
+            raise ValueError("p0_mode='prox' soft-thresholds the whole spectrum; it cannot be combined with band")
+        two_band = band.mode == "two_band"
+        check_coefficient(band.weight_decay_bot, "band.weight_decay_bot")
+        spec = band_spec(
+            band.tau,
+            band.mode,
+            p_bot=band.p_bot,
+            lambda_top=weight_decay if two_band else 1.0,
+            lambda_bot=band.weight_decay_bot if two_band else 1.0,
+        )
+    return DecayOptions(
+        p=p,
+        band=band,
+        band_spec=spec,
+        polar_coefficients=resolve_polar_coefficients(check_steps(steps), coefficients),
+        sign_coefficients=sign_coefficients(band.sign_steps if band else None,
+                                            band.sign_method if band else "polar_express"),
+    )
+
+
 @torch.no_grad()
 def spectral_decay_(
     W,
@@ -170,36 +214,21 @@ def spectral_decay_(
         check_matrix(t, f"W[{i}]" if not isinstance(W, torch.Tensor) else "W")
     check_same_device(tensors)
     _check_distinct(tensors)
-    p = check_power(p)
     check_coefficient(lr, "lr")
-    check_coefficient(weight_decay, "weight_decay")
-    check_coefficient(ordinary_weight_decay, "ordinary_weight_decay")
-    check_choice(convention, "convention", CONVENTIONS)
-    check_choice(p0_mode, "p0_mode", P0_MODES)
-    check_choice(stability, "stability", STABILITY_POLICIES)
+    options = check_decay_options(
+        p, weight_decay, ordinary_weight_decay=ordinary_weight_decay, convention=convention, band=band,
+        p0_mode=p0_mode, steps=steps, coefficients=coefficients, stability=stability,
+    )
     if convention == "independent":
         if schedule is None:
             raise ValueError("convention='independent' needs schedule= (eta_t: the current lr / the peak lr)")
         scale = check_coefficient(schedule, "schedule")
     else:
         scale = lr
-    band = Band.coerce(band)
-    if band is not None and p == 0 and p0_mode == "prox":
-        raise ValueError("p0_mode='prox' soft-thresholds the whole spectrum; it cannot be combined with band")
-    spec = None
-    if band is not None:
-        two_band = band.mode == "two_band"
-        check_coefficient(band.weight_decay_bot, "band.weight_decay_bot")
-        spec = band_spec(
-            band.tau,
-            band.mode,
-            p_bot=band.p_bot,
-            lambda_top=weight_decay if two_band else 1.0,
-            lambda_bot=band.weight_decay_bot if two_band else 1.0,
-        )
-    polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
-    sign_c = sign_coefficients(band.sign_steps if band else None, band.sign_method if band else "polar_express")
     check_finite(tensors, "W")
+    p, band, spec = options.p, options.band, options.band_spec
+    if band is None and not isinstance(weight_decay, torch.Tensor) and weight_decay == 0:
+        p = 1  # a zero spectral coefficient: only the ordinary term is left, no spectral math needed
 
     groups = defaultdict(list)
     for t in tensors:
@@ -216,8 +245,8 @@ def spectral_decay_(
             ordinary_scale=scale * ordinary_weight_decay,
             band=spec,
             p0_mode=p0_mode,
-            polar_coefficients=polar_c,
-            sign_coefficients=sign_c,
+            polar_coefficients=options.polar_coefficients,
+            sign_coefficients=options.sign_coefficients,
         )
         plans.append((group, stack, request))
 

@@ -22,7 +22,6 @@ import torch
 from .backends.cuda_backend import CudaBackend
 from .backends.torch_backend import TorchBackend
 from .backends.triton_backend import TritonBackend
-from .backends.base import OPS
 from .selfcheck import self_check_cases
 from .testing import relative_error
 
