@@ -13,6 +13,10 @@ import math
 
 import numpy as np
 
+# polar() starts from X_0 = W / (1.01 ||W||_F), so every singular value is in (0, 1/1.01]: inside the
+# design interval even after round-off.
+NORMALIZATION_MARGIN = 1.01
+
 # Clamp the low end of each design interval at this fraction of its top. Without it the first
 # steps would be designed for a huge dynamic range and lift nothing well (SPEC 1.3).
 CUSHION = 0.02407327424182761
@@ -121,6 +125,18 @@ def resolve_polar_coefficients(steps: int | None, coefficients):
     if steps is not None and _checked_steps(steps) != len(triples):
         raise ValueError(f"steps={steps} does not match the {len(triples)} coefficient triples given")
     return triples
+
+
+def without_normalization_margin(coefficients):
+    """Coefficients that act on ``W / ||W||_F`` as ``coefficients`` would, inside :func:`polar`.
+
+    polar() feeds the first step ``x / 1.01``; evaluating that step at ``1.01 x`` instead
+    (``a k, b k^3, c k^5`` with ``k = 1.01``) cancels the margin. Muon-style quintics were tuned for
+    plain Frobenius normalisation, as in ``torch.optim.Muon``.
+    """
+    (a, b, c), *rest = coefficients
+    k = NORMALIZATION_MARGIN
+    return ((a * k, b * k**3, c * k**5), *rest)
 
 
 def _checked_steps(steps) -> int:

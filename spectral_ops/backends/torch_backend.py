@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from ..coefficients import NORMALIZATION_MARGIN
 from .base import BandSpec, DecayRequest
 
-# X_0 = W / (1.01 ||W||_F): every singular value lands in (0, 1/1.01], inside the design interval.
-NORMALIZATION_MARGIN = 1.01
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,28 @@
+"""The spectral-decay optimizer family (``torch.optim.Optimizer`` subclasses).
+
+=================  ============================================================
+``SpectralAdamW``  AdamW + ``lambda_1 W + lambda_p S_p(W)``
+``SpectralMuon``   Muon (Polar Express or torch's quintic; head-wise/full Q/K/V)
+                   + decay, with an internal AdamW for non-matrix parameters
+``SpectralSGD``    SGD with momentum + decoupled decay
+``SpectralDecay``  the decay alone, for any optimizer (``.attach(optimizer)``)
+=================  ============================================================
+"""
+
+from .adamw import SpectralAdamW
+from .groups import full_v_extra_decay, module_wise_powers, param_groups_by_module, parameter_role, width_transfer
+from .hook import SpectralDecay
+from .muon import SpectralMuon
+from .sgd import SpectralSGD
+
+__all__ = [
+    "SpectralAdamW",
+    "SpectralDecay",
+    "SpectralMuon",
+    "SpectralSGD",
+    "full_v_extra_decay",
+    "module_wise_powers",
+    "param_groups_by_module",
+    "parameter_role",
+    "width_transfer",
+]

@@ -1,0 +1,136 @@
+"""The decay half of every optimizer step (SPEC 1.5), shared by the whole family.
+
+Per parameter group: matrices (``ndim >= 2``; conv-style ``ndim > 2`` weights are viewed as
+``(shape[0], -1)``, as Muon does) get ``lambda_p * S_p(W)`` plus the ordinary ``lambda_1 * W`` in one
+batched :func:`spectral_ops.spectral_decay_` call per group (same shapes share a batch); vectors
+(biases, norm gains) get only the ordinary term, since ``S_p`` is defined for matrices.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.optim import Optimizer
+
+from .._checks import check_coefficient
+from ..decay import check_decay_options, spectral_decay_
+
+# Decay keys every optimizer of the family accepts per parameter group, with their defaults.
+DECAY_DEFAULTS = {
+    "p": 1,
+    "spectral_weight_decay": 0.0,
+    "convention": "decoupled",
+    "band": None,
+    "p0_mode": "explicit",
+    "stability": "raise",
+    "polar_steps": None,
+}
+
+
+def is_zero(value) -> bool:
+    """A Python zero (a tensor coefficient is never assumed to be zero: that would need a sync)."""
+    return not isinstance(value, torch.Tensor) and value == 0
+
+
+def scalar(value) -> float:
+    """A Python number from a float or a 0-d tensor (torch's optimizers do the same)."""
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> None:
+    """Validate a group's decay options, naming its coefficient keys ``spectral`` and ``ordinary``."""
+    check_decay_options(
+        group["p"],
+        group[spectral],
+        ordinary_weight_decay=group[ordinary],
+        convention=group["convention"],
+        band=group["band"],
+        p0_mode=group["p0_mode"],
+        steps=group["polar_steps"],
+        stability=group["stability"],
+    )
+    for param in group["params"]:
+        if param.ndim > 2 and not param.is_contiguous():
+            raise ValueError(f"a {param.ndim}-d parameter must be contiguous to be decayed as a matrix view")
+
+
+def schedule_multiplier(lr, peak_lr):
+    """``eta_t = lr / peak lr`` (0 when the peak is 0)."""
+    return 0.0 if is_zero(peak_lr) else lr / peak_lr
+
+
+def matrix_view(param: torch.Tensor) -> torch.Tensor:
+    return param if param.ndim == 2 else param.view(param.shape[0], -1)
+
+
+@torch.no_grad()
+def decay_parameters(params, group: dict, *, lr, peak_lr, spectral, ordinary) -> None:
+    """Apply the group's decay to ``params`` in place, from their current (pre-update) values.
+
+    ``params`` may include views (e.g. the Q/K/V blocks of a fused projection): each is decayed as
+    its own matrix.
+    """
+    schedule = schedule_multiplier(lr, peak_lr) if group["convention"] == "independent" else None
+    matrices = [matrix_view(p) for p in params if p.ndim >= 2]
+    if matrices and not (is_zero(spectral) and is_zero(ordinary) and group["band"] is None):
+        spectral_decay_(
+            matrices,
+            group["p"],
+            lr,
+            spectral,
+            ordinary_weight_decay=ordinary,
+            convention=group["convention"],
+            schedule=schedule,
+            band=group["band"],
+            p0_mode=group["p0_mode"],
+            steps=group["polar_steps"],
+            stability=group["stability"],
+        )
+    if not is_zero(ordinary):
+        scale = lr if schedule is None else schedule
+        for vector in (p for p in params if p.ndim < 2):
+            vector.mul_(1 - scale * ordinary)
+
+
+class SpectralOptimizer(Optimizer):
+    """Shared construction for the family: defaults, validation and the peak lr of each group.
+
+    Subclasses set ``spectral_key``/``ordinary_key`` (the group keys of ``lambda_p``/``lambda_1``)
+    and may extend :meth:`check_group`.
+    """
+
+    spectral_key = "spectral_weight_decay"
+    ordinary_key = "weight_decay"
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self.check_group(group)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+        # The lr a group starts with is its peak for the independent convention (eta_t = lr /
+        # peak); an LR scheduler's initial_lr takes precedence once it exists.
+        group.setdefault("peak_lr", group["lr"])
+
+    def check_group(self, group: dict) -> None:
+        check_coefficient(group["lr"], "lr")
+        check_decay_group(group, spectral=self.spectral_key, ordinary=self.ordinary_key)
+
+    def decay_group(self, params, group: dict) -> None:
+        decay_parameters(
+            params,
+            group,
+            lr=group["lr"],
+            peak_lr=group.get("initial_lr", group["peak_lr"]),
+            spectral=group[self.spectral_key],
+            ordinary=group[self.ordinary_key],
+        )
+
+    @staticmethod
+    def params_with_grad(group: dict):
+        for param in group["params"]:
+            if param.grad is not None:
+                if param.grad.is_sparse:
+                    raise RuntimeError("spectral_ops optimizers do not support sparse gradients")
+                yield param

@@ -1,0 +1,107 @@
+"""Parameter groups by module role, the SPEC 4 recipes, and the width-transfer rule.
+
+Roles are recognised from parameter names by regular expressions (override any of them):
+``q``, ``k``, ``v``, ``o`` (attention projections), ``mlp_in``, ``mlp_out`` (MLP matrices),
+``embedding``, ``head`` (output layer), other matrices ``matrix``, and everything else ``vector``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import torch
+
+ROLE_PATTERNS = {
+    "q": r"(^|\.)(q_proj|wq|query|to_q|q)\.weight$",
+    "k": r"(^|\.)(k_proj|wk|key|to_k|k)\.weight$",
+    "v": r"(^|\.)(v_proj|wv|value|to_v|v)\.weight$",
+    "o": r"(^|\.)(o_proj|out_proj|wo|to_out|proj|o)\.weight$",
+    "mlp_in": r"(^|\.)(gate_proj|up_proj|w1|w3|fc1|c_fc|fc_in|expand)\.weight$",
+    "mlp_out": r"(^|\.)(down_proj|w2|fc2|c_proj|fc_out|project)\.weight$",
+    "embedding": r"(^|\.)(embed\w*|wte|wpe|tok_embeddings|token_embedding)\.weight$",
+    "head": r"(^|\.)(lm_head|head|output)\.weight$",
+}
+ATTENTION_ROLES = ("q", "k", "v", "o")
+MLP_ROLES = ("mlp_in", "mlp_out")
+# Parameters that Muon does not update and the width rule treats as vector-like.
+NON_MATRIX_ROLES = ("embedding", "head", "vector")
+
+
+def parameter_role(name: str, param: torch.Tensor, patterns=None) -> str:
+    """The role of one named parameter (first matching pattern; 1-D parameters are vectors)."""
+    if param.ndim < 2:
+        return "vector"
+    for role, pattern in {**ROLE_PATTERNS, **(patterns or {})}.items():
+        if re.search(pattern, name):
+            return role
+    return "matrix"
+
+
+def param_groups_by_module(model: torch.nn.Module, overrides=None, *, patterns=None,
+                           non_matrix=None) -> list[dict]:
+    """One parameter group per role present in ``model``, each tagged with ``"role"``.
+
+    ``overrides`` maps a role (or ``"attention"`` / ``"mlp"`` for all of theirs) to group options,
+    e.g. from :func:`module_wise_powers` or :func:`full_v_extra_decay`. Non-matrix roles get the
+    ``non_matrix`` options, by default ``{"algorithm": "adamw", "weight_decay": 0.0}``: SpectralMuon's
+    usual set-up (the other optimizers have no ``algorithm`` key; pass ``non_matrix={"weight_decay": 0.0}``).
+    """
+    overrides = overrides or {}
+    non_matrix = {"algorithm": "adamw", "weight_decay": 0.0} if non_matrix is None else non_matrix
+    by_role: dict[str, list] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            by_role.setdefault(parameter_role(name, param, patterns), []).append(param)
+    groups = []
+    for role, params in by_role.items():
+        options = dict(non_matrix) if role in NON_MATRIX_ROLES else {}
+        family = "attention" if role in ATTENTION_ROLES else "mlp" if role in MLP_ROLES else None
+        options.update(overrides.get(family, {}) if family else {})
+        options.update(overrides.get(role, {}))
+        groups.append({"params": params, "role": role, **options})
+    return groups
+
+
+def module_wise_powers(p_attention=0, p_mlp=2, lambda_attention=1e-4, lambda_mlp=1e-4) -> dict:
+    """SPEC 4 recipe: attention ``p_A = 0``, MLP ``p_M = 2``, independent convention, no ordinary WD."""
+    common = {"convention": "independent", "weight_decay": 0.0}
+    return {
+        "attention": {**common, "p": p_attention, "spectral_weight_decay": lambda_attention},
+        "mlp": {**common, "p": p_mlp, "spectral_weight_decay": lambda_mlp},
+    }
+
+
+def full_v_extra_decay(lambda_v, heads, ordinary_weight_decay=0.1) -> dict:
+    """SPEC 4 recipe ``HHF + p=2``: head-wise Q/K, full-matrix V with ``lambda_v S_2(W_V)`` on top of
+    ordinary WD 0.1, everything lr-coupled."""
+    common = {"convention": "decoupled", "weight_decay": ordinary_weight_decay}
+    return {
+        "q": {**common, "heads": heads},
+        "k": {**common, "heads": heads},
+        "v": {**common, "heads": None, "p": 2, "spectral_weight_decay": lambda_v},
+        "o": common,
+        "mlp": common,
+    }
+
+
+def width_transfer(groups, base_width: int, width: int) -> list[dict]:
+    """SPEC 4 width rule, from ``base_width`` to ``width``: matrix-like groups get ``lr * base/width``
+    and ordinary ``weight_decay * sqrt(width/base)``; vector-like groups (roles embedding, head,
+    vector, or ``algorithm="adamw"``) keep their lr and get no weight decay. Returns new groups."""
+    if base_width <= 0 or width <= 0:
+        raise ValueError(f"widths must be positive, got base_width={base_width}, width={width}")
+    ratio = width / base_width
+    scaled = []
+    for group in groups:
+        group = dict(group)
+        vector_like = group.get("role") in NON_MATRIX_ROLES or group.get("algorithm") == "adamw"
+        if vector_like:
+            group["weight_decay"] = 0.0
+        else:
+            if "lr" not in group or "weight_decay" not in group:
+                raise ValueError(f"matrix group {group.get('role', '?')!r} needs explicit lr and weight_decay to scale")
+            group["lr"] = group["lr"] / ratio
+            group["weight_decay"] = group["weight_decay"] * math.sqrt(ratio)
+        scaled.append(group)
+    return scaled

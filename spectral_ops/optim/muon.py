@@ -1,0 +1,182 @@
+"""Muon with spectral-power decay, head-wise or full-matrix updates, and an internal AdamW.
+
+Muon's direction is the polar factor of the Nesterov momentum (SPEC 4, 6), computed by this
+package's :func:`spectral_ops.polar`, the same kernels that serve the ``p = 0`` decay. Polar Express
+is the default; ``ns_coefficients=spectral_ops.MUON_QUINTIC`` with ``ns_steps=5`` is
+``torch.optim.Muon``'s iteration.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+
+from .._checks import check_choice, check_steps
+from ..coefficients import polar_express_coefficients, resolve_polar_coefficients, without_normalization_margin
+from ..ops import polar
+from ._decay import DECAY_DEFAULTS, SpectralOptimizer, matrix_view, scalar
+from .adamw import adam_update_, check_adam_options
+
+ALGORITHMS = ("muon", "adamw")
+ADJUST_LR_FNS = ("original", "match_rms_adamw")
+
+
+def adjusted_lr(lr: float, adjust_lr_fn, shape) -> float:
+    """Muon's per-matrix lr: ``"original"`` ``sqrt(max(1, rows/cols))`` (torch's default), or
+    ``"match_rms_adamw"`` ``0.2 sqrt(max(rows, cols))`` (SPEC 4), or a callable ``(lr, shape)``."""
+    rows, cols = shape
+    if callable(adjust_lr_fn):
+        return adjust_lr_fn(lr, shape)
+    if adjust_lr_fn in (None, "original"):
+        return lr * math.sqrt(max(1.0, rows / cols))
+    return lr * 0.2 * math.sqrt(max(rows, cols))
+
+
+def orthogonalization_coefficients(group: dict) -> tuple:
+    """The polar iteration a Muon group uses: Polar Express (8 steps) or the given quintics
+    (5 steps by default), the latter normalised by ``||G||_F`` as torch.optim.Muon does."""
+    if group["ns_coefficients"] is None:
+        return polar_express_coefficients(group["ns_steps"] or 8)
+    steps = group["ns_steps"] if group["ns_steps"] is not None else 5
+    return without_normalization_margin(resolve_polar_coefficients(steps, group["ns_coefficients"]))
+
+
+def row_blocks(rows: int, group: dict):
+    """``(start, size, letter)`` per block: the fused-projection splits, each "H" (head-wise) or "F"."""
+    sizes = group["splits"] or (rows,)
+    recipe = group["recipe"] or ("H" if group["heads"] else "F") * len(sizes)
+    starts = [0]
+    for size in sizes[:-1]:
+        starts.append(starts[-1] + size)
+    return list(zip(starts, sizes, recipe))
+
+
+class SpectralMuon(SpectralOptimizer):
+    """Muon plus the spectral term of SPEC 1.5, with AdamW for non-matrix parameters.
+
+    Per group:
+
+    * ``algorithm``: ``"muon"`` (default; matrices only) or ``"adamw"`` (embeddings, norms, biases,
+      the output head), which uses ``betas``/``eps`` and the same decay options;
+    * ``heads``: split each row block into this many heads and orthogonalise each head's
+      ``(rows / heads) x cols`` block separately; ``splits`` gives the row sizes of a fused
+      projection (e.g. ``(d, d, d)`` for fused QKV) and ``recipe`` marks each block head-wise
+      ``"H"`` or full-matrix ``"F"`` (``"HHF"``). Head-wise blocks keep the full block's
+      ``adjust_lr_fn`` scale; spectral decay acts on each block as a whole matrix;
+    * ``weight_decay`` (``lambda_1``), ``p``, ``spectral_weight_decay`` (``lambda_p``),
+      ``convention``, ``band``, ``p0_mode``, ``stability``: as in :class:`SpectralAdamW`. Decay uses
+      the unadjusted lr, as torch.optim.Muon does.
+    """
+
+    def __init__(self, params, lr=1e-3, momentum=0.95, nesterov=True, ns_coefficients=None, ns_steps=None,
+                 adjust_lr_fn="match_rms_adamw", weight_decay=0.1, p=1, spectral_weight_decay=0.0,
+                 convention="decoupled", band=None, p0_mode="explicit", stability="raise", polar_steps=None,
+                 heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8):
+        defaults = dict(DECAY_DEFAULTS, lr=lr, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                        weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
+                        convention=convention, band=band, p0_mode=p0_mode, stability=stability,
+                        polar_steps=polar_steps, heads=heads, splits=splits, recipe=recipe,
+                        algorithm=algorithm, betas=betas, eps=eps)
+        super().__init__(params, defaults)
+
+    def check_group(self, group: dict) -> None:
+        super().check_group(group)
+        check_choice(group["algorithm"], "algorithm", ALGORITHMS)
+        if group["algorithm"] == "adamw":
+            check_adam_options(group)
+            return
+        if not 0.0 <= scalar(group["momentum"]) < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
+        if not (group["adjust_lr_fn"] in (None, *ADJUST_LR_FNS) or callable(group["adjust_lr_fn"])):
+            raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, None or a callable, "
+                             f"got {group['adjust_lr_fn']!r}")
+        check_steps(group["ns_steps"], "ns_steps")
+        orthogonalization_coefficients(group)
+        heads = group["heads"]
+        if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
+            raise ValueError(f"heads must be a positive integer or None, got {heads!r}")
+        for param in group["params"]:
+            if param.ndim < 2:
+                raise ValueError(f"Muon updates matrices; put the {tuple(param.shape)} parameter in a group "
+                                 "with algorithm='adamw'")
+            self._check_blocks(matrix_view(param).shape, group)
+
+    @staticmethod
+    def _check_blocks(shape, group) -> None:
+        rows = shape[0]
+        splits, recipe, heads = group["splits"], group["recipe"], group["heads"]
+        if splits is not None and (sum(splits) != rows or any(s < 1 for s in splits)):
+            raise ValueError(f"splits {tuple(splits)} must be positive and sum to the {rows} rows of the parameter")
+        blocks = len(splits) if splits else 1
+        if recipe is not None:
+            if len(recipe) != blocks or set(recipe) - {"H", "F"}:
+                raise ValueError(f"recipe must have one letter H or F per block ({blocks}), got {recipe!r}")
+            if "H" in recipe and heads is None:
+                raise ValueError(f"recipe {recipe!r} has head-wise blocks but heads is not set")
+        for _, size, letter in row_blocks(rows, group):
+            if letter == "H" and size % heads:
+                raise ValueError(f"a head-wise block of {size} rows does not split into {heads} heads")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = list(self.params_with_grad(group))
+            if not params:
+                continue
+            if group["algorithm"] == "adamw":
+                self.decay_group(params, group)
+                adam_update_(params, group, self.state)
+                continue
+            updates = [self._momentum_update(param, group) for param in params]
+            directions = self._orthogonalize(updates, group)
+            self.decay_group([block for param in params for block in self._decay_blocks(param, group)], group)
+            lr = scalar(group["lr"])
+            for param, direction in zip(params, directions):
+                target = matrix_view(param)
+                for start, size, _ in row_blocks(target.shape[0], group):
+                    rows = slice(start, start + size)
+                    target[rows].add_(direction[rows], alpha=-adjusted_lr(lr, group["adjust_lr_fn"], (size, target.shape[1])))
+        return loss
+
+    def _momentum_update(self, param, group) -> torch.Tensor:
+        """Nesterov (or plain) momentum exactly as torch.optim.Muon: an EMA buffer, then a lerp."""
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
+        buffer = state["momentum_buffer"]
+        buffer.lerp_(param.grad, 1 - group["momentum"])
+        update = param.grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer.clone()
+        return matrix_view(update.contiguous())
+
+    @staticmethod
+    def _decay_blocks(param, group):
+        target = matrix_view(param)
+        if not group["splits"]:
+            return [target]
+        return [target[start:start + size] for start, size, _ in row_blocks(target.shape[0], group)]
+
+    @staticmethod
+    def _orthogonalize(updates, group):
+        """Polar factors of every head or full block, one batched call per block shape."""
+        coefficients = orthogonalization_coefficients(group)
+        directions = [torch.empty_like(u) for u in updates]
+        jobs = defaultdict(list)  # block shape -> [(source, destination)], both (batch, r, c)
+        for update, direction in zip(updates, directions):
+            for start, size, letter in row_blocks(update.shape[0], group):
+                count = group["heads"] if letter == "H" else 1
+                shape = (count, size // count, update.shape[1])
+                jobs[shape[1:]].append((update[start:start + size].reshape(shape),
+                                        direction[start:start + size].view(shape)))
+        for pairs in jobs.values():
+            batch = torch.cat([source for source, _ in pairs])
+            for (_, destination), result in zip(pairs, polar(batch, coefficients=coefficients).split(
+                    [source.shape[0] for source, _ in pairs])):
+                destination.copy_(result)
+        return directions

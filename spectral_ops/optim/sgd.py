@@ -1,0 +1,56 @@
+"""SGD with momentum plus spectral-power decay (decoupled, like SGDW)."""
+
+from __future__ import annotations
+
+import torch
+
+from ._decay import DECAY_DEFAULTS, SpectralOptimizer, scalar
+
+
+class SpectralSGD(SpectralOptimizer):
+    """SGD with (Nesterov) momentum, as torch.optim.SGD, plus the decay of SPEC 1.5.
+
+    Unlike torch's SGD, ``weight_decay`` here is *decoupled* (``lambda_1 W`` is subtracted from the
+    weights, scaled by the lr, not added to the gradient and fed through the momentum).
+    """
+
+    def __init__(self, params, lr=1e-3, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0, p=1,
+                 spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
+                 stability="raise", polar_steps=None):
+        defaults = dict(DECAY_DEFAULTS, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                        weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
+                        convention=convention, band=band, p0_mode=p0_mode, stability=stability,
+                        polar_steps=polar_steps)
+        super().__init__(params, defaults)
+
+    def check_group(self, group: dict) -> None:
+        super().check_group(group)
+        if not 0.0 <= scalar(group["momentum"]) < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
+        if group["nesterov"] and (group["momentum"] == 0 or group["dampening"] != 0):
+            raise ValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = list(self.params_with_grad(group))
+            if not params:
+                continue
+            self.decay_group(params, group)
+            momentum, lr = group["momentum"], scalar(group["lr"])
+            for param in params:
+                direction = param.grad
+                if momentum != 0:
+                    state = self.state[param]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = direction.detach().clone()
+                    else:
+                        state["momentum_buffer"].mul_(momentum).add_(direction, alpha=1 - group["dampening"])
+                    buffer = state["momentum_buffer"]
+                    direction = direction.add(buffer, alpha=momentum) if group["nesterov"] else buffer
+                param.add_(direction, alpha=-lr)
+        return loss

@@ -1,0 +1,136 @@
+"""SpectralMuon against torch.optim.Muon, head-wise vs full updates, the internal AdamW."""
+
+import pytest
+import torch
+
+import spectral_ops as so
+from spectral_ops.coefficients import without_normalization_margin
+from spectral_ops.optim import SpectralMuon
+from spectral_ops.testing import log_spaced_spectrum, matrix_with_spectrum, relative_error
+
+from optim_models import assert_same_trajectory, batch, tiny_model, train
+
+
+def torch_style_newton_schulz(G, coefficients, steps):
+    """torch.optim.Muon's iteration (normalise by ||G||_F, then the quintic), in float64."""
+    X = G.double()
+    transposed = X.shape[0] > X.shape[1]
+    X = X.T if transposed else X
+    X = X / X.norm()
+    a, b, c = coefficients
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if transposed else X
+
+
+@pytest.mark.parametrize("shape", [(24, 16), (16, 24), (20, 20)])
+def test_muon_quintic_through_polar_is_torch_muons_iteration(shape):
+    G = matrix_with_spectrum(shape, log_spaced_spectrum(min(shape), 100), torch.float64, seed=1)
+    coefficients = without_normalization_margin((so.MUON_QUINTIC,) * 5)
+    ours = so.polar(G, coefficients=coefficients)
+    assert relative_error(ours, torch_style_newton_schulz(G, so.MUON_QUINTIC, 5)) < 1e-12
+
+
+def test_p1_with_torch_coefficients_matches_torch_muon():
+    model_a, model_b = tiny_model(bias=False), tiny_model(bias=False)
+    options = dict(lr=2e-2, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn="original")
+    ours = SpectralMuon(model_a.parameters(), ns_coefficients=so.MUON_QUINTIC, p=1, **options)
+    theirs = torch.optim.Muon(model_b.parameters(), ns_coefficients=so.MUON_QUINTIC, **options)
+    # torch.optim.Muon runs Newton-Schulz in bfloat16 (2^-8 relative) while spectral_ops computes
+    # in float32, so each step's direction differs by ~bf16 round-off times the quintic's gain
+    # (< 4 on its range): per step |delta W| <~ adjusted lr (<= 2e-2 * sqrt(2)) * 4 * 2^-8 ~ 4.4e-4,
+    # i.e. <~ 9e-3 after 20 steps. The decay halves (identical math) agree to fp32 round-off.
+    assert_same_trajectory(train(model_a, ours, 20), train(model_b, theirs, 20), atol=9e-3)
+
+
+def test_match_rms_adamw_scale():
+    weight = torch.nn.Parameter(torch.zeros(32, 8))
+    weight.grad = matrix_with_spectrum((32, 8), torch.ones(8), torch.float32, seed=2)
+    SpectralMuon([weight], lr=0.1, weight_decay=0.0, momentum=0.0, nesterov=False).step()
+    # One step from zero momentum: the update is -lr * 0.2 sqrt(32) * polar(G) and polar(G) = G here.
+    expected = -0.1 * 0.2 * 32**0.5 * weight.grad
+    assert relative_error(weight.detach(), expected) < 1e-5
+
+
+def one_step(param_values, **options):
+    weight = torch.nn.Parameter(param_values.clone())
+    weight.grad = matrix_with_spectrum(param_values.shape, log_spaced_spectrum(min(param_values.shape), 10),
+                                       torch.float64, seed=7)
+    SpectralMuon([weight], lr=0.1, weight_decay=0.0, momentum=0.0, nesterov=False, **options).step()
+    return weight.detach(), weight.grad
+
+
+def test_one_head_equals_full_matrix():
+    W = torch.zeros(16, 12, dtype=torch.float64)
+    headwise, _ = one_step(W, heads=1)
+    full, _ = one_step(W)
+    assert torch.equal(headwise, full)
+
+
+def test_head_wise_update_orthogonalises_each_head_with_the_full_projection_scale():
+    W = torch.zeros(16, 12, dtype=torch.float64)
+    result, G = one_step(W, heads=4)
+    scale = 0.1 * 0.2 * 16**0.5  # the full 16 x 12 projection's match_rms_adamw scale
+    expected = torch.cat([so.reference.polar_svd(block) for block in G.split(4)]) * -scale
+    assert relative_error(result, expected) < 1e-12
+
+
+def test_fused_qkv_with_recipe_equals_separate_projections():
+    d, heads = 8, 2
+    grads = [matrix_with_spectrum((d, 12), log_spaced_spectrum(d, 10), torch.float64, seed=s) for s in (1, 2, 3)]
+    fused = torch.nn.Parameter(torch.zeros(3 * d, 12, dtype=torch.float64))
+    fused.grad = torch.cat(grads)
+    SpectralMuon([{"params": [fused], "splits": (d, d, d), "recipe": "HHF", "heads": heads}], lr=0.1,
+                 weight_decay=0.0, momentum=0.0, nesterov=False).step()
+    separate = [torch.nn.Parameter(torch.zeros(d, 12, dtype=torch.float64)) for _ in range(3)]
+    for param, grad in zip(separate, grads):
+        param.grad = grad.clone()
+    SpectralMuon([{"params": separate[:2], "heads": heads}, {"params": separate[2:]}], lr=0.1,
+                 weight_decay=0.0, momentum=0.0, nesterov=False).step()
+    assert relative_error(fused.detach(), torch.cat([p.detach() for p in separate])) < 1e-12
+
+
+def test_spectral_decay_in_muon_uses_pre_update_weights_and_the_unadjusted_lr():
+    W0 = matrix_with_spectrum((16, 12), log_spaced_spectrum(12, 10), torch.float64, seed=5)
+    decayed, G = one_step(W0, p=2, spectral_weight_decay=0.3)
+    plain, _ = one_step(W0)
+    assert relative_error(decayed, plain - 0.1 * 0.3 * so.reference.spectral_power_svd(W0, 2)) < 1e-12
+
+
+def test_adamw_groups_inside_muon_match_torch_adamw():
+    model_a, model_b = tiny_model(), tiny_model()
+    matrices_a = [p for p in model_a.parameters() if p.ndim == 2]
+    vectors_a = [p for p in model_a.parameters() if p.ndim < 2]
+    ours = SpectralMuon([{"params": matrices_a}, {"params": vectors_a, "algorithm": "adamw", "lr": 3e-3,
+                                                  "weight_decay": 0.01, "betas": (0.9, 0.999)}], lr=2e-2)
+    trajectory = train(model_a, ours, 10)
+    vectors_b = [p for p in model_b.parameters() if p.ndim < 2]
+    matrices_b = [p for p in model_b.parameters() if p.ndim == 2]
+    reference_adamw = torch.optim.AdamW(vectors_b, lr=3e-3, weight_decay=0.01, foreach=False)
+    reference_muon = SpectralMuon(matrices_b, lr=2e-2)
+    for step, params in enumerate(trajectory):
+        inputs, targets = batch(step)
+        reference_adamw.zero_grad()
+        reference_muon.zero_grad()
+        torch.nn.functional.mse_loss(model_b(inputs), targets).backward()
+        reference_adamw.step()
+        reference_muon.step()
+        for ours_param, their_param in zip(params, model_b.parameters()):
+            torch.testing.assert_close(ours_param, their_param.detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("group, match", [
+    ({"params": [torch.nn.Parameter(torch.zeros(4))]}, "algorithm='adamw'"),
+    ({"params": [torch.nn.Parameter(torch.zeros(12, 4))], "splits": (4, 4)}, "sum to the 12 rows"),
+    ({"params": [torch.nn.Parameter(torch.zeros(12, 4))], "splits": (4, 4, 4), "recipe": "HH"}, "one letter"),
+    ({"params": [torch.nn.Parameter(torch.zeros(12, 4))], "recipe": "H"}, "heads is not set"),
+    ({"params": [torch.nn.Parameter(torch.zeros(12, 4))], "heads": 5}, "does not split into 5 heads"),
+    ({"params": [torch.nn.Parameter(torch.zeros(12, 4))], "momentum": 1.0}, "momentum"),
+    ({"params": [torch.nn.Parameter(torch.zeros(12, 4))], "adjust_lr_fn": "sqrt"}, "adjust_lr_fn"),
+    ({"params": [torch.nn.Parameter(torch.zeros(12, 4))], "ns_coefficients": (1.0, 2.0)}, "coefficients"),
+    ({"params": [torch.nn.Parameter(torch.zeros(12, 4))], "algorithm": "lion"}, "algorithm"),
+])
+def test_bad_groups_raise_at_construction(group, match):
+    with pytest.raises(ValueError, match=match):
+        SpectralMuon([group])
