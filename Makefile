@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 NVCC := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 export SPECTRAL_OPS_REQUIRE_CUDA ?= $(if $(NVCC),1,0)
 
-.PHONY: demo test clean
+.PHONY: demo test bench clean
 
 $(STAMP): requirements-test.txt pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*)
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,14 @@ demo: $(STAMP)
 	$(PY) -m spectral_ops
 	$(PY) -m spectral_ops.demo
 
+# The benchmarks run once each, untimed, as a smoke test.
 test: $(STAMP)
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests bench -q --benchmark-disable
+
+# Timed benchmarks, then the markdown report.
+bench: $(STAMP)
+	$(PY) -m pytest bench -q --benchmark-only --benchmark-save-data --benchmark-json=bench-results.json
+	$(PY) bench/report.py bench-results.json --out bench-results.md
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info spectral_ops/_C*.so spectral_ops/_build_info.json

@@ -18,7 +18,7 @@ from ._checks import (
     check_steps,
 )
 from .backends.base import BandSpec
-from .backends.torch_backend import compute_dtype, svd_spectral_power
+from .backends.torch_backend import compute_dtype, eigh_spectral_power, svd_spectral_power
 from .backends.torch_backend import spectral_norm_bounds as _spectral_norm_bounds
 from .coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients, resolve_polar_coefficients
 
@@ -27,7 +27,7 @@ SIGN_METHODS = ("newton_schulz", "polar_express")
 # 1e-3 of ||A||_F to within ~1e-5 of its sign. Polar Express needs 8 for the same range.
 DEFAULT_SIGN_STEPS = {"newton_schulz": 30, "polar_express": 8}
 BAND_MODES = ("top", "bot", "top_only", "bot_only", "two_band")
-POWER_METHODS = ("auto", "gram", "svd")
+POWER_METHODS = ("auto", "gram", "svd", "eigh")
 
 
 def _validated(W, name: str = "W") -> torch.Tensor:
@@ -116,8 +116,9 @@ def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int 
 
     ``method="gram"``: the SVD-free route (odd ``p``: ``W G^k``; even: ``Q G^k``; ``G`` the
     smaller Gram, powers by repeated squaring, ``G`` shared with the first Polar Express step).
-    ``"svd"``: a thin SVD in the compute dtype. ``"auto"``: whichever is faster for the device
-    and shape. ``steps``/``coefficients`` configure the polar factor as in :func:`polar`.
+    ``"svd"``: a thin SVD in the compute dtype. ``"eigh"``: an eigendecomposition of the Gram
+    (accurate for ``p >= 1``; for ``p = 0`` it loses the modes below ``sqrt(eps) s_max``).
+    ``"auto"``: the fastest accurate one for the device, dtype and shape. ``steps``/``coefficients`` configure the polar factor as in :func:`polar`.
     """
     _validated(W)
     p = check_power(p)
@@ -129,6 +130,8 @@ def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int 
         method = _auto_method(W, p)
     if method == "svd":
         return svd_spectral_power(W, p, compute_dtype(W.dtype)).to(W.dtype)
+    if method == "eigh":
+        return eigh_spectral_power(W, p, compute_dtype(W.dtype)).to(W.dtype)
     return dispatch.select("spectral_power", W).spectral_power(W, p, polar_c)
 
 

@@ -110,11 +110,19 @@ def test_low_precision_computes_in_float32_and_rounds_once(p, dtype):
     assert relative_error(result, reference.spectral_power_svd(W, p)) < torch.finfo(dtype).eps
 
 
-@pytest.mark.parametrize("method", ["svd", "auto"])
+@pytest.mark.parametrize("method", ["svd", "auto", "eigh"])
 @pytest.mark.parametrize("p", [0, 2, 5])
 def test_other_methods(method, p):
     W = matrix_with_spectrum((20, 12), log_spaced_spectrum(12, 100), torch.float32, seed=1)
     assert relative_error(so.spectral_power(W, p, method=method), reference.spectral_power_svd(W, p)) < 5e-5
+
+
+def test_eigh_route_loses_small_modes_at_p0():
+    """The documented limit of method="eigh": the Gram squares s, so at p = 0 (weights 1/s) modes
+    near sqrt(eps) s_max come back wrong, while p >= 1 weights them down."""
+    W = matrix_with_spectrum((48, 32), log_spaced_spectrum(32, 1e4), torch.float32, seed=6)
+    assert relative_error(so.spectral_power(W, 0, method="eigh"), reference.spectral_power_svd(W, 0)) > 1e-2
+    assert relative_error(so.spectral_power(W, 2, method="eigh"), reference.spectral_power_svd(W, 2)) < 5e-5
 
 
 def test_non_contiguous_inputs():

@@ -243,6 +243,25 @@ def power_weights(s: torch.Tensor, p: int, size: int) -> torch.Tensor:
     return (s > cutoff).to(s.dtype)
 
 
+def eigh_spectral_power(W: torch.Tensor, p: int, dtype: torch.dtype) -> torch.Tensor:
+    """``S_p`` through an eigendecomposition of the small Gram ``G = V diag(s^2) V^T`` in ``dtype``.
+
+    ``S_p = V diag(s^(p-1)) V^T X`` (wide orientation). Squaring the singular values halves the
+    precision of the small ones, which ``s^(p-1)`` weights down for ``p >= 1`` but ``1/s`` blows up
+    for ``p = 0``: the route is accurate for ``p >= 1`` only (``"auto"`` never picks it for 0).
+    """
+    plan = GramPlan(W.to(dtype))
+    eigenvalues, V = torch.linalg.eigh(plan.gram)
+    s = eigenvalues.clamp_min(0).sqrt()
+    if p == 0:
+        keep = power_weights(s, 0, max(W.shape[-2:]))
+        weights = keep / torch.where(keep > 0, s, 1.0)
+    else:
+        weights = s ** (p - 1)
+    direction = (V * weights[..., None, :]) @ (V.mT @ plan.Xn)
+    return plan.oriented(direction * plan.scale**p)
+
+
 def svd_spectral_power(W: torch.Tensor, p: int, dtype: torch.dtype) -> torch.Tensor:
     """``S_p`` through a thin SVD computed in ``dtype``."""
     U, s, Vh = torch.linalg.svd(W.to(dtype), full_matrices=False)

@@ -1,0 +1,58 @@
+"""What a user would otherwise run, measured in the same session as spectral_ops' own ops."""
+
+from __future__ import annotations
+
+import torch
+
+from spectral_ops.backends.torch_backend import compute_dtype, eigh_spectral_power, svd_spectral_power
+from spectral_ops.coefficients import polar_express_coefficients
+
+
+def svd_route(W: torch.Tensor, p: int, dtype: torch.dtype) -> torch.Tensor:
+    """``S_p`` from ``torch.linalg.svd`` in ``dtype``, cast back."""
+    return svd_spectral_power(W, p, dtype).to(W.dtype)
+
+
+def eigh_route(W: torch.Tensor, p: int) -> torch.Tensor:
+    """``S_p`` from ``torch.linalg.eigh`` of the small Gram."""
+    return eigh_spectral_power(W, p, compute_dtype(W.dtype)).to(W.dtype)
+
+
+def textbook_polar_express(W: torch.Tensor, coefficients=None) -> torch.Tensor:
+    """Polar Express as the paper's pseudo-code, on the full rectangle: no transpose to the wide
+    side (a tall input iterates with an ``m x m`` ``X X^T``) and no Gram shared with anything."""
+    coefficients = coefficients or polar_express_coefficients()
+    X = W.to(compute_dtype(W.dtype))
+    X = X / (1.01 * torch.linalg.matrix_norm(X)[..., None, None] + 1e-30)
+    for a, b, c in coefficients:
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.to(W.dtype)
+
+
+def textbook_spectral_power(W: torch.Tensor, p: int) -> torch.Tensor:
+    """``S_p`` from the textbook polar factor and plain matmuls: ``Q (W^T W)^k`` or ``W (W^T W)^k``."""
+    X = W.to(compute_dtype(W.dtype))
+    result = textbook_polar_express(X) if p % 2 == 0 else X
+    gram = X.mT @ X
+    for _ in range(p // 2):
+        result = result @ gram
+    return result.to(W.dtype)
+
+
+def torch_muon_newton_schulz(W: torch.Tensor) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation (5 bf16 steps of its quintic), matrix by matrix."""
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _zeropower_via_newtonschulz
+
+    matrices = W.reshape(-1, *W.shape[-2:])
+    results = [_zeropower_via_newtonschulz(m, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS)
+               for m in matrices]
+    return torch.stack(results).reshape(W.shape).to(W.dtype)
+
+
+def has_torch_muon() -> bool:
+    try:
+        from torch.optim._muon import _zeropower_via_newtonschulz  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -1,0 +1,112 @@
+"""``python bench/report.py RESULTS.json [--out FILE.md]``: pytest-benchmark JSON -> markdown tables.
+
+Main table, one row per (op, implementation, shape, dtype): median time with its p20-p80 range,
+TFLOP/s and percent of the measured dense-matmul peak (FLOP model in flops.py), and the speedup over
+the composed-torch route (``spectral_ops[torch]``) and over the FP32 SVD route (``svd32``) measured
+in the same run. A second table gives the CPU method-selection crossover, if it was run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+COMPOSED_TORCH = "spectral_ops[torch]"
+SVD_ROUTE = "svd32"
+
+
+def quantiles(entry) -> tuple[float, float, float]:
+    """Median and p20/p80 of the timing rounds (raw data needs ``--benchmark-save-data``;
+    without it, the quartiles stand in for p20/p80)."""
+    stats = entry["stats"]
+    data = stats.get("data")
+    if data and len(data) >= 2:
+        cuts = statistics.quantiles(data, n=10)
+        return stats["median"], cuts[1], cuts[7]
+    return stats["median"], stats["q1"], stats["q3"]
+
+
+def seconds(value: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if value >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value / 1e-9:.3g} ns"
+
+
+def shape_text(shape) -> str:
+    return "x".join(map(str, shape))
+
+
+def main_table(entries) -> list[str]:
+    rows = [e for e in entries if not e["extra_info"]["op"].startswith("select_")]
+    medians = {}
+    for e in rows:
+        info = e["extra_info"]
+        medians[(info["op"], shape_text(info["shape"]), info["dtype"], info["implementation"])] = e["stats"]["median"]
+    lines = ["| op | implementation | shape | dtype | median (p20-p80) | TFLOP/s | % of peak | vs composed torch | vs SVD route |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for e in sorted(rows, key=lambda e: (e["extra_info"]["op"], e["extra_info"]["shape"], e["extra_info"]["dtype"], e["stats"]["median"])):
+        info = e["extra_info"]
+        median, low, high = quantiles(e)
+        key = (info["op"], shape_text(info["shape"]), info["dtype"])
+        rate = info["flops"] / median if info["flops"] else 0.0
+        percent = f"{100 * rate / info['peak_flops']:.1f}%" if info.get("peak_flops") and rate else "-"
+
+        def speedup(baseline):
+            other = medians.get((*key, baseline))
+            return f"{other / median:.2f}x" if other else "-"
+
+        lines.append(f"| {info['op']} | {info['implementation']} | {key[1]} | {info['dtype']} | "
+                     f"{seconds(median)} ({seconds(low)}-{seconds(high)}) | {rate / 1e12:.3g} | {percent} | "
+                     f"{speedup(COMPOSED_TORCH)} | {speedup(SVD_ROUTE)} |")
+    return lines
+
+
+def selection_table(entries) -> list[str]:
+    """Per (p, shape, dtype): each method's median, the fastest, and how far ``auto`` is from it."""
+    table = defaultdict(dict)
+    for e in entries:
+        info = e["extra_info"]
+        if info["op"].startswith("select_"):
+            table[(info["op"][len("select_"):], tuple(info["shape"]), info["dtype"])][info["implementation"]] = e["stats"]["median"]
+    if not table:
+        return []
+    lines = ["| p | shape | dtype | gram | svd | eigh | auto | fastest | auto / fastest |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (p, shape, dtype), times in sorted(table.items()):
+        candidates = {m: t for m, t in times.items() if m != "auto"}
+        best = min(candidates, key=candidates.get)
+        cells = [seconds(times[m]) if m in times else "-" for m in ("gram", "svd", "eigh", "auto")]
+        ratio = times["auto"] / candidates[best] if "auto" in times else float("nan")
+        lines.append(f"| {p[1:]} | {shape_text(shape)} | {dtype} | {' | '.join(cells)} | {best} | {ratio:.2f} |")
+    return lines
+
+
+def render(results: dict) -> str:
+    entries = results["benchmarks"]
+    machine = results.get("machine_info", {})
+    header = [f"Benchmarks on {machine.get('cpu', {}).get('brand_raw', machine.get('processor', 'unknown CPU'))}, "
+              f"{results.get('datetime', '')}; device: {entries[0]['extra_info']['device'] if entries else '?'}.", ""]
+    selection = selection_table(entries)
+    body = main_table(entries)
+    if selection:
+        body += ["", "### Method selection (`spectral_power`, CPU)", ""] + selection
+    return "\n".join(header + body) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path)
+    parser.add_argument("--out", type=Path, help="write the markdown here too")
+    args = parser.parse_args(argv)
+    text = render(json.loads(args.results.read_text()))
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
