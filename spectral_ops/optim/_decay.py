@@ -94,8 +94,9 @@ def decay_parameters(params, group: dict, *, lr, peak_lr, spectral, ordinary) ->
 class SpectralOptimizer(Optimizer):
     """Shared construction for the family: defaults, validation and the peak lr of each group.
 
-    Subclasses set ``spectral_key``/``ordinary_key`` (the group keys of ``lambda_p``/``lambda_1``)
-    and may extend :meth:`check_group`.
+    Subclasses implement :meth:`step_group` (decay, then their update), set
+    ``spectral_key``/``ordinary_key`` (the group keys of ``lambda_p``/``lambda_1``) and may extend
+    :meth:`check_group`.
     """
 
     spectral_key = "spectral_weight_decay"
@@ -126,6 +127,22 @@ class SpectralOptimizer(Optimizer):
             spectral=group[self.spectral_key],
             ordinary=group[self.ordinary_key],
         )
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step for every group: :meth:`step_group` on its parameters that have a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = list(self.params_with_grad(group))
+            if params:
+                self.step_group(params, group)
+        return loss
+
+    def step_group(self, params, group: dict) -> None:
+        raise NotImplementedError
 
     @staticmethod
     def params_with_grad(group: dict):

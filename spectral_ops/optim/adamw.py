@@ -61,15 +61,6 @@ class SpectralAdamW(SpectralOptimizer):
         super().check_group(group)
         check_adam_options(group)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = list(self.params_with_grad(group))
-            if params:
-                self.decay_group(params, group)
-                adam_update_(params, group, self.state)
-        return loss
+    def step_group(self, params, group: dict) -> None:
+        self.decay_group(params, group)
+        adam_update_(params, group, self.state)

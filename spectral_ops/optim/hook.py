@@ -61,17 +61,8 @@ class SpectralDecay(SpectralOptimizer):
                 decay_parameters(params, group, lr=host["lr"], peak_lr=peak,
                                  spectral=group["weight_decay"], ordinary=group["ordinary_weight_decay"])
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        """Standalone use: decay every parameter with a gradient, with this object's own lr."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if group["lr"] is None:
-                raise ValueError("SpectralDecay.step() needs lr= (or attach it to an optimizer)")
-            params = list(self.params_with_grad(group))
-            if params:
-                self.decay_group(params, group)
-        return loss
+    def step_group(self, params, group: dict) -> None:
+        """Standalone use (``.step()``): decay with this object's own lr."""
+        if group["lr"] is None:
+            raise ValueError("SpectralDecay.step() needs lr= (or attach it to an optimizer)")
+        self.decay_group(params, group)

@@ -120,30 +120,20 @@ class SpectralMuon(SpectralOptimizer):
             if letter == "H" and size % heads:
                 raise ValueError(f"a head-wise block of {size} rows does not split into {heads} heads")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = list(self.params_with_grad(group))
-            if not params:
-                continue
-            if group["algorithm"] == "adamw":
-                self.decay_group(params, group)
-                adam_update_(params, group, self.state)
-                continue
-            updates = [self._momentum_update(param, group) for param in params]
-            directions = self._orthogonalize(updates, group)
-            self.decay_group([block for param in params for block in self._decay_blocks(param, group)], group)
-            lr = scalar(group["lr"])
-            for param, direction in zip(params, directions):
-                target = matrix_view(param)
-                for start, size, _ in row_blocks(target.shape[0], group):
-                    rows = slice(start, start + size)
-                    target[rows].add_(direction[rows], alpha=-adjusted_lr(lr, group["adjust_lr_fn"], (size, target.shape[1])))
-        return loss
+    def step_group(self, params, group: dict) -> None:
+        if group["algorithm"] == "adamw":
+            self.decay_group(params, group)
+            adam_update_(params, group, self.state)
+            return
+        updates = [self._momentum_update(param, group) for param in params]
+        directions = self._orthogonalize(updates, group)
+        self.decay_group([block for param in params for block in self._decay_blocks(param, group)], group)
+        lr = scalar(group["lr"])
+        for param, direction in zip(params, directions):
+            target = matrix_view(param)
+            for start, size, _ in row_blocks(target.shape[0], group):
+                scale = adjusted_lr(lr, group["adjust_lr_fn"], (size, target.shape[1]))
+                target[start:start + size].add_(direction[start:start + size], alpha=-scale)
 
     def _momentum_update(self, param, group) -> torch.Tensor:
         """Nesterov (or plain) momentum exactly as torch.optim.Muon: an EMA buffer, then a lerp."""

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from ._decay import DECAY_DEFAULTS, SpectralOptimizer, scalar
 
 
@@ -30,27 +28,17 @@ class SpectralSGD(SpectralOptimizer):
         if group["nesterov"] and (group["momentum"] == 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            params = list(self.params_with_grad(group))
-            if not params:
-                continue
-            self.decay_group(params, group)
-            momentum, lr = group["momentum"], scalar(group["lr"])
-            for param in params:
-                direction = param.grad
-                if momentum != 0:
-                    state = self.state[param]
-                    if "momentum_buffer" not in state:
-                        state["momentum_buffer"] = direction.detach().clone()
-                    else:
-                        state["momentum_buffer"].mul_(momentum).add_(direction, alpha=1 - group["dampening"])
-                    buffer = state["momentum_buffer"]
-                    direction = direction.add(buffer, alpha=momentum) if group["nesterov"] else buffer
-                param.add_(direction, alpha=-lr)
-        return loss
+    def step_group(self, params, group: dict) -> None:
+        self.decay_group(params, group)
+        momentum, lr = group["momentum"], scalar(group["lr"])
+        for param in params:
+            direction = param.grad
+            if momentum != 0:
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = direction.detach().clone()
+                else:
+                    state["momentum_buffer"].mul_(momentum).add_(direction, alpha=1 - group["dampening"])
+                buffer = state["momentum_buffer"]
+                direction = direction.add(buffer, alpha=momentum) if group["nesterov"] else buffer
+            param.add_(direction, alpha=-lr)
