@@ -1,0 +1,28 @@
+"""Reference experiments (SPEC 7.1-7.3 and the SPEC 5 feedback loop).
+
+``python -m spectral_ops.experiments NAME --out DIR [--quick]`` writes ``NAME.md`` (the table, also
+printed), ``NAME.json`` (the data) and ``NAME.png`` (the figure) into ``DIR``. ``--quick`` runs
+reduced settings in seconds (used by the tests); ``pure-decay --checkpoint PATH`` decays a saved
+state dict instead of the synthetic one. Each experiment is a module with
+``run(out_dir, quick=False, **options) -> markdown``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+EXPERIMENTS = {
+    "polar-accuracy": "polar_accuracy",
+    "linear-teacher": "linear_teacher",
+    "pure-decay": "pure_decay",
+    "feedback-loop": "feedback_loop",
+}
+
+
+def run(name: str, out_dir, quick: bool = False, **options) -> str:
+    """Run one experiment, write its files into ``out_dir`` and return its markdown report."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; choose from {', '.join(EXPERIMENTS)}")
+    # Imported on demand: matplotlib is only needed by the experiment that runs.
+    module = importlib.import_module(f".{EXPERIMENTS[name]}", __name__)
+    return module.run(out_dir, quick=quick, **options)

@@ -1,0 +1,121 @@
+"""Each reference experiment runs at --quick settings in seconds, writes its files, and its numbers
+obey the mathematics they illustrate."""
+
+import json
+
+import pytest
+import torch
+
+from spectral_ops import experiments
+from spectral_ops.experiments.__main__ import main
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The experiments multiply matrices of at most 512 x 128. On a shared 2-core machine, two OpenMP
+    threads then wait on each other at every product (64 x 64: ~6 ms instead of ~5 us); one is faster."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    """Run every experiment once (quick) and keep its markdown and parsed JSON."""
+    out = tmp_path_factory.mktemp("results")
+    results = {}
+    for name in experiments.EXPERIMENTS:
+        markdown = experiments.run(name, out, quick=True)
+        results[name] = (markdown, json.loads((out / f"{name}.json").read_text()))
+    return out, results
+
+
+@pytest.mark.parametrize("name", list(experiments.EXPERIMENTS))
+def test_experiment_writes_table_json_and_figure(outputs, name):
+    out, results = outputs
+    markdown, _ = results[name]
+    assert (out / f"{name}.md").read_text().strip() == markdown.strip()
+    assert "|---|" in markdown and f"experiments {name} --out" in markdown  # a table, and how to rerun it
+    assert (out / f"{name}.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_polar_accuracy_errors(outputs):
+    _, results = outputs
+    summary = {row["kappa"]: row for row in results["polar-accuracy"][1]["summary"]}
+    # Inside the design range (kappa = 10: every normalised mode >= 1e-3) FP32 round-off of ~30
+    # chained products bounds the error (~1e-5); p >= 2 stays there at any kappa, because the
+    # modes the polar factor fails to lift are multiplied by s^p <= 1e-12.
+    for row in summary.values():
+        for p in ("2", "4"):
+            assert row["max_relative_error"][p] < 1e-5
+    assert summary[10.0]["max_relative_error"]["0"] < 1e-5
+    # Below the design bound the polar factor is wrong by design (SPEC 1.3).
+    assert summary[1e6]["smallest_normalised_singular_value"] < 1e-3
+    assert summary[1e6]["max_relative_error"]["0"] > 1e-2
+
+
+def test_linear_teacher_results(outputs):
+    _, results = outputs
+    data = results["linear-teacher"][1]
+    by_p = data["results"]
+    for r in by_p.values():
+        # 300 quick steps contract the error to ~(1 - lr)^300 ~ 2e-14 of the teacher's scale.
+        assert r["max_singular_value_error"] < 1e-12
+        assert r["covariance_identity_error"] < 1e-14
+        assert r["output_singular_value_error"] < 1e-13
+    # p = 1 only rescales: the shape, hence every effective rank, is the teacher's. p > 1 flattens
+    # the spectrum (ranks rise with p); p = 0 sharpens it.
+    teacher = data["teacher"]
+    assert abs(by_p["1"]["effective_rank"] - teacher["effective_rank"]) < 1e-12
+    ranks = [by_p[p]["effective_rank"] for p in ("0", "1", "2", "4")]
+    energy_ranks = [by_p[p]["output_energy_rank"] for p in ("0", "1", "2", "4")]
+    assert ranks == sorted(ranks) and energy_ranks == sorted(energy_ranks)
+
+
+def test_pure_decay_results(outputs):
+    _, results = outputs
+    data = results["pure-decay"][1]
+    flow = data["flow"]["results"]
+    start = data["flow"]["start"]
+    # p = 1 keeps the shape exactly; p = 2 flattens it monotonically with the decay amount.
+    assert all(abs(row["stable_rank"] - start["stable_rank"]) < 1e-9 for row in flow["1"])
+    stable_p2 = [row["stable_rank"] for row in flow["2"]]
+    assert stable_p2 == sorted(stable_p2)
+    surviving_p0 = [row["surviving_modes"] for row in flow["0"]]
+    assert surviving_p0 == sorted(surviving_p0, reverse=True) and surviving_p0[-1] < surviving_p0[0]
+    checkpoint = data["checkpoint"]
+    assert checkpoint["source"] == "synthetic"
+    for row in checkpoint["results"]:
+        assert 0 < row["frobenius_ratio"] < 1
+        if row["p"] == 1:
+            assert abs(row["stable_rank_change"]) < 1e-6 and row["shape_distance"] < 1e-6  # float32 storage
+        elif row["p"] > 1:
+            assert row["stable_rank_change"] > 0
+
+
+def test_feedback_loop_results(outputs):
+    _, results = outputs
+    data = results["feedback-loop"][1]
+    for labels in data["regime_maps"].values():
+        assert {label for row in labels for label in row} <= {"converge", "oscillate", "diverge"}
+    # Decay shrinks the norm once the direction is learned: the effective lr rises above the nominal one.
+    assert all(t["peak_effective_lr_over_initial"] > 1 for t in data["trajectories"].values())
+
+
+def test_command_line_decays_a_saved_checkpoint(tmp_path, capsys):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.LayerNorm(24), torch.nn.Linear(24, 8))
+    path = tmp_path / "model.pt"
+    torch.save(model.state_dict(), path)
+    main(["pure-decay", "--out", str(tmp_path), "--quick", "--checkpoint", str(path)])
+    printed = capsys.readouterr().out
+    assert printed.strip() == (tmp_path / "pure-decay.md").read_text().strip()
+    assert f"--checkpoint {path}" in printed
+    checkpoint = json.loads((tmp_path / "pure-decay.json").read_text())["checkpoint"]
+    assert checkpoint["source"] == str(path) and checkpoint["matrices"] == ["0.weight", "2.weight"]
+    with pytest.raises(SystemExit):
+        main(["no-such-experiment", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        main(["polar-accuracy", "--out", str(tmp_path), "--checkpoint", str(path)])
