@@ -7,10 +7,11 @@ Roles are recognised from parameter names by regular expressions (override any o
 
 from __future__ import annotations
 
-import math
 import re
 
 import torch
+
+from ..analysis import width_scaled_hyperparameters
 
 ROLE_PATTERNS = {
     "q": r"(^|\.)(q_proj|wq|query|to_q|q)\.weight$",
@@ -91,17 +92,16 @@ def width_transfer(groups, base_width: int, width: int) -> list[dict]:
     vector, or ``algorithm="adamw"``) keep their lr and get no weight decay. Returns new groups."""
     if base_width <= 0 or width <= 0:
         raise ValueError(f"widths must be positive, got base_width={base_width}, width={width}")
-    ratio = width / base_width
     scaled = []
     for group in groups:
         group = dict(group)
-        vector_like = group.get("role") in NON_MATRIX_ROLES or group.get("algorithm") == "adamw"
-        if vector_like:
-            group["weight_decay"] = 0.0
-        else:
-            if "lr" not in group or "weight_decay" not in group:
-                raise ValueError(f"matrix group {group.get('role', '?')!r} needs explicit lr and weight_decay to scale")
-            group["lr"] = group["lr"] / ratio
-            group["weight_decay"] = group["weight_decay"] * math.sqrt(ratio)
+        kind = "vector" if group.get("role") in NON_MATRIX_ROLES or group.get("algorithm") == "adamw" else "matrix"
+        if kind == "matrix" and ("lr" not in group or "weight_decay" not in group):
+            raise ValueError(f"matrix group {group.get('role', '?')!r} needs explicit lr and weight_decay to scale")
+        lr, weight_decay = width_scaled_hyperparameters(group.get("lr"), group.get("weight_decay", 0.0),
+                                                        base_width, width, kind)
+        group["weight_decay"] = weight_decay
+        if kind == "matrix":
+            group["lr"] = lr
         scaled.append(group)
     return scaled
