@@ -19,7 +19,7 @@ $(STAMP): requirements-test.txt pyproject.toml setup.py CMakeLists.txt $(wildcar
 
 demo: $(STAMP)
 	$(PY) -m spectral_ops
-	$(PY) -m spectral_ops.demo
+	$(PY) -m spectral_ops.train demo
 
 # The benchmarks run once each, untimed, as a smoke test.
 test: $(STAMP)

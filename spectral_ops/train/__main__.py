@@ -1,0 +1,74 @@
+"""``python -m spectral_ops.train [train|sweep|report|demo] ...`` (``train`` when omitted).
+
+* ``train``: one run (``--preset``, ``--config FILE.json``, any ``--field value``; ``--resume``).
+* ``sweep``: a grid, ``--powers 0 1 2 4 --coefficients 0.01 0.03`` or ``--recipes HHH HHF HHF+p2V``
+  (SPEC 7.5) / ``p1 pA0pM2`` (SPEC 7.6), optionally ``--lrs``; writes ``summary.{md,csv,json}``.
+* ``report RUN_DIRS... --out DIR``: the plots and tables of ``report.py``.
+* ``demo``: the README's main job: the ``tiny`` preset with ``p`` = 1, 2 and 4 at one raw
+  coefficient on the standard-library corpus, a comparison table and the report plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .config import add_config_arguments, config_from_arguments, preset
+from .loop import train
+from .sweep import RECIPES, run_sweep
+
+COMMANDS = ("train", "sweep", "report", "demo")
+
+
+def parser() -> argparse.ArgumentParser:
+    main = argparse.ArgumentParser(prog="python -m spectral_ops.train", description=__doc__.splitlines()[0])
+    commands = main.add_subparsers(dest="command", required=True)
+    train_parser = commands.add_parser("train", help="one run")
+    add_config_arguments(train_parser)
+    train_parser.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint.pt")
+
+    sweep_parser = commands.add_parser("sweep", help="a grid of runs")
+    add_config_arguments(sweep_parser)
+    sweep_parser.add_argument("--out", type=Path, default=Path("runs/sweep"))
+    sweep_parser.add_argument("--powers", type=int, nargs="+", default=[0, 1, 2, 4])
+    sweep_parser.add_argument("--coefficients", type=float, nargs="+", default=[0.01])
+    sweep_parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=[])
+    sweep_parser.add_argument("--lrs", type=float, nargs="+", default=[])
+
+    report_parser = commands.add_parser("report", help="plots and tables from finished runs")
+    report_parser.add_argument("runs", type=Path, nargs="+")
+    report_parser.add_argument("--out", type=Path, default=Path("runs/report"))
+
+    demo_parser = commands.add_parser("demo", help="the README's main job")
+    demo_parser.add_argument("--out", type=Path, default=Path("runs/demo"))
+    demo_parser.add_argument("--coefficient", type=float, default=0.3)
+    demo_parser.add_argument("--steps", type=int, default=None, help="override the tiny preset's steps")
+    return main
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        argv.insert(0, "train")
+    args = parser().parse_args(argv)
+    if args.command == "train":
+        train(config_from_arguments(args), resume=args.resume)
+    elif args.command == "sweep":
+        run_sweep(config_from_arguments(args), args.out, powers=args.powers, coefficients=args.coefficients,
+                  recipes=args.recipes, lrs=args.lrs)
+    elif args.command == "report":
+        from .report import report
+
+        print(report(args.runs, args.out))
+    else:
+        from .report import report
+
+        overrides = {"steps": args.steps} if args.steps else {}
+        rows = run_sweep(preset("tiny", **overrides), args.out, powers=[1, 2, 4], coefficients=[args.coefficient])
+        report([args.out / row["run"] for row in rows], args.out / "report")
+        print(f"\nreport plots and tables: {args.out / 'report'}")
+
+
+if __name__ == "__main__":
+    main()

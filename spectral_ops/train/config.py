@@ -1,0 +1,133 @@
+"""Run configuration: presets, and overrides from a JSON file or the command line.
+
+Every field can be overridden: ``--config run.json`` sets any subset of fields, then
+``--FIELD VALUE`` flags (``--d-model 256``) win over it. The GPU presets follow SPEC 7.4-7.5
+(SwiGLU, Muon, peak lr 0.005, 256 warm-up steps, cosine to 0.1x, ordinary WD 0.1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "tiny"
+    # model
+    n_layers: int = 2
+    d_model: int = 128
+    n_heads: int = 4
+    mlp_hidden: int = 0
+    seq_len: int = 128
+    tied_embeddings: bool = False
+    # data
+    data: str | None = None  # None: the Python standard library
+    batch_size: int = 16
+    grad_accum: int = 1
+    val_batches: int = 8
+    # optimisation
+    optimizer: str = "adamw"  # adamw | muon | sgd
+    lr: float = 3e-3  # peak lr of the matrices (and of everything under adamw/sgd)
+    vector_lr: float = 0.0  # Muon's internal AdamW (embeddings, norms, head); 0: same as lr
+    steps: int = 300
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of the peak
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0  # ordinary lambda_1 on matrices
+    convention: str = "decoupled"
+    p: int = 1  # spectral power of every matrix unless overridden below
+    spectral_weight_decay: float = 0.0  # lambda_p
+    p_attention: int | None = None
+    p_mlp: int | None = None
+    lambda_attention: float | None = None
+    lambda_mlp: float | None = None
+    qkv_recipe: str = ""  # Muon: H (head-wise) / F (full) for Q, K, V, e.g. "HHF"
+    p_v: int | None = None  # extra rule for V (SPEC 7.5: p = 2 on top of ordinary WD)
+    lambda_v: float | None = None
+    p0_mode: str = "explicit"
+    stability: str = "clamp"
+    # logging and checkpoints
+    log_every: int = 50
+    checkpoint_every: int = 0  # 0: only at the end
+    out_dir: str = "runs/run"
+    seed: int = 0
+    device: str = "auto"  # auto: cuda if available
+    notes: dict = field(default_factory=dict)
+
+    def model_config(self):
+        from .model import ModelConfig
+
+        return ModelConfig(n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads,
+                           mlp_hidden=self.mlp_hidden, max_seq_len=self.seq_len,
+                           tied_embeddings=self.tied_embeddings)
+
+
+PRESETS = {
+    # A CPU demo: a couple of minutes on 2 cores.
+    "tiny": dict(n_layers=2, d_model=128, n_heads=4, seq_len=128, batch_size=16, steps=300,
+                 warmup_steps=30, lr=3e-3, log_every=50),
+    # A CPU sweep point: ~10 minutes per run on 2 cores.
+    "small": dict(n_layers=4, d_model=192, n_heads=3, seq_len=128, batch_size=16, steps=800,
+                  warmup_steps=80, lr=3e-3, log_every=100),
+    # SPEC 7.4: 8 layers, width 512, on a GPU.
+    "paper8": dict(n_layers=8, d_model=512, n_heads=4, seq_len=1024, batch_size=64, steps=5000,
+                   warmup_steps=256, optimizer="muon", lr=0.005, vector_lr=0.005, weight_decay=0.1,
+                   min_lr_ratio=0.1, log_every=250, checkpoint_every=1000, val_batches=16),
+    # SPEC 7.5: 12 layers, width 768, head dim 128, sequence 4096, 524,288 tokens per step.
+    "paper12": dict(n_layers=12, d_model=768, n_heads=6, seq_len=4096, batch_size=16, grad_accum=8,
+                    steps=16204, warmup_steps=256, optimizer="muon", lr=0.005, vector_lr=0.005,
+                    weight_decay=0.1, min_lr_ratio=0.1, log_every=500, checkpoint_every=2000, val_batches=16),
+}
+
+
+def preset(name: str, **overrides) -> TrainConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    return TrainConfig(preset=name, **{**PRESETS[name], **overrides})
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() in ("true", "1", "yes")
+
+
+_PARSERS = {"int": int, "float": float, "str": str, "bool": _parse_bool}
+CLI_FIELDS = [f for f in fields(TrainConfig) if f.name not in ("preset", "notes")]
+
+
+def _parser_for(annotation: str):
+    """``"int"`` -> int; ``"int | None"`` -> int, or None for the word "none"."""
+    base, _, optional = annotation.partition(" | ")
+    parse = _PARSERS[base]
+    return (lambda text: None if text.lower() == "none" else parse(text)) if optional else parse
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--preset``, ``--config FILE.json`` and one ``--field-name`` flag per config field."""
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS,
+                        help="starting point (default: tiny)")
+    parser.add_argument("--config", type=Path, help="JSON file with any subset of the fields")
+    for f in CLI_FIELDS:
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_parser_for(f.type),
+                            default=argparse.SUPPRESS, metavar=f.type.split(" ")[0].upper())
+
+
+def config_from_arguments(args: argparse.Namespace) -> TrainConfig:
+    """Preset, then the JSON file, then the command-line flags."""
+    overrides = json.loads(args.config.read_text()) if getattr(args, "config", None) else {}
+    unknown = set(overrides) - {f.name for f in fields(TrainConfig)}
+    if unknown:
+        raise ValueError(f"{args.config}: unknown config fields {sorted(unknown)}")
+    overrides.update({f.name: getattr(args, f.name) for f in CLI_FIELDS if hasattr(args, f.name)})
+    name = getattr(args, "preset", None) or overrides.pop("preset", "tiny")
+    overrides.pop("preset", None)
+    return preset(name, **overrides)
+
+
+def to_dict(config: TrainConfig) -> dict:
+    return dataclasses.asdict(config)

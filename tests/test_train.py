@@ -1,0 +1,171 @@
+"""The reference training loop: presets, data, a short run, resume, sweep and report."""
+
+import json
+
+import pytest
+import torch
+
+import spectral_ops.metrics
+from spectral_ops.train import PRESETS, Transformer, preset, train
+from spectral_ops.train import data as data_module
+from spectral_ops.train import loop
+from spectral_ops.train.__main__ import main
+from spectral_ops.train.schedule import lr_multiplier
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds_its_model_with_the_formula_parameter_count(name):
+    config = preset(name)
+    with torch.device("meta"):  # paper12 is 100M parameters: count without allocating them
+        model = Transformer(config.model_config())
+    assert sum(p.numel() for p in model.parameters()) == config.model_config().parameter_count()
+
+
+def test_tied_embeddings_drop_the_head():
+    config = preset("tiny", tied_embeddings=True).model_config()
+    model = Transformer(config)
+    assert model.lm_head is None and sum(p.numel() for p in model.parameters()) == config.parameter_count()
+    assert model(torch.zeros(1, 5, dtype=torch.long)).shape == (1, 5, 256)
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    values = [lr_multiplier(step, 100, 10, 0.1) for step in range(100)]
+    assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
+    assert values[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(values[9:], values[10:]))
+
+
+@pytest.fixture
+def corpus_dir(tmp_path, monkeypatch):
+    """A small generated corpus of 40 files, and a private token cache."""
+    monkeypatch.setattr(data_module, "DEFAULT_CACHE", tmp_path / "cache")
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    generator = torch.Generator().manual_seed(0)
+    words = ["alpha", "beta", "gamma", "delta", "spectral", "decay", "matrix", "power"]
+    for i in range(40):
+        picks = torch.randint(0, len(words), (400,), generator=generator).tolist()
+        (folder / f"file{i:02d}.txt").write_text(" ".join(words[j] for j in picks) + "\n")
+    return folder
+
+
+def tiny_run(tmp_path, corpus_dir, **overrides):
+    options = dict(n_layers=1, d_model=32, n_heads=2, seq_len=32, batch_size=4, steps=6, warmup_steps=2,
+                   log_every=1, val_batches=2, data=str(corpus_dir), out_dir=str(tmp_path / "run"),
+                   p=2, spectral_weight_decay=0.1, lr=1e-2)
+    options.update(overrides)
+    return preset("tiny", **options)
+
+
+def test_data_split_is_by_file_and_deterministic(corpus_dir):
+    corpus = data_module.load_corpus(str(corpus_dir))
+    files = sorted(corpus_dir.iterdir())
+    validation_files = [p for p, v in zip(files, data_module.validation_flags([p.name for p in files])) if v]
+    assert 0 < len(validation_files) < 40
+    assert len(corpus.val) == sum(p.stat().st_size for p in validation_files)
+    first, second = (data_module.train_batch(corpus, 7, 4, 16, seed=1) for _ in range(2))
+    assert torch.equal(first[0], second[0]) and torch.equal(first[0][:, 1:], first[1][:, :-1])
+
+
+def test_default_corpus_is_the_standard_library():
+    root, files = data_module.stdlib_files()
+    assert files and all(f.suffix == ".py" and "site-packages" not in f.parts for f in files)
+    assert files == sorted(files)
+
+
+def test_a_short_run_lowers_the_loss_on_a_fixed_batch_and_writes_its_logs(tmp_path, corpus_dir):
+    config = tiny_run(tmp_path, corpus_dir, steps=20, log_every=10)
+    corpus = data_module.load_corpus(config.data)
+    batch = data_module.validation_batches(corpus, 1, 4, config.seq_len)[0]
+
+    def loss_of(model):
+        with torch.no_grad():
+            return torch.nn.functional.cross_entropy(model(batch[0]).flatten(0, 1), batch[1].flatten()).item()
+
+    torch.manual_seed(config.seed)
+    before = loss_of(Transformer(config.model_config()))
+    history = train(config, progress=False)
+    state = torch.load(tmp_path / "run" / loop.CHECKPOINT, weights_only=False)
+    trained = Transformer(config.model_config())
+    trained.load_state_dict(state["model"])
+    assert loss_of(trained) < before
+    assert [r["step"] for r in history] == [10, 20]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[-1])["val_bpb"] == history[-1]["val_bpb"]
+    assert (tmp_path / "run" / "metrics.csv").read_text().startswith("step,train_loss")
+    for key in ("mlp_expand/stable_rank", "qk/stable_rank", "attention/entropy", "v/cross_head_cka", "o/effective_lr"):
+        assert torch.isfinite(torch.tensor(history[-1][key]))
+
+
+def test_resume_gives_identical_losses(tmp_path, corpus_dir, monkeypatch):
+    reference = train(tiny_run(tmp_path / "a", corpus_dir, checkpoint_every=3), progress=False)
+
+    interrupted = tiny_run(tmp_path / "b", corpus_dir, checkpoint_every=3)
+    real_save = loop.save_checkpoint
+
+    def save_then_crash(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        train(interrupted, progress=False)
+    monkeypatch.setattr(loop, "save_checkpoint", real_save)
+    resumed = train(interrupted, resume=True, progress=False)
+    assert [r["train_loss"] for r in resumed] == [r["train_loss"] for r in reference]
+    assert [r["val_bpb"] for r in resumed] == [r["val_bpb"] for r in reference]
+
+
+def test_metric_logging_uses_the_metrics_module(tmp_path, corpus_dir, monkeypatch):
+    calls = []
+    original = spectral_ops.metrics.matrix_metrics
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(spectral_ops.metrics, "matrix_metrics", counting)
+    train(tiny_run(tmp_path, corpus_dir, steps=2, log_every=2), progress=False)
+    assert len(calls) == 6  # one batched call per module type
+
+
+@pytest.mark.parametrize("optimizer, extra", [("muon", ["--qkv-recipe", "HHF", "--p-v", "2", "--lambda-v", "0.01"]),
+                                              ("sgd", ["--p-attention", "0", "--p-mlp", "2"])])
+def test_command_line_train_with_recipes(tmp_path, corpus_dir, optimizer, extra):
+    main(["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--seq-len", "32", "--batch-size", "2",
+          "--steps", "2", "--log-every", "2", "--val-batches", "1", "--data", str(corpus_dir),
+          "--optimizer", optimizer, "--out-dir", str(tmp_path / "cli"), *extra])
+    config = json.loads((tmp_path / "cli" / "config.json").read_text())
+    assert config["optimizer"] == optimizer and (tmp_path / "cli" / "checkpoint.pt").exists()
+
+
+def test_config_file_then_flags(tmp_path, corpus_dir):
+    (tmp_path / "run.json").write_text(json.dumps({"preset": "small", "d_model": 64, "n_heads": 2, "steps": 7}))
+    from spectral_ops.train.__main__ import parser
+    from spectral_ops.train.config import config_from_arguments
+
+    config = config_from_arguments(parser().parse_args(["train", "--config", str(tmp_path / "run.json"), "--steps", "3"]))
+    assert (config.preset, config.d_model, config.steps, config.n_layers) == ("small", 64, 3, PRESETS["small"]["n_layers"])
+    (tmp_path / "bad.json").write_text(json.dumps({"depth": 3}))
+    with pytest.raises(ValueError, match="unknown config fields"):
+        config_from_arguments(parser().parse_args(["train", "--config", str(tmp_path / "bad.json")]))
+
+
+def test_sweep_and_report_produce_their_files(tmp_path, corpus_dir):
+    common = ["--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--seq-len", "32", "--batch-size", "2",
+              "--steps", "2", "--log-every", "2", "--val-batches", "1", "--data", str(corpus_dir)]
+    main(["sweep", *common, "--powers", "1", "2", "--coefficients", "0.05", "--out", str(tmp_path / "sweep")])
+    rows = json.loads((tmp_path / "sweep" / "summary.json").read_text())
+    assert [row["p"] for row in rows] == [1, 2]
+    assert (tmp_path / "sweep" / "summary.md").read_text().startswith("| run |")
+    main(["report", str(tmp_path / "sweep" / "p1_lam0.05"), str(tmp_path / "sweep" / "p2_lam0.05"),
+          "--out", str(tmp_path / "report")])
+    for name in ("spectra.png", "spectra.md", "spectra.json", "histograms.png", "validation.png",
+                 "coefficients.png", "pure_decay.png", "pure_decay.md"):
+        assert (tmp_path / "report" / name).stat().st_size > 0
+
+
+def test_demo_command_runs_on_the_standard_library(tmp_path, capsys):
+    main(["demo", "--steps", "2", "--out", str(tmp_path / "demo")])
+    printed = capsys.readouterr().out
+    assert "| p1_lam0.3 | 1 |" in printed and "| p4_lam0.3 | 4 |" in printed
+    assert (tmp_path / "demo" / "report" / "spectra.png").exists()
