@@ -5,7 +5,7 @@ float32, float16 or bfloat16. ``spectral_ops.dispatch`` picks the backend (CUDA 
 Triton, then PyTorch) per call; ``spectral_ops.reference`` holds the FP64 SVD oracles.
 """
 
-from . import reference
+from . import analysis, metrics, optim, reference
 from ._version import __version__
 from .coefficients import MUON_QUINTIC, NEWTON_SCHULZ_SIGN, polar_express_coefficients
 from .decay import Band, SpectralStabilityError, spectral_decay_
@@ -22,6 +22,9 @@ from .ops import (
 
 __all__ = [
     "__version__",
+    "analysis",
+    "metrics",
+    "optim",
     "Band",
     "BackendUnavailableError",
     "MUON_QUINTIC",
