@@ -200,7 +200,8 @@ def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None 
     """Singular-value soft-thresholding ``U (S - t)_+ V^T = (W - t Q) P_top(t)``, without an SVD.
 
     Exact in exact arithmetic; numerically limited by the polar factor's design bound and by the
-    gap of the singular values around ``t`` (as for :func:`band_projectors`).
+    gap of the singular values around ``t`` (as for :func:`band_projectors`): a mode the sign steps
+    do not resolve comes out as ``pi (s - t)`` with ``pi`` in [0, 1], an error of at most ``|s - t|``.
     """
     _validated(W)
     check_coefficient(t, "t", positive=True)
