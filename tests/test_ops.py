@@ -253,3 +253,14 @@ def test_spectral_norm_bounds_bracket_the_largest_singular_value():
     s_max = torch.linalg.matrix_norm(W, 2)
     assert (lower <= s_max * (1 + 1e-12)).all() and (s_max <= upper * (1 + 1e-12)).all()
     assert (upper / lower <= 48 ** (1 / 32) * (1 + 1e-12)).all()
+
+
+def test_svt_error_on_unresolved_modes_is_bounded_by_their_distance_to_the_threshold():
+    t = 1.0
+    s = torch.tensor([3.0, 2.0, 1.0 + 1e-6, 1.0 - 1e-6, 0.5, 0.2], dtype=torch.float64)
+    W = matrix_with_spectrum((10, 6), s, torch.float64, seed=8)
+    U, _, Vh = torch.linalg.svd(W, full_matrices=False)
+    per_mode = torch.diagonal(U.mT @ so.svt(W, t) @ Vh.mT)
+    exact = (s - t).clamp_min(0)
+    assert ((per_mode - exact).abs() <= (s - t).abs() + 1e-12).all()
+    assert torch.allclose(per_mode[[0, 1, 4, 5]], exact[[0, 1, 4, 5]], atol=1e-10)  # resolved modes are exact
