@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -24,6 +25,37 @@ spectral_ops::TensorDesc to_desc(const char* name, const DescArgs& args) {
   const auto& [data, shape, strides, dtype_code, device] = args;
   return spectral_ops::make_tensor_desc(name, data, shape, strides, dtype_code, device);
 }
+
+std::optional<spectral_ops::TensorDesc> to_optional_desc(const char* name, const std::optional<DescArgs>& args) {
+  if (!args) return std::nullopt;
+  return to_desc(name, *args);
+}
+
+spectral_ops::ScaleArg to_scale(const char* name, double value, const std::optional<DescArgs>& per_matrix) {
+  return {value, to_optional_desc(name, per_matrix)};
+}
+
+cudaStream_t to_stream(uintptr_t stream) { return reinterpret_cast<cudaStream_t>(stream); }
+
+// gemm and syrk share one signature: out = alpha * (a @ b) + beta * y.
+template <auto kOp>
+void matmul_binding(const DescArgs& a_args, const DescArgs& b_args, const DescArgs& out_args,
+                    const std::optional<DescArgs>& y_args, double alpha, const std::optional<DescArgs>& alpha_per_matrix,
+                    double beta, const std::optional<DescArgs>& beta_per_matrix, int precision, uintptr_t stream) {
+  const spectral_ops::TensorDesc a = to_desc("a", a_args);
+  const spectral_ops::TensorDesc b = to_desc("b", b_args);
+  const spectral_ops::TensorDesc out = to_desc("out", out_args);
+  const std::optional<spectral_ops::TensorDesc> y = to_optional_desc("y", y_args);
+  const spectral_ops::ScaleArg alpha_arg = to_scale("alpha_per_matrix", alpha, alpha_per_matrix);
+  const spectral_ops::ScaleArg beta_arg = to_scale("beta_per_matrix", beta, beta_per_matrix);
+  py::gil_scoped_release release;
+  kOp(a, b, out, y ? &*y : nullptr, alpha_arg, beta_arg, precision, to_stream(stream));
+}
+
+constexpr const char* kMatmulArgs =
+    "a, b, out, y: tensor descriptors (data_ptr, shape, strides, dtype_code, device_index), y may be None;\n"
+    "alpha and beta: numbers, each times an optional float32 per-matrix vector descriptor;\n"
+    "precision: 0 = fp32 FMA, 1 = 3xTF32 (float32 operands); stream: an integer cudaStream_t. See csrc/ops.h.";
 
 std::vector<std::string> compiled_archs() {
   std::vector<std::string> archs;
@@ -70,15 +102,81 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "decay_epilogue_",
       [](const DescArgs& w_args, const DescArgs& d_args, double alpha, double beta, bool stochastic_rounding,
-         uint64_t seed, uint64_t offset, uintptr_t stream) {
+         uint64_t seed, uint64_t offset, uintptr_t stream, const std::optional<DescArgs>& alpha_per_matrix,
+         const std::optional<DescArgs>& beta_per_matrix) {
         const spectral_ops::TensorDesc w = to_desc("w", w_args);
         const spectral_ops::TensorDesc d = to_desc("d", d_args);
+        const spectral_ops::ScaleArg alpha_arg = to_scale("alpha_per_matrix", alpha, alpha_per_matrix);
+        const spectral_ops::ScaleArg beta_arg = to_scale("beta_per_matrix", beta, beta_per_matrix);
         py::gil_scoped_release release;
-        spectral_ops::decay_epilogue_(w, d, alpha, beta, stochastic_rounding, seed, offset,
-                                      reinterpret_cast<cudaStream_t>(stream));
+        spectral_ops::decay_epilogue_(w, d, alpha_arg, beta_arg, stochastic_rounding, seed, offset, to_stream(stream));
       },
       py::arg("w"), py::arg("d"), py::arg("alpha"), py::arg("beta"), py::arg("stochastic_rounding"), py::arg("seed"),
-      py::arg("offset"), py::arg("stream"),
+      py::arg("offset"), py::arg("stream"), py::arg("alpha_per_matrix") = py::none(),
+      py::arg("beta_per_matrix") = py::none(),
       "W <- alpha * W + beta * D in place on `stream` (an integer cudaStream_t). w and d are tensor descriptors\n"
-      "(data_ptr, shape, strides, dtype_code, device_index); see csrc/ops.h for the full contract.");
+      "(data_ptr, shape, strides, dtype_code, device_index); alpha/beta may each be multiplied by a float32\n"
+      "per-matrix vector descriptor. See csrc/ops.h for the full contract.");
+
+  m.def("gemm", &matmul_binding<spectral_ops::gemm>, py::arg("a"), py::arg("b"), py::arg("out"), py::arg("y"),
+        py::arg("alpha"), py::arg("alpha_per_matrix"), py::arg("beta"), py::arg("beta_per_matrix"),
+        py::arg("precision"), py::arg("stream"),
+        (std::string("out = alpha * (a @ b) + beta * y, batched, fp32 accumulation.\n") + kMatmulArgs).c_str());
+  m.def("syrk", &matmul_binding<spectral_ops::syrk>, py::arg("a"), py::arg("b"), py::arg("out"), py::arg("y"),
+        py::arg("alpha"), py::arg("alpha_per_matrix"), py::arg("beta"), py::arg("beta_per_matrix"),
+        py::arg("precision"), py::arg("stream"),
+        (std::string("The symmetric product: as gemm, computing lower-triangle tiles only (y symmetric).\n") +
+         kMatmulArgs)
+            .c_str());
+
+  m.def(
+      "poly_step",
+      [](const DescArgs& a_args, const DescArgs& out_args, double b, double c, int precision, uintptr_t stream) {
+        const spectral_ops::TensorDesc a = to_desc("a", a_args);
+        const spectral_ops::TensorDesc out = to_desc("out", out_args);
+        py::gil_scoped_release release;
+        spectral_ops::poly_step(a, out, b, c, precision, to_stream(stream));
+      },
+      py::arg("a"), py::arg("out"), py::arg("b"), py::arg("c"), py::arg("precision"), py::arg("stream"),
+      "out = b * A + c * A @ A for symmetric A, one symmetric-product launch.");
+
+  m.def(
+      "sign_step",
+      [](const DescArgs& z_args, const DescArgs& out_args, const DescArgs& square_args, const DescArgs& poly_args,
+         double a, double b, double c, int precision, uintptr_t stream) {
+        const spectral_ops::TensorDesc z = to_desc("z", z_args);
+        const spectral_ops::TensorDesc out = to_desc("out", out_args);
+        const spectral_ops::TensorDesc square = to_desc("square_workspace", square_args);
+        const spectral_ops::TensorDesc poly = to_desc("poly_workspace", poly_args);
+        py::gil_scoped_release release;
+        spectral_ops::sign_step(z, out, square, poly, a, b, c, precision, to_stream(stream));
+      },
+      py::arg("z"), py::arg("out"), py::arg("square_workspace"), py::arg("poly_workspace"), py::arg("a"), py::arg("b"),
+      py::arg("c"), py::arg("precision"), py::arg("stream"),
+      "out = Z (a I + b Z^2 + c Z^4) for symmetric Z: three symmetric-product launches through the workspaces.");
+
+  m.def(
+      "small_chain",
+      [](const DescArgs& w_args, const DescArgs& out_args, const std::optional<DescArgs>& x_args,
+         const std::optional<DescArgs>& g_args, int p, const std::vector<std::array<double, 3>>& coefficients,
+         double alpha, const std::optional<DescArgs>& alpha_per_matrix, double beta,
+         const std::optional<DescArgs>& beta_per_matrix, double shrink, uintptr_t stream) {
+        const spectral_ops::TensorDesc w = to_desc("w", w_args);
+        const spectral_ops::TensorDesc out = to_desc("out", out_args);
+        const std::optional<spectral_ops::TensorDesc> x_ws = to_optional_desc("x_workspace", x_args);
+        const std::optional<spectral_ops::TensorDesc> g_ws = to_optional_desc("gram_workspace", g_args);
+        const spectral_ops::ScaleArg alpha_arg = to_scale("alpha_per_matrix", alpha, alpha_per_matrix);
+        const spectral_ops::ScaleArg beta_arg = to_scale("beta_per_matrix", beta, beta_per_matrix);
+        py::gil_scoped_release release;
+        spectral_ops::small_chain(w, out, x_ws ? &*x_ws : nullptr, g_ws ? &*g_ws : nullptr, p, coefficients, alpha_arg,
+                                  beta_arg, shrink, to_stream(stream));
+      },
+      py::arg("w"), py::arg("out"), py::arg("x_workspace"), py::arg("gram_workspace"), py::arg("p"),
+      py::arg("coefficients"), py::arg("alpha"), py::arg("alpha_per_matrix"), py::arg("beta"),
+      py::arg("beta_per_matrix"), py::arg("shrink"), py::arg("stream"),
+      "out = alpha * w + beta * S_p(w) for wide w (..., r, n), r <= small_chain_max_side, one block per matrix.");
+  m.def("small_chain_shared_bytes", &spectral_ops::small_chain_shared_bytes, py::arg("r"), py::arg("p"),
+        "Dynamic shared memory (bytes) one small_chain block needs for this small side and power.");
+  m.attr("small_chain_max_side") = spectral_ops::kSmallChainMaxSide;
+  m.attr("small_chain_max_steps") = spectral_ops::kSmallChainMaxSteps;
 }

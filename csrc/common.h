@@ -41,7 +41,8 @@ inline const char* dtype_name(DType dtype) {
   return "unknown";
 }
 
-inline int64_t element_size(DType dtype) {
+// Also called from device code (csrc/device.cuh).
+__host__ __device__ inline int64_t element_size(DType dtype) {
   switch (dtype) {
     case DType::kFloat16:
     case DType::kBFloat16: return 2;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common.h"
+#include "device.cuh"
 #include "ops.h"
 
 namespace spectral_ops {
@@ -16,11 +17,6 @@ constexpr const char* kOp = "decay_epilogue_";
 constexpr int kThreads = 256;
 // Far more resident blocks than any GPU has; bigger tensors are walked grid-stride.
 constexpr int64_t kMaxBlocks = int64_t{1} << 16;
-
-struct Dim {
-  int64_t size;
-  int64_t stride;
-};
 
 // W's dims, innermost first. Kernels index it only through unrolled constants, so it stays in the
 // parameter bank instead of being copied to local memory.
@@ -33,6 +29,23 @@ struct StridedLayout {
 // fp64 weights keep fp64 math: rounding them through fp32 would destroy what fp64 is for.
 template <typename W>
 using Math = std::conditional_t<std::is_same_v<W, double>, double, float>;
+
+// The scalars of one call; with kPerMatrix each is also multiplied by its matrix's entry of a float32
+// device vector (matrix = row-major element index / matrix_numel).
+template <typename W>
+struct Scales {
+  Math<W> alpha, beta;
+  const float* alpha_per_matrix;
+  const float* beta_per_matrix;
+  int64_t matrix_numel;
+
+  __device__ __forceinline__ Math<W> alpha_of(int64_t matrix) const {
+    return alpha_per_matrix ? alpha * static_cast<Math<W>>(alpha_per_matrix[matrix]) : alpha;
+  }
+  __device__ __forceinline__ Math<W> beta_of(int64_t matrix) const {
+    return beta_per_matrix ? beta * static_cast<Math<W>>(beta_per_matrix[matrix]) : beta;
+  }
+};
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
@@ -111,9 +124,9 @@ __device__ __forceinline__ W decay_element(W w, D d, Math<W> alpha, Math<W> beta
   }
 }
 
-template <typename W, typename D, bool kStochastic>
+template <typename W, typename D, bool kStochastic, bool kPerMatrix>
 __global__ void __launch_bounds__(kThreads)
-    decay_contiguous_kernel(W* w, const D* d, int64_t n, Math<W> alpha, Math<W> beta, uint64_t key, uint64_t offset) {
+    decay_contiguous_kernel(W* w, const D* d, int64_t n, Scales<W> scales, uint64_t key, uint64_t offset) {
   constexpr int vec = kVec<W>;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -121,21 +134,31 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t p = first; p < n_packs; p += step) {
     Pack<W, vec> wp = reinterpret_cast<const Pack<W, vec>*>(w)[p];
     const Pack<D, vec> dp = reinterpret_cast<const Pack<D, vec>*>(d)[p];
+    // One division per pack; a pack crosses into the next matrices only at their first elements.
+    int64_t matrix = kPerMatrix ? p * vec / scales.matrix_numel : 0;
+    int64_t next = (matrix + 1) * scales.matrix_numel;
 #pragma unroll
     for (int j = 0; j < vec; ++j) {
-      wp.v[j] = decay_element<W, D, kStochastic>(wp.v[j], dp.v[j], alpha, beta, key, offset + p * vec + j);
+      if constexpr (kPerMatrix) {
+        for (; p * vec + j >= next; next += scales.matrix_numel) ++matrix;
+      }
+      wp.v[j] = decay_element<W, D, kStochastic>(wp.v[j], dp.v[j], scales.alpha_of(matrix), scales.beta_of(matrix),
+                                                 key, offset + p * vec + j);
     }
     reinterpret_cast<Pack<W, vec>*>(w)[p] = wp;
   }
   // Fewer than `vec` elements are left after the last whole pack.
   const int64_t i = n_packs * vec + first;
-  if (i < n) w[i] = decay_element<W, D, kStochastic>(w[i], d[i], alpha, beta, key, offset + i);
+  const int64_t matrix = kPerMatrix ? i / scales.matrix_numel : 0;
+  if (i < n) {
+    w[i] = decay_element<W, D, kStochastic>(w[i], d[i], scales.alpha_of(matrix), scales.beta_of(matrix), key,
+                                            offset + i);
+  }
 }
 
-template <typename W, typename D, bool kStochastic>
+template <typename W, typename D, bool kStochastic, bool kPerMatrix>
 __global__ void __launch_bounds__(kThreads) decay_strided_kernel(W* w, const D* d, int64_t n, StridedLayout layout,
-                                                                 Math<W> alpha, Math<W> beta, uint64_t key,
-                                                                 uint64_t offset) {
+                                                                 Scales<W> scales, uint64_t key, uint64_t offset) {
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = first; i < n; i += step) {
@@ -148,7 +171,9 @@ __global__ void __launch_bounds__(kThreads) decay_strided_kernel(W* w, const D* 
         rest /= layout.sizes[k];
       }
     }
-    w[w_offset] = decay_element<W, D, kStochastic>(w[w_offset], d[i], alpha, beta, key, offset + i);
+    const int64_t matrix = kPerMatrix ? i / scales.matrix_numel : 0;
+    w[w_offset] = decay_element<W, D, kStochastic>(w[w_offset], d[i], scales.alpha_of(matrix), scales.beta_of(matrix),
+                                                   key, offset + i);
   }
 }
 
@@ -156,55 +181,31 @@ int blocks_for(int64_t items) {
   return static_cast<int>(std::clamp<int64_t>((items + kThreads - 1) / kThreads, 1, kMaxBlocks));
 }
 
-// W's dims of size > 1, outermost first, with neighbours merged where W's memory runs on from one
-// into the other. Merging keeps the row-major element order that D (contiguous) is indexed by.
-std::vector<Dim> merged_dims(const TensorDesc& t) {
+// One validated call; the launch helpers below only pick template arguments.
+struct Call {
+  const TensorDesc& w;
+  const TensorDesc& d;
   std::vector<Dim> dims;
-  for (int i = 0; i < t.ndim(); ++i) {
-    if (t.shape[i] == 1) continue;
-    if (!dims.empty() && dims.back().stride == t.strides[i] * t.shape[i]) {
-      dims.back() = {dims.back().size * t.shape[i], t.strides[i]};
-    } else {
-      dims.push_back({t.shape[i], t.strides[i]});
-    }
-  }
-  return dims;
-}
+  double alpha, beta;
+  const float* alpha_per_matrix;
+  const float* beta_per_matrix;
+  int64_t matrix_numel;
+  uint64_t key, offset;
+  cudaStream_t stream;
+};
 
-// In place, two elements sharing memory would race. Sufficient test: ordered by stride, each dim
-// must step past everything the smaller dims reach.
-void check_no_overlap(const TensorDesc& w, std::vector<Dim> dims) {
-  std::sort(dims.begin(), dims.end(), [](const Dim& a, const Dim& b) { return a.stride < b.stride; });
-  int64_t extent = 1;
-  for (const Dim& dim : dims) {
-    if (dim.stride < extent) {
-      throw std::invalid_argument(w.describe() + ": elements overlap in memory, so it cannot be updated in place");
-    }
-    extent += (dim.size - 1) * dim.stride;
-  }
-}
-
-void check_contiguous(const TensorDesc& t) {
-  int64_t expected = 1;
-  for (int i = t.ndim() - 1; i >= 0; --i) {
-    if (t.shape[i] != 1 && t.strides[i] != expected) {
-      throw std::invalid_argument(t.describe() + ": must be contiguous");
-    }
-    expected *= t.shape[i];
-  }
-}
-
-template <typename W, typename D, bool kStochastic>
-void launch(const TensorDesc& w, const TensorDesc& d, const std::vector<Dim>& dims, double alpha, double beta,
-            uint64_t key, uint64_t offset, cudaStream_t stream) {
-  const int64_t n = w.numel();
-  const Math<W> a = static_cast<Math<W>>(alpha);
-  const Math<W> b = static_cast<Math<W>>(beta);
+template <typename W, typename D, bool kStochastic, bool kPerMatrix>
+void launch(const Call& call) {
+  const int64_t n = call.w.numel();
+  const Scales<W> scales{static_cast<Math<W>>(call.alpha), static_cast<Math<W>>(call.beta), call.alpha_per_matrix,
+                         call.beta_per_matrix, call.matrix_numel};
+  const std::vector<Dim>& dims = call.dims;
   const bool contiguous = dims.empty() || (dims.size() == 1 && dims[0].stride == 1);
-  const bool aligned = w.data % alignof(Pack<W, kVec<W>>) == 0 && d.data % alignof(Pack<D, kVec<W>>) == 0;
+  const bool aligned =
+      call.w.data % alignof(Pack<W, kVec<W>>) == 0 && call.d.data % alignof(Pack<D, kVec<W>>) == 0;
   if (contiguous && aligned) {
-    decay_contiguous_kernel<W, D, kStochastic><<<blocks_for(n / kVec<W>), kThreads, 0, stream>>>(
-        w.ptr<W>(), d.ptr<const D>(), n, a, b, key, offset);
+    launch_kernel(decay_contiguous_kernel<W, D, kStochastic, kPerMatrix>, blocks_for(n / kVec<W>), kThreads, 0,
+                  call.stream, call.w.ptr<W>(), call.d.ptr<const D>(), n, scales, call.key, call.offset);
   } else {
     StridedLayout layout{};
     layout.ndim = static_cast<int>(dims.size());
@@ -212,34 +213,41 @@ void launch(const TensorDesc& w, const TensorDesc& d, const std::vector<Dim>& di
       layout.sizes[k] = dims[dims.size() - 1 - k].size;
       layout.strides[k] = dims[dims.size() - 1 - k].stride;
     }
-    decay_strided_kernel<W, D, kStochastic><<<blocks_for(n), kThreads, 0, stream>>>(
-        w.ptr<W>(), d.ptr<const D>(), n, layout, a, b, key, offset);
+    launch_kernel(decay_strided_kernel<W, D, kStochastic, kPerMatrix>, blocks_for(n), kThreads, 0, call.stream,
+                  call.w.ptr<W>(), call.d.ptr<const D>(), n, layout, scales, call.key, call.offset);
+  }
+}
+
+template <typename W, typename D, bool kStochastic>
+void launch_scales(const Call& call) {
+  if (call.alpha_per_matrix != nullptr || call.beta_per_matrix != nullptr) {
+    launch<W, D, kStochastic, true>(call);
+  } else {
+    launch<W, D, kStochastic, false>(call);
   }
 }
 
 template <typename W, typename D>
-void launch_rounding(bool stochastic_rounding, const TensorDesc& w, const TensorDesc& d, const std::vector<Dim>& dims,
-                     double alpha, double beta, uint64_t key, uint64_t offset, cudaStream_t stream) {
+void launch_rounding(bool stochastic_rounding, const Call& call) {
   if constexpr (std::is_same_v<W, __half> || std::is_same_v<W, __nv_bfloat16>) {
-    if (stochastic_rounding) return launch<W, D, true>(w, d, dims, alpha, beta, key, offset, stream);
+    if (stochastic_rounding) return launch_scales<W, D, true>(call);
   }
-  launch<W, D, false>(w, d, dims, alpha, beta, key, offset, stream);
+  launch_scales<W, D, false>(call);
 }
 
 template <typename W>
-void launch_typed(bool stochastic_rounding, const TensorDesc& w, const TensorDesc& d, const std::vector<Dim>& dims,
-                  double alpha, double beta, uint64_t key, uint64_t offset, cudaStream_t stream) {
-  if (d.dtype == DType::kFloat32) {
-    launch_rounding<W, float>(stochastic_rounding, w, d, dims, alpha, beta, key, offset, stream);
+void launch_typed(bool stochastic_rounding, const Call& call) {
+  if (call.d.dtype == DType::kFloat32) {
+    launch_rounding<W, float>(stochastic_rounding, call);
   } else {
-    launch_rounding<W, W>(stochastic_rounding, w, d, dims, alpha, beta, key, offset, stream);
+    launch_rounding<W, W>(stochastic_rounding, call);
   }
 }
 
 }  // namespace
 
-void decay_epilogue_(const TensorDesc& w, const TensorDesc& d, double alpha, double beta, bool stochastic_rounding,
-                     uint64_t seed, uint64_t offset, cudaStream_t stream) {
+void decay_epilogue_(const TensorDesc& w, const TensorDesc& d, const ScaleArg& alpha, const ScaleArg& beta,
+                     bool stochastic_rounding, uint64_t seed, uint64_t offset, cudaStream_t stream) {
   if (d.dtype != DType::kFloat32 && d.dtype != w.dtype) {
     throw TypeError(std::string("d: dtype ") + dtype_name(d.dtype) + " must be float32 or w's dtype (" +
                     dtype_name(w.dtype) + ")");
@@ -248,14 +256,11 @@ void decay_epilogue_(const TensorDesc& w, const TensorDesc& d, double alpha, dou
     throw std::invalid_argument("shape mismatch: w has shape " + format_dims(w.shape) + " but d has shape " +
                                 format_dims(d.shape));
   }
-  if (w.device != d.device) {
-    throw std::invalid_argument("device mismatch: w is on " + format_device(w.device) + " but d is on " +
-                                format_device(d.device));
-  }
+  check_same_device(w, d);
   const std::vector<Dim> dims = merged_dims(w);
   // An empty tensor has no elements to overlap or to order.
   if (w.numel() > 0) {
-    check_no_overlap(w, dims);
+    check_no_overlap(w);
     check_contiguous(d);
     if (dims.size() > static_cast<size_t>(kMaxDims)) {
       throw std::invalid_argument(w.describe() + ": its layout has " + std::to_string(dims.size()) +
@@ -263,24 +268,28 @@ void decay_epilogue_(const TensorDesc& w, const TensorDesc& d, double alpha, dou
                                   " are supported");
     }
   }
+  int64_t matrix_numel = 1, matrices = 1;
+  if (alpha.per_matrix || beta.per_matrix) {
+    if (w.ndim() < 2) {
+      throw std::invalid_argument(w.describe() + ": per-matrix scales need a (..., rows, cols) tensor");
+    }
+    matrix_numel = rows_of(w) * cols_of(w);
+    for (int64_t size : batch_dims(w)) matrices *= size;
+  }
+  // The scalar parts stay double until launch: fp64 weights keep fp64 coefficients.
+  const float* alpha_per_matrix = per_matrix_pointer(alpha, matrices, w);
+  const float* beta_per_matrix = per_matrix_pointer(beta, matrices, w);
 
   require_device(kOp, w.device);
   if (w.numel() == 0) return;
   DeviceGuard guard(kOp, w.device);
-  const uint64_t key = mix64(seed);
+  const Call call{w, d, dims, alpha.value, beta.value, alpha_per_matrix, beta_per_matrix, matrix_numel, mix64(seed),
+                  offset, stream};
   switch (w.dtype) {
-    case DType::kFloat32:
-      launch_typed<float>(stochastic_rounding, w, d, dims, alpha, beta, key, offset, stream);
-      break;
-    case DType::kFloat16:
-      launch_typed<__half>(stochastic_rounding, w, d, dims, alpha, beta, key, offset, stream);
-      break;
-    case DType::kBFloat16:
-      launch_typed<__nv_bfloat16>(stochastic_rounding, w, d, dims, alpha, beta, key, offset, stream);
-      break;
-    case DType::kFloat64:
-      launch_typed<double>(stochastic_rounding, w, d, dims, alpha, beta, key, offset, stream);
-      break;
+    case DType::kFloat32: launch_typed<float>(stochastic_rounding, call); break;
+    case DType::kFloat16: launch_typed<__half>(stochastic_rounding, call); break;
+    case DType::kBFloat16: launch_typed<__nv_bfloat16>(stochastic_rounding, call); break;
+    case DType::kFloat64: launch_typed<double>(stochastic_rounding, call); break;
   }
   SPECTRAL_OPS_CUDA_CHECK(kOp, cudaGetLastError());
 }

@@ -4,6 +4,10 @@
 ``(data pointer, shape, strides in elements, dtype code, device index)`` and the stream as an
 integer ``cudaStream_t``. ``_C`` validates shapes, dtypes, strides, alignment and devices itself,
 before any CUDA call; this module checks only what it cannot see (autograd, tensor kinds, scalars).
+
+Every op runs on the caller's current stream and writes the tensors it is given (``out``, or ``w``
+in place); scalars are Python numbers, and per-matrix factors held on the device are passed as
+float32 tensors (``*_per_matrix``), so no call synchronises with the host.
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ from types import ModuleType
 import torch
 
 from .build_config import BUILD_INFO_FILENAME
+from .coefficients import NORMALIZATION_MARGIN
 
 # spectral_ops::DType in csrc/common.h. The codes are ABI: append only.
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+# spectral_ops::Precision in csrc/matmul.h: how float32 operands of gemm/syrk use the tensor cores.
+PRECISION_CODES = {"ieee": 0, "tf32x3": 1}
 
 
 def build_info() -> dict | None:
@@ -73,12 +80,50 @@ def _require_extension() -> ModuleType:
     return module
 
 
+def _number(op: str, name: str, value) -> float:
+    # float() of a CUDA tensor would synchronise and break CUDA graph capture: tensors go through
+    # the *_per_matrix arguments, as device pointers.
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"{op}: {name} must be a Python number, not {type(value).__name__}")
+    return float(value)
+
+
+def _optional_descriptor(t: torch.Tensor | None):
+    return None if t is None else tensor_descriptor(t)
+
+
+def _writable(op: str, name: str, t: torch.Tensor) -> None:
+    if t.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"{op}: {name} requires grad; write it under torch.no_grad()")
+
+
+def _written(t: torch.Tensor) -> torch.Tensor:
+    # The write bypassed torch, so tell autograd that t changed, as an in-place torch op would
+    # (inference tensors have no version counter).
+    if not t.is_inference():
+        torch.autograd.graph.increment_version(t)
+    return t
+
+
+def _stream(t: torch.Tensor) -> int:
+    return current_stream_handle(t.device) if t.is_cuda else 0
+
+
+def _precision(op: str, precision: str) -> int:
+    try:
+        return PRECISION_CODES[precision]
+    except KeyError:
+        raise ValueError(f"{op}: precision must be one of {', '.join(PRECISION_CODES)}, got {precision!r}") from None
+
+
 def decay_epilogue_(
     w: torch.Tensor,
     d: torch.Tensor,
     alpha: float,
     beta: float,
     *,
+    alpha_per_matrix: torch.Tensor | None = None,
+    beta_per_matrix: torch.Tensor | None = None,
     stochastic_rounding: bool = False,
     seed: int = 0,
     offset: int = 0,
@@ -86,30 +131,124 @@ def decay_epilogue_(
     """``w <- alpha * w + beta * d`` in place on the current stream; returns ``w``.
 
     ``w``: float32/float16/bfloat16/float64, any non-overlapping strides. ``d``: contiguous, same
-    shape, float32 or ``w``'s dtype. Stochastic rounding (float16/bfloat16 ``w`` only) is a
-    deterministic function of ``(seed, offset + row-major element index)``: advance ``offset`` by
-    ``w.numel()`` per call for fresh bits under one seed. See csrc/ops.h.
+    shape, float32 or ``w``'s dtype. ``alpha_per_matrix``/``beta_per_matrix``: optional float32
+    tensors with one factor per matrix of ``w``'s leading dims (row-major), multiplying ``alpha``/``beta``.
+    Stochastic rounding (float16/bfloat16 ``w`` only) is a deterministic function of
+    ``(seed, offset + row-major element index)``: advance ``offset`` by ``w.numel()`` per call for
+    fresh bits under one seed. See csrc/ops.h.
     """
     module = _require_extension()
-    for name, value in (("alpha", alpha), ("beta", beta)):
-        # float() of a CUDA tensor would synchronise and break CUDA graph capture.
-        if not isinstance(value, numbers.Real):
-            raise TypeError(f"decay_epilogue_: {name} must be a Python number, not {type(value).__name__}")
-    if w.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError("decay_epilogue_: w requires grad; update it under torch.no_grad()")
-    stream = current_stream_handle(w.device) if w.is_cuda else 0
+    alpha, beta = _number("decay_epilogue_", "alpha", alpha), _number("decay_epilogue_", "beta", beta)
+    _writable("decay_epilogue_", "w", w)
     module.decay_epilogue_(
         tensor_descriptor(w),
         tensor_descriptor(d),
-        float(alpha),
-        float(beta),
+        alpha,
+        beta,
         bool(stochastic_rounding),
         seed,
         offset,
-        stream,
+        _stream(w),
+        _optional_descriptor(alpha_per_matrix),
+        _optional_descriptor(beta_per_matrix),
     )
-    # The write bypassed torch, so tell autograd that w changed, as an in-place torch op would
-    # (inference tensors have no version counter).
-    if not w.is_inference():
-        torch.autograd.graph.increment_version(w)
-    return w
+    return _written(w)
+
+
+def _matmul(op: str, a, b, out, alpha, beta, y, alpha_per_matrix, beta_per_matrix, precision) -> torch.Tensor:
+    module = _require_extension()
+    alpha, beta = _number(op, "alpha", alpha), _number(op, "beta", beta)
+    _writable(op, "out", out)
+    getattr(module, op)(
+        tensor_descriptor(a),
+        tensor_descriptor(b),
+        tensor_descriptor(out),
+        _optional_descriptor(y),
+        alpha,
+        _optional_descriptor(alpha_per_matrix),
+        beta,
+        _optional_descriptor(beta_per_matrix),
+        _precision(op, precision),
+        _stream(out),
+    )
+    return _written(out)
+
+
+def gemm(a, b, out, *, alpha=1.0, beta=0.0, y=None, alpha_per_matrix=None, beta_per_matrix=None,
+         precision: str = "tf32x3") -> torch.Tensor:
+    """``out = alpha * (a @ b) + beta * y`` on the current stream; returns ``out``.
+
+    ``a (..., m, k)``, ``b (..., k, n)``, ``out`` and ``y (..., m, n)``: float32, float16 or bfloat16,
+    equal leading dims, any strides; ``y`` may be ``out`` itself, ``out`` must not overlap ``a`` or
+    ``b``. Products accumulate in fp32 and ``out`` is rounded once. ``precision`` decides how float32
+    operands use the tensor cores: ``"ieee"`` (fp32 FMA) or ``"tf32x3"`` (about fp32 accuracy);
+    float16 and bfloat16 pairs always use them. ``*_per_matrix``: optional float32 tensors with one
+    factor per matrix, multiplying ``alpha``/``beta``.
+    """
+    return _matmul("gemm", a, b, out, alpha, beta, y, alpha_per_matrix, beta_per_matrix, precision)
+
+
+def syrk(a, b, out, *, alpha=1.0, beta=0.0, y=None, alpha_per_matrix=None, beta_per_matrix=None,
+         precision: str = "tf32x3") -> torch.Tensor:
+    """:func:`gemm` for a symmetric ``a @ b`` (``x @ x.mT``, ``A @ A`` for symmetric ``A``, commuting
+    symmetric factors): only the lower-triangle tiles are computed, and stored mirrored. ``y`` is read
+    on its lower triangle only."""
+    return _matmul("syrk", a, b, out, alpha, beta, y, alpha_per_matrix, beta_per_matrix, precision)
+
+
+def poly_step(a: torch.Tensor, out: torch.Tensor, b: float, c: float, *, precision: str = "tf32x3") -> torch.Tensor:
+    """``out = b * a + c * a @ a`` for symmetric ``a (..., r, r)``, one symmetric-product launch."""
+    module = _require_extension()
+    _writable("poly_step", "out", out)
+    module.poly_step(tensor_descriptor(a), tensor_descriptor(out), _number("poly_step", "b", b),
+                     _number("poly_step", "c", c), _precision("poly_step", precision), _stream(out))
+    return _written(out)
+
+
+def sign_step(z: torch.Tensor, out: torch.Tensor, coefficients, *, workspace=None,
+              precision: str = "tf32x3") -> torch.Tensor:
+    """One matrix-sign step ``out = z (a I + b z^2 + c z^4)`` for symmetric ``z`` and
+    ``coefficients = (a, b, c)``, e.g. ``(3, -16/5, 6/5)``. ``workspace``: two float32 tensors shaped
+    like ``z`` (allocated when omitted)."""
+    module = _require_extension()
+    a, b, c = (_number("sign_step", name, v) for name, v in zip("abc", coefficients))
+    if workspace is None:
+        workspace = tuple(torch.empty(z.shape, dtype=torch.float32, device=z.device) for _ in range(2))
+    _writable("sign_step", "out", out)
+    square, poly = workspace
+    module.sign_step(tensor_descriptor(z), tensor_descriptor(out), tensor_descriptor(square), tensor_descriptor(poly),
+                     a, b, c, _precision("sign_step", precision), _stream(out))
+    return _written(out)
+
+
+def small_chain(w: torch.Tensor, out: torch.Tensor, p: int, coefficients=(), *, alpha=0.0, beta=1.0,
+                alpha_per_matrix=None, beta_per_matrix=None, workspace=None,
+                shrink: float = 1.0 / NORMALIZATION_MARGIN) -> torch.Tensor:
+    """``out = alpha * w + beta * S_p(w)`` for wide ``w (..., r, n)`` with ``r <= 128``, one thread block
+    per matrix, fp32 math; ``out`` may be ``w`` itself (an in-place decay step).
+
+    Even ``p`` runs Polar Express with ``coefficients`` (one ``(a, b, c)`` per step) from
+    ``w * shrink / ||w||_F``. ``workspace``: ``(x, gram)``, float32 contiguous tensors of shapes
+    ``w.shape`` and ``(..., r, r)`` (allocated when omitted; odd ``p`` needs neither, ``p = 0`` no gram).
+    """
+    module = _require_extension()
+    if isinstance(p, bool) or not isinstance(p, numbers.Integral):
+        raise TypeError(f"small_chain: p must be an int, not {type(p).__name__}")
+    steps = [tuple(_number("small_chain", "coefficient", v) for v in step) for step in coefficients]
+    if workspace is None:
+        x = gram = None
+        if p % 2 == 0:
+            x = torch.empty(w.shape, dtype=torch.float32, device=w.device)
+        if p % 2 == 0 and p >= 2:
+            r = w.shape[-2]
+            gram = torch.empty((*w.shape[:-2], r, r), dtype=torch.float32, device=w.device)
+    else:
+        x, gram = workspace
+    _writable("small_chain", "out", out)
+    module.small_chain(
+        tensor_descriptor(w), tensor_descriptor(out), _optional_descriptor(x), _optional_descriptor(gram), int(p),
+        steps, _number("small_chain", "alpha", alpha), _optional_descriptor(alpha_per_matrix),
+        _number("small_chain", "beta", beta), _optional_descriptor(beta_per_matrix),
+        _number("small_chain", "shrink", shrink), _stream(out),
+    )
+    return _written(out)

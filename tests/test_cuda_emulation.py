@@ -1,0 +1,263 @@
+"""The CUDA kernels themselves, without a GPU: csrc/ compiled as C++ and run on the CPU's emulation of the
+execution model (tests/cuda_emulation). Every thread of a block is a fiber, __syncthreads() a phase
+barrier, WMMA an exact per-warp emulation (TF32 operands truncated as the tensor cores do); the host code
+is the real one, validation and launch included.
+
+What this verifies: indexing, tiling, the triangular grid and mirrored stores, epilogues, strides and
+batch offsets, the chain's algorithm, the backend's composition, and (running the same inputs with the
+threads of each phase in shuffled orders) that no barrier is missing. What it cannot: timing, memory
+coalescing, bank conflicts, register or shared-memory limits, and the hardware's exact rounding inside
+an MMA (accumulation order), which the tolerances below absorb.
+
+The first run compiles the module (~20 s on 2 cores); it is cached in build/cuda-emulation/.
+"""
+
+import os
+
+import pytest
+import torch
+
+from cuda_emulation import build, harness
+from spectral_ops import _extension, dispatch
+from spectral_ops.backends.base import OPS, BandSpec, DecayRequest
+from spectral_ops.backends.cuda_backend import CHAIN_OPS, CudaBackend
+from spectral_ops.backends.torch_backend import TorchBackend
+from spectral_ops.build_config import ENV_REQUIRE_CUDA, env_flag
+from spectral_ops.coefficients import polar_express_coefficients
+from spectral_ops.testing import log_spaced_spectrum, matrix_with_spectrum, relative_error
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Relative Frobenius error against an fp64/fp32 reference: the final rounding to the dtype dominates.
+TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+COEFFICIENTS = polar_express_coefficients()
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="session")
+def emulated_module():
+    try:
+        return build.load()
+    except build.EmulationUnavailable as exc:
+        if env_flag(os.environ, ENV_REQUIRE_CUDA):
+            pytest.fail(f"{ENV_REQUIRE_CUDA}=1 but the CUDA emulation cannot be built: {exc}")
+        pytest.skip(f"the CUDA emulation cannot be built here: {exc}")
+
+
+@pytest.fixture(autouse=True)
+def emulated(emulated_module, monkeypatch):
+    monkeypatch.delenv("SPECTRAL_OPS_EMULATION_ORDER", raising=False)
+    harness.install(monkeypatch, emulated_module)
+    return emulated_module
+
+
+def reference_product(a, b, y=None, alpha=1.0, beta=0.0):
+    out = alpha * (a.double() @ b.double())
+    return out if y is None else out + beta * y.double()
+
+
+# --- gemm / syrk ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+@pytest.mark.parametrize("dtype", DTYPES)
+# (1157, 16, 300): 10 x 3 tiles, so the grouped tile order (8 tile rows per group) has a partial group.
+@pytest.mark.parametrize("m, k, n", [(5, 7, 3), (130, 70, 129), (64, 300, 200), (1157, 16, 300)])
+def test_gemm_matches_torch(precision, dtype, m, k, n):
+    g = torch.Generator().manual_seed(m + k + n)
+    a, b, y = (torch.randn(2, *shape, generator=g).to(dtype) for shape in ((m, k), (k, n), (m, n)))
+    out = torch.empty(2, m, n, dtype=dtype)
+    _extension.gemm(a, b, out, alpha=0.5, beta=-2.0, y=y, precision=precision)
+    assert relative_error(out, reference_product(a, b, y, 0.5, -2.0)) < TOLERANCE[dtype]
+
+
+def integers(shape, generator, dtype):
+    return torch.randint(-16, 17, shape, generator=generator).to(dtype)
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_integers_are_exact_in_every_math_mode(precision, dtype):
+    # SPEC 8: small integers and power-of-two scales make every product and sum exact, so the result
+    # is the reference bit for bit, whatever the math (FMA, 3xTF32, fp16 or bf16 MMA).
+    g = torch.Generator().manual_seed(7)
+    a, b, y = integers((3, 70, 150), g, dtype), integers((3, 150, 90), g, dtype), integers((3, 70, 90), g, dtype)
+    out = torch.empty(3, 70, 90)
+    _extension.gemm(a, b, out, alpha=0.25, beta=2.0, y=y, precision=precision)
+    assert torch.equal(out, reference_product(a, b, y, 0.25, 2.0).float())
+    G = torch.empty(3, 70, 70)
+    _extension.syrk(a, a.mT, G, alpha=0.5, precision=precision)
+    assert torch.equal(G, reference_product(a, a.mT, alpha=0.5).float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tall", [False, True])
+def test_syrk_of_views_is_exactly_symmetric(dtype, tall):
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(2, 300, 150, generator=g).to(dtype)  # tall: the Gram of its wide view W^T
+    X = W.mT if tall else W.mT.contiguous()
+    G = torch.empty(2, 150, 150)
+    _extension.syrk(X, X.mT, G, alpha=0.125)
+    assert torch.equal(G, G.mT)
+    assert relative_error(G, reference_product(X, X.mT, alpha=0.125)) < 2e-6
+
+
+def test_syrk_over_a_large_triangle():
+    # 1100 = 8 tiles and a partial one: 45 lower-triangle tiles, the row of each found from its index.
+    g = torch.Generator().manual_seed(9)
+    X = torch.randn(1100, 24, generator=g)
+    G = torch.empty(1100, 1100)
+    _extension.syrk(X, X.mT, G, precision="ieee")
+    assert torch.equal(G, G.mT)
+    assert relative_error(G, reference_product(X, X.mT)) < 1e-6
+
+
+def test_gemm_writes_a_column_major_out_in_place():
+    # The wide view of a tall weight is column-major: the product runs transposed to write it by rows.
+    g = torch.Generator().manual_seed(4)
+    M = torch.randn(3, 40, 40, generator=g)
+    W = torch.randn(3, 150, 40, generator=g).to(torch.bfloat16)
+    expected = (0.7 * (M.double() @ W.mT.double()) - 1.5 * W.mT.double()).to(torch.bfloat16)
+    X = W.mT
+    _extension.gemm(M, X.float().contiguous(), X, alpha=0.7, y=X, beta=-1.5)
+    assert relative_error(W.mT, expected) < TOLERANCE[torch.bfloat16]
+
+
+def test_per_matrix_scales_and_batch_views():
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(4, 1, 3, 33, 17, generator=g)
+    b = torch.randn(17, 9, generator=g).expand(4, 1, 3, 17, 9)  # a zero batch stride
+    y = torch.randn(4, 1, 3, 33, 9, generator=g)
+    alpha, beta = torch.rand(12, generator=g), torch.rand(12, generator=g)
+    out = torch.empty(4, 1, 3, 33, 9)
+    _extension.gemm(a, b, out, alpha=2.0, alpha_per_matrix=alpha, beta=0.5, beta_per_matrix=beta, y=y,
+                    precision="ieee")
+    expected = 2 * alpha.reshape(4, 1, 3, 1, 1) * (a @ b) + 0.5 * beta.reshape(4, 1, 3, 1, 1) * y
+    assert relative_error(out, expected) < 1e-6
+
+
+# --- poly_step / sign_step --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_poly_and_sign_steps(precision):
+    g = torch.Generator().manual_seed(6)
+    S = torch.randn(2, 150, 150, generator=g)
+    S = S + S.mT
+    B = torch.empty_like(S)
+    _extension.poly_step(S, B, 0.3, -0.2, precision=precision)
+    assert relative_error(B, 0.3 * S.double() - 0.2 * S.double() @ S.double()) < 2e-6
+    Z = (S / torch.linalg.matrix_norm(S)[..., None, None]).double()
+    out = torch.empty_like(S)
+    _extension.sign_step(Z.float(), out, (3.0, -16 / 5, 6 / 5), precision=precision)
+    eye = torch.eye(150, dtype=torch.float64)
+    assert relative_error(out, Z @ (3 * eye - 16 / 5 * Z @ Z + 6 / 5 * Z @ Z @ Z @ Z)) < 2e-6
+
+
+# --- small_chain ------------------------------------------------------------------------------
+
+
+def spectral_weight(shape, dtype, seed):
+    return matrix_with_spectrum(shape, log_spaced_spectrum(min(shape[-2:]), 10), dtype, seed=seed)
+
+
+def wide(W):
+    return W.mT if W.shape[-2] >= W.shape[-1] else W
+
+
+CHAIN_CASES = [(torch.float32, p) for p in (0, 1, 2, 3, 4, 6, 7)] + [(d, p) for d in DTYPES[1:] for p in (0, 3, 6)]
+
+
+@pytest.mark.parametrize("dtype, p", CHAIN_CASES)
+@pytest.mark.parametrize("shape", [(2, 40, 24), (3, 20, 300), (2, 128, 160), (1, 100, 70)])
+def test_chain_matches_the_reference(dtype, shape, p):
+    W = spectral_weight(shape, dtype, seed=p)
+    out = torch.empty_like(W)
+    _extension.small_chain(wide(W), wide(out), p, COEFFICIENTS if p % 2 == 0 else ())
+    expected = TorchBackend().spectral_power(W.double(), p, COEFFICIENTS)
+    assert relative_error(out, expected) < 5 * TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chain_decays_in_place_with_per_matrix_scales(dtype):
+    W = spectral_weight((3, 90, 60), dtype, seed=1)
+    keep, step = torch.tensor([0.99, 0.9, 1.0]), torch.tensor([0.01, 0.1, 0.0])
+    expected = keep.reshape(3, 1, 1) * W.double() - step.reshape(3, 1, 1) * TorchBackend().spectral_power(
+        W.double(), 2, COEFFICIENTS)
+    X = wide(W)
+    _extension.small_chain(X, X, 2, COEFFICIENTS, alpha=1.0, alpha_per_matrix=keep, beta=-1.0, beta_per_matrix=step)
+    assert relative_error(W, expected) < 5 * TOLERANCE[dtype]
+
+
+# --- decay_epilogue_ --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_decay_epilogue_per_matrix(transposed):
+    g = torch.Generator().manual_seed(8)
+    base = torch.randn(3, 40, 50, generator=g)
+    w = base.mT.contiguous().mT if transposed else base.clone()  # the strided kernel, or the vector one
+    d = torch.randn(3, 40, 50, generator=g)
+    alpha, beta = torch.rand(3, generator=g), torch.rand(3, generator=g)
+    _extension.decay_epilogue_(w, d, 0.5, -2.0, alpha_per_matrix=alpha, beta_per_matrix=beta)
+    expected = 0.5 * alpha.reshape(3, 1, 1) * base - 2.0 * beta.reshape(3, 1, 1) * d
+    assert relative_error(w, expected) < 1e-7
+
+
+# --- the backend, both paths ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path, op", [("chain", op) for op in CHAIN_OPS] + [("tiled", op) for op in OPS])
+def test_backend_passes_the_dispatch_self_check(path, op, dtype):
+    error = dispatch.self_check_error(CudaBackend(path=path), op, dtype, CPU)
+    assert error <= dispatch.SELF_CHECK_TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("mode", ["top", "bot", "top_only", "bot_only", "two_band"])
+def test_band_directions_over_several_tiles(mode):
+    # r = 130: a 2 x 2 lower-triangle grid with partial tiles for every symmetric product.
+    W = matrix_with_spectrum((2, 130, 140), torch.cat([torch.linspace(0.4, 0.6, 65), torch.linspace(0.9, 1.0, 65)]),
+                             torch.float32, seed=2)
+    band = BandSpec(0.75, mode, p_bot=0, lambda_top=0.5, lambda_bot=2.0)
+    sign = polar_express_coefficients()
+    got = CudaBackend(path="tiled", precision="ieee").band_direction(W, 2, band, COEFFICIENTS, sign)
+    expected = TorchBackend().band_direction(W, 2, band, COEFFICIENTS, sign)
+    assert relative_error(got, expected) < 1e-5
+
+
+@pytest.mark.parametrize("path", ["chain", "tiled"])
+@pytest.mark.parametrize(
+    "p, p0_mode, band",
+    [(2, "explicit", None), (3, "explicit", None), (0, "prox", None), (2, "explicit", BandSpec(0.75, "top"))],
+)
+def test_decay_with_tensor_scales(path, p, p0_mode, band):
+    W = matrix_with_spectrum((3, 60, 40), torch.linspace(0.5, 1.0, 40), torch.bfloat16, seed=3)
+    request = DecayRequest(p, torch.tensor([0.1, 0.2, 0.05]).reshape(3, 1, 1), torch.tensor(0.01), band, p0_mode,
+                           COEFFICIENTS, polar_express_coefficients())
+    expected = TorchBackend().decay_(W.clone(), request)
+    got = CudaBackend(path=path).decay_(W.clone(), request)
+    assert relative_error(got, expected) < TOLERANCE[torch.bfloat16]
+
+
+# --- no missing barrier -----------------------------------------------------------------------
+
+
+def run_everything():
+    W = spectral_weight((2, 100, 140), torch.float32, seed=4)
+    X = W.to(torch.bfloat16)
+    results = [CudaBackend(path="chain").spectral_power(W, p, COEFFICIENTS) for p in (0, 3, 6)]
+    results.append(CudaBackend(path="tiled", precision="tf32x3").spectral_power(W, 6, COEFFICIENTS))
+    results.append(CudaBackend(path="tiled", precision="ieee").msign(W @ W.mT - 0.5 * torch.eye(100), COEFFICIENTS))
+    G = torch.empty(2, 140, 140)
+    results.append(_extension.syrk(X.mT, X, G))
+    d = torch.randn(2, 100, 140, generator=torch.Generator().manual_seed(0))
+    results.append(_extension.decay_epilogue_(X.clone(), d, 0.9, -0.1, stochastic_rounding=True, seed=3))
+    return results
+
+
+def test_results_do_not_depend_on_the_order_threads_run_in(monkeypatch):
+    in_order = run_everything()
+    for seed in ("1", "2"):
+        monkeypatch.setenv("SPECTRAL_OPS_EMULATION_ORDER", seed)
+        for a, b in zip(in_order, run_everything()):
+            assert torch.equal(a, b)
