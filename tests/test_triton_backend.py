@@ -1,0 +1,191 @@
+"""The Triton backend end to end: the public API forced to triton, against the FP64 SVD oracles.
+
+The tests taking ``forced`` run twice, once per path: ``small`` (the default routing; these shapes
+have a small side <= 128, so the one-program-per-matrix kernels run) and ``tiled`` (the same backend
+with the small path switched off, so every symmetric, product and decay kernel runs). Tolerances
+are those of tests/test_ops.py for float32; float16 adds its own input/output rounding (2^-11).
+"""
+
+import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
+
+import warnings
+
+import pytest
+import torch
+
+import spectral_ops as so
+from spectral_ops import dispatch, reference
+from spectral_ops.backends.base import OPS
+from spectral_ops.backends.triton_backend import KERNELS, TritonBackend, kernels
+from spectral_ops.testing import log_spaced_spectrum, matrix_with_spectrum, relative_error
+
+TOLERANCE = {torch.float32: 5e-5, torch.float16: 5e-3}
+SHAPES = [(40, 24), (20, 36), (3, 33, 20), (2, 2, 17, 30)]  # tall, wide, batched, odd
+BACKENDS = {"small": TritonBackend(), "tiled": TritonBackend(small_side_max=0)}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch(monkeypatch):
+    """Replaces conftest's per-test reset for this module: under the interpreter each first-use
+    self-check costs about a second, so the results are kept while one backend is registered."""
+    monkeypatch.delenv("SPECTRAL_OPS_BACKEND", raising=False)
+    yield
+
+
+@pytest.fixture(scope="module", params=sorted(BACKENDS))
+def path(request):
+    """Module-scoped, so pytest runs all tests of one path together (one registration each)."""
+    return request.param
+
+
+@pytest.fixture
+def forced(path):
+    if dispatch.get_backend("triton") is not BACKENDS[path]:
+        dispatch.register_backend(BACKENDS[path])
+    with so.use_backend("triton"):
+        yield path
+
+
+def sample(shape, dtype=torch.float32, condition=30.0, seed=0):
+    return matrix_with_spectrum(shape, log_spaced_spectrum(min(shape[-2:]), condition), dtype, seed=seed)
+
+
+def ran_on_triton(op):
+    return so.last_backend(op) == "triton"
+
+
+@pytest.mark.parametrize("dtype", triton_env.DTYPES)
+def test_the_dispatch_self_check_passes_for_every_op(forced, dtype):
+    # First in the module, so the other tests of each path reuse the cached check results.
+    W = sample((20, 12), dtype)  # the check itself runs on selfcheck.py's input
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed check warns before falling back
+        for op in OPS:
+            assert so.backend_for(op, W) == "triton", op
+
+
+@pytest.mark.parametrize("dtype", triton_env.DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_spectral_power_against_the_svd(forced, shape, dtype):
+    W = sample(shape, dtype)
+    for p in range(5):
+        result = so.spectral_power(W, p, method="gram")
+        assert ran_on_triton("spectral_power") and result.dtype == dtype and result.shape == W.shape
+        assert relative_error(result, reference.spectral_power_svd(W, p)) < TOLERANCE[dtype], p
+
+
+@pytest.mark.parametrize("dtype", triton_env.DTYPES)
+@pytest.mark.parametrize("shape", SHAPES[:3], ids=str)
+def test_spectral_decay_against_the_svd(forced, shape, dtype):
+    W = sample(shape, dtype, seed=1)
+    for p, p0_mode in [(0, "explicit"), (0, "prox"), (2, "explicit"), (3, "explicit")]:
+        decayed = W.clone()
+        assert so.spectral_decay_(decayed, p, 0.1, 0.2, ordinary_weight_decay=0.05, p0_mode=p0_mode) is decayed
+        assert ran_on_triton("decay_")
+        expected = reference.spectral_decay_svd(W, p, 0.1, 0.2, 0.05, p0_mode=p0_mode)
+        assert relative_error(decayed, expected) < TOLERANCE[dtype], (p, p0_mode)
+
+
+@pytest.mark.parametrize("mode", ["top", "bot", "top_only", "bot_only", "two_band"])
+def test_band_decay_and_direction_against_the_svd(forced, mode):
+    # Singular values 0.2..1 with a gap around tau = 0.5, so 8 sign steps resolve the bands.
+    spectrum = torch.cat([torch.linspace(1.0, 0.7, 8), torch.linspace(0.35, 0.2, 8)])
+    W = matrix_with_spectrum((2, 30, 16), spectrum, torch.float32, seed=2)
+    D = so.band_direction(W, 0.5, 2, mode, p_bot=0, lambda_top=0.5, lambda_bot=2.0)
+    assert ran_on_triton("band_direction")
+    expected = reference.band_direction_svd(W, 0.5, 2, mode, p_bot=0, lambda_top=0.5, lambda_bot=2.0)
+    assert relative_error(D, expected) < 5e-5
+    decayed = W.clone()
+    so.spectral_decay_(decayed, 2, 0.1, 0.3, band=so.Band(0.5, mode, p_bot=0, weight_decay_bot=0.2))
+    direction = reference.band_direction_svd(W, 0.5, 2, mode, p_bot=0, lambda_top=0.3, lambda_bot=0.2)
+    scale = 1.0 if mode == "two_band" else 0.3
+    assert relative_error(decayed, W.double() - 0.1 * scale * direction) < 5e-6
+
+
+def test_polar_msign_projectors_and_svt_against_the_oracles(forced):
+    spectrum = torch.cat([torch.linspace(1.0, 0.7, 10), torch.linspace(0.35, 0.2, 10)])
+    W = matrix_with_spectrum((2, 20, 44), spectrum, torch.float32, seed=3)
+    assert relative_error(so.polar(W), reference.polar_svd(W)) < 5e-5
+    P_top, P_bot = so.band_projectors(W, 0.5)
+    expected_top, expected_bot = reference.band_projectors_svd(W, 0.5)
+    assert relative_error(P_top, expected_top) < 5e-5 and relative_error(P_bot, expected_bot) < 5e-5
+    assert relative_error(so.svt(W, 0.5), reference.svt_svd(W, 0.5)) < 5e-5
+    A = W @ W.mT - 0.25 * torch.eye(20)
+    assert relative_error(so.msign(A, method="polar_express"), reference.msign_eigh(A)) < 5e-5
+    assert all(so.last_backend(op) == "triton" for op in ("polar", "band_projectors", "svt", "msign"))
+
+
+def test_lists_views_and_per_matrix_clamped_scales(forced):
+    heads = [sample((12, 40), seed=i) for i in range(3)]
+    expected = [h.clone() for h in heads]
+    with so.use_backend("torch"):
+        so.spectral_decay_(expected, 2, 0.5, 4.0, stability="clamp")  # clamps each matrix differently
+    so.spectral_decay_(heads, 2, 0.5, 4.0, stability="clamp")
+    assert ran_on_triton("decay_")
+    for head, reference_head in zip(heads, expected):
+        assert relative_error(head, reference_head) < 5e-6
+    base = sample((30, 50), seed=4)
+    view = base.mT  # a transposed, non-contiguous weight is decayed in place
+    decayed = reference.spectral_decay_svd(view, 3, 0.1, 0.1)
+    so.spectral_decay_(view, 3, 0.1, 0.1)
+    assert relative_error(base.mT, decayed) < 5e-5
+
+
+@pytest.mark.parametrize("dtype", triton_env.DTYPES)
+def test_p1_decay_is_bitwise_the_ordinary_multiply(forced, dtype):
+    W = sample((2, 20, 36), dtype, seed=5)
+    expected = W.clone().mul_(1 - 1e-3 * 0.1)
+    so.spectral_decay_(W, 1, 1e-3, 0.1)
+    assert ran_on_triton("decay_") and torch.equal(W, expected)
+
+
+def test_the_environment_variable_forces_triton_too(monkeypatch):
+    monkeypatch.setenv("SPECTRAL_OPS_BACKEND", "triton")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        so.polar(sample((24, 16)))
+    assert so.last_backend("polar") == "triton"
+
+
+def test_every_op_has_kernels_and_unsupported_dtypes_are_refused_with_the_reason():
+    assert set(KERNELS) == set(OPS)
+    dispatch.reset()
+    with so.use_backend("triton"):
+        with pytest.raises(so.BackendUnavailableError, match="no polar kernel for torch.float64"):
+            so.polar(sample((20, 12)).double())
+        with pytest.raises(so.BackendUnavailableError, match="no spectral_power kernel for torch.bfloat16"):
+            so.spectral_power(sample((20, 12)).bfloat16(), 2, method="gram")
+
+
+def test_unforced_cpu_calls_stay_on_torch_under_the_interpreter():
+    dispatch.reset()
+    assert so.backend_for("polar", sample((20, 12))) == "torch"
+    assert "only when the triton backend is forced" in dict(so.backend_status(torch.device("cpu")))["triton"]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
+def test_a_wrong_path_is_refused_before_it_runs(monkeypatch):
+    # With a 16 limit the dispatcher's own check (small side 24) takes the tiled path, so a weight
+    # on the small path is checked by the backend first, and the broken kernel never runs on it.
+    dispatch.reset()
+    dispatch.register_backend(TritonBackend(small_side_max=16))
+    real = kernels.small.small_spectral
+    monkeypatch.setattr(kernels.small, "small_spectral", lambda *args, **kwargs: real(*args, **kwargs).mul_(1.5))
+    W = sample((2, 30, 16))
+    with so.use_backend("triton"), pytest.warns(RuntimeWarning, match="small spectral_power path disagrees"):
+        with pytest.raises(so.BackendUnavailableError):
+            so.spectral_power(W, 2, method="gram")
+    dispatch.reset()
+
+
+def test_int64_in_matrix_offsets_are_chosen_by_extent_and_give_identical_results(monkeypatch):
+    from spectral_ops.triton_kernels.common import wide_offsets
+
+    assert not wide_offsets(torch.empty_strided((4096, 16384), (16384, 1), device="meta"))
+    assert wide_offsets(torch.empty_strided((2, 3), (2**31, 1), device="meta"))
+    W = sample((2, 40, 24), seed=6)
+    expected = {name: backend.spectral_power(W, 2, so.polar_express_coefficients()) for name, backend in BACKENDS.items()}
+    for module in (kernels.syrk, kernels.update, kernels.small):
+        monkeypatch.setattr(module, "wide_offsets", lambda *tensors: True)
+    for name, backend in BACKENDS.items():
+        assert torch.equal(backend.spectral_power(W, 2, so.polar_express_coefficients()), expected[name])

@@ -1,0 +1,73 @@
+"""The small-matrix path: the whole S_p / decay / sign computation in one program per matrix."""
+
+import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
+
+import pytest
+import torch
+from triton_env import DTYPES, randn, relative, symmetric
+
+from spectral_ops.backends.torch_backend import TorchBackend, sign_iterations
+from spectral_ops.coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients
+from spectral_ops.testing import log_spaced_spectrum, matrix_with_spectrum
+from spectral_ops.triton_kernels.small import MAX_SIDE, small_sign, small_spectral
+
+POLAR = polar_express_coefficients()
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def wide(shape, dtype, seed=0):
+    return matrix_with_spectrum(shape, log_spaced_spectrum(shape[-2], 30), dtype, seed=seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("p", [0, 2, 3, 4, 5, 6])
+def test_spectral_power_matches_the_torch_backend(p, dtype):
+    X = wide((3, 21, 45), dtype, seed=p)
+    result = small_spectral(X, p, POLAR)
+    assert result.dtype == dtype
+    assert relative(result, TorchBackend().spectral_power(X, p, POLAR)) < TOLERANCE[dtype]
+
+
+def test_the_largest_small_side_and_a_ragged_last_chunk():
+    X = wide((MAX_SIDE, 150), torch.float32)
+    assert relative(small_spectral(X, 2, POLAR), TorchBackend().spectral_power(X, 2, POLAR)) < 1e-5
+
+
+@pytest.mark.parametrize("p", [0, 2, 3])
+def test_decay_in_place_with_per_matrix_scales(p):
+    W = wide((2, 2, 17, 40), torch.float32, seed=p)
+    alpha, beta = 0.99, torch.tensor([-0.1, -0.2, -0.05, 0.0])
+    S = TorchBackend().spectral_power(W, p, POLAR).double()
+    expected = alpha * W.double() + beta.reshape(2, 2, 1, 1).double() * S
+    assert small_spectral(W, p, POLAR, out=W, alpha=alpha, beta=beta) is W
+    assert relative(W, expected) < 1e-6
+
+
+def test_odd_powers_of_a_power_of_two_norm_sign_matrix_are_bit_exact():
+    # +-1 entries, 16 x 64: ||X||_F = 32, so the normalisation and every product are exact.
+    generator = torch.Generator().manual_seed(0)
+    X = (torch.randint(0, 2, (2, 16, 64), generator=generator) * 2 - 1).float()
+    for p in (3, 5):
+        assert torch.equal(small_spectral(X, p, POLAR), TorchBackend().spectral_power(X, p, POLAR))
+
+
+def test_a_zero_matrix_gives_zero():
+    assert torch.equal(small_spectral(torch.zeros(2, 8, 20), 2, POLAR), torch.zeros(2, 8, 20))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("coefficients", [(NEWTON_SCHULZ_SIGN,) * 12, POLAR], ids=["newton_schulz", "polar_express"])
+def test_sign_chain_matches_the_torch_reference(coefficients, dtype):
+    A = symmetric((3, 27, 27), dtype)
+    result = small_sign(A, coefficients)
+    assert result.dtype == dtype
+    assert relative(result, sign_iterations(A.float(), coefficients)) < TOLERANCE[dtype]
+
+
+def test_shape_errors():
+    with pytest.raises(ValueError, match="wide"):
+        small_spectral(randn((40, 20)), 2, POLAR)
+    with pytest.raises(ValueError, match="p = 1"):
+        small_spectral(randn((20, 40)), 1, POLAR)
+    with pytest.raises(ValueError, match="square"):
+        small_sign(randn((20, 21)), POLAR)

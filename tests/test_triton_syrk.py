@@ -1,0 +1,79 @@
+"""The symmetric (SYRK) kernel: X X^T and X^T X, lower tiles only, mirrored, with its epilogue."""
+
+import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
+
+import pytest
+import torch
+from triton_env import DTYPES, PRODUCT_TOLERANCE, SMALL_TILES, max_asymmetry, randn, relative, small_integers, symmetric
+
+from spectral_ops.triton_kernels.syrk import symmetric_product, syrk
+
+# Not multiples of 16; one matrix, a batch, two batch dimensions; wide and tall.
+SHAPES = [(37, 50), (50, 37), (3, 21, 45), (2, 2, 17, 40)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("trans", [False, True], ids=["XXt", "XtX"])
+def test_gram_matches_torch_and_is_exactly_symmetric(shape, dtype, trans):
+    X = randn(shape, dtype)
+    G = syrk(X, trans=trans, cfg=SMALL_TILES)
+    X64 = X.double()
+    expected = X64.mT @ X64 if trans else X64 @ X64.mT
+    assert G.dtype == torch.float32 and G.shape == expected.shape
+    assert relative(G, expected) < PRODUCT_TOLERANCE
+    assert max_asymmetry(G) == 0
+
+
+def test_every_tile_is_written_once_through_the_triangular_grid():
+    # 7 x 7 tiles -> 28 programs per matrix; NaN marks anything no program wrote.
+    X = randn((2, 100, 20))
+    out = torch.full((2, 100, 100), float("nan"))
+    syrk(X, out=out, cfg=SMALL_TILES)
+    assert not out.isnan().any()
+    assert relative(out, X.double() @ X.double().mT) < PRODUCT_TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_small_integers_and_power_of_two_scales_are_bit_exact(dtype):
+    X = small_integers((3, 37, 45), dtype)
+    C = symmetric((3, 37, 37), torch.float32, integers=True)
+    G = syrk(X, alpha=0.5, beta=-0.25, C=C, cfg=SMALL_TILES)
+    X32 = X.float()
+    assert torch.equal(G, 0.5 * (X32 @ X32.mT) - 0.25 * C)
+
+
+def test_per_matrix_alpha_beta_and_in_place_epilogue():
+    X = randn((3, 30, 41))
+    C = symmetric((3, 30, 30), seed=1)
+    alpha, beta = torch.tensor([1.0, 0.5, -2.0]), torch.tensor([0.0, 1.0, 3.0])
+    expected = alpha[:, None, None] * (X.double() @ X.double().mT) + beta[:, None, None] * C.double()
+    syrk(X, alpha=alpha, beta=beta, C=C, out=C, cfg=SMALL_TILES)  # C is read only where it is written
+    assert relative(C, expected) < PRODUCT_TOLERANCE
+    assert max_asymmetry(C) == 0
+
+
+def test_an_output_overlapping_the_operand_goes_through_a_workspace():
+    A = symmetric((2, 33, 33))
+    expected = A.double() @ A.double()
+    symmetric_product(A, A, out=A, cfg=SMALL_TILES)
+    assert relative(A, expected) < PRODUCT_TOLERANCE
+
+
+def test_product_of_commuting_symmetric_matrices():
+    G = symmetric((2, 35, 35))
+    G2 = G @ G
+    D = symmetric_product(G, G2, out=torch.empty(2, 35, 35, dtype=torch.float16), cfg=SMALL_TILES)
+    assert D.dtype == torch.float16
+    assert relative(D, G.double() @ G2.double()) < 1e-3
+    assert max_asymmetry(D) == 0
+
+
+def test_strided_operands_and_fp32_input_precisions():
+    base = randn((4, 60, 70))
+    X = base[::2, 5:40, ::3]  # batch, row and column strides, no copy
+    for precision in ("ieee", "tf32", "tf32x3"):
+        G = syrk(X, input_precision=precision, cfg=SMALL_TILES)
+        assert relative(G, X.double() @ X.double().mT) < PRODUCT_TOLERANCE
+    with pytest.raises(ValueError, match="input_precision"):
+        syrk(X, input_precision="bf16")

@@ -1,0 +1,222 @@
+"""What every kernel family shares: launch configurations, the tile loop, scale arguments, batching.
+
+Conventions used by all kernels in this package:
+
+* operands are ``(batch, rows, cols)`` tensors with arbitrary strides; the batch offset is always
+  computed in int64 (``batch * rows * cols`` overflows int32 for stacked large weights), offsets
+  within one matrix only when that matrix spans 2^31 elements (``WIDE``): 64-bit addresses for
+  every element of a tile cost registers that the tiles need;
+* fp32, fp16 and bf16 operands are multiplied as they are stored and accumulated in fp32; when the
+  two operands of a product differ in dtype both are upcast to fp32 first (``tl.dot`` needs one
+  dtype), and ``input_precision`` then decides how fp32 operands use the tensor cores;
+* a scale (``alpha``, ``beta``, ...) is either a Python number or a fp32 tensor with one value per
+  matrix, so per-matrix norms and learning rates held on the device never cause a host sync and a
+  step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Fixed per-architecture launch configurations. Nothing here is autotuned: the decay kernels write
+# the weights in place, and autotuning trial runs would apply the decay several times. Keys are
+# (family, operand width in bytes); the square kernels need block_m == block_n, and the small
+# path's tile is the whole matrix, so only its column chunk (block_k) and warps are set. The
+# interpreter entry only has to be cheap to interpret: its cost is per program and per loop step.
+#
+# Chosen by compiling every variant the backend launches for each target without a GPU (see the
+# README's Triton section): the largest tiles whose variants fit shared memory and registers
+# without spilling. fp32 operands get 64 x 64 tiles because the default tf32x3 splits every
+# operand into two tf32 halves, and 128 x 128 tiles then spill on both architectures.
+CONFIGS: dict[str, dict[tuple[str, int], Config]] = {
+    "sm90": {
+        ("symmetric", 2): Config(128, 128, 32, 8, 4),
+        ("symmetric", 4): Config(64, 64, 32, 4, 3),
+        ("product", 2): Config(128, 128, 32, 8, 4),
+        ("product", 4): Config(64, 64, 32, 4, 3),
+        ("small", 2): Config(0, 0, 16, 8, 2),
+        ("small", 4): Config(0, 0, 16, 8, 2),
+    },
+    "sm80": {
+        ("symmetric", 2): Config(128, 128, 32, 8, 4),
+        ("symmetric", 4): Config(64, 64, 16, 4, 3),
+        ("product", 2): Config(128, 128, 32, 8, 4),
+        ("product", 4): Config(64, 64, 16, 4, 3),
+        ("small", 2): Config(0, 0, 16, 8, 2),
+        ("small", 4): Config(0, 0, 16, 8, 2),
+    },
+    "interpreter": {
+        ("symmetric", 2): Config(64, 64, 64, 1, 1),
+        ("symmetric", 4): Config(64, 64, 64, 1, 1),
+        ("product", 2): Config(64, 64, 64, 1, 1),
+        ("product", 4): Config(64, 64, 64, 1, 1),
+        ("small", 2): Config(0, 0, 64, 1, 1),
+        ("small", 4): Config(0, 0, 64, 1, 1),
+    },
+}
+
+INPUT_PRECISIONS = ("ieee", "tf32", "tf32x3")
+
+
+def arch(device: torch.device) -> str:
+    """The ``CONFIGS`` key for a device: CPU tensors only run under the interpreter."""
+    if device.type != "cuda":
+        return "interpreter"
+    major, _ = torch.cuda.get_device_capability(device)
+    return "sm90" if major >= 9 else "sm80"
+
+
+def config(family: str, device: torch.device, *dtypes: torch.dtype) -> Config:
+    """The fixed configuration for ``family``; the widest operand decides the tile depth."""
+    width = max(d.itemsize for d in dtypes)
+    return CONFIGS[arch(device)][(family, width)]
+
+
+def check_precision(input_precision: str) -> str:
+    if input_precision not in INPUT_PRECISIONS:
+        raise ValueError(f"input_precision must be one of {INPUT_PRECISIONS}, got {input_precision!r}")
+    return input_precision
+
+
+def dot_precision(input_precision: str, *dtypes: torch.dtype) -> str:
+    """The ``input_precision`` to hand ``tl.dot`` for operands of these dtypes.
+
+    It only matters when the dot multiplies fp32 values (fp32 operands, or a mixed pair upcast to
+    fp32). An fp16 or bf16 pair always runs on the tensor cores as it is; it gets Triton's default
+    ``"tf32"`` rather than an fp32-only mode such as ``"tf32x3"``, whose rewrite expects fp32.
+    """
+    if len(set(dtypes)) == 1 and dtypes[0] != torch.float32:
+        return "tf32"
+    return input_precision
+
+
+def wide_offsets(*tensors: torch.Tensor | None) -> bool:
+    """Whether an offset inside one matrix of any operand can reach 2^31 (a tile past the edge included)."""
+    return any(
+        sum((size + 256) * abs(stride) for size, stride in zip(t.shape[-2:], t.stride()[-2:])) >= 2**31
+        for t in tensors if t is not None
+    )
+
+
+def batched(t: torch.Tensor) -> torch.Tensor:
+    """A ``(batch, rows, cols)`` view of ``(..., rows, cols)``, copying only when no view exists."""
+    return t.reshape(-1, *t.shape[-2:])
+
+
+def scale_arg(value, batch: int, device: torch.device):
+    """``(kernel argument, per_matrix flag)`` for a scale: a float, or one fp32 value per matrix.
+
+    A tensor is a 0-d value or a ``(batch,)`` vector (callers flatten ``(..., 1, 1)`` factors).
+    """
+    if not isinstance(value, torch.Tensor):
+        return float(value), False
+    value = value.to(device=device, dtype=torch.float32).reshape(-1)
+    return torch.broadcast_to(value, (batch,)).contiguous(), True
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Conservative overlap test: any two views of one storage may overlap."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
+class Output:
+    """Where a kernel writes ``out``: the tensor itself, or a workspace copied into it afterwards.
+
+    A workspace is needed when ``out`` has no ``(batch, rows, cols)`` view, or when it may overlap
+    an operand that other programs still read (``read_across``). Operands a program reads only at
+    the tile it writes (``read_in_place``) may be ``out`` itself, as the identical view.
+    """
+
+    def __init__(self, out: torch.Tensor, read_across=(), read_in_place=()):
+        self.out = out
+        clash = any(t is not None and shares_memory(t, out) for t in read_across) or any(
+            t is not None and shares_memory(t, out) and not same_view(t, out) for t in read_in_place
+        )
+        try:
+            view = None if clash else out.view(-1, *out.shape[-2:])
+        except RuntimeError:
+            view = None
+        self.direct = view is not None
+        batch = math.prod(out.shape[:-2])
+        self.target = view if self.direct else out.new_empty((batch, *out.shape[-2:]))
+
+    def finish(self) -> torch.Tensor:
+        if not self.direct:
+            self.out.copy_(self.target.view(self.out.shape))
+        return self.out
+
+
+@triton.jit
+def load_scale(arg, b, PER_MATRIX: tl.constexpr):
+    if PER_MATRIX:
+        return tl.load(arg + b)
+    else:
+        return arg
+
+
+@triton.jit
+def tile_indices(start, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    """``start + [0, BLOCK)``, in int64 when in-matrix offsets need it."""
+    indices = start + tl.arange(0, BLOCK)
+    if WIDE:
+        indices = indices.to(tl.int64)
+    return indices
+
+
+@triton.jit
+def lower_tile(t):
+    """The ``t``-th tile ``(i, j)``, ``j <= i``, of a row-major walk over the lower triangle.
+
+    ``t = i (i + 1) / 2 + j``; the float square root is off by at most one, which the two
+    corrections fix, so every program has a tile and none is wasted on an upper one.
+    """
+    i = ((tl.sqrt((8 * t + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int32)
+    i = tl.where(i * (i + 1) // 2 > t, i - 1, i)
+    i = tl.where((i + 1) * (i + 2) // 2 <= t, i + 1, i)
+    return i, t - i * (i + 1) // 2
+
+
+@triton.jit
+def accumulate_rows_product(acc, L, R, rows_l, rows_r, n_l, n_r, inner,
+                            s_l_row, s_l_inner, s_r_row, s_r_inner,
+                            BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                            WIDE: tl.constexpr):
+    """``acc += L[rows_l, :] @ R[rows_r, :]^T``, walking the shared inner dimension in BLOCK_K steps.
+
+    Both operands are read along their rows, so ``X X^T``, ``A A`` for symmetric ``A`` and
+    ``M Z`` (pass ``Z``'s strides swapped: the rows of ``Z^T``) are all this loop. Out-of-range
+    rows and the ragged last step read zeros, which add nothing.
+    """
+    mask_l = rows_l[:, None] < n_l
+    mask_r = rows_r[None, :] < n_r
+    for k0 in range(0, inner, BLOCK_K):
+        k = tile_indices(k0, BLOCK_K, WIDE)
+        in_k = k < inner
+        left = tl.load(L + rows_l[:, None] * s_l_row + k[None, :] * s_l_inner,
+                       mask=mask_l & in_k[None, :], other=0.0)
+        right = tl.load(R + k[:, None] * s_r_inner + rows_r[None, :] * s_r_row,
+                        mask=in_k[:, None] & mask_r, other=0.0)
+        if UPCAST:
+            left = left.to(tl.float32)
+            right = right.to(tl.float32)
+        acc = tl.dot(left, right, acc, input_precision=INPUT_PRECISION)
+    return acc

@@ -1,0 +1,139 @@
+"""The rectangular product with a fused epilogue: ``out = alpha * Y + gamma * Z + beta * (M @ Z)``.
+
+``M`` is a small ``r x r`` factor (a polynomial in the Gram matrix, a projector), ``Z`` the wide
+``r x n`` operand, ``Y`` an optional second ``r x n`` term (the weight itself in a decay step).
+One program computes one ``BLOCK_M x BLOCK_N`` output tile, reading a row panel of ``M`` and a
+column panel of ``Z``; programs walk the row tiles of one column panel first, so that panel of
+``Z`` is reused from L2 while ``M`` stays resident.
+
+The Polar Express update ``X <- a X + B X`` is this kernel with ``gamma = a``, ``beta = 1``: the
+accumulator starts as ``a X`` and the product is accumulated on top of it, in fp32, so adding
+``a X`` costs no extra pass and no extra register tile. With ``beta != 1`` (the decay epilogues) the
+product is accumulated alone and scaled once at the end, instead of scaling every ``M`` tile inside
+the loop, and the other terms are read only then. Without ``M`` the kernel is the fused elementwise
+combination ``alpha * Y + gamma * Z``.
+
+The update cannot run in place: every program reads a whole column panel of ``Z``, which other
+programs overwrite. The Polar Express chain alternates between two buffers; a decay written into
+the weight goes through :mod:`.decay`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import (Output, accumulate_rows_product, batched, check_precision, config, dot_precision, load_scale,
+                     scale_arg, tile_indices, wide_offsets)
+
+
+@triton.jit
+def _epilogue_terms(Z, Y, b, rows, cols, inside, alpha, gamma, s_zr, s_zc, s_yr, s_yc,
+                    ALPHA_PER_MATRIX: tl.constexpr, GAMMA_PER_MATRIX: tl.constexpr,
+                    HAS_Y: tl.constexpr, HAS_Z_TERM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``gamma * Z + alpha * Y`` on one tile, in fp32 (each term only if present)."""
+    terms = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if HAS_Z_TERM:
+        z = tl.load(Z + rows[:, None] * s_zr + cols[None, :] * s_zc, mask=inside, other=0.0)
+        terms += load_scale(gamma, b, GAMMA_PER_MATRIX) * z.to(tl.float32)
+    if HAS_Y:
+        y = tl.load(Y + rows[:, None] * s_yr + cols[None, :] * s_yc, mask=inside, other=0.0)
+        terms += load_scale(alpha, b, ALPHA_PER_MATRIX) * y.to(tl.float32)
+    return terms
+
+
+@triton.jit
+def product_kernel(
+    M, Z, Y, OUT, alpha, beta, gamma,
+    r, n, n_row_tiles, n_col_tiles,
+    s_mb, s_mr, s_mc, s_zb, s_zr, s_zc, s_yb, s_yr, s_yc, s_ob, s_or, s_oc,
+    ALPHA_PER_MATRIX: tl.constexpr, BETA_PER_MATRIX: tl.constexpr, GAMMA_PER_MATRIX: tl.constexpr,
+    HAS_M: tl.constexpr, HAS_Y: tl.constexpr, HAS_Z_TERM: tl.constexpr, INIT_WITH_TERMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles = n_row_tiles * n_col_tiles
+    b = (pid // tiles).to(tl.int64)
+    t = pid % tiles
+    rows = tile_indices((t % n_row_tiles) * BLOCK_M, BLOCK_M, WIDE)
+    cols = tile_indices((t // n_row_tiles) * BLOCK_N, BLOCK_N, WIDE)
+    inside = (rows[:, None] < r) & (cols[None, :] < n)
+    z = Z + b * s_zb
+    y = Y + b * s_yb
+
+    # Z's columns are the rows of Z^T: its strides are passed swapped to the row-times-row tile loop.
+    if INIT_WITH_TERMS:
+        acc = _epilogue_terms(z, y, b, rows, cols, inside, alpha, gamma, s_zr, s_zc, s_yr, s_yc,
+                              ALPHA_PER_MATRIX, GAMMA_PER_MATRIX, HAS_Y, HAS_Z_TERM, BLOCK_M, BLOCK_N)
+        if HAS_M:
+            acc = accumulate_rows_product(acc, M + b * s_mb, z, rows, cols, r, n, r,
+                                          s_mr, s_mc, s_zc, s_zr, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE)
+    else:
+        acc = accumulate_rows_product(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), M + b * s_mb, z, rows, cols,
+                                      r, n, r, s_mr, s_mc, s_zc, s_zr, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE)
+        acc = acc * load_scale(beta, b, BETA_PER_MATRIX) + _epilogue_terms(
+            z, y, b, rows, cols, inside, alpha, gamma, s_zr, s_zc, s_yr, s_yc,
+            ALPHA_PER_MATRIX, GAMMA_PER_MATRIX, HAS_Y, HAS_Z_TERM, BLOCK_M, BLOCK_N)
+
+    tl.store(OUT + b * s_ob + rows[:, None] * s_or + cols[None, :] * s_oc, acc.to(OUT.dtype.element_ty), mask=inside)
+
+
+def _is_one(value) -> bool:
+    return not isinstance(value, torch.Tensor) and float(value) == 1.0
+
+
+def _is_zero(value) -> bool:
+    return not isinstance(value, torch.Tensor) and float(value) == 0.0
+
+
+def product(M: torch.Tensor | None, Z: torch.Tensor, *, beta=1.0, gamma=0.0, Y: torch.Tensor | None = None,
+            alpha=0.0, out: torch.Tensor | None = None, input_precision: str = "ieee", cfg=None) -> torch.Tensor:
+    """``out = alpha * Y + gamma * Z + beta * (M @ Z)`` for ``(..., r, r)`` ``M`` and ``(..., r, n)`` ``Z``, ``Y``.
+
+    ``M=None`` drops the product. Scales are numbers or one value per matrix. ``Y`` (and ``Z``
+    when there is no product) may be ``out`` itself, as the identical view: they are read only at
+    the tile being written. If ``out`` overlaps anything else, the result goes through a workspace.
+    The output defaults to a new fp32 tensor.
+    """
+    check_precision(input_precision)
+    r, n = Z.shape[-2:]
+    if M is not None and M.shape[-2:] != (r, r):
+        raise ValueError(f"M must be (..., {r}, {r}) for Z of shape {tuple(Z.shape)}, got {tuple(M.shape)}")
+    if Y is not None and Y.shape[-2:] != (r, n):
+        raise ValueError(f"Y must have Z's shape {tuple(Z.shape)}, got {tuple(Y.shape)}")
+    Zb = batched(Z)
+    batch = Zb.shape[0]
+    if out is None:
+        out = torch.empty(Z.shape, dtype=torch.float32, device=Z.device)
+    if M is None:
+        target = Output(out, read_in_place=(Y, Z))
+    else:
+        target = Output(out, read_across=(M, Z), read_in_place=(Y,))
+    Ob = target.target
+    Mb = batched(M) if M is not None else Ob
+    Yb = batched(Y) if Y is not None else Ob
+    cfg = cfg or config("product", Z.device, Z.dtype, *([M.dtype] if M is not None else []))
+    n_row_tiles, n_col_tiles = triton.cdiv(r, cfg.block_m), triton.cdiv(n, cfg.block_n)
+    (alpha_arg, alpha_per), (beta_arg, beta_per), (gamma_arg, gamma_per) = (
+        scale_arg(v, batch, Z.device) for v in (alpha, beta, gamma))
+    product_kernel[(batch * n_row_tiles * n_col_tiles,)](
+        Mb, Zb, Yb, Ob, alpha_arg, beta_arg, gamma_arg, r, n, n_row_tiles, n_col_tiles,
+        *Mb.stride(), *Zb.stride(), *Yb.stride(), *Ob.stride(),
+        ALPHA_PER_MATRIX=alpha_per, BETA_PER_MATRIX=beta_per, GAMMA_PER_MATRIX=gamma_per,
+        HAS_M=M is not None, HAS_Y=Y is not None, HAS_Z_TERM=not _is_zero(gamma),
+        INIT_WITH_TERMS=M is None or _is_one(beta),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        UPCAST=M is not None and M.dtype != Z.dtype,
+        INPUT_PRECISION=dot_precision(input_precision, Z.dtype, *([M.dtype] if M is not None else [])),
+        WIDE=wide_offsets(Mb, Zb, Yb, Ob),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return target.finish()
+
+
+def polar_update(X: torch.Tensor, B: torch.Tensor, a, *, out: torch.Tensor | None = None,
+                 input_precision: str = "ieee", cfg=None) -> torch.Tensor:
+    """One Polar Express update ``a X + B X`` (``B = b A + c A^2``) into a buffer other than ``X``."""
+    return product(B, X, gamma=a, out=out, input_precision=input_precision, cfg=cfg)
