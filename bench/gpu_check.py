@@ -295,7 +295,54 @@ def time_ms(fn, device, dry_run) -> float:
 
 
 def _clone(d):
-    return {k: v.clone() for k, v in d.items()}
+    return {k: tuple(t.clone() for t in v) if isinstance(v, tuple) else v.clone() for k, v in d.items()}
+
+
+# ----- the CUDA extension's kernels and ops (bench/cuda_cases.py), as cases of this registry -----
+
+def _register_cuda_cases() -> None:
+    """Each CUDA case checks one kernel or op at one shape and dtype; the timing cases are
+    timed against the torch call they replace. They need a GPU: no tiny interpreter shapes."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import cuda_cases
+
+    for spec in cuda_cases.cases() + cuda_cases.timing_cases():
+        register(Case(
+            spec["name"], "cuda",
+            fn=lambda d, spec=spec: spec["run"](*d["args"]),
+            reference=lambda d, spec=spec: spec["reference"](*d["args"]),
+            inputs=lambda shape, dtype, device, spec=spec: {"args": spec["make_inputs"](device)},
+            shapes=[spec["shape"]], tiny_shapes=[], tolerance={spec["dtype"]: spec["tolerance"]},
+            dtypes=(spec["dtype"],),
+        ))
+
+
+_register_cuda_cases()
+
+
+def build_extension_if_needed() -> None:
+    """On a GPU machine with nvcc but no built ``spectral_ops._C``, build it in place first
+    (``pip install -e .`` with ``SPECTRAL_OPS_REQUIRE_CUDA=1``, so a failure is reported, not hidden)."""
+    import shutil
+    import subprocess
+
+    from spectral_ops._extension import load_extension
+
+    if load_extension()[0] is not None or not shutil.which("nvcc"):
+        return
+    root = Path(__file__).resolve().parent.parent
+    print("building spectral_ops._C ...", flush=True)
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
+                             "-e", str(root)], env={**os.environ, "SPECTRAL_OPS_REQUIRE_CUDA": "1"},
+                            capture_output=True, text=True)
+    print(result.stdout[-2000:] + result.stderr[-4000:] if result.returncode else "built", flush=True)
+    load_extension.cache_clear()
+
+
+def cuda_unavailable_reason(device) -> str | None:
+    from spectral_ops.backends.cuda_backend import CudaBackend
+
+    return CudaBackend().unavailable_reason(device)
 
 
 def run_case(case: Case, shape, dtype, device, dry_run) -> dict:
@@ -482,7 +529,16 @@ def main(args) -> int:
         return 2
     deadline = time.monotonic() + args.budget_s
     rows = []
+    if not args.dry_run:
+        build_extension_if_needed()
+    cuda_reason = cuda_unavailable_reason(device)
     for case in _selected(args):
+        if case.backend == "cuda" and cuda_reason and case.shapes:
+            if not args.dry_run:
+                rows.append({"case": case.name, "backend": "cuda", "dtype": str(case.dtypes[0]).replace("torch.", ""),
+                             "shape": list(case.shapes[0]), "skipped": f"CUDA extension unavailable: {cuda_reason}",
+                             "ok": False})
+            continue
         dtypes = [d for d in case.dtypes if not (args.dry_run and d == torch.bfloat16)]
         for dtype in dtypes:
             for shape in case.tiny_shapes if args.dry_run else case.shapes:

@@ -208,6 +208,8 @@ class TorchBackend:
         return sign_iterations(A.to(compute_dtype(A.dtype)), coefficients).to(A.dtype)
 
     def spectral_power(self, W, p, coefficients):
+        if p == 1:
+            return W.clone()  # S_1(W) = W, and the result must never alias the input
         plan = GramPlan(W)
         return plan.oriented(plan.power(p, coefficients)).to(W.dtype)
 
