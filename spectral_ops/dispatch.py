@@ -181,3 +181,25 @@ def self_check_error(backend, op: str, dtype: torch.dtype, device) -> float:
             error = relative_error(g, e)
             worst = max(worst, error if error == error else float("inf"))
     return worst
+
+
+def verify_pinned_path(name: str, path: str, make_pinned, op: str, dtype: torch.dtype, device, cache: dict) -> bool:
+    """Self-check one internal path of a backend (e.g. its small-matrix or tiled kernels) once.
+
+    The first-use check runs one small input, which takes one path; before a call takes another,
+    ``make_pinned()`` (the backend forced down ``path``) is checked on the same input. Results are
+    kept in the backend's ``cache``; a failing path warns, and those calls go to the next backend.
+    """
+    key = (op, dtype, torch.device(device).type, path)
+    if key not in cache:
+        error = self_check_error(make_pinned(), op, dtype, device)
+        tolerance = SELF_CHECK_TOLERANCE[dtype]
+        cache[key] = error <= tolerance
+        if not cache[key]:
+            warnings.warn(
+                f"spectral_ops: the {name} backend's {path} {op} path disagrees with the PyTorch reference "
+                f"for {dtype} (relative error {error:.3g} > {tolerance:.1g}); those calls use the next backend",
+                RuntimeWarning,
+                stacklevel=6,
+            )
+    return cache[key]

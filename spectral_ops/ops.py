@@ -89,24 +89,28 @@ def _check_symmetric(A: torch.Tensor) -> None:
         )
 
 
-# Small sides for which the Gram route beat LAPACK's SVD (p = 2, float32) on the 2-core CPU this
-# package is tested on; in float64 and outside this range the SVD was as fast or faster. The
-# measurements are in the README ("Choosing a method").
-CPU_GRAM_SMALL_SIDES_FP32 = range(128, 513)
-
-
 def _auto_method(W: torch.Tensor, p: int) -> str:
-    """The faster accurate route for the device, dtype and shape.
+    """The fastest accurate route for the device, dtype and shape.
 
-    On GPUs the Gram route always wins (it is a chain of matmuls); on CPUs only in float32 at
-    mid sizes, per the measured crossover above.
+    On GPUs the Gram route always wins: it is a chain of matmuls. On CPUs the choice follows the
+    crossover measured with ``bench/test_bench_ops.py::test_method_selection`` on the 2-core
+    machine the tests run on (README, "Choosing a method on a CPU"):
+
+    * ``p >= 2``: the eigendecomposition of the Gram was fastest at every measured shape (1.3-3.3x
+      over the next route from 64 x 64 up, within 4% of the SVD at 32 x 32), and it is accurate
+      for ``p >= 1``;
+    * ``p = 0`` (where eigh is inaccurate): Polar Express beat LAPACK's SVD in float32 for small
+      sides 128-256 and from 1024, and in float64 only on square 128-256 matrices.
     """
     if p == 1 or W.device.type != "cpu":
         return "gram"
-    small_side = min(W.shape[-2:])
-    if compute_dtype(W.dtype) == torch.float32 and small_side in CPU_GRAM_SMALL_SIDES_FP32:
-        return "gram"
-    return "svd"
+    if p >= 2:
+        return "eigh"
+    m, n = W.shape[-2:]
+    r = min(m, n)
+    if compute_dtype(W.dtype) == torch.float32:
+        return "gram" if 128 <= r <= 256 or r >= 1024 else "svd"
+    return "gram" if m == n and 128 <= r <= 256 else "svd"
 
 
 @torch.no_grad()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import os
-import warnings
 
 import torch
 
@@ -288,22 +287,9 @@ class CudaBackend:
     # The dispatcher's self-check runs one small input, which takes one path; a weight routed to the
     # other one is checked first on the same input forced down that path.
     def _path_verified(self, op: str, dtype: torch.dtype, device: torch.device, path: str) -> bool:
-        key = (op, dtype, device.type, path)
-        if key not in self._verified:
-            from .. import dispatch
+        from .. import dispatch
 
-            pinned = CudaBackend(path=path, precision=self.precision)
-            error = dispatch.self_check_error(pinned, op, dtype, device)
-            tolerance = dispatch.SELF_CHECK_TOLERANCE[dtype]
-            self._verified[key] = error <= tolerance
-            if not self._verified[key]:
-                warnings.warn(
-                    f"spectral_ops: the cuda backend's {path} {op} path disagrees with the PyTorch reference "
-                    f"for {dtype} (relative error {error:.3g} > {tolerance:.1g}); those calls use the next backend",
-                    RuntimeWarning,
-                    stacklevel=5,
-                )
-        return self._verified[key]
+        return dispatch.verify_pinned_path(self.name, path, lambda: CudaBackend(path=path, precision=self.precision), op, dtype, device, self._verified)
 
     # ----- ops -----
 

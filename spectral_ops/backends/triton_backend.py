@@ -26,7 +26,6 @@ import functools
 import importlib
 import importlib.util
 import os
-import warnings
 
 import torch
 
@@ -330,23 +329,10 @@ class TritonBackend:
     # one-program-per-matrix kernels, or the tiled ones); before a weight takes the other path,
     # the same check runs here on a backend pinned to that path.
     def _path_verified(self, op: str, dtype: torch.dtype, device: torch.device, path: str) -> bool:
-        key = (op, dtype, device.type, path)
-        if key not in self._verified:
-            from .. import dispatch
+        from .. import dispatch
 
-            pinned = TritonBackend(small_side_max=kernels.small.MAX_SIDE if path == "small" else 0,
-                                   input_precision=self.input_precision)
-            error = dispatch.self_check_error(pinned, op, dtype, device)
-            tolerance = dispatch.SELF_CHECK_TOLERANCE[dtype]
-            self._verified[key] = error <= tolerance
-            if not self._verified[key]:
-                warnings.warn(
-                    f"spectral_ops: the triton backend's {path} {op} path disagrees with the PyTorch reference "
-                    f"for {dtype} (relative error {error:.3g} > {tolerance:.1g}); those calls use the next backend",
-                    RuntimeWarning,
-                    stacklevel=5,
-                )
-        return self._verified[key]
+        return dispatch.verify_pinned_path(self.name, path, lambda: TritonBackend(small_side_max=kernels.small.MAX_SIDE if path == "small" else 0,
+                                   input_precision=self.input_precision), op, dtype, device, self._verified)
 
     def _plan(self, W: torch.Tensor) -> _Plan:
         return _Plan(W, self.input_precision, self.small_side_max)
