@@ -55,3 +55,19 @@ class DecayRequest:
     p0_mode: str
     polar_coefficients: tuple
     sign_coefficients: tuple
+
+
+def repeated_squaring(k: int, square, multiply):
+    """``G^k`` as the product of the squares ``square(2^j) = G^(2^j)`` its binary digits select.
+
+    ``square`` caches the squares (each computed at most once); ``multiply`` is the backend's product
+    of two commuting symmetric factors. Shared by every backend's Gram plan.
+    """
+    result, exponent = None, 1
+    while k:
+        if k & 1:
+            factor = square(exponent)
+            result = factor if result is None else multiply(result, factor)
+        k >>= 1
+        exponent <<= 1
+    return result

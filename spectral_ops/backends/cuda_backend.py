@@ -29,7 +29,7 @@ import torch
 
 from .. import _extension as ext
 from ..coefficients import NORMALIZATION_MARGIN
-from .base import OPS, BandSpec, DecayRequest
+from .base import OPS, BandSpec, DecayRequest, repeated_squaring
 from .torch_backend import TorchBackend
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -128,14 +128,7 @@ class _Plan:
 
     def gram_power(self, k: int) -> torch.Tensor:
         """``Gn^k``; the squares commute, so every product is symmetric and computes half the tiles."""
-        result, exponent = None, 1
-        while k:
-            if k & 1:
-                square = self._gram_square(exponent)
-                result = square if result is None else self.symmetric(result, square)
-            k >>= 1
-            exponent <<= 1
-        return result
+        return repeated_squaring(k, self._gram_square, self.symmetric)
 
     def polar(self, coefficients, out: torch.Tensor | None = None) -> torch.Tensor:
         """``Q`` (fp32, cached), or with ``out`` the last step written straight into ``out``.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..coefficients import NORMALIZATION_MARGIN
-from .base import BandSpec, DecayRequest
+from .base import BandSpec, DecayRequest, repeated_squaring
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -82,14 +82,7 @@ class GramPlan:
 
     def gram_power(self, k: int) -> torch.Tensor:
         """``Gn^k`` by repeated squaring: the product of the squares its binary digits select."""
-        result, exponent = None, 1
-        while k:
-            if k & 1:
-                square = self._gram_square(exponent)
-                result = square if result is None else result @ square
-            k >>= 1
-            exponent <<= 1
-        return result
+        return repeated_squaring(k, self._gram_square, torch.matmul)
 
     def polar(self, coefficients) -> torch.Tensor:
         """Polar Express ``Q = U V^T`` (wide orientation), sharing the Gram with step one."""

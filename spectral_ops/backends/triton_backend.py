@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from .base import OPS, BandSpec, DecayRequest
+from .base import OPS, BandSpec, DecayRequest, repeated_squaring
 from .torch_backend import NORMALIZATION_MARGIN
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -128,15 +128,8 @@ class _Plan:
 
     def gram_power(self, k: int) -> torch.Tensor:
         """``Gn^k``; the squares commute, so each product is symmetric and computes half the tiles."""
-        result, exponent = None, 1
-        while k:
-            if k & 1:
-                square = self._gram_square(exponent)
-                result = square if result is None else kernels.syrk.symmetric_product(
-                    result, square, input_precision=self.precision)
-            k >>= 1
-            exponent <<= 1
-        return result
+        return repeated_squaring(k, self._gram_square, lambda a, b: kernels.syrk.symmetric_product(
+            a, b, input_precision=self.precision))
 
     def polar(self, coefficients, *, out=None, Y=None, alpha=0.0, beta=1.0) -> torch.Tensor:
         """``alpha Y + beta Q``; ``Q`` alone (cached) when called without ``out``/``Y``/``beta``.
