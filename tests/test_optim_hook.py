@@ -18,7 +18,7 @@ def matrices(model):
 def test_attached_to_torch_adamw_equals_spectral_adamw(convention):
     model_a, model_b = tiny_model(), tiny_model()
     host = torch.optim.AdamW(model_a.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
-    SpectralDecay(matrices(model_a), p=2, weight_decay=0.05, convention=convention).attach(host)
+    SpectralDecay(matrices(model_a), p=2, spectral_weight_decay=0.05, convention=convention).attach(host)
     reference = SpectralAdamW(
         [{"params": matrices(model_b), "p": 2, "spectral_weight_decay": 0.05},
          {"params": [p for p in model_b.parameters() if p.ndim < 2]}],
@@ -35,7 +35,7 @@ def test_standalone_step_and_detach():
     W0 = matrix_with_spectrum((16, 8), log_spaced_spectrum(8, 10), torch.float64, seed=1)
     param = torch.nn.Parameter(W0.clone())
     param.grad = torch.zeros_like(W0)
-    decay = SpectralDecay([param], p=4, weight_decay=0.2, lr=0.1)
+    decay = SpectralDecay([param], p=4, spectral_weight_decay=0.2, lr=0.1)
     decay.step()
     assert relative_error(param.detach(), so.reference.spectral_decay_svd(W0, 4, 0.1, 0.2)) < 1e-12
     host = torch.optim.SGD([param], lr=0.0)
@@ -52,21 +52,86 @@ def test_standalone_step_needs_an_lr():
     param = torch.nn.Parameter(torch.ones(4, 4))
     param.grad = torch.zeros(4, 4)
     with pytest.raises(ValueError, match="lr="):
-        SpectralDecay([param], p=2, weight_decay=0.1).step()
+        SpectralDecay([param], p=2, spectral_weight_decay=0.1).step()
 
 
 def test_parameters_unknown_to_the_host_are_reported():
     a, b = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(4, 4))
     a.grad, b.grad = torch.zeros(4, 4), torch.zeros(4, 4)
     host = torch.optim.SGD([a], lr=0.1)
-    SpectralDecay([a, b], p=2, weight_decay=0.1).attach(host)
+    SpectralDecay([a, b], p=2, spectral_weight_decay=0.1).attach(host)
     with pytest.raises(ValueError, match="does not optimise"):
         host.step()
 
 
 def test_state_dict_round_trip_of_the_groups():
-    decay = SpectralDecay(tiny_model().parameters(), p=2, weight_decay=0.1, band={"tau": 1.0, "mode": "top"})
+    decay = SpectralDecay(tiny_model().parameters(), p=2, spectral_weight_decay=0.1, band={"tau": 1.0, "mode": "top"})
     state = decay.state_dict()
     other = SpectralDecay(tiny_model().parameters(), p=1)
     other.load_state_dict(state)
     assert other.param_groups[0]["p"] == 2 and other.param_groups[0]["band"] == {"tau": 1.0, "mode": "top"}
+
+
+# --- weight_decay, the deprecated name of the spectral coefficient --------------------------------
+
+
+def one_step(build):
+    """The weights after one standalone step of ``build(param)``, and before it."""
+    W0 = matrix_with_spectrum((16, 8), log_spaced_spectrum(8, 10), torch.float64, seed=2)
+    param = torch.nn.Parameter(W0.clone())
+    param.grad = torch.zeros_like(W0)
+    decay = build(param)
+    decay.step()
+    assert "weight_decay" not in decay.param_groups[0]
+    return param.detach(), W0
+
+
+DEPRECATED = "pass the spectral coefficient lambda_p as spectral_weight_decay"
+
+
+def test_spectral_weight_decay_is_lambda_p_and_the_third_positional_argument():
+    decayed, W0 = one_step(lambda param: SpectralDecay([param], 2, 0.3, lr=0.1, ordinary_weight_decay=0.05))
+    expected = so.reference.spectral_decay_svd(W0, 2, 0.1, 0.3, ordinary_weight_decay=0.05)
+    assert relative_error(decayed, expected) < 1e-12
+
+
+@pytest.mark.parametrize("build", [
+    lambda param: SpectralDecay([param], p=2, weight_decay=0.3, lr=0.1),
+    lambda param: SpectralDecay([{"params": [param], "weight_decay": 0.3}], p=2, lr=0.1),
+], ids=["argument", "group-key"])
+def test_weight_decay_is_a_deprecated_alias(build):
+    with pytest.warns(DeprecationWarning, match=DEPRECATED) as record:
+        decayed, W0 = one_step(build)
+    # The warning points at the caller's line, so that Python's default filters show it in a script.
+    assert record[0].filename == __file__
+    assert relative_error(decayed, so.reference.spectral_decay_svd(W0, 2, 0.1, 0.3)) < 1e-12
+
+
+def test_weight_decay_in_an_added_group_is_a_deprecated_alias():
+    decay = SpectralDecay([torch.nn.Parameter(torch.ones(4, 4))], p=2, lr=0.1)
+    with pytest.warns(DeprecationWarning, match=DEPRECATED) as record:
+        decay.add_param_group({"params": [torch.nn.Parameter(torch.ones(3, 3))], "weight_decay": 0.3})
+    assert record[0].filename == __file__
+    assert decay.param_groups[1]["spectral_weight_decay"] == 0.3 and "weight_decay" not in decay.param_groups[1]
+
+
+def test_both_names_at_once_are_refused():
+    param = torch.nn.Parameter(torch.ones(4, 4))
+    with pytest.raises(TypeError, match="both spectral_weight_decay and weight_decay"):
+        SpectralDecay([param], p=2, spectral_weight_decay=0.1, weight_decay=0.1)
+    with pytest.raises(TypeError, match="both spectral_weight_decay and weight_decay"):
+        SpectralDecay([{"params": [param], "spectral_weight_decay": 0.1, "weight_decay": 0.1}], p=2)
+    decay = SpectralDecay([param], p=2)
+    with pytest.raises(TypeError, match="both spectral_weight_decay and weight_decay"):
+        decay.add_param_group({"params": [torch.nn.Parameter(torch.ones(3, 3))], "spectral_weight_decay": 0.1,
+                               "weight_decay": 0.1})
+
+
+def test_a_state_dict_saved_under_the_old_name_loads():
+    state = SpectralDecay(tiny_model().parameters(), p=2, spectral_weight_decay=0.1).state_dict()
+    for group in state["param_groups"]:
+        group["weight_decay"] = group.pop("spectral_weight_decay")
+    other = SpectralDecay(tiny_model().parameters(), p=1)
+    with pytest.warns(DeprecationWarning, match=DEPRECATED):
+        other.load_state_dict(state)
+    assert other.param_groups[0]["spectral_weight_decay"] == 0.1 and "weight_decay" not in other.param_groups[0]

@@ -1,6 +1,6 @@
 """SpectralDecay: spectral-power decay for any optimizer (torch's AdamW, a user's Muon, ...).
 
-``SpectralDecay(params, p=2, weight_decay=0.1).attach(optimizer)`` registers a step pre-hook: just
+``SpectralDecay(params, p=2, spectral_weight_decay=0.1).attach(optimizer)`` registers a step pre-hook: just
 before each ``optimizer.step()``, the listed parameters (those with a gradient) are decayed from their
 pre-update values with the host optimizer's *current* lr (or ``eta_t`` = lr / peak lr under the
 independent convention). It can also run on its own: ``SpectralDecay(params, ..., lr=0.01).step()``.
@@ -8,26 +8,72 @@ independent convention). It can also run on its own: ``SpectralDecay(params, ...
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ._decay import DECAY_DEFAULTS, SpectralOptimizer, decay_parameters
 
-class SpectralDecay(SpectralOptimizer):
-    """Decay only. Here ``weight_decay`` is the spectral coefficient ``lambda_p`` and
-    ``ordinary_weight_decay`` the ordinary ``lambda_1``; every option can be set per group."""
+# SpectralDecay once called lambda_p ``weight_decay``, the name of lambda_1 everywhere else.
+DEPRECATED_SPECTRAL_KEY = "weight_decay"
 
-    spectral_key = "weight_decay"
+
+def _spectral_coefficient(spectral, deprecated, stacklevel: int):
+    """``lambda_p`` from ``spectral_weight_decay`` or its deprecated alias (``None``: not given)."""
+    if deprecated is None:
+        return spectral
+    if spectral is not None:
+        raise TypeError("SpectralDecay got both spectral_weight_decay and weight_decay, its deprecated alias; "
+                        "pass spectral_weight_decay only")
+    warnings.warn("SpectralDecay's weight_decay is deprecated: pass the spectral coefficient lambda_p as "
+                  "spectral_weight_decay, as in SpectralAdamW, SpectralSGD and SpectralMuon "
+                  "(the ordinary lambda_1 is ordinary_weight_decay)", DeprecationWarning, stacklevel=stacklevel + 1)
+    return deprecated
+
+
+def _without_deprecated_key(group: dict, stacklevel: int) -> dict:
+    if DEPRECATED_SPECTRAL_KEY not in group:
+        return group
+    coefficient = _spectral_coefficient(group.get("spectral_weight_decay"), group[DEPRECATED_SPECTRAL_KEY],
+                                        stacklevel + 1)
+    renamed = {key: value for key, value in group.items() if key != DEPRECATED_SPECTRAL_KEY}
+    return {**renamed, "spectral_weight_decay": coefficient}
+
+
+class SpectralDecay(SpectralOptimizer):
+    """Decay only: ``spectral_weight_decay`` is the spectral coefficient ``lambda_p`` (default 0) and
+    ``ordinary_weight_decay`` the ordinary ``lambda_1``; every option can be set per group.
+
+    ``weight_decay`` (an argument or a group key) is a deprecated alias of ``spectral_weight_decay``.
+    """
+
     ordinary_key = "ordinary_weight_decay"
 
-    def __init__(self, params, p=1, weight_decay=0.0, convention="decoupled", *, ordinary_weight_decay=0.0,
-                 band=None, p0_mode="explicit", stability="raise", polar_steps=None, lr=None):
-        defaults = dict(DECAY_DEFAULTS, p=p, weight_decay=weight_decay, ordinary_weight_decay=ordinary_weight_decay,
-                        convention=convention, band=band, p0_mode=p0_mode, stability=stability,
-                        polar_steps=polar_steps, lr=lr)
-        defaults.pop("spectral_weight_decay")
+    def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
+                 band=None, p0_mode="explicit", stability="raise", polar_steps=None, lr=None, weight_decay=None):
+        spectral_weight_decay = _spectral_coefficient(spectral_weight_decay, weight_decay, stacklevel=2)
+        if not isinstance(params, torch.Tensor):  # torch's own check refuses a bare tensor
+            # Renamed here, not only in add_param_group, so that the warning points at the caller (a
+            # loop, not a comprehension: before Python 3.12 that is a frame of its own).
+            params = list(params)
+            for index, group in enumerate(params):
+                if isinstance(group, dict):
+                    params[index] = _without_deprecated_key(group, stacklevel=2)
+        defaults = dict(DECAY_DEFAULTS, p=p, ordinary_weight_decay=ordinary_weight_decay, convention=convention,
+                        band=band, p0_mode=p0_mode, stability=stability, polar_steps=polar_steps, lr=lr)
+        if spectral_weight_decay is not None:
+            defaults["spectral_weight_decay"] = spectral_weight_decay
         super().__init__(params, defaults)
         self._hook = None
         self._host_peak_lr: dict[int, object] = {}
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(_without_deprecated_key(param_group, stacklevel=2))
+
+    def __setstate__(self, state: dict) -> None:
+        # load_state_dict lands here: a state dict saved before the rename keys lambda_p as weight_decay.
+        super().__setstate__(state)
+        self.param_groups = [_without_deprecated_key(group, stacklevel=3) for group in self.param_groups]
 
     def check_group(self, group: dict) -> None:
         # lr=None: attached use, where the host optimizer supplies the lr.
@@ -59,7 +105,7 @@ class SpectralDecay(SpectralOptimizer):
             for host, params in by_host.values():
                 peak = host.get("initial_lr", self._host_peak_lr.get(id(host), host["lr"]))
                 decay_parameters(params, group, lr=host["lr"], peak_lr=peak,
-                                 spectral=group["weight_decay"], ordinary=group["ordinary_weight_decay"])
+                                 spectral=group[self.spectral_key], ordinary=group[self.ordinary_key])
 
     def step_group(self, params, group: dict) -> None:
         """Standalone use (``.step()``): decay with this object's own lr."""
