@@ -7,7 +7,7 @@ import torch
 
 import spectral_ops as so
 from spectral_ops.optim import SpectralAdamW
-from spectral_ops.testing import log_spaced_spectrum, matrix_with_spectrum, relative_error
+from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 
 from optim_models import assert_same_trajectory, tiny_model, train
 
@@ -80,6 +80,24 @@ def test_per_group_options_and_independent_convention_with_a_scheduler():
     assert relative_error(param.detach(), so.reference.spectral_decay_svd(W, 2, 0.25, 0.5)) < 1e-12
     assert scheduler.get_last_lr() == [0.025]
 
+
+
+def test_independent_convention_divides_the_lr_by_the_groups_peak_lr():
+    W = matrix_with_spectrum((12, 8), log_spaced_spectrum(8, 10), torch.float64, seed=3)
+    options = {"p": 2, "spectral_weight_decay": 0.5, "convention": "independent", "weight_decay": 0.0}
+    expected = so.reference.spectral_decay_svd(W, 2, 0.25, 0.5)  # eta_t = lr 0.1 / peak_lr 0.4
+
+    def decayed(group, lr):
+        param = W.clone().requires_grad_()
+        param.grad = torch.zeros_like(W)  # Adam's update is then exactly zero
+        optimizer = SpectralAdamW([{"params": [param], **options, **group}], lr=lr)
+        assert optimizer.param_groups[0]["peak_lr"] == 0.4
+        optimizer.param_groups[0]["lr"] = 0.1  # as the training loop schedules: peak_lr x multiplier
+        optimizer.step()
+        return param.detach()
+
+    assert relative_error(decayed({}, lr=0.4), expected) < 1e-12  # by default, the starting lr
+    assert relative_error(decayed({"peak_lr": 0.4}, lr=0.1), expected) < 1e-12
 
 def test_stability_guard_in_the_optimizer():
     big = matrix_with_spectrum((12, 8), log_spaced_spectrum(8, 10) * 10, torch.float64, seed=4)

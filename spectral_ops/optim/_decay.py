@@ -54,7 +54,7 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> None:
 
 
 def schedule_multiplier(lr, peak_lr):
-    """``eta_t = lr / peak lr`` (0 when the peak is 0)."""
+    """``eta_t = lr / peak_lr`` (0 when the peak is 0)."""
     return 0.0 if is_zero(peak_lr) else lr / peak_lr
 
 
@@ -92,7 +92,7 @@ def decay_parameters(params, group: dict, *, lr, peak_lr, spectral, ordinary) ->
 
 
 class SpectralOptimizer(Optimizer):
-    """Shared construction for the family: defaults, validation and the peak lr of each group.
+    """Shared construction for the family: defaults, validation and the ``peak_lr`` of each group.
 
     Subclasses implement :meth:`step_group` (decay, then their update), set
     ``spectral_key``/``ordinary_key`` (the group keys of ``lambda_p``/``lambda_1``) and may extend
@@ -110,8 +110,8 @@ class SpectralOptimizer(Optimizer):
         except (TypeError, ValueError):
             self.param_groups.pop()
             raise
-        # The lr a group starts with is its peak for the independent convention (eta_t = lr /
-        # peak); an LR scheduler's initial_lr takes precedence once it exists.
+        # Unless the group names its peak_lr, the lr it starts with is the peak of the independent
+        # convention (eta_t = lr / peak_lr); an LR scheduler's initial_lr takes precedence once it exists.
         group.setdefault("peak_lr", group["lr"])
 
     def check_group(self, group: dict) -> None:

@@ -44,8 +44,9 @@ class SpectralAdamW(SpectralOptimizer):
 
     ``weight_decay`` is the ordinary coefficient ``lambda_1`` and ``spectral_weight_decay`` is
     ``lambda_p``; they stack. Both act on the weights before the Adam update, scaled by the current
-    lr (``convention="decoupled"``, torch AdamW's convention) or by ``eta_t = lr / peak lr``
-    (``"independent"``; the peak is the group's starting lr, or an LR scheduler's ``initial_lr``).
+    lr (``convention="decoupled"``, torch AdamW's convention) or by ``eta_t = lr / peak_lr``
+    (``"independent"``; ``peak_lr`` is a group key, by default the lr the group starts with, and an LR
+    scheduler's ``initial_lr`` takes precedence over it).
     With ``p = 1`` it is torch's AdamW. Every option can be set per parameter group.
     """
 

@@ -1,9 +1,10 @@
 """SpectralDecay: spectral-power decay for any optimizer (torch's AdamW, a user's Muon, ...).
 
-``SpectralDecay(params, p=2, spectral_weight_decay=0.1).attach(optimizer)`` registers a step pre-hook: just
-before each ``optimizer.step()``, the listed parameters (those with a gradient) are decayed from their
-pre-update values with the host optimizer's *current* lr (or ``eta_t`` = lr / peak lr under the
-independent convention). It can also run on its own: ``SpectralDecay(params, ..., lr=0.01).step()``.
+``SpectralDecay(params, p=2, spectral_weight_decay=0.1).attach(optimizer)`` registers a step pre-hook:
+just before each ``optimizer.step()``, the listed parameters (those with a gradient) are decayed from
+their pre-update values with the host optimizer's *current* lr (or ``eta_t`` = lr / peak_lr under the
+independent convention, the peak being the host group's starting lr or its scheduler's
+``initial_lr``). It can also run on its own: ``SpectralDecay(params, ..., lr=0.01).step()``.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
     for step in bar:
         multiplier = lr_multiplier(step, config.steps, config.warmup_steps, config.min_lr_ratio)
         for group in optimizer.param_groups:
-            group["lr"] = group["base_lr"] * multiplier
+            group["lr"] = group["peak_lr"] * multiplier  # peak_lr: the lr the optimizer built the group with
 
         train_loss = 0.0
         for micro in range(config.grad_accum):

@@ -44,7 +44,4 @@ def param_groups(model, config) -> list[dict]:
 def build_optimizer(model, config):
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {config.optimizer!r}")
-    optimizer = OPTIMIZERS[config.optimizer](param_groups(model, config), lr=config.lr)
-    for group in optimizer.param_groups:
-        group["base_lr"] = group["lr"]  # the schedule multiplies this peak every step
-    return optimizer
+    return OPTIMIZERS[config.optimizer](param_groups(model, config), lr=config.lr)
