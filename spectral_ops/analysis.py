@@ -7,7 +7,8 @@
   :func:`spectral_ops.svt`).
 * The normalised-network feedback loop (SPEC 5): weight norm, effective lr and alignment under SGD with
   weight decay on a scale-invariant loss, and a regime classifier over an ``(eta, lambda)`` grid.
-* Width-transfer rules (SPEC 4).
+* Width-transfer diagnostics (SPEC 4). The width rule itself, ``width_scaled_hyperparameters``, lives
+  in :mod:`spectral_ops.optim` with ``width_transfer``, which applies it; it is importable from here too.
 
 Everything computes in float64.
 """
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 from .backends.torch_backend import power_weights
 from .ops import spectral_power, svt
+from .optim import width_scaled_hyperparameters  # documented as analysis.width_scaled_hyperparameters
 from .testing import matrix_with_spectrum
 
 
@@ -351,21 +353,6 @@ def regime_map(etas, lams, steps: int, **simulation_options) -> np.ndarray:
 # ---------------------------------------------------------------------------------------------
 # Width transfer (SPEC 4)
 # ---------------------------------------------------------------------------------------------
-
-def width_scaled_hyperparameters(lr: float, weight_decay: float, base_width: int, width: int, kind: str = "matrix"):
-    """``(lr, weight_decay)`` transferred from ``base_width`` to ``width`` under muP-style scaling.
-
-    Matrix-like parameters: ``lr ~ 1/d`` and ordinary ``weight_decay ~ sqrt(d)`` (so their product,
-    the per-step shrink, goes as ``d^-1/2``). Vector-like parameters (gains, biases): ``lr = Theta(1)``
-    and no weight decay.
-    """
-    ratio = width / base_width
-    if kind == "matrix":
-        return lr / ratio, weight_decay * math.sqrt(ratio)
-    if kind == "vector":
-        return lr, 0.0
-    raise ValueError(f"kind must be 'matrix' or 'vector', got {kind!r}")
-
 
 def adamw_top_singular_value_scale(lr: float, weight_decay: float, width: int) -> float:
     """Steady-state ``s_1 ~ sqrt(lr / weight_decay) d^0.75`` under AdamW (SPEC 4), up to a constant.

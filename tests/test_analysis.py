@@ -224,11 +224,8 @@ def test_regime_map_facts():
 
 
 def test_width_rules():
-    lr, wd = analysis.width_scaled_hyperparameters(1e-2, 0.1, 256, 1024)
-    assert math.isclose(lr, 1e-2 / 4) and math.isclose(wd, 0.1 * 2)
-    assert analysis.width_scaled_hyperparameters(1e-2, 0.1, 256, 1024, kind="vector") == (1e-2, 0.0)
-    with pytest.raises(ValueError):
-        analysis.width_scaled_hyperparameters(1e-2, 0.1, 256, 1024, kind="tensor")
+    # The rule lives in optim (tests/test_optim_groups.py); the README documents it here too.
+    assert analysis.width_scaled_hyperparameters is so.optim.width_scaled_hyperparameters
     assert math.isclose(analysis.adamw_top_singular_value_scale(1e-3, 0.1, 16), 0.1 * 8)
     for p in (0, 1, 2, 4):
         s = analysis.spectral_balance_scale(3e-3, 0.2, p)

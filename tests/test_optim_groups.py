@@ -11,6 +11,7 @@ from spectral_ops.optim import (
     full_v_extra_decay,
     module_wise_powers,
     param_groups_by_module,
+    width_scaled_hyperparameters,
     width_transfer,
 )
 
@@ -61,6 +62,14 @@ def test_full_v_recipe():
     assert groups["v"]["p"] == 2 and groups["v"]["spectral_weight_decay"] == 1e-4
     assert groups["v"]["weight_decay"] == 0.1 and groups["v"]["convention"] == "decoupled"
     SpectralMuon(list(groups.values()), lr=1e-2)
+
+
+def test_width_scaled_hyperparameters():
+    lr, wd = width_scaled_hyperparameters(1e-2, 0.1, 256, 1024)
+    assert math.isclose(lr, 1e-2 / 4) and math.isclose(wd, 0.1 * 2)
+    assert width_scaled_hyperparameters(1e-2, 0.1, 256, 1024, kind="vector") == (1e-2, 0.0)
+    with pytest.raises(ValueError, match="kind must be"):
+        width_scaled_hyperparameters(1e-2, 0.1, 256, 1024, kind="tensor")
 
 
 def test_width_transfer():

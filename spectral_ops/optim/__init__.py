@@ -10,7 +10,14 @@
 """
 
 from .adamw import SpectralAdamW
-from .groups import full_v_extra_decay, module_wise_powers, param_groups_by_module, parameter_role, width_transfer
+from .groups import (
+    full_v_extra_decay,
+    module_wise_powers,
+    param_groups_by_module,
+    parameter_role,
+    width_scaled_hyperparameters,
+    width_transfer,
+)
 from .hook import SpectralDecay
 from .muon import SpectralMuon
 from .sgd import SpectralSGD
@@ -24,5 +31,6 @@ __all__ = [
     "module_wise_powers",
     "param_groups_by_module",
     "parameter_role",
+    "width_scaled_hyperparameters",
     "width_transfer",
 ]

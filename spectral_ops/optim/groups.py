@@ -7,11 +7,10 @@ Roles are recognised from parameter names by regular expressions (override any o
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
-
-from ..analysis import width_scaled_hyperparameters
 
 ROLE_PATTERNS = {
     "q": r"(^|\.)(q_proj|wq|query|to_q|q)\.weight$",
@@ -84,6 +83,21 @@ def full_v_extra_decay(lambda_v, heads, ordinary_weight_decay=0.1) -> dict:
         "o": common,
         "mlp": common,
     }
+
+
+def width_scaled_hyperparameters(lr: float, weight_decay: float, base_width: int, width: int, kind: str = "matrix"):
+    """``(lr, weight_decay)`` transferred from ``base_width`` to ``width`` under muP-style scaling.
+
+    Matrix-like parameters: ``lr ~ 1/d`` and ordinary ``weight_decay ~ sqrt(d)`` (so their product,
+    the per-step shrink, goes as ``d^-1/2``). Vector-like parameters (gains, biases): ``lr = Theta(1)``
+    and no weight decay.
+    """
+    ratio = width / base_width
+    if kind == "matrix":
+        return lr / ratio, weight_decay * math.sqrt(ratio)
+    if kind == "vector":
+        return lr, 0.0
+    raise ValueError(f"kind must be 'matrix' or 'vector', got {kind!r}")
 
 
 def width_transfer(groups, base_width: int, width: int) -> list[dict]:
