@@ -73,8 +73,10 @@ class SpectralDecay(SpectralOptimizer):
 
     def __setstate__(self, state: dict) -> None:
         # load_state_dict lands here: a state dict saved before the rename keys lambda_p as weight_decay.
+        # The warning names load_state_dict itself; its caller sits behind a torch wrapper of no fixed depth.
         super().__setstate__(state)
-        self.param_groups = [_without_deprecated_key(group, stacklevel=3) for group in self.param_groups]
+        for index, group in enumerate(self.param_groups):
+            self.param_groups[index] = _without_deprecated_key(group, stacklevel=2)
 
     def check_group(self, group: dict) -> None:
         # lr=None: attached use, where the host optimizer supplies the lr.
