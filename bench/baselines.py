@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from spectral_ops.backends.torch_backend import compute_dtype, eigh_spectral_power, svd_spectral_power
+from spectral_ops.linalg import compute_dtype, eigh_spectral_power, svd_spectral_power
 from spectral_ops.coefficients import polar_express_coefficients
 
 

@@ -1,14 +1,14 @@
 """GPU cases for the CUDA kernels (csrc/), for bench/gpu_check.py.
 
-``cases()`` checks every CUDA entry point (spectral_ops._extension) and every CUDA backend op on both of
-its paths against the torch reference, in float32, bfloat16 and float16, on batched, odd-sized, tall and
+``cases()`` checks every CUDA entry point (spectral_ops._extension) and every op of the plan on the CUDA
+kernels, with and without the fused chain, against the torch reference, in float32, bfloat16 and float16, on batched, odd-sized, tall and
 wide shapes. ``timing_cases()`` pairs each CUDA op with what torch would run instead, at the sizes the
-routing in spectral_ops/backends/cuda_backend.py is about (both sides of its thresholds).
+routing in spectral_ops/dispatch.py is about (both sides of its CUDA thresholds).
 
 Each case is a plain dict:
 
     name         unique, e.g. "gemm/tf32x3/bf16/3x257x130@130x511"
-    op           the CUDA op: an _extension function or "backend.<op>[<path>]"
+    op           the CUDA op: an _extension function or "backend.<op>[<path>]", path "chain" or "composed"
     dtype        the input dtype
     shape        the main input's shape
     make_inputs  callable(device) -> tuple of tensors (deterministic)
@@ -25,11 +25,13 @@ from __future__ import annotations
 import torch
 
 from spectral_ops import _extension as ext
+from spectral_ops import plan
 from spectral_ops.backends.base import BandSpec, DecayRequest
 from spectral_ops.backends.cuda_backend import CudaBackend
 from spectral_ops.backends.torch_backend import TorchBackend
+from spectral_ops.dispatch import PinnedKernels
 from spectral_ops.coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients
-from spectral_ops.testing import log_spaced_spectrum, matrix_with_spectrum
+from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # A kernel that computes in fp32 and rounds once differs from the reference by a few units of the
@@ -40,7 +42,12 @@ CHAIN_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-
 POLAR = polar_express_coefficients()
 SIGN_NS = (NEWTON_SCHULZ_SIGN,) * 30
 TAU = 0.75
-TORCH = TorchBackend()
+TORCH = PinnedKernels(TorchBackend())
+
+
+def _cuda(path: str) -> PinnedKernels:
+    """Every primitive on the CUDA kernels; ``"composed"`` leaves out the fused chain."""
+    return PinnedKernels(CudaBackend(), small_chain=path == "chain")
 
 
 def _random(shape, dtype, device, seed):
@@ -168,7 +175,7 @@ def _chain_cases():
                     return out
 
                 yield _case(f"small_chain/p{p}/{tag}/{_dims(shape)}", "small_chain", dtype, shape, make, run,
-                            lambda W, p=p: TORCH.spectral_power(W, p, POLAR), CHAIN_TOLERANCE[dtype])
+                            lambda W, p=p: plan.spectral_power(TORCH, W, p, POLAR), CHAIN_TOLERANCE[dtype])
 
 
 def _decay_epilogue_cases():
@@ -199,24 +206,24 @@ def _backend_runs(band_weight):
     request = DecayRequest(2, 0.1, 0.01, None, "explicit", POLAR, POLAR)
     band_request = DecayRequest(2, 0.1, 0.01, BandSpec(TAU, "top"), "explicit", POLAR, POLAR)
     prox_request = DecayRequest(0, 0.05, 0.0, None, "prox", POLAR, POLAR)
-    yield "polar", "polar", lambda b, W: b.polar(W, POLAR), lambda W: TORCH.polar(W, POLAR)
+    yield "polar", "polar", lambda b, W: plan.polar(b, W, POLAR), lambda W: plan.polar(TORCH, W, POLAR)
     for p in (2, 3, 6):
-        yield f"spectral_power_p{p}", "spectral_power", lambda b, W, p=p: b.spectral_power(W, p, POLAR), \
-            lambda W, p=p: TORCH.spectral_power(W, p, POLAR)
-    yield "decay_p2", "decay_", lambda b, W: b.decay_(W.clone(), request), lambda W: TORCH.decay_(W.clone(), request)
+        yield f"spectral_power_p{p}", "spectral_power", lambda b, W, p=p: plan.spectral_power(b, W, p, POLAR), \
+            lambda W, p=p: plan.spectral_power(TORCH, W, p, POLAR)
+    yield "decay_p2", "decay_", lambda b, W: plan.decay_(b, W.clone(), request), lambda W: plan.decay_(TORCH, W.clone(), request)
     if not band_weight:
         return
-    yield "msign", "msign", lambda b, W: b.msign(_gram_minus_tau(W), SIGN_NS), \
-        lambda W: TORCH.msign(_gram_minus_tau(W), SIGN_NS)
-    yield "band_projectors", "band_projectors", lambda b, W: torch.stack(b.band_projectors(W, TAU, POLAR)), \
-        lambda W: torch.stack(TORCH.band_projectors(W, TAU, POLAR))
-    yield "band_direction", "band_direction", lambda b, W: b.band_direction(W, 2, band, POLAR, POLAR), \
-        lambda W: TORCH.band_direction(W, 2, band, POLAR, POLAR)
-    yield "svt", "svt", lambda b, W: b.svt(W, TAU, POLAR, POLAR), lambda W: TORCH.svt(W, TAU, POLAR, POLAR)
-    yield "decay_band", "decay_", lambda b, W: b.decay_(W.clone(), band_request), \
-        lambda W: TORCH.decay_(W.clone(), band_request)
-    yield "decay_prox", "decay_", lambda b, W: b.decay_(W.clone(), prox_request), \
-        lambda W: TORCH.decay_(W.clone(), prox_request)
+    yield "msign", "msign", lambda b, W: plan.msign(b, _gram_minus_tau(W), SIGN_NS), \
+        lambda W: plan.msign(TORCH, _gram_minus_tau(W), SIGN_NS)
+    yield "band_projectors", "band_projectors", lambda b, W: torch.stack(plan.band_projectors(b, W, TAU, POLAR)), \
+        lambda W: torch.stack(plan.band_projectors(TORCH, W, TAU, POLAR))
+    yield "band_direction", "band_direction", lambda b, W: plan.band_direction(b, W, 2, band, POLAR, POLAR), \
+        lambda W: plan.band_direction(TORCH, W, 2, band, POLAR, POLAR)
+    yield "svt", "svt", lambda b, W: plan.svt(b, W, TAU, POLAR, POLAR), lambda W: plan.svt(TORCH, W, TAU, POLAR, POLAR)
+    yield "decay_band", "decay_", lambda b, W: plan.decay_(b, W.clone(), band_request), \
+        lambda W: plan.decay_(TORCH, W.clone(), band_request)
+    yield "decay_prox", "decay_", lambda b, W: plan.decay_(b, W.clone(), prox_request), \
+        lambda W: plan.decay_(TORCH, W.clone(), prox_request)
 
 
 def _gram_minus_tau(W):
@@ -225,16 +232,16 @@ def _gram_minus_tau(W):
 
 
 def _backend_cases():
-    shapes = {"chain": [(16, 64, 256), (6, 300, 90)], "tiled": [(2, 1100, 1500), (2304, 2048)]}
+    shapes = {"chain": [(16, 64, 256), (6, 300, 90)], "composed": [(2, 1100, 1500), (2304, 2048)]}
     for path, path_shapes in shapes.items():
         for tag, dtype in DTYPES.items():
             for shape in path_shapes:
-                for label, op, run, reference in _backend_runs(band_weight=path == "tiled"):
-                    def make(device, shape=shape, dtype=dtype, clusters=path == "tiled"):
+                for label, op, run, reference in _backend_runs(band_weight=path == "composed"):
+                    def make(device, shape=shape, dtype=dtype, clusters=path == "composed"):
                         return (_weight(shape, dtype, device, 11, two_clusters=clusters),)
 
                     yield _case(f"backend.{label}[{path}]/{tag}/{_dims(shape)}", f"backend.{op}[{path}]", dtype, shape,
-                                make, lambda W, run=run, path=path: run(CudaBackend(path=path), W), reference,
+                                make, lambda W, run=run, path=path: run(_cuda(path), W), reference,
                                 CHAIN_TOLERANCE[dtype])
 
 
@@ -270,14 +277,14 @@ def timing_cases() -> list[dict]:
 
     out.append(_case(f"time/sign_step/fp32/{_dims(shape)}", "sign_step", torch.float32, shape, make_symmetric,
                      lambda A: ext.sign_step(unit(A), torch.empty_like(A), NEWTON_SCHULZ_SIGN),
-                     lambda A: TORCH.msign(A, (NEWTON_SCHULZ_SIGN,)), TOLERANCE[torch.float32]))
+                     lambda A: plan.msign(TORCH, A, (NEWTON_SCHULZ_SIGN,)), TOLERANCE[torch.float32]))
     shape = (2048, 2048)
 
     def make_gram(device, shape=shape):
         return (_gram_minus_tau(_weight(shape, torch.float32, device, 17, two_clusters=True)),)
 
-    out.append(_case(f"time/backend.msign[tiled]/fp32/{_dims(shape)}", "backend.msign[tiled]", torch.float32, shape,
-                     make_gram, lambda A: CudaBackend(path="tiled").msign(A, SIGN_NS), lambda A: TORCH.msign(A, SIGN_NS),
+    out.append(_case(f"time/backend.msign[composed]/fp32/{_dims(shape)}", "backend.msign[composed]", torch.float32, shape,
+                     make_gram, lambda A: _cuda("composed").msign(A, SIGN_NS), lambda A: plan.msign(TORCH, A, SIGN_NS),
                      CHAIN_TOLERANCE[torch.float32]))
     shape = (64, 1024, 1024)
 
@@ -295,18 +302,18 @@ def timing_cases() -> list[dict]:
             out.append(_case(f"time/syrk/{tag}/{_dims(shape)}", "syrk", dtype, shape, make,
                              lambda X: ext.syrk(X, X.mT, torch.empty(X.shape[0], X.shape[0], device=X.device)),
                              lambda X: X.float() @ X.float().mT, TOLERANCE[torch.float32]))
-        # The chain below and above CHAIN_MAX_WORK, and the tiled path at TILED_MIN_SIDE and above.
+        # The chain below and above CUDA_CHAIN_MAX_WORK, and the composed path at CUDA_TILED_MIN_SIDE and above.
         for path, label, shape in (("chain", "polar", (64, 64, 256)), ("chain", "decay_p2", (96, 32, 1024)),
-                                   ("chain", "polar", (96, 128, 768)), ("tiled", "polar", (2048, 2048)),
-                                   ("tiled", "polar", (4096, 4096)), ("tiled", "spectral_power_p2", (4096, 16384)),
-                                   ("tiled", "decay_p2", (4096, 4096))):
+                                   ("chain", "polar", (96, 128, 768)), ("composed", "polar", (2048, 2048)),
+                                   ("composed", "polar", (4096, 4096)), ("composed", "spectral_power_p2", (4096, 16384)),
+                                   ("composed", "decay_p2", (4096, 4096))):
             op, run, reference = next((o, r, ref) for name, o, r, ref in _backend_runs(False) if name == label)
 
             def make_w(device, shape=shape, dtype=dtype):
                 return (_weight(shape, dtype, device, 16),)
 
             out.append(_case(f"time/backend.{label}[{path}]/{tag}/{_dims(shape)}", f"backend.{op}[{path}]", dtype,
-                             shape, make_w, lambda W, run=run, path=path: run(CudaBackend(path=path), W), reference,
+                             shape, make_w, lambda W, run=run, path=path: run(_cuda(path), W), reference,
                              CHAIN_TOLERANCE[dtype]))
     return out
 
@@ -315,7 +322,7 @@ def main() -> None:
     """Check every case, then time the timing cases: a stand-in until gpu_check.py runs them."""
     import time
 
-    from spectral_ops.testing import relative_error
+    from spectral_ops.linalg import relative_error
 
     device = torch.device("cuda")
 

@@ -25,6 +25,7 @@ Triton ones below.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -62,11 +63,12 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from spectral_ops.backends.base import BandSpec, DecayRequest  # noqa: E402
-from spectral_ops.backends.torch_backend import TorchBackend, polar_iterations  # noqa: E402
+from spectral_ops import plan  # noqa: E402
+from spectral_ops.backends.torch_backend import TorchBackend  # noqa: E402
 from spectral_ops.backends.triton_backend import TritonBackend  # noqa: E402
 from spectral_ops.coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients  # noqa: E402
-from spectral_ops.dispatch import SELF_CHECK_TOLERANCE  # noqa: E402
-from spectral_ops.testing import relative_error  # noqa: E402
+from spectral_ops.dispatch import SELF_CHECK_TOLERANCE, PinnedKernels  # noqa: E402
+from spectral_ops.linalg import relative_error  # noqa: E402
 from spectral_ops.triton_kernels import decay, poly_step, sign_step, small, syrk, update  # noqa: E402
 
 ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -146,7 +148,7 @@ def f32(t):
 # ----- the Triton kernels -----
 
 TRITON = TritonBackend()
-TORCH = TorchBackend()
+TORCH = PinnedKernels(TorchBackend())
 PRECISION = TRITON.input_precision
 
 
@@ -209,51 +211,52 @@ register(Case(
 register(Case(
     "sign step Z (3I - 16/5 Z^2 + 6/5 Z^4)", "triton",
     fn=lambda d: sign_step.sign_step(d["A"], input_precision=PRECISION),
-    reference=lambda d: polar_iterations(f32(d["A"]), [NEWTON_SCHULZ_SIGN]),
-    baseline=lambda d: polar_iterations(d["A"], [NEWTON_SCHULZ_SIGN]),
+    reference=lambda d: TORCH.sign_step(f32(d["A"]), NEWTON_SCHULZ_SIGN),
+    baseline=lambda d: TORCH.sign_step(d["A"], NEWTON_SCHULZ_SIGN),
     inputs=symmetric,
     shapes=[(4096, 4096), (8, 1000, 1000)], tiny_shapes=[(2, 37, 37)],
 ))
 register(Case(
     "small path S_2 (one program per matrix)", "triton",
     fn=lambda d: small.small_spectral(d["W"], 2, POLAR, input_precision=PRECISION),
-    reference=lambda d: TORCH.spectral_power(d["W"], 2, POLAR),
+    reference=lambda d: plan.spectral_power(TORCH, d["W"], 2, POLAR),
     inputs=weight, tolerance=SELF_CHECK_TOLERANCE,
     shapes=[(96, 128, 768), (512, 64, 64), (12, 100, 300)], tiny_shapes=[(3, 21, 45)],
 ))
 register(Case(
     "small path msign", "triton",
     fn=lambda d: small.small_sign(d["A"], POLAR, input_precision=PRECISION),
-    reference=lambda d: TORCH.msign(d["A"], POLAR),
+    reference=lambda d: plan.msign(TORCH, d["A"], POLAR),
     inputs=symmetric, tolerance=SELF_CHECK_TOLERANCE,
     shapes=[(96, 128, 128), (12, 100, 100)], tiny_shapes=[(3, 27, 27)],
 ))
 
 
-# ----- the Triton backend's ops, end to end, against the PyTorch backend -----
+# ----- the plan's ops on the Triton kernels, end to end, against the torch backend -----
 
 def _op_case(name, call, shapes, tiny_shapes, dtypes=ALL_DTYPES, backend=TRITON, label="triton"):
-    register(Case(f"op {name}", label, fn=lambda d: call(backend, d), reference=lambda d: call(TORCH, d),
+    kernels = PinnedKernels(backend)
+    register(Case(f"op {name}", label, fn=lambda d: call(kernels, d), reference=lambda d: call(TORCH, d),
                   inputs=weight, tolerance=SELF_CHECK_TOLERANCE, dtypes=dtypes,
                   shapes=shapes, tiny_shapes=tiny_shapes, baseline_name="torch backend"))
 
 
 def _decay(p, band=None):
     request = DecayRequest(p, 0.1, 0.01, band, "explicit", POLAR, POLAR)
-    return lambda b, d: b.decay_(d["W"], request)
+    return lambda b, d: plan.decay_(b, d["W"], request)
 
 
 BIG = [(4096, 4096), (16384, 4096)]
 ODD = [(3, 1000, 700), (700, 1500)]
 TINY = [(2, 40, 24)]  # batched and tall; wide inputs are covered by the kernel cases and the tests
-_op_case("polar", lambda b, d: b.polar(d["W"], POLAR), BIG + ODD, TINY)
-_op_case("spectral_power p=2", lambda b, d: b.spectral_power(d["W"], 2, POLAR), BIG + ODD, TINY)
-_op_case("spectral_power p=3", lambda b, d: b.spectral_power(d["W"], 3, POLAR), ODD, TINY)
+_op_case("polar", lambda b, d: plan.polar(b, d["W"], POLAR), BIG + ODD, TINY)
+_op_case("spectral_power p=2", lambda b, d: plan.spectral_power(b, d["W"], 2, POLAR), BIG + ODD, TINY)
+_op_case("spectral_power p=3", lambda b, d: plan.spectral_power(b, d["W"], 3, POLAR), ODD, TINY)
 # tau = 0.6 splits the inputs' spectrum (about [0.2, 1]) so that both projectors are far from zero.
-_op_case("band_projectors", lambda b, d: b.band_projectors(d["W"], 0.6, POLAR)[0], ODD, TINY)
-_op_case("band_direction top", lambda b, d: b.band_direction(d["W"], 2, BandSpec(0.6, "top"), POLAR, POLAR), ODD, TINY)
-_op_case("svt", lambda b, d: b.svt(d["W"], 0.5, POLAR, POLAR), ODD, TINY)
-_op_case("msign", lambda b, d: b.msign(d["W"] @ d["W"].mT - torch.eye(d["W"].shape[-2], device=d["W"].device,
+_op_case("band_projectors", lambda b, d: plan.band_projectors(b, d["W"], 0.6, POLAR)[0], ODD, TINY)
+_op_case("band_direction top", lambda b, d: plan.band_direction(b, d["W"], 2, BandSpec(0.6, "top"), POLAR, POLAR), ODD, TINY)
+_op_case("svt", lambda b, d: plan.svt(b, d["W"], 0.5, POLAR, POLAR), ODD, TINY)
+_op_case("msign", lambda b, d: plan.msign(b, d["W"] @ d["W"].mT - torch.eye(d["W"].shape[-2], device=d["W"].device,
                                                                       dtype=d["W"].dtype), POLAR), ODD[:1], TINY[:1])
 _op_case("decay_ p=0", _decay(0), BIG + [(96, 128, 768)], TINY)
 _op_case("decay_ p=2", _decay(2), BIG + [(96, 128, 768)] + ODD, TINY)
@@ -303,8 +306,9 @@ def _clone(d):
 def _register_cuda_cases() -> None:
     """Each CUDA case checks one kernel or op at one shape and dtype; the timing cases are
     timed against the torch call they replace. They need a GPU: no tiny interpreter shapes."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import cuda_cases
+    spec = importlib.util.spec_from_file_location("cuda_cases", Path(__file__).with_name("cuda_cases.py"))
+    cuda_cases = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cuda_cases)
 
     for spec in cuda_cases.cases() + cuda_cases.timing_cases():
         register(Case(

@@ -14,8 +14,8 @@ import torch
 import spectral_ops as so
 from spectral_ops import dispatch
 from spectral_ops.coefficients import polar_express_coefficients
+from spectral_ops.linalg import compute_dtype, log_spaced_spectrum, matrix_with_spectrum
 from spectral_ops.optim import SpectralMuon
-from spectral_ops.testing import log_spaced_spectrum, matrix_with_spectrum
 
 from baselines import (
     eigh_route,
@@ -28,10 +28,6 @@ from baselines import (
 from settings import ALL_SHAPES, DEVICE, DTYPES, synchronize
 from flops import op_bytes, op_flops
 
-# The backend op each benchmarked op dispatches (decides which backends can run it).
-DISPATCHED_AS = {"polar_step": "polar", "polar": "polar", "spectral_power_p0": "spectral_power",
-                 "spectral_power_p2": "spectral_power", "spectral_power_p4": "spectral_power",
-                 "msign": "msign", "decay_p2": "decay_", "muon_step": "polar"}
 DECAY_LR, DECAY_WD = 1e-3, 0.1  # small enough that repeated timing rounds stay stable
 
 
@@ -87,13 +83,15 @@ def baselines(op, shape):
 
 
 def spectral_ops_backends(op, shape, dtype):
-    """The backends that can run ``op`` here, probed on a tiny tensor of the right dtype."""
+    """The backends that can run ``op``'s plan here when forced: its products in the compute dtype, and
+    the write into a weight of ``dtype``."""
     if op == "gram":
         return []
-    probe = torch.zeros(2, 2, dtype=dtype, device=DEVICE)
     names = []
     for name, reason in dispatch.backend_status(DEVICE):
-        if reason is None and dispatch.get_backend(name).supports(DISPATCHED_AS[op], probe):
+        backend = dispatch.get_backend(name)
+        if reason is None and backend.supports("product", DEVICE, compute_dtype(dtype), shape) and backend.supports(
+                "decay_epilogue_", DEVICE, dtype, shape):
             names.append(name)
     return names
 

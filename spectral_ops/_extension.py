@@ -18,6 +18,7 @@ import json
 import numbers
 from pathlib import Path
 from types import ModuleType
+from typing import Optional
 
 import torch
 
@@ -97,14 +98,6 @@ def _writable(op: str, name: str, t: torch.Tensor) -> None:
         raise RuntimeError(f"{op}: {name} requires grad; write it under torch.no_grad()")
 
 
-def _written(t: torch.Tensor) -> torch.Tensor:
-    # The write bypassed torch, so tell autograd that t changed, as an in-place torch op would
-    # (inference tensors have no version counter).
-    if not t.is_inference():
-        torch.autograd.graph.increment_version(t)
-    return t
-
-
 def _stream(t: torch.Tensor) -> int:
     return current_stream_handle(t.device) if t.is_cuda else 0
 
@@ -114,6 +107,81 @@ def _precision(op: str, precision: str) -> int:
         return PRECISION_CODES[precision]
     except KeyError:
         raise ValueError(f"{op}: precision must be one of {', '.join(PRECISION_CODES)}, got {precision!r}") from None
+
+
+# ----- the ABI as torch.library custom ops ----------------------------------------------------------------
+# Registered as opaque ops in the spectral_ops namespace: torch.compile traces through their fake
+# (meta) implementations without a graph break, and torch bumps the autograd version counter of what
+# they write (mutates_args). Every op writes tensors it is given, so the fakes only return None.
+
+
+def _custom_op(name: str, mutates: tuple[str, ...]):
+    def register(implementation):
+        op = torch.library.custom_op(f"spectral_ops::{name}", implementation, mutates_args=mutates)
+        op.register_fake(lambda *args, **kwargs: None)
+        return op
+
+    return register
+
+
+@_custom_op("cuda_decay_epilogue", mutates=("w",))
+def _decay_epilogue_op(w: torch.Tensor, d: torch.Tensor, alpha: float, beta: float,
+                       alpha_per_matrix: Optional[torch.Tensor], beta_per_matrix: Optional[torch.Tensor],
+                       stochastic_rounding: bool, seed: int, offset: int) -> None:
+    _require_extension().decay_epilogue_(
+        w=tensor_descriptor(w), d=tensor_descriptor(d), alpha=alpha, beta=beta,
+        stochastic_rounding=stochastic_rounding, seed=seed, offset=offset, stream=_stream(w),
+        alpha_per_matrix=_optional_descriptor(alpha_per_matrix), beta_per_matrix=_optional_descriptor(beta_per_matrix),
+    )
+
+
+def _matmul_op(name: str):
+    @_custom_op(f"cuda_{name}", mutates=("out",))
+    def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, y: Optional[torch.Tensor], alpha: float,
+               alpha_per_matrix: Optional[torch.Tensor], beta: float, beta_per_matrix: Optional[torch.Tensor],
+               precision: int) -> None:
+        getattr(_require_extension(), name)(
+            a=tensor_descriptor(a), b=tensor_descriptor(b), out=tensor_descriptor(out), y=_optional_descriptor(y),
+            alpha=alpha, alpha_per_matrix=_optional_descriptor(alpha_per_matrix), beta=beta,
+            beta_per_matrix=_optional_descriptor(beta_per_matrix), precision=precision, stream=_stream(out),
+        )
+
+    return matmul
+
+
+_gemm_op, _syrk_op = _matmul_op("gemm"), _matmul_op("syrk")
+
+
+@_custom_op("cuda_poly_step", mutates=("out",))
+def _poly_step_op(a: torch.Tensor, out: torch.Tensor, b: float, c: float, precision: int) -> None:
+    _require_extension().poly_step(a=tensor_descriptor(a), out=tensor_descriptor(out), b=b, c=c, precision=precision,
+                                   stream=_stream(out))
+
+
+@_custom_op("cuda_sign_step", mutates=("out", "square_workspace", "poly_workspace"))
+def _sign_step_op(z: torch.Tensor, out: torch.Tensor, square_workspace: torch.Tensor, poly_workspace: torch.Tensor,
+                  a: float, b: float, c: float, precision: int) -> None:
+    _require_extension().sign_step(
+        z=tensor_descriptor(z), out=tensor_descriptor(out), square_workspace=tensor_descriptor(square_workspace),
+        poly_workspace=tensor_descriptor(poly_workspace), a=a, b=b, c=c, precision=precision, stream=_stream(out),
+    )
+
+
+@_custom_op("cuda_small_chain", mutates=("out", "x_workspace", "gram_workspace"))
+def _small_chain_op(w: torch.Tensor, out: torch.Tensor, x_workspace: Optional[torch.Tensor],
+                    gram_workspace: Optional[torch.Tensor], p: int, coefficients: list[float], alpha: float,
+                    alpha_per_matrix: Optional[torch.Tensor], beta: float, beta_per_matrix: Optional[torch.Tensor],
+                    shrink: float) -> None:
+    _require_extension().small_chain(
+        w=tensor_descriptor(w), out=tensor_descriptor(out), x_workspace=_optional_descriptor(x_workspace),
+        gram_workspace=_optional_descriptor(gram_workspace), p=p,
+        coefficients=[tuple(coefficients[i:i + 3]) for i in range(0, len(coefficients), 3)],
+        alpha=alpha, alpha_per_matrix=_optional_descriptor(alpha_per_matrix), beta=beta,
+        beta_per_matrix=_optional_descriptor(beta_per_matrix), shrink=shrink, stream=_stream(out),
+    )
+
+
+# ----- the Python API over them -------------------------------------------------------------------------
 
 
 def decay_epilogue_(
@@ -137,41 +205,19 @@ def decay_epilogue_(
     ``(seed, offset + row-major element index)``: advance ``offset`` by ``w.numel()`` per call for
     fresh bits under one seed. See csrc/ops.h.
     """
-    module = _require_extension()
+    _require_extension()
     alpha, beta = _number("decay_epilogue_", "alpha", alpha), _number("decay_epilogue_", "beta", beta)
     _writable("decay_epilogue_", "w", w)
-    module.decay_epilogue_(
-        tensor_descriptor(w),
-        tensor_descriptor(d),
-        alpha,
-        beta,
-        bool(stochastic_rounding),
-        seed,
-        offset,
-        _stream(w),
-        _optional_descriptor(alpha_per_matrix),
-        _optional_descriptor(beta_per_matrix),
-    )
-    return _written(w)
+    _decay_epilogue_op(w, d, alpha, beta, alpha_per_matrix, beta_per_matrix, bool(stochastic_rounding), seed, offset)
+    return w
 
 
-def _matmul(op: str, a, b, out, alpha, beta, y, alpha_per_matrix, beta_per_matrix, precision) -> torch.Tensor:
-    module = _require_extension()
-    alpha, beta = _number(op, "alpha", alpha), _number(op, "beta", beta)
-    _writable(op, "out", out)
-    getattr(module, op)(
-        tensor_descriptor(a),
-        tensor_descriptor(b),
-        tensor_descriptor(out),
-        _optional_descriptor(y),
-        alpha,
-        _optional_descriptor(alpha_per_matrix),
-        beta,
-        _optional_descriptor(beta_per_matrix),
-        _precision(op, precision),
-        _stream(out),
-    )
-    return _written(out)
+def _matmul(op, name: str, a, b, out, alpha, beta, y, alpha_per_matrix, beta_per_matrix, precision) -> torch.Tensor:
+    _require_extension()
+    alpha, beta = _number(name, "alpha", alpha), _number(name, "beta", beta)
+    _writable(name, "out", out)
+    op(a, b, out, y, alpha, alpha_per_matrix, beta, beta_per_matrix, _precision(name, precision))
+    return out
 
 
 def gemm(a, b, out, *, alpha=1.0, beta=0.0, y=None, alpha_per_matrix=None, beta_per_matrix=None,
@@ -185,7 +231,7 @@ def gemm(a, b, out, *, alpha=1.0, beta=0.0, y=None, alpha_per_matrix=None, beta_
     float16 and bfloat16 pairs always use them. ``*_per_matrix``: optional float32 tensors with one
     factor per matrix, multiplying ``alpha``/``beta``.
     """
-    return _matmul("gemm", a, b, out, alpha, beta, y, alpha_per_matrix, beta_per_matrix, precision)
+    return _matmul(_gemm_op, "gemm", a, b, out, alpha, beta, y, alpha_per_matrix, beta_per_matrix, precision)
 
 
 def syrk(a, b, out, *, alpha=1.0, beta=0.0, y=None, alpha_per_matrix=None, beta_per_matrix=None,
@@ -193,16 +239,15 @@ def syrk(a, b, out, *, alpha=1.0, beta=0.0, y=None, alpha_per_matrix=None, beta_
     """:func:`gemm` for a symmetric ``a @ b`` (``x @ x.mT``, ``A @ A`` for symmetric ``A``, commuting
     symmetric factors): only the lower-triangle tiles are computed, and stored mirrored. ``y`` is read
     on its lower triangle only."""
-    return _matmul("syrk", a, b, out, alpha, beta, y, alpha_per_matrix, beta_per_matrix, precision)
+    return _matmul(_syrk_op, "syrk", a, b, out, alpha, beta, y, alpha_per_matrix, beta_per_matrix, precision)
 
 
 def poly_step(a: torch.Tensor, out: torch.Tensor, b: float, c: float, *, precision: str = "tf32x3") -> torch.Tensor:
     """``out = b * a + c * a @ a`` for symmetric ``a (..., r, r)``, one symmetric-product launch."""
-    module = _require_extension()
+    _require_extension()
     _writable("poly_step", "out", out)
-    module.poly_step(tensor_descriptor(a), tensor_descriptor(out), _number("poly_step", "b", b),
-                     _number("poly_step", "c", c), _precision("poly_step", precision), _stream(out))
-    return _written(out)
+    _poly_step_op(a, out, _number("poly_step", "b", b), _number("poly_step", "c", c), _precision("poly_step", precision))
+    return out
 
 
 def sign_step(z: torch.Tensor, out: torch.Tensor, coefficients, *, workspace=None,
@@ -210,15 +255,13 @@ def sign_step(z: torch.Tensor, out: torch.Tensor, coefficients, *, workspace=Non
     """One matrix-sign step ``out = z (a I + b z^2 + c z^4)`` for symmetric ``z`` and
     ``coefficients = (a, b, c)``, e.g. ``(3, -16/5, 6/5)``. ``workspace``: two float32 tensors shaped
     like ``z`` (allocated when omitted)."""
-    module = _require_extension()
+    _require_extension()
     a, b, c = (_number("sign_step", name, v) for name, v in zip("abc", coefficients))
     if workspace is None:
         workspace = tuple(torch.empty(z.shape, dtype=torch.float32, device=z.device) for _ in range(2))
     _writable("sign_step", "out", out)
-    square, poly = workspace
-    module.sign_step(tensor_descriptor(z), tensor_descriptor(out), tensor_descriptor(square), tensor_descriptor(poly),
-                     a, b, c, _precision("sign_step", precision), _stream(out))
-    return _written(out)
+    _sign_step_op(z, out, *workspace, a, b, c, _precision("sign_step", precision))
+    return out
 
 
 def small_chain(w: torch.Tensor, out: torch.Tensor, p: int, coefficients=(), *, alpha=0.0, beta=1.0,
@@ -231,10 +274,10 @@ def small_chain(w: torch.Tensor, out: torch.Tensor, p: int, coefficients=(), *, 
     ``w * shrink / ||w||_F``. ``workspace``: ``(x, gram)``, float32 contiguous tensors of shapes
     ``w.shape`` and ``(..., r, r)`` (allocated when omitted; odd ``p`` needs neither, ``p = 0`` no gram).
     """
-    module = _require_extension()
+    _require_extension()
     if isinstance(p, bool) or not isinstance(p, numbers.Integral):
         raise TypeError(f"small_chain: p must be an int, not {type(p).__name__}")
-    steps = [tuple(_number("small_chain", "coefficient", v) for v in step) for step in coefficients]
+    steps = [_number("small_chain", "coefficient", v) for step in coefficients for v in step]
     if workspace is None:
         x = gram = None
         if p % 2 == 0:
@@ -245,10 +288,6 @@ def small_chain(w: torch.Tensor, out: torch.Tensor, p: int, coefficients=(), *, 
     else:
         x, gram = workspace
     _writable("small_chain", "out", out)
-    module.small_chain(
-        tensor_descriptor(w), tensor_descriptor(out), _optional_descriptor(x), _optional_descriptor(gram), int(p),
-        steps, _number("small_chain", "alpha", alpha), _optional_descriptor(alpha_per_matrix),
-        _number("small_chain", "beta", beta), _optional_descriptor(beta_per_matrix),
-        _number("small_chain", "shrink", shrink), _stream(out),
-    )
-    return _written(out)
+    _small_chain_op(w, out, x, gram, int(p), steps, _number("small_chain", "alpha", alpha), alpha_per_matrix,
+                    _number("small_chain", "beta", beta), beta_per_matrix, _number("small_chain", "shrink", shrink))
+    return out

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .backends.torch_backend import power_weights
+from .linalg import power_weights
 from .ops import spectral_power, svt
 from .optim import width_scaled_hyperparameters  # documented as analysis.width_scaled_hyperparameters
-from .testing import matrix_with_spectrum
+from .linalg import matrix_with_spectrum
 
 
 def _float64(x) -> torch.Tensor:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dispatch
+from . import dispatch, plan
 from ._checks import (
     check_choice,
     check_coefficient,
@@ -24,8 +24,8 @@ from ._checks import (
     check_steps,
 )
 from .backends.base import BandSpec, DecayRequest
-from .backends.torch_backend import compute_dtype, spectral_norm_bounds
 from .coefficients import resolve_polar_coefficients
+from .linalg import compute_dtype, spectral_norm_bounds
 from .ops import band_spec, sign_coefficients
 
 CONVENTIONS = ("decoupled", "independent")
@@ -251,7 +251,7 @@ def spectral_decay_(
         plans.append((group, stack, request))
 
     for group, stack, request in plans:
-        dispatch.select("decay_", stack).decay_(stack, request)
+        plan.decay_(dispatch.kernels_for("decay_", stack), stack, request)
         if len(group) > 1:
             for t, new in zip(group, stack.unbind(0)):
                 t.copy_(new)

@@ -1,12 +1,23 @@
-"""The single point that decides which backend runs an op: CUDA extension, then Triton, then PyTorch.
+"""The single point that decides which backend runs each primitive: CUDA extension, then Triton, then PyTorch.
 
-The choice is made per call from the tensor's device, dtype and shape and from what is available.
-``SPECTRAL_OPS_BACKEND=cuda|triton|torch`` or :func:`use_backend` force one; forcing a backend that
-cannot run the call raises :class:`BackendUnavailableError` with the reason.
+An op call gets a :class:`Kernels` object (:func:`kernels_for`) and hands it to the plan; every
+primitive call the plan makes goes through it, and is routed per call from the operand's device,
+dtype and shape:
 
-A GPU backend checks itself against the PyTorch reference the first time it is used for an
-(op, dtype), on a small input. If they disagree it is disabled for the process with a warning
-naming the op, so a wrong kernel never reaches a user's weights.
+* a backend must be available on the device and *able* to run the primitive (its ``supports``);
+* it must be *meant* to: below the sizes where they pay off (:data:`CUDA_TILED_MIN_SIDE`,
+  :data:`CUDA_CHAIN_MAX_WORK`) the CUDA kernels leave the call to the next backend;
+* it must have passed its first-use self-check for that primitive and dtype (below).
+
+``SPECTRAL_OPS_BACKEND=cuda|triton|torch`` or :func:`use_backend` force one backend for every
+primitive, whatever the sizes; forcing one that cannot run a call raises
+:class:`BackendUnavailableError` with the reason. A fused small chain is optional: without one the
+plan composes the other primitives.
+
+**Self-checks.** The first time a backend is about to run a primitive for a dtype, it runs the
+inputs of :mod:`spectral_ops.selfcheck` and is compared with the reference. If they disagree (or it
+raises) that primitive is disabled for the backend for the process, with a warning naming both, and
+the call goes to the next backend: a wrong kernel never reaches a user's weights.
 """
 
 from __future__ import annotations
@@ -22,23 +33,37 @@ import torch
 from .backends.cuda_backend import CudaBackend
 from .backends.torch_backend import TorchBackend
 from .backends.triton_backend import TritonBackend
+from .linalg import compute_dtype, relative_error, wide
 from .selfcheck import self_check_cases
-from .testing import relative_error
 
 logger = logging.getLogger("spectral_ops")
 
 ENV_VAR = "SPECTRAL_OPS_BACKEND"
 BACKEND_NAMES = ("cuda", "triton", "torch")
 
-# Relative Frobenius error allowed between a backend and the reference on the self-check input.
-# That input is well conditioned (singular values in [0.5, 1]), so the only differences are
-# summation order and the final rounding to the dtype; a wrong kernel is off by O(1).
+# Relative Frobenius error allowed between a backend and the reference on the self-check inputs.
+# They are well conditioned (singular values in [0.5, 1]), so the only differences are summation
+# order and the final rounding to the dtype; a wrong kernel is off by O(1).
 SELF_CHECK_TOLERANCE = {
     torch.float64: 1e-9,
     torch.float32: 1e-4,
     torch.float16: 1e-2,
     torch.bfloat16: 5e-2,
 }
+
+# The CUDA kernels' tiles pay off from this small side up. A 128 x 128-tile symmetric product halves
+# the work of a dense one, but below about 1-2k cuBLAS (behind torch) is faster per tile than these
+# kernels and the saving does not make up for it (SPEC 8: 1.6-2x over cuBLAS from 2048, a loss below 1024).
+CUDA_TILED_MIN_SIDE = 2048
+# The CUDA chain gives each matrix one SM for its whole iteration, ~16 r^2 n fp32 FMAs for 8 Polar
+# Express steps, against ~45 launches of batched products for the composed chain (~0.3-0.5 ms of
+# launch latency before any math). One SM does ~1e11 FMA/s, so up to r^2 n of about 2M (128 x 128,
+# 64 x 512, 32 x 2048) a matrix is done within that latency and the chain wins at any stack size.
+# Beyond it the composed chain's many SMs per matrix win: 96 heads of 128 x 768 (r^2 n = 12.6M) are
+# estimated at ~2 ms on the chain against ~1.5 ms composed on an H100, so they fall through (to
+# Triton's one-program-per-matrix chain, which uses the tensor cores). An estimate from peak rates,
+# not a measurement: bench/cuda_cases.py times both sides.
+CUDA_CHAIN_MAX_WORK = 1 << 21
 
 
 class BackendUnavailableError(RuntimeError):
@@ -47,9 +72,9 @@ class BackendUnavailableError(RuntimeError):
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("spectral_ops_backend", default=None)
 _backends: dict[str, object] = {}
-_self_check_passed: dict[tuple[str, str, torch.dtype], bool] = {}
+_self_check_passed: dict[tuple[str, str, torch.dtype, str], bool] = {}
 _logged_choices: set[tuple] = set()
-_last_choice: dict[str, str] = {}
+_last_choice: dict[str, set[str]] = {}
 
 
 def _check_name(name: str, source: str) -> str:
@@ -104,102 +129,164 @@ def backend_status(device: torch.device | None = None) -> list[tuple[str, str | 
     return [(name, get_backend(name).unavailable_reason(device)) for name in BACKEND_NAMES]
 
 
-def _why_not(backend, op: str, W: torch.Tensor) -> str | None:
-    reason = backend.unavailable_reason(W.device)
+def _meant_to_run(name: str, primitive: str, shape) -> bool:
+    """The fixed routing: where a backend is expected to beat the ones after it in the order."""
+    if name != "cuda" or primitive == "decay_epilogue_":
+        return True
+    r, n = sorted(shape[-2:])
+    if primitive == "small_chain":
+        return r * r * n <= CUDA_CHAIN_MAX_WORK
+    return r >= CUDA_TILED_MIN_SIDE
+
+
+def _why_not(backend, primitive: str, device, dtype, shape, forced: bool, steps: int) -> str | None:
+    reason = backend.unavailable_reason(device, forced)
     if reason is not None:
         return reason
-    if not backend.supports(op, W):
-        return f"the {backend.name} backend has no {op} kernel for {W.dtype} tensors of shape {tuple(W.shape)} on {W.device}"
-    if not _passes_self_check(backend, op, W):
-        return f"the {backend.name} backend failed its {op} self-check for {W.dtype} and is disabled"
+    if not backend.supports(primitive, device, dtype, shape, steps=steps):
+        return f"the {backend.name} backend has no {primitive} for {dtype} operands of shape {shape} on {device}"
+    if not forced and not _meant_to_run(backend.name, primitive, shape):
+        return f"the {backend.name} backend's {primitive} is not used at shape {shape}"
+    if not _passes_self_check(backend, primitive, dtype, device):
+        return f"the {backend.name} backend failed its {primitive} self-check for {dtype} and is disabled"
     return None
 
 
-def select(op: str, W: torch.Tensor):
-    """The backend that runs ``op`` on ``W`` (also records the choice for :func:`last_backend`)."""
+def _select(op: str, primitive: str, operand: torch.Tensor, *, optional: bool = False, steps: int = 0):
+    """The backend for one primitive call on ``operand`` (None for an optional one that none runs)."""
+    return _select_for(op, primitive, operand.device, operand.dtype, tuple(operand.shape), optional, steps)
+
+
+def _select_for(op: str, primitive: str, device, dtype, shape, optional: bool = False, steps: int = 0):
     forced = forced_backend()
     if forced is not None:
         backend = get_backend(forced)
-        reason = _why_not(backend, op, W)
-        if reason is not None:
-            raise BackendUnavailableError(f"backend {forced!r} was forced for {op}, but {reason}")
-    else:
-        backend = next(b for b in map(get_backend, BACKEND_NAMES) if _why_not(b, op, W) is None)
-    _record(op, backend, W)
-    return backend
+        reason = _why_not(backend, primitive, device, dtype, shape, True, steps)
+        if reason is None:
+            return backend
+        if optional:
+            return None
+        raise BackendUnavailableError(f"backend {forced!r} was forced for {op}, but {reason}")
+    for backend in map(get_backend, BACKEND_NAMES):
+        if _why_not(backend, primitive, device, dtype, shape, False, steps) is None:
+            return backend
+    if optional:
+        return None
+    raise BackendUnavailableError(f"no backend can run {primitive} for {op} on {dtype} {device}")
+
+
+class Kernels:
+    """The primitives for one op call, each routed to a backend per call (see the module docstring)."""
+
+    def __init__(self, op: str, W: torch.Tensor):
+        self.op = op
+        self.used: set[str] = set()
+        self._described = (W.device.type, W.dtype)
+        _last_choice[op] = self.used
+
+    def _backend(self, primitive: str, operand: torch.Tensor, **options):
+        backend = _select(self.op, primitive, operand, **options)
+        if backend is not None:
+            self._record(backend.name)
+        return backend
+
+    def _record(self, name: str) -> None:
+        self.used.add(name)
+        key = (self.op, name, *self._described)
+        if key not in _logged_choices:
+            _logged_choices.add(key)
+            logger.debug("spectral_ops: %s on %s %s runs on the %s backend", self.op, *self._described, name)
+
+    def symmetric(self, L, R):
+        return self._backend("symmetric", L).symmetric(L, R)
+
+    def product(self, M, Z, *, beta=1.0, Y=None, alpha=1.0):
+        return self._backend("product", Z).product(M, Z, beta=beta, Y=Y, alpha=alpha)
+
+    def poly_step(self, A, b, c):
+        return self._backend("poly_step", A).poly_step(A, b, c)
+
+    def sign_step(self, Z, coefficient):
+        return self._backend("sign_step", Z).sign_step(Z, coefficient)
+
+    def small_chain(self, X, p, coefficients, sign=False):
+        """``S_p(X)`` (or ``msign``) by a fused chain, or None when no backend has one for ``X``."""
+        backend = self._backend("small_chain", X, optional=True, steps=len(coefficients))
+        return None if backend is None else backend.small_chain(X, p, coefficients, sign=sign)
+
+    def decay_epilogue_(self, W, D, keep, step):
+        return self._backend("decay_epilogue_", W).decay_epilogue_(W, D, keep, step)
+
+
+class PinnedKernels:
+    """Every primitive on one backend, without routing or self-checks: for the tests and benchmarks
+    that run or time one backend's kernels (e.g. the CUDA kernels under CPU emulation).
+    ``small_chain=False`` makes the plan compose the other primitives instead of the fused chain."""
+
+    def __init__(self, backend, *, small_chain: bool = True):
+        self.backend = backend
+        self.chain = small_chain
+
+    def __getattr__(self, primitive: str):
+        return getattr(self.backend, primitive)
+
+    def small_chain(self, X, p, coefficients, sign=False):
+        usable = self.chain and self.backend.supports("small_chain", X.device, X.dtype, tuple(X.shape),
+                                                      steps=len(coefficients))
+        return self.backend.small_chain(X, p, coefficients, sign=sign) if usable else None
+
+
+def kernels_for(op: str, W: torch.Tensor) -> Kernels:
+    """The primitives for one call of ``op`` on ``W``; what they run on is kept for :func:`last_backend`."""
+    return Kernels(op, W)
 
 
 def backend_for(op: str, W: torch.Tensor) -> str:
-    """The name of the backend that would run ``op`` on ``W`` now."""
-    return select(op, W).name
+    """The backend that would run ``op``'s rectangular products on ``W`` now: the bulk of its work.
+
+    For small matrices a backend's fused chain may run the whole op instead; :func:`last_backend`
+    reports what did run.
+    """
+    return _select_for(op, "product", W.device, compute_dtype(W.dtype), tuple(wide(W).shape)).name
 
 
 def last_backend(op: str) -> str | None:
-    """The backend the most recent call of ``op`` ran on, or None if it has not run."""
-    return _last_choice.get(op)
+    """The backend(s) the most recent call of ``op`` ran on (``"triton+torch"`` for a mix), or None."""
+    used = _last_choice.get(op)
+    if not used:
+        return None
+    return "+".join(name for name in BACKEND_NAMES if name in used)
 
 
-def _record(op: str, backend, W: torch.Tensor) -> None:
-    _last_choice[op] = backend.name
-    key = (op, backend.name, W.device.type, W.dtype)
-    if key not in _logged_choices:
-        _logged_choices.add(key)
-        logger.debug("spectral_ops: %s on %s %s runs on the %s backend", op, W.device.type, W.dtype, backend.name)
-
-
-def _passes_self_check(backend, op: str, W: torch.Tensor) -> bool:
+def _passes_self_check(backend, primitive: str, dtype: torch.dtype, device: torch.device) -> bool:
     if not backend.needs_self_check:
         return True
-    key = (backend.name, op, W.dtype)
+    key = (backend.name, primitive, dtype, device.type)
     if key not in _self_check_passed:
-        error = self_check_error(backend, op, W.dtype, W.device)
-        tolerance = SELF_CHECK_TOLERANCE[W.dtype]
+        error = self_check_error(backend, primitive, dtype, device)
+        tolerance = SELF_CHECK_TOLERANCE[dtype]
         _self_check_passed[key] = error <= tolerance
         if not _self_check_passed[key]:
             warnings.warn(
-                f"spectral_ops: the {backend.name} backend's {op} disagrees with the PyTorch reference "
-                f"for {W.dtype} (relative error {error:.3g} > {tolerance:.1g}); it is disabled for "
-                "this process and the next backend is used instead",
+                f"spectral_ops: the {backend.name} backend's {primitive} disagrees with the reference for "
+                f"{dtype} (relative error {error:.3g} > {tolerance:.1g}); it is disabled for this process "
+                "and the next backend is used instead",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=6,
             )
     return _self_check_passed[key]
 
 
-def self_check_error(backend, op: str, dtype: torch.dtype, device) -> float:
-    """Largest relative error of ``backend``'s ``op`` against the reference on a fixed input."""
-
-    reference = get_backend("torch")
+def self_check_error(backend, primitive: str, dtype: torch.dtype, device) -> float:
+    """Largest relative error of ``backend``'s ``primitive`` against the reference on fixed inputs."""
     worst = 0.0
-    for run in self_check_cases(op, dtype, device):
+    for run, reference in self_check_cases(primitive, dtype, device):
         try:
-            got, expected = run(backend), run(reference)
+            got = run(backend)
         except Exception as error:  # a crashing kernel fails its check like a wrong one
-            logger.debug("spectral_ops: %s self-check of %s raised %r", backend.name, op, error)
+            logger.debug("spectral_ops: %s self-check of %s raised %r", backend.name, primitive, error)
             return float("inf")
-        for g, e in zip(got, expected):
+        for g, e in zip(got, reference()):
             error = relative_error(g, e)
             worst = max(worst, error if error == error else float("inf"))
     return worst
-
-
-def verify_pinned_path(name: str, path: str, make_pinned, op: str, dtype: torch.dtype, device, cache: dict) -> bool:
-    """Self-check one internal path of a backend (e.g. its small-matrix or tiled kernels) once.
-
-    The first-use check runs one small input, which takes one path; before a call takes another,
-    ``make_pinned()`` (the backend forced down ``path``) is checked on the same input. Results are
-    kept in the backend's ``cache``; a failing path warns, and those calls go to the next backend.
-    """
-    key = (op, dtype, torch.device(device).type, path)
-    if key not in cache:
-        error = self_check_error(make_pinned(), op, dtype, device)
-        tolerance = SELF_CHECK_TOLERANCE[dtype]
-        cache[key] = error <= tolerance
-        if not cache[key]:
-            warnings.warn(
-                f"spectral_ops: the {name} backend's {path} {op} path disagrees with the PyTorch reference "
-                f"for {dtype} (relative error {error:.3g} > {tolerance:.1g}); those calls use the next backend",
-                RuntimeWarning,
-                stacklevel=6,
-            )
-    return cache[key]

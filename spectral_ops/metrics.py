@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends.torch_backend import compute_dtype
+from .linalg import compute_dtype
 
 
 def singular_values(W: torch.Tensor) -> torch.Tensor:

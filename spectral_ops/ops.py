@@ -1,4 +1,4 @@
-"""The public spectral functions (SPEC 1.2-1.4): validation here, the math in the backends.
+"""The public spectral functions (SPEC 1.2-1.4): validation here, the algorithm in :mod:`spectral_ops.plan`.
 
 Every function takes ``(..., m, n)`` tensors (CPU or CUDA; float64, float32, float16, bfloat16;
 any strides), runs without autograd and returns a new tensor of the input's dtype.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from . import dispatch
+from . import dispatch, plan
 from ._checks import (
     check_choice,
     check_coefficient,
@@ -18,9 +18,9 @@ from ._checks import (
     check_steps,
 )
 from .backends.base import BandSpec
-from .backends.torch_backend import compute_dtype, eigh_spectral_power, svd_spectral_power
-from .backends.torch_backend import spectral_norm_bounds as _spectral_norm_bounds
 from .coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients, resolve_polar_coefficients
+from .linalg import compute_dtype, eigh_spectral_power, svd_spectral_power
+from .linalg import spectral_norm_bounds as _spectral_norm_bounds
 
 SIGN_METHODS = ("newton_schulz", "polar_express")
 # Newton-Schulz's quintic converges only linearly near 1 (p'(1) = -3/5): 30 steps take a mode at
@@ -58,7 +58,7 @@ def polar(W: torch.Tensor, steps: int | None = None, coefficients=None) -> torch
     polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
     if W.numel() == 0:
         return W.clone()
-    return dispatch.select("polar", W).polar(W, polar_c)
+    return plan.polar(dispatch.kernels_for("polar", W), W, polar_c)
 
 
 @torch.no_grad()
@@ -76,7 +76,7 @@ def msign(A: torch.Tensor, steps: int | None = None, method: str = "newton_schul
     if A.numel() == 0:
         return A.clone()
     _check_symmetric(A)
-    return dispatch.select("msign", A).msign(A, coefficients)
+    return plan.msign(dispatch.kernels_for("msign", A), A, coefficients)
 
 
 def _check_symmetric(A: torch.Tensor) -> None:
@@ -136,7 +136,7 @@ def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int 
         return svd_spectral_power(W, p, compute_dtype(W.dtype)).to(W.dtype)
     if method == "eigh":
         return eigh_spectral_power(W, p, compute_dtype(W.dtype)).to(W.dtype)
-    return dispatch.select("spectral_power", W).spectral_power(W, p, polar_c)
+    return plan.spectral_power(dispatch.kernels_for("spectral_power", W), W, p, polar_c)
 
 
 def _check_tau(tau, name: str = "tau"):
@@ -158,7 +158,7 @@ def band_projectors(W: torch.Tensor, tau, steps: int | None = None, method: str 
         r = min(W.shape[-2:])
         empty = W.new_zeros(*W.shape[:-2], r, r)
         return empty, empty.clone()
-    return dispatch.select("band_projectors", W).band_projectors(W, tau, coefficients)
+    return plan.band_projectors(dispatch.kernels_for("band_projectors", W), W, tau, coefficients)
 
 
 def band_spec(tau, mode: str = "top", *, p_bot: int = 1, lambda_top=1.0, lambda_bot=1.0) -> BandSpec:
@@ -195,7 +195,7 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
     sign_c = sign_coefficients(sign_steps, sign_method)
     if W.numel() == 0:
         return W.clone()
-    return dispatch.select("band_direction", W).band_direction(W, p, band, polar_c, sign_c)
+    return plan.band_direction(dispatch.kernels_for("band_direction", W), W, p, band, polar_c, sign_c)
 
 
 @torch.no_grad()
@@ -213,7 +213,7 @@ def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None 
     sign_c = sign_coefficients(sign_steps, sign_method)
     if W.numel() == 0:
         return W.clone()
-    return dispatch.select("svt", W).svt(W, t, polar_c, sign_c)
+    return plan.svt(dispatch.kernels_for("svt", W), W, t, polar_c, sign_c)
 
 
 @torch.no_grad()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .backends.torch_backend import power_weights, svd_spectral_power
+from .linalg import power_weights, svd_spectral_power
 
 
 def _svd(W):

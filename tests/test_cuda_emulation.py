@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from cuda_emulation import build, harness
-from spectral_ops import _extension, dispatch
-from spectral_ops.backends.base import OPS, BandSpec, DecayRequest
-from spectral_ops.backends.cuda_backend import CHAIN_OPS, CudaBackend
-from spectral_ops.backends.torch_backend import TorchBackend
+import spectral_ops as so
+from spectral_ops import _extension, dispatch, plan
+from spectral_ops.backends.base import PRIMITIVES, BandSpec, DecayRequest
+from spectral_ops.backends.cuda_backend import CudaBackend
 from spectral_ops.build_config import ENV_REQUIRE_CUDA, env_flag
 from spectral_ops.coefficients import polar_express_coefficients
-from spectral_ops.testing import log_spaced_spectrum, matrix_with_spectrum, relative_error
+from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Relative Frobenius error against an fp64/fp32 reference: the final rounding to the dtype dominates.
@@ -48,6 +48,18 @@ def emulated(emulated_module, monkeypatch):
     monkeypatch.delenv("SPECTRAL_OPS_EMULATION_ORDER", raising=False)
     harness.install(monkeypatch, emulated_module)
     return emulated_module
+
+
+def on_torch(plan_function, *args):
+    """The reference: the same plan with every primitive on the torch backend."""
+    with so.use_backend("torch"):
+        return plan_function(dispatch.kernels_for("reference", args[0]), *args)
+
+
+def on_cuda(plan_function, *args, path="chain", precision=None):
+    """The plan with every primitive on the (emulated) CUDA kernels; ``path="composed"`` skips the chain."""
+    kernels = dispatch.PinnedKernels(CudaBackend(precision=precision), small_chain=path == "chain")
+    return plan_function(kernels, *args)
 
 
 def reference_product(a, b, y=None, alpha=1.0, beta=0.0):
@@ -173,7 +185,7 @@ def test_chain_matches_the_reference(dtype, shape, p):
     W = spectral_weight(shape, dtype, seed=p)
     out = torch.empty_like(W)
     _extension.small_chain(wide(W), wide(out), p, COEFFICIENTS if p % 2 == 0 else ())
-    expected = TorchBackend().spectral_power(W.double(), p, COEFFICIENTS)
+    expected = on_torch(plan.spectral_power, W.double(), p, COEFFICIENTS)
     assert relative_error(out, expected) < 5 * TOLERANCE[dtype]
 
 
@@ -181,8 +193,8 @@ def test_chain_matches_the_reference(dtype, shape, p):
 def test_chain_decays_in_place_with_per_matrix_scales(dtype):
     W = spectral_weight((3, 90, 60), dtype, seed=1)
     keep, step = torch.tensor([0.99, 0.9, 1.0]), torch.tensor([0.01, 0.1, 0.0])
-    expected = keep.reshape(3, 1, 1) * W.double() - step.reshape(3, 1, 1) * TorchBackend().spectral_power(
-        W.double(), 2, COEFFICIENTS)
+    expected = keep.reshape(3, 1, 1) * W.double() - step.reshape(3, 1, 1) * on_torch(
+        plan.spectral_power, W.double(), 2, COEFFICIENTS)
     X = wide(W)
     _extension.small_chain(X, X, 2, COEFFICIENTS, alpha=1.0, alpha_per_matrix=keep, beta=-1.0, beta_per_matrix=step)
     assert relative_error(W, expected) < 5 * TOLERANCE[dtype]
@@ -203,13 +215,13 @@ def test_decay_epilogue_per_matrix(transposed):
     assert relative_error(w, expected) < 1e-7
 
 
-# --- the backend, both paths ------------------------------------------------------------------
+# --- the backend, with and without its chain ---------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("path, op", [("chain", op) for op in CHAIN_OPS] + [("tiled", op) for op in OPS])
-def test_backend_passes_the_dispatch_self_check(path, op, dtype):
-    error = dispatch.self_check_error(CudaBackend(path=path), op, dtype, CPU)
+@pytest.mark.parametrize("primitive", PRIMITIVES)
+def test_backend_passes_the_dispatch_self_check(primitive, dtype):
+    error = dispatch.self_check_error(CudaBackend(), primitive, dtype, CPU)
     assert error <= dispatch.SELF_CHECK_TOLERANCE[dtype]
 
 
@@ -220,12 +232,12 @@ def test_band_directions_over_several_tiles(mode):
                              torch.float32, seed=2)
     band = BandSpec(0.75, mode, p_bot=0, lambda_top=0.5, lambda_bot=2.0)
     sign = polar_express_coefficients()
-    got = CudaBackend(path="tiled", precision="ieee").band_direction(W, 2, band, COEFFICIENTS, sign)
-    expected = TorchBackend().band_direction(W, 2, band, COEFFICIENTS, sign)
+    got = on_cuda(plan.band_direction, W, 2, band, COEFFICIENTS, sign, precision="ieee")
+    expected = on_torch(plan.band_direction, W, 2, band, COEFFICIENTS, sign)
     assert relative_error(got, expected) < 1e-5
 
 
-@pytest.mark.parametrize("path", ["chain", "tiled"])
+@pytest.mark.parametrize("path", ["chain", "composed"])
 @pytest.mark.parametrize(
     "p, p0_mode, band",
     [(2, "explicit", None), (3, "explicit", None), (0, "prox", None), (2, "explicit", BandSpec(0.75, "top"))],
@@ -234,8 +246,8 @@ def test_decay_with_tensor_scales(path, p, p0_mode, band):
     W = matrix_with_spectrum((3, 60, 40), torch.linspace(0.5, 1.0, 40), torch.bfloat16, seed=3)
     request = DecayRequest(p, torch.tensor([0.1, 0.2, 0.05]).reshape(3, 1, 1), torch.tensor(0.01), band, p0_mode,
                            COEFFICIENTS, polar_express_coefficients())
-    expected = TorchBackend().decay_(W.clone(), request)
-    got = CudaBackend(path=path).decay_(W.clone(), request)
+    expected = on_torch(plan.decay_, W.clone(), request)
+    got = on_cuda(plan.decay_, W.clone(), request, path=path)
     assert relative_error(got, expected) < TOLERANCE[torch.bfloat16]
 
 
@@ -245,9 +257,10 @@ def test_decay_with_tensor_scales(path, p, p0_mode, band):
 def run_everything():
     W = spectral_weight((2, 100, 140), torch.float32, seed=4)
     X = W.to(torch.bfloat16)
-    results = [CudaBackend(path="chain").spectral_power(W, p, COEFFICIENTS) for p in (0, 3, 6)]
-    results.append(CudaBackend(path="tiled", precision="tf32x3").spectral_power(W, 6, COEFFICIENTS))
-    results.append(CudaBackend(path="tiled", precision="ieee").msign(W @ W.mT - 0.5 * torch.eye(100), COEFFICIENTS))
+    results = [on_cuda(plan.spectral_power, W, p, COEFFICIENTS) for p in (0, 3, 6)]
+    results.append(on_cuda(plan.spectral_power, W, 6, COEFFICIENTS, path="composed", precision="tf32x3"))
+    results.append(on_cuda(plan.msign, W @ W.mT - 0.5 * torch.eye(100), COEFFICIENTS, path="composed",
+                           precision="ieee"))
     G = torch.empty(2, 140, 140)
     results.append(_extension.syrk(X.mT, X, G))
     d = torch.randn(2, 100, 140, generator=torch.Generator().manual_seed(0))
@@ -261,3 +274,37 @@ def test_results_do_not_depend_on_the_order_threads_run_in(monkeypatch):
         monkeypatch.setenv("SPECTRAL_OPS_EMULATION_ORDER", seed)
         for a, b in zip(in_order, run_everything()):
             assert torch.equal(a, b)
+
+
+# --- the entry points as torch.library custom ops -----------------------------------------------------
+
+
+def test_the_custom_ops_pass_opcheck():
+    g = torch.Generator().manual_seed(11)
+    a, b, y = (torch.randn(2, *shape, generator=g) for shape in ((20, 12), (12, 30), (20, 30)))
+    S = a @ a.mT
+    per_matrix = torch.tensor([0.5, 2.0])
+    ops, precision = torch.ops.spectral_ops, _extension.PRECISION_CODES["ieee"]
+    flat = [v for triple in COEFFICIENTS for v in triple]
+    samples = [
+        (ops.cuda_gemm, (a, b, torch.empty(2, 20, 30), y, 0.5, per_matrix, -1.0, None, precision)),
+        (ops.cuda_syrk, (a, a.mT, torch.empty(2, 20, 20), None, 1.0, None, 0.0, None, precision)),
+        (ops.cuda_poly_step, (S, torch.empty_like(S), 0.3, -0.2, precision)),
+        (ops.cuda_sign_step, (S / 100, torch.empty_like(S), torch.empty_like(S), torch.empty_like(S), 3.0, -3.2, 1.2,
+                              precision)),
+        (ops.cuda_small_chain, (a.mT, torch.empty(2, 12, 20), torch.empty(2, 12, 20), torch.empty(2, 12, 12), 2, flat,
+                                0.0, None, 1.0, None, 1 / 1.01)),
+        (ops.cuda_decay_epilogue, (y.clone(), b.new_ones(2, 20, 30), 0.9, -0.1, per_matrix, None, False, 0, 0)),
+    ]
+    for op, args in samples:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_bumps_the_version_of_what_a_kernel_writes():
+    w, d = torch.randn(3, 8, 16), torch.randn(3, 8, 16)
+    version = w._version
+    _extension.decay_epilogue_(w, d, 0.9, -0.1)
+    assert w._version > version
+    with torch.inference_mode():  # inference tensors have no version counter, and need none
+        w = torch.randn(3, 8, 16)
+        _extension.decay_epilogue_(w, d, 0.9, -0.1)

@@ -7,7 +7,7 @@ import torch
 
 import spectral_ops as so
 from spectral_ops import reference
-from spectral_ops.testing import log_spaced_spectrum, matrix_with_spectrum, relative_error
+from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 
 # Same budget as test_ops: a chain of ~30 products of inner size <= 64, plus one subtraction.
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 5e-5}

@@ -1,54 +1,89 @@
-"""Backend selection, forcing, fallback and the first-use self-check."""
+"""Backend selection per primitive, forcing, fallback and the first-use self-check."""
 
+import ast
 import logging
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 import spectral_ops as so
 from spectral_ops import dispatch
-from spectral_ops.backends.base import OPS
+from spectral_ops.backends.base import PRIMITIVES
 from spectral_ops.backends.torch_backend import TorchBackend
-from spectral_ops.testing import log_spaced_spectrum, matrix_with_spectrum, relative_error
+from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 
 
-class FakeGpuBackend(TorchBackend):
-    """A backend that claims CPU tensors and needs a self-check, like a GPU backend would.
+class ToyBackend(TorchBackend):
+    """A backend that claims CPU tensors and needs a self-check, like a GPU backend would (named triton:
+    the CUDA backend is routed only large matrices).
 
-    ``corrupt`` scales every result of the named op, the way a wrong kernel would.
+    Its primitives are the torch ones, plus (with ``chain``) a small chain composed from them;
+    ``corrupt`` names one primitive whose results it scales by 1.5, the way a wrong kernel would.
     """
 
     needs_self_check = True
 
-    def __init__(self, name="cuda", corrupt=None):
+    def __init__(self, name="triton", corrupt=None, chain=True):
         self.name = name
         self.corrupt = corrupt
+        self.chain = chain
         self.calls = []
 
-    def _maybe_wrong(self, op, result):
-        self.calls.append(op)
-        if op != self.corrupt:
-            return result
-        if isinstance(result, tuple):
-            return tuple(r * 1.5 for r in result)
-        return result.mul_(1.5) if op == "decay_" else result * 1.5
+    def supports(self, primitive, device, dtype, shape, steps=0):
+        return self.chain or primitive != "small_chain"
 
-    def polar(self, *args):
-        return self._maybe_wrong("polar", super().polar(*args))
+    def _maybe_wrong(self, primitive, result):
+        self.calls.append(primitive)
+        return result * 1.5 if primitive == self.corrupt else result
 
-    def spectral_power(self, *args):
-        return self._maybe_wrong("spectral_power", super().spectral_power(*args))
+    def symmetric(self, L, R):
+        return self._maybe_wrong("symmetric", super().symmetric(L, R))
 
-    def band_projectors(self, *args):
-        return self._maybe_wrong("band_projectors", super().band_projectors(*args))
+    def product(self, M, Z, **epilogue):
+        return self._maybe_wrong("product", super().product(M, Z, **epilogue))
 
-    def decay_(self, W, request):
-        return self._maybe_wrong("decay_", super().decay_(W, request))
+    def poly_step(self, A, b, c):
+        return self._maybe_wrong("poly_step", super().poly_step(A, b, c))
+
+    def sign_step(self, Z, coefficient):
+        # The reference's own sign step, not one composed of this backend's (maybe corrupted) primitives.
+        return self._maybe_wrong("sign_step", TorchBackend().sign_step(Z, coefficient))
+
+    def small_chain(self, X, p, coefficients, sign=False):
+        from spectral_ops import plan
+
+        with so.use_backend("torch"):
+            kernels = dispatch.kernels_for("toy chain", X)
+            result = (plan.matrix_sign(kernels, X.float(), coefficients) if sign
+                      else plan.spectral_power(kernels, X.float(), p, coefficients))
+        return self._maybe_wrong("small_chain", result)
+
+    def decay_epilogue_(self, W, D, keep, step):
+        super().decay_epilogue_(W, D, keep, step)
+        if self.corrupt == "decay_epilogue_":
+            W.mul_(1.5)
+        self.calls.append("decay_epilogue_")
+        return W
 
 
 def sample(dtype=torch.float32):
     return matrix_with_spectrum((20, 12), log_spaced_spectrum(12, 10), dtype, seed=1)
+
+
+OP_CALLS = {
+    "spectral_power": lambda W: so.spectral_power(W, 2, method="gram"),
+    "band_projectors": lambda W: so.band_projectors(W, 0.5)[0],
+    "band_direction": lambda W: so.band_direction(W, 0.5, 2),
+    "decay_": lambda W: so.spectral_decay_(W, 2, 0.1, 0.1),
+}
+ORACLES = {
+    "spectral_power": lambda W: so.reference.spectral_power_svd(W, 2),
+    "band_projectors": lambda W: so.reference.band_projectors_svd(W, 0.5)[0],
+    "band_direction": lambda W: so.reference.band_direction_svd(W, 0.5, 2),
+    "decay_": lambda W: so.reference.spectral_decay_svd(W, 2, 0.1, 0.1),
+}
 
 
 def test_default_on_cpu_is_torch_and_is_recorded():
@@ -59,49 +94,58 @@ def test_default_on_cpu_is_torch_and_is_recorded():
 
 
 def test_a_correct_gpu_backend_is_preferred_after_its_self_check():
-    fake = FakeGpuBackend()
-    dispatch.register_backend(fake)
+    toy = ToyBackend()
+    dispatch.register_backend(toy)
     W = sample()
     result = so.spectral_power(W, 2, method="gram")
-    assert so.last_backend("spectral_power") == "cuda"
-    assert "spectral_power" in fake.calls
+    assert so.last_backend("spectral_power") == "triton"
+    assert "small_chain" in toy.calls
     assert relative_error(result, so.reference.spectral_power_svd(W, 2)) < 5e-5
 
 
-@pytest.mark.parametrize("op, call", [
-    ("polar", lambda W: so.polar(W)),
-    ("spectral_power", lambda W: so.spectral_power(W, 2, method="gram")),
-    ("band_projectors", lambda W: so.band_projectors(W, 0.5)),
-    ("decay_", lambda W: so.spectral_decay_(W, 2, 0.1, 0.1)),
-])
-def test_a_wrong_backend_is_disabled_with_a_warning_naming_the_op(op, call):
-    dispatch.register_backend(FakeGpuBackend(corrupt=op))
+@pytest.mark.parametrize("corrupt", PRIMITIVES)
+def test_the_self_check_refuses_exactly_the_corrupted_primitive(corrupt):
+    # Without a chain the plan composes every other primitive, so each of them is exercised.
+    toy = ToyBackend(corrupt=corrupt, chain=corrupt in ("small_chain", "decay_epilogue_"))
+    dispatch.register_backend(toy)
     W = sample()
-    with pytest.warns(RuntimeWarning, match=f"cuda backend's {op} disagrees"):
-        call(W.clone())
-    assert so.last_backend(op) == "torch"
-    # Disabled for the process: no second check, no second warning, correct results.
+    with pytest.warns(RuntimeWarning) as warned:
+        for call in OP_CALLS.values():
+            call(W.clone())
+    assert [str(w.message).split(" disagrees")[0] for w in warned] == [
+        f"spectral_ops: the triton backend's {corrupt}"]
+    # Disabled for the process: no second check, no second warning, and every other primitive still
+    # runs on the toy backend. Corrupted results never reach the user.
+    toy.calls.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        result = call(W.clone())
-    assert so.last_backend(op) == "torch"
-    if op == "decay_":
-        assert relative_error(result, so.reference.spectral_decay_svd(W, 2, 0.1, 0.1)) < 5e-5
+        results = {op: call(W.clone()) for op, call in OP_CALLS.items()}
+    assert corrupt not in toy.calls and toy.calls
+    for op, result in results.items():
+        assert relative_error(result, ORACLES[op](W)) < 5e-5, op
+
+
+def test_a_disabled_primitive_leaves_the_op_to_the_next_backend():
+    dispatch.register_backend(ToyBackend(corrupt="decay_epilogue_"))
+    W = sample()
+    with pytest.warns(RuntimeWarning, match="decay_epilogue_ disagrees"):
+        so.spectral_decay_(W, 2, 0.1, 0.1)
+    assert so.last_backend("decay_") == "triton+torch"  # the chain on the toy, the write on torch
 
 
 def test_a_crashing_backend_fails_its_self_check():
-    class Crashing(FakeGpuBackend):
-        def polar(self, *args):
+    class Crashing(ToyBackend):
+        def poly_step(self, *args):
             raise RuntimeError("illegal memory access")
 
     dispatch.register_backend(Crashing())
-    with pytest.warns(RuntimeWarning, match="polar disagrees"):
-        so.polar(sample())
-    assert so.last_backend("polar") == "torch"
+    with pytest.warns(RuntimeWarning, match="poly_step disagrees"):
+        so.band_direction(sample(), 0.5, 2)
+    assert so.last_backend("band_direction") == "triton+torch"
 
 
 def test_forcing_torch_with_the_context_manager_and_the_environment(monkeypatch):
-    dispatch.register_backend(FakeGpuBackend())
+    dispatch.register_backend(ToyBackend())
     W = sample()
     with so.use_backend("torch"):
         so.polar(W)
@@ -110,9 +154,9 @@ def test_forcing_torch_with_the_context_manager_and_the_environment(monkeypatch)
     so.polar(W)
     assert so.last_backend("polar") == "torch"
     # The context manager wins over the environment.
-    with so.use_backend("cuda"):
+    with so.use_backend("triton"):
         so.polar(W)
-    assert so.last_backend("polar") == "cuda"
+    assert so.last_backend("polar") == "triton"
 
 
 def test_forcing_an_unavailable_backend_raises_with_the_reason(monkeypatch):
@@ -125,11 +169,11 @@ def test_forcing_an_unavailable_backend_raises_with_the_reason(monkeypatch):
 
 
 def test_forcing_a_backend_that_failed_its_self_check_raises():
-    dispatch.register_backend(FakeGpuBackend(corrupt="polar"))
-    with so.use_backend("cuda"), pytest.warns(RuntimeWarning), pytest.raises(
-        so.BackendUnavailableError, match="failed its polar self-check"
+    dispatch.register_backend(ToyBackend(corrupt="product"))
+    with so.use_backend("triton"), pytest.warns(RuntimeWarning), pytest.raises(
+        so.BackendUnavailableError, match="failed its product self-check"
     ):
-        so.polar(sample())
+        so.band_direction(sample(), 0.5, 2)
 
 
 def test_invalid_backend_names(monkeypatch):
@@ -157,8 +201,30 @@ def test_backend_status_reports_every_backend_with_a_reason():
     assert status["cuda"]  # no GPU here: a reason, never silence
 
 
-def test_every_op_has_a_self_check_that_the_reference_passes():
+def test_every_primitive_has_a_self_check_that_the_reference_passes():
     reference = dispatch.get_backend("torch")
-    for op in OPS:
+    for primitive in PRIMITIVES:
+        if primitive == "small_chain":
+            continue  # the reference has none; its check compares with the SVD (test below)
         for dtype in (torch.float64, torch.float32, torch.bfloat16):
-            assert dispatch.self_check_error(reference, op, dtype, "cpu") == 0.0
+            assert dispatch.self_check_error(reference, primitive, dtype, "cpu") == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_the_small_chain_check_passes_a_correct_chain(dtype):
+    error = dispatch.self_check_error(ToyBackend(), "small_chain", dtype, "cpu")
+    assert error <= dispatch.SELF_CHECK_TOLERANCE[torch.float32]
+
+
+def test_no_backend_imports_dispatch():
+    """Backends implement primitives; only dispatch chooses, so nothing below it may import it."""
+    backends = Path(so.__file__).parent / "backends"
+    for module in backends.glob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            assert not any(name.split(".")[-1] == "dispatch" for name in names), f"{module.name} imports dispatch"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from spectral_ops import metrics
-from spectral_ops.testing import matrix_with_spectrum
+from spectral_ops.linalg import matrix_with_spectrum
 
 TOL = 1e-12
 RANK_METRICS = ("algebraic_rank", "stable_rank", "effective_rank", "output_energy_rank", "top_k_energy",

@@ -5,7 +5,7 @@ import torch
 
 import spectral_ops as so
 from spectral_ops.optim import SpectralAdamW, SpectralDecay
-from spectral_ops.testing import log_spaced_spectrum, matrix_with_spectrum, relative_error
+from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 
 from optim_models import assert_same_trajectory, tiny_model, train
 

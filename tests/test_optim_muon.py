@@ -6,7 +6,7 @@ import torch
 import spectral_ops as so
 from spectral_ops.coefficients import without_normalization_margin
 from spectral_ops.optim import SpectralMuon
-from spectral_ops.testing import log_spaced_spectrum, matrix_with_spectrum, relative_error
+from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 
 from optim_models import assert_same_trajectory, batch, tiny_model, train
 

@@ -5,7 +5,7 @@ import torch
 
 import spectral_ops as so
 from spectral_ops.optim import SpectralSGD
-from spectral_ops.testing import matrix_with_spectrum, relative_error
+from spectral_ops.linalg import matrix_with_spectrum, relative_error
 
 from optim_models import assert_same_trajectory, tiny_model, train
 

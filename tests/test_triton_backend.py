@@ -1,9 +1,9 @@
 """The Triton backend end to end: the public API forced to triton, against the FP64 SVD oracles.
 
 The tests taking ``forced`` run twice, once per path: ``small`` (the default routing; these shapes
-have a small side <= 128, so the one-program-per-matrix kernels run) and ``tiled`` (the same backend
-with the small path switched off, so every symmetric, product and decay kernel runs). Tolerances
-are those of tests/test_ops.py for float32; float16 adds its own input/output rounding (2^-11).
+have a small side <= 128, so the one-program-per-matrix chain runs) and ``composed`` (the same backend
+without its small chain, so the plan composes every symmetric, product, sign and decay kernel).
+Tolerances are those of tests/test_ops.py for float32; float16 adds its own input/output rounding (2^-11).
 """
 
 import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
@@ -15,13 +15,23 @@ import torch
 
 import spectral_ops as so
 from spectral_ops import dispatch, reference
-from spectral_ops.backends.base import OPS
-from spectral_ops.backends.triton_backend import KERNELS, TritonBackend, kernels
-from spectral_ops.testing import log_spaced_spectrum, matrix_with_spectrum, relative_error
+from spectral_ops.backends.base import PRIMITIVES
+from spectral_ops.backends.triton_backend import TritonBackend, kernels
+from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
+from spectral_ops.plan import OPS
 
 TOLERANCE = {torch.float32: 5e-5, torch.float16: 5e-3}
 SHAPES = [(40, 24), (20, 36), (3, 33, 20), (2, 2, 17, 30)]  # tall, wide, batched, odd
-BACKENDS = {"small": TritonBackend(), "tiled": TritonBackend(small_side_max=0)}
+
+
+class ComposedTriton(TritonBackend):
+    """The Triton backend without its small chain."""
+
+    def supports(self, primitive, *args, **kwargs):
+        return primitive != "small_chain" and super().supports(primitive, *args, **kwargs)
+
+
+BACKENDS = {"small": TritonBackend(), "composed": ComposedTriton()}
 
 
 @pytest.fixture(autouse=True)
@@ -55,9 +65,14 @@ def ran_on_triton(op):
 
 
 @pytest.mark.parametrize("dtype", triton_env.DTYPES)
-def test_the_dispatch_self_check_passes_for_every_op(forced, dtype):
+def test_the_dispatch_self_check_passes_for_every_primitive(forced, dtype):
     # First in the module, so the other tests of each path reuse the cached check results.
-    W = sample((20, 12), dtype)  # the check itself runs on selfcheck.py's input
+    backend = BACKENDS[forced]
+    for primitive in PRIMITIVES:
+        if backend.supports(primitive, torch.device("cpu"), dtype, (2, 24, 40), steps=8):
+            error = dispatch.self_check_error(backend, primitive, dtype, "cpu")
+            assert error <= dispatch.SELF_CHECK_TOLERANCE[dtype], primitive
+    W = sample((20, 12), dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a failed check warns before falling back
         for op in OPS:
@@ -70,7 +85,8 @@ def test_spectral_power_against_the_svd(forced, shape, dtype):
     W = sample(shape, dtype)
     for p in range(5):
         result = so.spectral_power(W, p, method="gram")
-        assert ran_on_triton("spectral_power") and result.dtype == dtype and result.shape == W.shape
+        assert ran_on_triton("spectral_power") or p == 1  # S_1(W) = W runs no primitive at all
+        assert result.dtype == dtype and result.shape == W.shape
         assert relative_error(result, reference.spectral_power_svd(W, p)) < TOLERANCE[dtype], p
 
 
@@ -147,14 +163,20 @@ def test_the_environment_variable_forces_triton_too(monkeypatch):
     assert so.last_backend("polar") == "triton"
 
 
-def test_every_op_has_kernels_and_unsupported_dtypes_are_refused_with_the_reason():
-    assert set(KERNELS) == set(OPS)
+def test_unsupported_dtypes_are_refused_with_the_reason_before_any_write():
     dispatch.reset()
     with so.use_backend("triton"):
-        with pytest.raises(so.BackendUnavailableError, match="no polar kernel for torch.float64"):
+        with pytest.raises(so.BackendUnavailableError, match="forced for polar, but .* no symmetric for torch.float64"):
             so.polar(sample((20, 12)).double())
-        with pytest.raises(so.BackendUnavailableError, match="no spectral_power kernel for torch.bfloat16"):
-            so.spectral_power(sample((20, 12)).bfloat16(), 2, method="gram")
+        # bfloat16 weights compute in float32, which the interpreter runs; only the write into a
+        # bfloat16 weight needs bfloat16 arithmetic, and it is refused before anything is written.
+        W = sample((20, 12)).bfloat16()
+        assert relative_error(so.spectral_power(W, 2, method="gram"), reference.spectral_power_svd(W, 2)) < 1e-2
+        assert so.last_backend("spectral_power") == "triton"
+        before = W.clone()
+        with pytest.raises(so.BackendUnavailableError, match="no decay_epilogue_ for torch.bfloat16"):
+            so.spectral_decay_(W, 2, 0.1, 0.1)
+        assert torch.equal(W, before)
 
 
 def test_unforced_cpu_calls_stay_on_torch_under_the_interpreter():
@@ -164,17 +186,15 @@ def test_unforced_cpu_calls_stay_on_torch_under_the_interpreter():
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
-def test_a_wrong_path_is_refused_before_it_runs(monkeypatch):
-    # With a 16 limit the dispatcher's own check (small side 24) takes the tiled path, so a weight
-    # on the small path is checked by the backend first, and the broken kernel never runs on it.
+def test_a_wrong_small_chain_is_refused_before_it_runs_and_the_plan_composes(monkeypatch):
     dispatch.reset()
-    dispatch.register_backend(TritonBackend(small_side_max=16))
     real = kernels.small.small_spectral
     monkeypatch.setattr(kernels.small, "small_spectral", lambda *args, **kwargs: real(*args, **kwargs).mul_(1.5))
     W = sample((2, 30, 16))
-    with so.use_backend("triton"), pytest.warns(RuntimeWarning, match="small spectral_power path disagrees"):
-        with pytest.raises(so.BackendUnavailableError):
-            so.spectral_power(W, 2, method="gram")
+    with so.use_backend("triton"), pytest.warns(RuntimeWarning, match="triton backend's small_chain disagrees"):
+        result = so.spectral_power(W, 2, method="gram")
+    assert so.last_backend("spectral_power") == "triton"
+    assert relative_error(result, reference.spectral_power_svd(W, 2)) < TOLERANCE[torch.float32]
     dispatch.reset()
 
 
@@ -184,8 +204,65 @@ def test_int64_in_matrix_offsets_are_chosen_by_extent_and_give_identical_results
     assert not wide_offsets(torch.empty_strided((4096, 16384), (16384, 1), device="meta"))
     assert wide_offsets(torch.empty_strided((2, 3), (2**31, 1), device="meta"))
     W = sample((2, 40, 24), seed=6)
-    expected = {name: backend.spectral_power(W, 2, so.polar_express_coefficients()) for name, backend in BACKENDS.items()}
+
+    def powers():
+        results = []
+        for backend in BACKENDS.values():
+            dispatch.register_backend(backend)
+            with so.use_backend("triton"):
+                results.append(so.spectral_power(W, 2, method="gram"))
+        return results
+
+    expected = powers()
     for module in (kernels.syrk, kernels.update, kernels.small):
         monkeypatch.setattr(module, "wide_offsets", lambda *tensors: True)
-    for name, backend in BACKENDS.items():
-        assert torch.equal(backend.spectral_power(W, 2, so.polar_express_coefficients()), expected[name])
+    for got, want in zip(powers(), expected):
+        assert torch.equal(got, want)
+
+
+# ----- the kernels as torch.library custom ops -------------------------------------------------------
+
+
+def custom_op_samples():
+    """``(op, args)`` for every Triton custom op, on small CPU inputs the interpreter runs."""
+    X, W = sample((2, 12, 20)), sample((2, 20, 12), seed=1)
+    G = X @ X.mT
+    flat = [v for triple in so.polar_express_coefficients() for v in triple]
+    scales = torch.tensor([0.9, 1.1])
+    ops = torch.ops.spectral_ops
+    return [
+        (ops.triton_symmetric, (X, X.mT, "ieee")),
+        (ops.triton_product, (G, X, X, 1.0, 2.0, "ieee")),
+        (ops.triton_product, (G, X, None, -0.5, 0.0, "ieee")),
+        (ops.triton_poly_step, (G, 0.5, -0.25, "ieee")),
+        (ops.triton_sign_step, (G / torch.linalg.matrix_norm(G)[..., None, None], 3.0, -3.2, 1.2, "ieee")),
+        (ops.triton_small_chain, (X, 2, flat, False, "ieee")),
+        (ops.triton_decay_epilogue, (W.mT, torch.randn(2, 12, 20), 1.0, scales, -0.1, None, "ieee")),
+    ]
+
+
+@pytest.mark.parametrize("index", range(7))
+def test_every_triton_custom_op_passes_opcheck(index):
+    # Schema, declared mutations, the fake (meta) implementation and its agreement with the real one.
+    op, args = custom_op_samples()[index]
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
+
+
+def test_a_custom_op_compiles_without_a_graph_break_and_writes_through_torch():
+    X, W = sample((2, 12, 20)), sample((2, 20, 12), seed=1)
+
+    def decay_step(W, X):
+        G = torch.ops.spectral_ops.triton_symmetric(X, X.mT, "ieee")
+        D = torch.ops.spectral_ops.triton_product(G, X, None, 1.0, 0.0, "ieee")
+        torch.ops.spectral_ops.triton_decay_epilogue(W.mT, D, 0.9, None, -0.1, None, "ieee")
+        return W
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    expected = W.mT.mul(0.9).sub(0.1 * (X @ X.mT @ X)).mT
+    compiled = torch.compile(decay_step, backend="aot_eager", fullgraph=True)
+    version = W._version
+    assert compiled(W, X) is W
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert relative_error(W, expected) < 1e-6
+    assert W._version > version  # the mutation was declared, so torch bumped the version counter itself

@@ -22,7 +22,7 @@ padding reads zeros. Holding whole ``R x R`` operands in registers instead would
 program reads back what its own threads wrote, so each workspace write is followed by a barrier.
 
 The normalisation (``||X||_F``, ``1/1.01`` margin) is done in fp32 inside the program, as
-:class:`~spectral_ops.backends.torch_backend.GramPlan` does it. The matrix sign of a symmetric
+:class:`~spectral_ops.plan.GramPlan` does it. The matrix sign of a symmetric
 ``r x r`` matrix (band projectors, ``msign``) is the same idea: :func:`small_sign`.
 """
 
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backends.torch_backend import NORMALIZATION_MARGIN
+from ..coefficients import NORMALIZATION_MARGIN
 from .common import (Output, accumulate_rows_product, batched, check_precision, config, dot_precision, load_scale,
                      scale_arg, tile_indices, wide_offsets)
 

@@ -1,20 +1,33 @@
-"""What every backend implements, and the small request records the API hands to them.
+"""What every backend implements: the primitives of :mod:`spectral_ops.plan`, and the request records.
 
-A backend is an object with ``name``, ``needs_self_check``, ``unavailable_reason(device)``
-(None when it can run on that device), ``supports(op, W)`` and one method per op:
+A backend provides primitives, never an algorithm. It is an object with
 
-==================  ==============================================================
-``polar``           ``(W, polar_coefficients) -> Q``
-``msign``           ``(A, sign_coefficients) -> msign(A)``
-``spectral_power``  ``(W, p, polar_coefficients) -> S_p(W)``
-``band_projectors`` ``(W, tau, sign_coefficients) -> (P_top, P_bot)``
-``band_direction``  ``(W, p, BandSpec, polar_coefficients, sign_coefficients) -> D``
-``svt``             ``(W, t, polar_coefficients, sign_coefficients) -> prox``
-``decay_``          ``(W, DecayRequest) -> W``, written in place
-==================  ==============================================================
+* ``name`` and ``needs_self_check`` (True for anything but the reference);
+* ``unavailable_reason(device, forced=False)``: None when it can run on ``device`` at all, else why not.
+  ``forced`` says the user forced this backend (the Triton interpreter serves CPU tensors only then);
+* ``supports(primitive, device, dtype, shape, steps=0)``: whether it can run ``primitive`` correctly on
+  an operand of that dtype and shape (``steps``: the length of a small chain). Whether it *should* is
+  dispatch's decision;
+* one method per primitive it supports:
 
-Inputs arrive validated (float dtype, ``(..., m, n)``, finite, non-empty). Outputs have the
-input's dtype. :class:`~spectral_ops.backends.torch_backend.TorchBackend` is the reference.
+=======================================  ================================================================
+``symmetric(L, R)``                      ``L @ R``, known to be symmetric (``X X^T``, ``A A``, commuting
+                                         polynomials in one Gram): half the tiles suffice
+``product(M, Z, *, beta, Y, alpha)``     ``beta * (M @ Z) + alpha * Y`` for ``r x r`` ``M`` and ``r x N``
+                                         ``Z``; ``Y`` may be ``Z`` itself (the ``a X + B X`` update)
+``poly_step(A, b, c)``                   ``b A + c A @ A`` for symmetric ``A``
+``sign_step(Z, (a, b, c))``              ``a Z + (b Z^2 + c Z^4) Z`` for symmetric ``Z``
+``small_chain(X, p, coefficients,``      optional: the whole ``S_p`` of a wide ``X`` in one launch per
+``sign=False)``                          matrix (Polar Express from ``X / (1.01 ||X||_F)`` for even ``p``);
+                                         with ``sign``, ``msign`` of a symmetric ``X`` (``p = 0``, normalised
+                                         by ``||X||_F``)
+``decay_epilogue_(W, D, keep, step)``    ``W <- keep * W + step * D`` in place, ``D`` None for ``keep * W``
+=======================================  ================================================================
+
+Operands arrive in the compute dtype (float32, or float64), except ``small_chain``'s ``X`` and the
+epilogue's ``W``, which are the weight itself in any float dtype and strides. Results are new tensors
+in the compute dtype. ``beta``/``alpha`` are Python numbers; ``keep``/``step`` may also be 0-d or
+per-matrix ``(..., 1, 1)`` tensors. The torch backend is the reference for every primitive.
 """
 
 from __future__ import annotations
@@ -24,7 +37,7 @@ from typing import Union
 
 import torch
 
-OPS = ("polar", "msign", "spectral_power", "band_projectors", "band_direction", "svt", "decay_")
+PRIMITIVES = ("symmetric", "product", "poly_step", "sign_step", "small_chain", "decay_epilogue_")
 
 Scale = Union[float, torch.Tensor]  # a Python number, a 0-d tensor, or one value per matrix (..., 1, 1)
 
@@ -55,19 +68,3 @@ class DecayRequest:
     p0_mode: str
     polar_coefficients: tuple
     sign_coefficients: tuple
-
-
-def repeated_squaring(k: int, square, multiply):
-    """``G^k`` as the product of the squares ``square(2^j) = G^(2^j)`` its binary digits select.
-
-    ``square`` caches the squares (each computed at most once); ``multiply`` is the backend's product
-    of two commuting symmetric factors. Shared by every backend's Gram plan.
-    """
-    result, exponent = None, 1
-    while k:
-        if k & 1:
-            factor = square(exponent)
-            result = factor if result is None else multiply(result, factor)
-        k >>= 1
-        exponent <<= 1
-    return result

@@ -7,10 +7,9 @@ import torch
 from tqdm import tqdm
 
 from .. import reference
-from ..backends.torch_backend import NORMALIZATION_MARGIN
-from ..coefficients import odd_quintic, polar_express_coefficients
+from ..coefficients import NORMALIZATION_MARGIN, odd_quintic, polar_express_coefficients
+from ..linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 from ..ops import spectral_power
-from ..testing import log_spaced_spectrum, matrix_with_spectrum, relative_error
 from .report import command_line, markdown_table, plt, write_outputs
 
 SHAPES = ((64, 64), (128, 64), (64, 128))

@@ -14,7 +14,7 @@ import torch
 
 from ..analysis import decay_checkpoint, pure_decay, time_to_shrink
 from ..metrics import default_rank_tolerance, matrix_metrics, shape_distance, singular_values, spectrum_metrics
-from ..testing import matrix_with_spectrum
+from ..linalg import matrix_with_spectrum
 from .report import command_line, markdown_table, plt, write_outputs
 
 # Part 1

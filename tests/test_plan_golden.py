@@ -1,0 +1,103 @@
+"""The torch backend's results are pinned: a restructuring of the plan must not change one bit of them.
+
+``tests/data/torch_golden.pt`` holds the results of every public op on fixed inputs, recorded with
+the torch backend before the algorithm moved into ``spectral_ops.plan`` (``python
+tests/test_plan_golden.py`` records them again, after a deliberate change of the arithmetic).
+
+Bitwise equality is only meaningful on the same torch build and CPU kernels: matmul results depend
+on the instruction set torch's BLAS picks. Elsewhere the comparison falls back to a few units of
+roundoff of the op's compute dtype, which still catches any change of the algorithm (those are
+O(1) or at least O(sqrt(eps)) off), though not a change of summation order.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import spectral_ops as so
+from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum
+
+GOLDEN = Path(__file__).with_name("data") / "torch_golden.pt"
+DTYPES = (torch.float64, torch.float32, torch.bfloat16)
+SHAPES = {"tall": (2, 12, 8), "wide": (8, 12), "square": (10, 10)}
+
+
+def environment() -> dict:
+    return {"torch": str(torch.__version__), "cpu": torch.backends.cpu.get_cpu_capability()}
+
+
+def _decayed(W, *args, **kwargs):
+    W = W.clone()
+    so.spectral_decay_(W, *args, **kwargs)
+    return W
+
+
+def cases():
+    """``(name, thunk)`` for every op and option the plan implements, on small fixed inputs."""
+    for dtype in DTYPES:
+        for shape_name, shape in SHAPES.items():
+            r = min(shape[-2:])
+            W = matrix_with_spectrum(shape, log_spaced_spectrum(r, 30.0) * 2.0, dtype, seed=7)
+            A = (W.mT @ W if shape[-2] >= shape[-1] else W @ W.mT).double()
+            A = (A - 0.5 * torch.eye(A.shape[-1], dtype=torch.float64)).to(dtype)
+            key = f"{dtype}-{shape_name}"
+            yield f"{key}-polar", lambda W=W: so.polar(W)
+            yield f"{key}-polar-muon", lambda W=W: so.polar(W, steps=5, coefficients=so.MUON_QUINTIC)
+            yield f"{key}-msign-ns", lambda A=A: so.msign(A)
+            yield f"{key}-msign-pe", lambda A=A: so.msign(A, method="polar_express")
+            for p in range(6):
+                yield f"{key}-power{p}", lambda W=W, p=p: so.spectral_power(W, p, method="gram")
+            yield f"{key}-power2-eigh", lambda W=W: so.spectral_power(W, 2, method="eigh")
+            yield f"{key}-power0-svd", lambda W=W: so.spectral_power(W, 0, method="svd")
+            yield f"{key}-projectors", lambda W=W: torch.stack(so.band_projectors(W, 0.5))
+            for mode in ("top", "bot", "top_only", "bot_only", "two_band"):
+                yield f"{key}-band-{mode}", lambda W=W, mode=mode: so.band_direction(
+                    W, 0.5, 2, mode, p_bot=0, lambda_top=0.5, lambda_bot=2.0)
+            yield f"{key}-svt", lambda W=W: so.svt(W, 0.4)
+            yield f"{key}-bounds", lambda W=W: torch.stack(so.spectral_norm_bounds(W))
+            for p in range(5):
+                yield f"{key}-decay{p}", lambda W=W, p=p: _decayed(W, p, 0.1, 0.2, ordinary_weight_decay=0.1)
+            yield f"{key}-decay-prox", lambda W=W: _decayed(W, 0, 0.1, 0.2, p0_mode="prox", ordinary_weight_decay=0.1)
+            yield f"{key}-decay-tensor-lr", lambda W=W: _decayed(W, 2, torch.tensor(0.05), 0.2, ordinary_weight_decay=0.1)
+            yield f"{key}-decay-independent", lambda W=W: _decayed(
+                W, 3, 0.01, 0.2, convention="independent", schedule=0.5)
+            yield f"{key}-decay-band-top", lambda W=W: _decayed(W, 2, 0.1, 0.2, band=so.Band(0.5))
+            yield f"{key}-decay-two-band", lambda W=W: _decayed(
+                W, 2, 0.1, 0.2, band=so.Band(0.5, "two_band", p_bot=0, weight_decay_bot=0.05))
+            yield f"{key}-decay-clamp", lambda W=W: _decayed(W, 4, 1.0, 5.0, stability="clamp")
+
+
+def record() -> None:
+    with so.use_backend("torch"):
+        results = {name: thunk() for name, thunk in cases()}
+    GOLDEN.parent.mkdir(exist_ok=True)
+    torch.save({"environment": environment(), "results": results}, GOLDEN)
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return torch.load(GOLDEN, weights_only=True)
+
+
+@pytest.mark.parametrize("name, thunk", list(cases()), ids=[name for name, _ in cases()])
+def test_torch_backend_results_are_unchanged(golden, name, thunk):
+    expected = golden["results"][name]
+    with so.use_backend("torch"):
+        got = thunk()
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    if golden["environment"] == environment():
+        assert torch.equal(got, expected)
+    else:
+        # A few units of roundoff of the compute dtype, relative to the result's largest entry.
+        eps = torch.finfo(torch.float64 if expected.dtype == torch.float64 else torch.float32).eps
+        rounding = 0.0 if expected.dtype in (torch.float64, torch.float32) else torch.finfo(expected.dtype).eps
+        scale = expected.double().abs().max().clamp_min(1e-30)
+        assert (got.double() - expected.double()).abs().max() <= (64 * eps + rounding) * scale
+
+
+if __name__ == "__main__":
+    record()
+    print(f"recorded {GOLDEN}")
