@@ -1,8 +1,9 @@
 """spectral-ops: spectral-power weight decay ``S_p(W) = U diag(s^p) V^T`` without an SVD.
 
 The public API is autograd-free and takes ``(..., m, n)`` tensors on CPU or CUDA in float64,
-float32, float16 or bfloat16. ``spectral_ops.dispatch`` picks the backend (CUDA extension, then
-Triton, then PyTorch) per call; ``spectral_ops.reference`` holds the FP64 SVD oracles.
+float32, float16 or bfloat16. ``spectral_ops.plan`` holds the algorithm, ``spectral_ops.dispatch``
+routes each of its primitive calls to a backend (CUDA extension, then Triton, then PyTorch), and
+``spectral_ops.reference`` holds the FP64 SVD oracles.
 """
 
 from . import analysis, metrics, optim, reference

@@ -147,11 +147,11 @@ class DecayOptions:
     sign_coefficients: tuple
 
 
-def check_decay_options(p, weight_decay, *, ordinary_weight_decay=0.0, convention="decoupled", band=None,
+def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, convention="decoupled", band=None,
                         p0_mode="explicit", steps=None, coefficients=None, stability="raise") -> DecayOptions:
     """Validate every decay hyper-parameter (optimizers call this at construction time)."""
     p = check_power(p)
-    check_coefficient(weight_decay, "weight_decay")
+    check_coefficient(spectral_weight_decay, "spectral_weight_decay")
     check_coefficient(ordinary_weight_decay, "ordinary_weight_decay")
     check_choice(convention, "convention", CONVENTIONS)
     check_choice(p0_mode, "p0_mode", P0_MODES)
@@ -167,7 +167,7 @@ def check_decay_options(p, weight_decay, *, ordinary_weight_decay=0.0, conventio
             band.tau,
             band.mode,
             p_bot=band.p_bot,
-            lambda_top=weight_decay if two_band else 1.0,
+            lambda_top=spectral_weight_decay if two_band else 1.0,
             lambda_bot=band.weight_decay_bot if two_band else 1.0,
         )
     return DecayOptions(
@@ -180,12 +180,28 @@ def check_decay_options(p, weight_decay, *, ordinary_weight_decay=0.0, conventio
     )
 
 
+def renamed_spectral_coefficient(caller: str, spectral_weight_decay, weight_decay, stacklevel: int):
+    """``lambda_p`` from ``spectral_weight_decay`` or its deprecated alias ``weight_decay`` (None: neither).
+
+    The spectral coefficient was once called ``weight_decay``, which is ``lambda_1`` in every optimizer.
+    """
+    if weight_decay is None:
+        return spectral_weight_decay
+    if spectral_weight_decay is not None:
+        raise TypeError(f"{caller} got both spectral_weight_decay and weight_decay, its deprecated alias; "
+                        "pass spectral_weight_decay only")
+    warnings.warn(f"{caller}'s weight_decay is deprecated: pass the spectral coefficient lambda_p as "
+                  "spectral_weight_decay, as in SpectralAdamW, SpectralSGD and SpectralMuon "
+                  "(the ordinary lambda_1 is ordinary_weight_decay)", DeprecationWarning, stacklevel=stacklevel + 1)
+    return weight_decay
+
+
 @torch.no_grad()
 def spectral_decay_(
     W,
     p: int,
     lr,
-    weight_decay,
+    spectral_weight_decay=None,
     *,
     ordinary_weight_decay=0.0,
     convention: str = "decoupled",
@@ -195,8 +211,9 @@ def spectral_decay_(
     steps: int | None = None,
     coefficients=None,
     stability: str = "raise",
+    weight_decay=None,
 ):
-    """Decay ``W`` in place: ``W <- W - s * (weight_decay * S_p(W) + ordinary_weight_decay * W)``.
+    """Decay ``W`` in place: ``W <- W - s * (spectral_weight_decay * S_p(W) + ordinary_weight_decay * W)``.
 
     ``s`` is ``lr`` under ``convention="decoupled"`` (the decay follows the current learning rate,
     as torch's AdamW) and ``schedule`` (``eta_t``, the lr divided by the peak lr) under
@@ -208,7 +225,13 @@ def spectral_decay_(
     ``p > 1``, ``stability`` decides what happens if the step would flip the largest modes:
     ``"raise"`` (:class:`SpectralStabilityError`, nothing written), ``"warn"``, ``"clamp"`` (shrink
     those matrices' coefficient so the largest mode loses at most half) or ``"ignore"``.
+
+    ``weight_decay`` is a deprecated alias of ``spectral_weight_decay`` (the name of ``lambda_1`` in
+    every optimizer of the family).
     """
+    weight_decay = renamed_spectral_coefficient("spectral_decay_", spectral_weight_decay, weight_decay, stacklevel=3)
+    if weight_decay is None:
+        raise TypeError("spectral_decay_ needs spectral_weight_decay (the spectral coefficient lambda_p)")
     tensors = _as_list(W)
     for i, t in enumerate(tensors):
         check_matrix(t, f"W[{i}]" if not isinstance(W, torch.Tensor) else "W")

@@ -182,13 +182,18 @@ class Kernels:
         self.op = op
         self.used: set[str] = set()
         self._described = (W.device.type, W.dtype)
+        # Nothing that decides a choice changes within one op call, and an iteration repeats a few
+        # operand shapes many times: each is routed once.
+        self._choices: dict[tuple, object] = {}
         _last_choice[op] = self.used
 
-    def _backend(self, primitive: str, operand: torch.Tensor, **options):
-        backend = _select(self.op, primitive, operand, **options)
-        if backend is not None:
-            self._record(backend.name)
-        return backend
+    def _backend(self, primitive: str, operand: torch.Tensor, optional: bool = False, steps: int = 0):
+        key = (primitive, operand.dtype, operand.shape, steps)  # every operand of one call shares W's device
+        if key not in self._choices:
+            self._choices[key] = _select(self.op, primitive, operand, optional=optional, steps=steps)
+            if self._choices[key] is not None:
+                self._record(self._choices[key].name)
+        return self._choices[key]
 
     def _record(self, name: str) -> None:
         self.used.add(name)

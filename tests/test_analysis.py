@@ -53,7 +53,7 @@ def test_pure_decay_is_the_limit_of_the_package_decay_steps(p):
     lam, t, steps = 0.5, 1.0, 500
     W = matrix_with_spectrum((12, 4), S0)
     for _ in range(steps):
-        so.spectral_decay_(W, p, lr=t / steps, weight_decay=lam, p0_mode="prox")
+        so.spectral_decay_(W, p, lr=t / steps, spectral_weight_decay=lam, p0_mode="prox")
     expected = analysis.pure_decay(S0, lam, t, p)
     assert torch.allclose(singular_values(W), expected, atol=5e-3 if p == 2 else 1e-8)
 
@@ -94,7 +94,7 @@ def test_shape_step_matches_one_package_decay_step(p):
     s = log_spaced_spectrum(6, 20.0)
     W = matrix_with_spectrum((9, 6), s, seed=2)
     step = 0.02  # below the smallest mode (0.05), so p = 0 crosses nothing either
-    so.spectral_decay_(W, p, lr=1.0, weight_decay=step)
+    so.spectral_decay_(W, p, lr=1.0, spectral_weight_decay=step)
     after = singular_values(W)
     r_plus = analysis.shape_step(s, step, p)
     assert torch.allclose(r_plus, after / after[0], atol=1e-12)

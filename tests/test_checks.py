@@ -74,7 +74,7 @@ def test_invalid_steps(steps):
     "kwargs, match",
     [
         (dict(lr=-0.1), "lr"),
-        (dict(weight_decay=-1.0), "weight_decay"),
+        (dict(spectral_weight_decay=-1.0), "spectral_weight_decay"),
         (dict(ordinary_weight_decay=-0.1), "ordinary_weight_decay"),
         (dict(lr=math.nan), "lr"),
         (dict(lr=torch.tensor([0.1, 0.2])), "lr"),
@@ -91,7 +91,7 @@ def test_invalid_steps(steps):
 def test_bad_decay_arguments_leave_weights_bitwise_unchanged(kwargs, match):
     W = good()
     original = W.clone()
-    arguments = dict(p=2, lr=0.1, weight_decay=0.1)
+    arguments = dict(p=2, lr=0.1, spectral_weight_decay=0.1)
     arguments.update(kwargs)
     with pytest.raises((ValueError, TypeError), match=match):
         so.spectral_decay_(W, **arguments)

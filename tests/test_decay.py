@@ -145,3 +145,15 @@ def test_stability_guard_applies_per_matrix_in_a_batch():
     so.spectral_decay_(batch, 2, 0.1, 2.0, stability="clamp")
     assert relative_error(batch[0], reference.spectral_decay_svd(small, 2, 0.1, 2.0)) < 1e-12
     assert relative_error(batch[1], reference.spectral_decay_svd(large, 2, 0.1, 2.0)) > 1e-3
+
+
+def test_weight_decay_is_a_deprecated_alias_of_spectral_weight_decay():
+    W = matrix_with_spectrum((20, 12), log_spaced_spectrum(12, 10), torch.float64, seed=3)
+    expected = so.spectral_decay_(W.clone(), 2, 0.1, spectral_weight_decay=0.2)
+    with pytest.warns(DeprecationWarning, match="pass the spectral coefficient lambda_p as spectral_weight_decay"):
+        aliased = so.spectral_decay_(W.clone(), 2, 0.1, weight_decay=0.2)
+    assert torch.equal(aliased, expected)
+    with pytest.raises(TypeError, match="both spectral_weight_decay and weight_decay"):
+        so.spectral_decay_(W.clone(), 2, 0.1, 0.2, weight_decay=0.2)
+    with pytest.raises(TypeError, match="needs spectral_weight_decay"):
+        so.spectral_decay_(W.clone(), 2, 0.1)

@@ -62,7 +62,7 @@ class CudaBackend:
     def unavailable_reason(self, device: torch.device | None = None, forced: bool = False) -> str | None:
         if self.module is None:
             return self._load_error
-        count, message = self.module.device_status()
+        count, message = self._device_status
         if count == 0:
             return f"the extension is built but sees no CUDA device ({message})"
         if device is not None and device.type != "cuda":
@@ -71,6 +71,11 @@ class CudaBackend:
             major, minor = torch.cuda.get_device_capability(device)
             return f"the kernels use sm_80 tensor-core instructions (bf16/tf32 WMMA); this GPU is sm_{major}{minor}"
         return None
+
+    @functools.cached_property
+    def _device_status(self) -> tuple[int, str]:
+        # The CUDA runtime fixes the visible devices when it initialises: asking once per process is enough.
+        return self.module.device_status()
 
     def supports(self, primitive: str, device, dtype, shape, steps: int = 0) -> bool:
         if dtype not in KERNEL_DTYPES:

@@ -19,6 +19,7 @@ compute in it.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -29,6 +30,11 @@ import torch
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PRECISION_VAR = "SPECTRAL_OPS_TRITON_PRECISION"
 DEFAULT_PRECISION = "tf32x3"
+
+
+@functools.cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None  # a file-system search: once per process
 
 
 def interpreter_enabled() -> bool:
@@ -146,7 +152,7 @@ class TritonBackend:
         self.input_precision = input_precision or from_env or DEFAULT_PRECISION
 
     def unavailable_reason(self, device: torch.device | None = None, forced: bool = False) -> str | None:
-        if importlib.util.find_spec("triton") is None:
+        if not triton_installed():
             return "triton is not installed (pip install triton)"
         on_cpu = device is not None and device.type == "cpu"
         if on_cpu and not interpreter_enabled():

@@ -13,30 +13,18 @@ import warnings
 
 import torch
 
+from ..decay import renamed_spectral_coefficient
 from ._decay import DECAY_DEFAULTS, SpectralOptimizer, decay_parameters
 
 # SpectralDecay once called lambda_p ``weight_decay``, the name of lambda_1 everywhere else.
 DEPRECATED_SPECTRAL_KEY = "weight_decay"
 
 
-def _spectral_coefficient(spectral, deprecated, stacklevel: int):
-    """``lambda_p`` from ``spectral_weight_decay`` or its deprecated alias (``None``: not given)."""
-    if deprecated is None:
-        return spectral
-    if spectral is not None:
-        raise TypeError("SpectralDecay got both spectral_weight_decay and weight_decay, its deprecated alias; "
-                        "pass spectral_weight_decay only")
-    warnings.warn("SpectralDecay's weight_decay is deprecated: pass the spectral coefficient lambda_p as "
-                  "spectral_weight_decay, as in SpectralAdamW, SpectralSGD and SpectralMuon "
-                  "(the ordinary lambda_1 is ordinary_weight_decay)", DeprecationWarning, stacklevel=stacklevel + 1)
-    return deprecated
-
-
 def _without_deprecated_key(group: dict, stacklevel: int) -> dict:
     if DEPRECATED_SPECTRAL_KEY not in group:
         return group
-    coefficient = _spectral_coefficient(group.get("spectral_weight_decay"), group[DEPRECATED_SPECTRAL_KEY],
-                                        stacklevel + 1)
+    coefficient = renamed_spectral_coefficient("SpectralDecay", group.get("spectral_weight_decay"),
+                                               group[DEPRECATED_SPECTRAL_KEY], stacklevel + 1)
     renamed = {key: value for key, value in group.items() if key != DEPRECATED_SPECTRAL_KEY}
     return {**renamed, "spectral_weight_decay": coefficient}
 
@@ -52,7 +40,8 @@ class SpectralDecay(SpectralOptimizer):
 
     def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
                  band=None, p0_mode="explicit", stability="raise", polar_steps=None, lr=None, weight_decay=None):
-        spectral_weight_decay = _spectral_coefficient(spectral_weight_decay, weight_decay, stacklevel=2)
+        spectral_weight_decay = renamed_spectral_coefficient("SpectralDecay", spectral_weight_decay, weight_decay,
+                                                             stacklevel=2)
         if not isinstance(params, torch.Tensor):  # torch's own check refuses a bare tensor
             # Renamed here, not only in add_param_group, so that the warning points at the caller (a
             # loop, not a comprehension: before Python 3.12 that is a frame of its own).
