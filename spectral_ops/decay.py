@@ -26,7 +26,7 @@ from ._checks import (
 from .backends.base import BandSpec, DecayRequest
 from .coefficients import resolve_polar_coefficients
 from .linalg import compute_dtype, spectral_norm_bounds
-from .ops import band_spec, sign_coefficients
+from .ops import band_spec, check_precision, sign_coefficients
 
 CONVENTIONS = ("decoupled", "independent")
 P0_MODES = ("explicit", "prox")
@@ -145,10 +145,12 @@ class DecayOptions:
     band_spec: BandSpec | None
     polar_coefficients: tuple
     sign_coefficients: tuple
+    precision: str | None
 
 
 def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, convention="decoupled", band=None,
-                        p0_mode="explicit", steps=None, coefficients=None, stability="raise") -> DecayOptions:
+                        p0_mode="explicit", steps=None, coefficients=None, stability="raise",
+                        precision=None) -> DecayOptions:
     """Validate every decay hyper-parameter (optimizers call this at construction time)."""
     p = check_power(p)
     check_coefficient(spectral_weight_decay, "spectral_weight_decay")
@@ -177,6 +179,7 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
         polar_coefficients=resolve_polar_coefficients(check_steps(steps), coefficients),
         sign_coefficients=sign_coefficients(band.sign_steps if band else None,
                                             band.sign_method if band else "polar_express"),
+        precision=check_precision(precision),
     )
 
 
@@ -211,6 +214,7 @@ def spectral_decay_(
     steps: int | None = None,
     coefficients=None,
     stability: str = "raise",
+    precision: str | None = None,
     weight_decay=None,
 ):
     """Decay ``W`` in place: ``W <- W - s * (spectral_weight_decay * S_p(W) + ordinary_weight_decay * W)``.
@@ -225,6 +229,8 @@ def spectral_decay_(
     ``p > 1``, ``stability`` decides what happens if the step would flip the largest modes:
     ``"raise"`` (:class:`SpectralStabilityError`, nothing written), ``"warn"``, ``"clamp"`` (shrink
     those matrices' coefficient so the largest mode loses at most half) or ``"ignore"``.
+    ``precision``: the operands of the iteration (see :func:`spectral_ops.polar`); the decay
+    arithmetic itself is fp32 (fp64 for fp64 weights) whatever it is.
 
     ``weight_decay`` is a deprecated alias of ``spectral_weight_decay`` (the name of ``lambda_1`` in
     every optimizer of the family).
@@ -240,7 +246,7 @@ def spectral_decay_(
     check_coefficient(lr, "lr")
     options = check_decay_options(
         p, weight_decay, ordinary_weight_decay=ordinary_weight_decay, convention=convention, band=band,
-        p0_mode=p0_mode, steps=steps, coefficients=coefficients, stability=stability,
+        p0_mode=p0_mode, steps=steps, coefficients=coefficients, stability=stability, precision=precision,
     )
     if convention == "independent":
         if schedule is None:
@@ -270,6 +276,7 @@ def spectral_decay_(
             p0_mode=p0_mode,
             polar_coefficients=options.polar_coefficients,
             sign_coefficients=options.sign_coefficients,
+            precision=options.precision,
         )
         plans.append((group, stack, request))
 

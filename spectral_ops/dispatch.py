@@ -33,7 +33,8 @@ import torch
 from .backends.cuda_backend import CudaBackend
 from .backends.torch_backend import TorchBackend
 from .backends.triton_backend import TritonBackend
-from .linalg import compute_dtype, relative_error, wide
+from .linalg import relative_error, wide
+from .plan import OPERAND_DTYPES, resolve_precision
 from .selfcheck import self_check_cases
 
 logger = logging.getLogger("spectral_ops")
@@ -50,6 +51,12 @@ SELF_CHECK_TOLERANCE = {
     torch.float16: 1e-2,
     torch.bfloat16: 5e-2,
 }
+# Single-pass TF32 products of fp32 operands: a 10-bit mantissa, u = 2^-11, a few u per product.
+TF32_SELF_CHECK_TOLERANCE = 5e-3
+
+
+def self_check_tolerance(dtype: torch.dtype, precision: str | None) -> float:
+    return TF32_SELF_CHECK_TOLERANCE if precision == "tf32" else SELF_CHECK_TOLERANCE[dtype]
 
 # The CUDA kernels' tiles pay off from this small side up. A 128 x 128-tile symmetric product halves
 # the work of a dense one, but below about 1-2k cuBLAS (behind torch) is faster per tile than these
@@ -72,7 +79,7 @@ class BackendUnavailableError(RuntimeError):
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("spectral_ops_backend", default=None)
 _backends: dict[str, object] = {}
-_self_check_passed: dict[tuple[str, str, torch.dtype, str], bool] = {}
+_self_check_passed: dict[tuple, bool] = {}
 _logged_choices: set[tuple] = set()
 _last_choice: dict[str, set[str]] = {}
 
@@ -139,7 +146,7 @@ def _meant_to_run(name: str, primitive: str, shape) -> bool:
     return r >= CUDA_TILED_MIN_SIDE
 
 
-def _why_not(backend, primitive: str, device, dtype, shape, forced: bool, steps: int) -> str | None:
+def _why_not(backend, primitive: str, device, dtype, shape, precision, forced: bool, steps: int) -> str | None:
     reason = backend.unavailable_reason(device, forced)
     if reason is not None:
         return reason
@@ -147,28 +154,31 @@ def _why_not(backend, primitive: str, device, dtype, shape, forced: bool, steps:
         return f"the {backend.name} backend has no {primitive} for {dtype} operands of shape {shape} on {device}"
     if not forced and not _meant_to_run(backend.name, primitive, shape):
         return f"the {backend.name} backend's {primitive} is not used at shape {shape}"
-    if not _passes_self_check(backend, primitive, dtype, device):
+    if not _passes_self_check(backend, primitive, dtype, precision, device):
         return f"the {backend.name} backend failed its {primitive} self-check for {dtype} and is disabled"
     return None
 
 
-def _select(op: str, primitive: str, operand: torch.Tensor, *, optional: bool = False, steps: int = 0):
+def _select(op: str, primitive: str, operand: torch.Tensor, precision: str | None = None, *,
+            optional: bool = False, steps: int = 0):
     """The backend for one primitive call on ``operand`` (None for an optional one that none runs)."""
-    return _select_for(op, primitive, operand.device, operand.dtype, tuple(operand.shape), optional, steps)
+    return _select_for(op, primitive, operand.device, operand.dtype, tuple(operand.shape), precision, optional,
+                       steps)
 
 
-def _select_for(op: str, primitive: str, device, dtype, shape, optional: bool = False, steps: int = 0):
+def _select_for(op: str, primitive: str, device, dtype, shape, precision=None, optional: bool = False,
+                steps: int = 0):
     forced = forced_backend()
     if forced is not None:
         backend = get_backend(forced)
-        reason = _why_not(backend, primitive, device, dtype, shape, True, steps)
+        reason = _why_not(backend, primitive, device, dtype, shape, precision, True, steps)
         if reason is None:
             return backend
         if optional:
             return None
         raise BackendUnavailableError(f"backend {forced!r} was forced for {op}, but {reason}")
     for backend in map(get_backend, BACKEND_NAMES):
-        if _why_not(backend, primitive, device, dtype, shape, False, steps) is None:
+        if _why_not(backend, primitive, device, dtype, shape, precision, False, steps) is None:
             return backend
     if optional:
         return None
@@ -187,10 +197,11 @@ class Kernels:
         self._choices: dict[tuple, object] = {}
         _last_choice[op] = self.used
 
-    def _backend(self, primitive: str, operand: torch.Tensor, optional: bool = False, steps: int = 0):
-        key = (primitive, operand.dtype, operand.shape, steps)  # every operand of one call shares W's device
+    def _backend(self, primitive: str, operand: torch.Tensor, precision: str | None = None, optional: bool = False,
+                 steps: int = 0):
+        key = (primitive, operand.dtype, operand.shape, precision, steps)  # operands all share W's device
         if key not in self._choices:
-            self._choices[key] = _select(self.op, primitive, operand, optional=optional, steps=steps)
+            self._choices[key] = _select(self.op, primitive, operand, precision, optional=optional, steps=steps)
             if self._choices[key] is not None:
                 self._record(self._choices[key].name)
         return self._choices[key]
@@ -202,22 +213,22 @@ class Kernels:
             _logged_choices.add(key)
             logger.debug("spectral_ops: %s on %s %s runs on the %s backend", self.op, *self._described, name)
 
-    def symmetric(self, L, R):
-        return self._backend("symmetric", L).symmetric(L, R)
+    def symmetric(self, L, R, precision):
+        return self._backend("symmetric", L, precision).symmetric(L, R, precision)
 
-    def product(self, M, Z, *, beta=1.0, Y=None, alpha=1.0):
-        return self._backend("product", Z).product(M, Z, beta=beta, Y=Y, alpha=alpha)
+    def product(self, M, Z, precision, *, beta=1.0, Y=None, alpha=1.0):
+        return self._backend("product", Z, precision).product(M, Z, precision, beta=beta, Y=Y, alpha=alpha)
 
-    def poly_step(self, A, b, c):
-        return self._backend("poly_step", A).poly_step(A, b, c)
+    def poly_step(self, A, b, c, precision):
+        return self._backend("poly_step", A, precision).poly_step(A, b, c, precision)
 
-    def sign_step(self, Z, coefficient):
-        return self._backend("sign_step", Z).sign_step(Z, coefficient)
+    def sign_step(self, Z, coefficient, precision):
+        return self._backend("sign_step", Z, precision).sign_step(Z, coefficient, precision)
 
-    def small_chain(self, X, p, coefficients, sign=False):
+    def small_chain(self, X, p, coefficients, precision, sign=False):
         """``S_p(X)`` (or ``msign``) by a fused chain, or None when no backend has one for ``X``."""
-        backend = self._backend("small_chain", X, optional=True, steps=len(coefficients))
-        return None if backend is None else backend.small_chain(X, p, coefficients, sign=sign)
+        backend = self._backend("small_chain", X, precision, optional=True, steps=len(coefficients))
+        return None if backend is None else backend.small_chain(X, p, coefficients, precision, sign=sign)
 
     def decay_epilogue_(self, W, D, keep, step):
         return self._backend("decay_epilogue_", W).decay_epilogue_(W, D, keep, step)
@@ -235,10 +246,10 @@ class PinnedKernels:
     def __getattr__(self, primitive: str):
         return getattr(self.backend, primitive)
 
-    def small_chain(self, X, p, coefficients, sign=False):
+    def small_chain(self, X, p, coefficients, precision, sign=False):
         usable = self.chain and self.backend.supports("small_chain", X.device, X.dtype, tuple(X.shape),
                                                       steps=len(coefficients))
-        return self.backend.small_chain(X, p, coefficients, sign=sign) if usable else None
+        return self.backend.small_chain(X, p, coefficients, precision, sign=sign) if usable else None
 
 
 def kernels_for(op: str, W: torch.Tensor) -> Kernels:
@@ -252,7 +263,8 @@ def backend_for(op: str, W: torch.Tensor) -> str:
     For small matrices a backend's fused chain may run the whole op instead; :func:`last_backend`
     reports what did run.
     """
-    return _select_for(op, "product", W.device, compute_dtype(W.dtype), tuple(wide(W).shape)).name
+    precision = resolve_precision(None, W.dtype)
+    return _select_for(op, "product", W.device, OPERAND_DTYPES[precision], tuple(wide(W).shape), precision).name
 
 
 def last_backend(op: str) -> str | None:
@@ -263,13 +275,13 @@ def last_backend(op: str) -> str | None:
     return "+".join(name for name in BACKEND_NAMES if name in used)
 
 
-def _passes_self_check(backend, primitive: str, dtype: torch.dtype, device: torch.device) -> bool:
+def _passes_self_check(backend, primitive: str, dtype: torch.dtype, precision, device: torch.device) -> bool:
     if not backend.needs_self_check:
         return True
-    key = (backend.name, primitive, dtype, device.type)
+    key = (backend.name, primitive, dtype, precision, device.type)
     if key not in _self_check_passed:
-        error = self_check_error(backend, primitive, dtype, device)
-        tolerance = SELF_CHECK_TOLERANCE[dtype]
+        error = self_check_error(backend, primitive, dtype, device, precision)
+        tolerance = self_check_tolerance(dtype, precision)
         _self_check_passed[key] = error <= tolerance
         if not _self_check_passed[key]:
             warnings.warn(
@@ -282,10 +294,11 @@ def _passes_self_check(backend, primitive: str, dtype: torch.dtype, device: torc
     return _self_check_passed[key]
 
 
-def self_check_error(backend, primitive: str, dtype: torch.dtype, device) -> float:
-    """Largest relative error of ``backend``'s ``primitive`` against the reference on fixed inputs."""
+def self_check_error(backend, primitive: str, dtype: torch.dtype, device, precision: str | None = None) -> float:
+    """Largest relative error of ``backend``'s ``primitive`` (operands of ``dtype``, at ``precision``,
+    by default the exact one for the dtype) against the reference on fixed inputs."""
     worst = 0.0
-    for run, reference in self_check_cases(primitive, dtype, device):
+    for run, reference in self_check_cases(primitive, dtype, device, precision):
         try:
             got = run(backend)
         except Exception as error:  # a crashing kernel fails its check like a wrong one

@@ -34,10 +34,11 @@ def wide(W: torch.Tensor) -> torch.Tensor:
     return W.mT if is_tall(W) else W
 
 
-def normalized_wide(W: torch.Tensor):
-    """``(X, c, Xn)``: the wide ``X`` in the compute dtype, ``c = ||X||_F`` (``(..., 1, 1)``) and
-    ``Xn = X / c`` (zero for a zero matrix). Working at unit norm keeps every power of the Gram in range."""
-    X = wide(W).to(compute_dtype(W.dtype))
+def normalized_wide(W: torch.Tensor, dtype: torch.dtype | None = None):
+    """``(X, c, Xn)``: the wide ``X`` in ``dtype`` (default: the compute dtype), ``c = ||X||_F``
+    (``(..., 1, 1)``) and ``Xn = X / c`` (zero for a zero matrix). Working at unit norm keeps every
+    power of the Gram in range."""
+    X = wide(W).to(dtype or compute_dtype(W.dtype))
     scale = torch.linalg.matrix_norm(X)[..., None, None]
     return X, scale, X / (scale + tiny(X.dtype))
 

@@ -36,6 +36,17 @@ def _validated(W, name: str = "W") -> torch.Tensor:
     return W
 
 
+def check_precision(precision):
+    """``precision`` is the dtype of the iteration's operands: ``"fp64"``; ``"fp32"`` (IEEE on CPU,
+    3xTF32 on the GPU kernels: about fp32 accuracy); ``"tf32"``; ``"bf16"`` or ``"fp16"`` (operands in that
+    dtype, fp32 accumulation, as torch.optim.Muon); or None: follow the weight's dtype, and for float32
+    weights ``torch.get_float32_matmul_precision()``. The normalisation, scales and the decay
+    arithmetic stay in fp32 (fp64 for fp64), and the result is rounded to the weight's dtype once."""
+    if precision is not None:
+        check_choice(precision, "precision", plan.PRECISIONS)
+    return precision
+
+
 def sign_coefficients(steps=None, method: str = "newton_schulz") -> tuple:
     """The per-step quintics of the matrix-sign iteration for ``method`` (SPEC 1.4)."""
     check_choice(method, "method", SIGN_METHODS)
@@ -46,23 +57,26 @@ def sign_coefficients(steps=None, method: str = "newton_schulz") -> tuple:
 
 
 @torch.no_grad()
-def polar(W: torch.Tensor, steps: int | None = None, coefficients=None) -> torch.Tensor:
+def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, precision: str | None = None) -> torch.Tensor:
     """Polar Express approximation of ``U V^T`` (SPEC 1.3).
 
     ``W`` is Frobenius-normalised (with margin 1.01) and iterated in its wide orientation.
     ``steps`` defaults to 8. ``coefficients`` replaces Polar Express: one ``(a, b, c)`` triple
     repeated ``steps`` times (e.g. ``coefficients.MUON_QUINTIC``) or a list of triples.
     Singular values below ``1e-3 * ||W||_F`` are only partly lifted towards 1 (the design bound).
+    ``precision`` (every op takes it): the operands of the iteration, see :func:`check_precision`.
     """
     _validated(W)
     polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
+    check_precision(precision)
     if W.numel() == 0:
         return W.clone()
-    return plan.polar(dispatch.kernels_for("polar", W), W, polar_c)
+    return plan.polar(dispatch.kernels_for("polar", W), W, polar_c, precision)
 
 
 @torch.no_grad()
-def msign(A: torch.Tensor, steps: int | None = None, method: str = "newton_schulz") -> torch.Tensor:
+def msign(A: torch.Tensor, steps: int | None = None, method: str = "newton_schulz", *,
+          precision: str | None = None) -> torch.Tensor:
     """Matrix sign ``Z diag(sign(xi)) Z^T`` of a symmetric ``A`` without an eigendecomposition.
 
     ``method="newton_schulz"`` iterates ``Z (3I - 16/5 Z^2 + 6/5 Z^4)`` (default 30 steps);
@@ -73,10 +87,11 @@ def msign(A: torch.Tensor, steps: int | None = None, method: str = "newton_schul
     if A.shape[-1] != A.shape[-2]:
         raise ValueError(f"A must be square (..., r, r), got shape {tuple(A.shape)}")
     coefficients = sign_coefficients(steps, method)
+    check_precision(precision)
     if A.numel() == 0:
         return A.clone()
     _check_symmetric(A)
-    return plan.msign(dispatch.kernels_for("msign", A), A, coefficients)
+    return plan.msign(dispatch.kernels_for("msign", A), A, coefficients, precision)
 
 
 def _check_symmetric(A: torch.Tensor) -> None:
@@ -115,7 +130,7 @@ def _auto_method(W: torch.Tensor, p: int) -> str:
 
 @torch.no_grad()
 def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int | None = None,
-                   coefficients=None) -> torch.Tensor:
+                   coefficients=None, precision: str | None = None) -> torch.Tensor:
     """``S_p(W) = U diag(s^p) V^T`` for an integer ``p >= 0`` (SPEC 1.1-1.2).
 
     ``method="gram"``: the SVD-free route (odd ``p``: ``W G^k``; even: ``Q G^k``; ``G`` the
@@ -128,15 +143,18 @@ def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int 
     p = check_power(p)
     check_choice(method, "method", POWER_METHODS)
     polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
+    check_precision(precision)
     if W.numel() == 0:
         return W.clone()
     if method == "auto":
         method = _auto_method(W, p)
+    # The factorisations run in float64 for "fp64" and in the compute dtype otherwise.
+    factor_dtype = torch.float64 if precision == "fp64" else compute_dtype(W.dtype)
     if method == "svd":
-        return svd_spectral_power(W, p, compute_dtype(W.dtype)).to(W.dtype)
+        return svd_spectral_power(W, p, factor_dtype).to(W.dtype)
     if method == "eigh":
-        return eigh_spectral_power(W, p, compute_dtype(W.dtype)).to(W.dtype)
-    return plan.spectral_power(dispatch.kernels_for("spectral_power", W), W, p, polar_c)
+        return eigh_spectral_power(W, p, factor_dtype).to(W.dtype)
+    return plan.spectral_power(dispatch.kernels_for("spectral_power", W), W, p, polar_c, precision)
 
 
 def _check_tau(tau, name: str = "tau"):
@@ -144,7 +162,8 @@ def _check_tau(tau, name: str = "tau"):
 
 
 @torch.no_grad()
-def band_projectors(W: torch.Tensor, tau, steps: int | None = None, method: str = "polar_express"):
+def band_projectors(W: torch.Tensor, tau, steps: int | None = None, method: str = "polar_express", *,
+                    precision: str | None = None):
     """``(P_top, P_bot)``: projectors onto the singular directions with ``s > tau`` / ``s < tau``.
 
     They live on the small side: ``n x n`` right projectors (``W @ P``) for ``m >= n``, ``m x m``
@@ -154,11 +173,12 @@ def band_projectors(W: torch.Tensor, tau, steps: int | None = None, method: str 
     _validated(W)
     _check_tau(tau)
     coefficients = sign_coefficients(steps, method)
+    check_precision(precision)
     if W.numel() == 0:
         r = min(W.shape[-2:])
         empty = W.new_zeros(*W.shape[:-2], r, r)
         return empty, empty.clone()
-    return plan.band_projectors(dispatch.kernels_for("band_projectors", W), W, tau, coefficients)
+    return plan.band_projectors(dispatch.kernels_for("band_projectors", W), W, tau, coefficients, precision)
 
 
 def band_spec(tau, mode: str = "top", *, p_bot: int = 1, lambda_top=1.0, lambda_bot=1.0) -> BandSpec:
@@ -177,7 +197,8 @@ def band_spec(tau, mode: str = "top", *, p_bot: int = 1, lambda_top=1.0, lambda_
 @torch.no_grad()
 def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: int = 1,
                    lambda_top=1.0, lambda_bot=1.0, steps: int | None = None,
-                   sign_steps: int | None = None, sign_method: str = "polar_express") -> torch.Tensor:
+                   sign_steps: int | None = None, sign_method: str = "polar_express",
+                   precision: str | None = None) -> torch.Tensor:
     """A band-selective decay direction (SPEC 1.4), with ``P_top``/``P_bot`` split at ``tau``.
 
     ========== ================================================
@@ -193,14 +214,15 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
     band = band_spec(tau, mode, p_bot=p_bot, lambda_top=lambda_top, lambda_bot=lambda_bot)
     polar_c = resolve_polar_coefficients(check_steps(steps), None)
     sign_c = sign_coefficients(sign_steps, sign_method)
+    check_precision(precision)
     if W.numel() == 0:
         return W.clone()
-    return plan.band_direction(dispatch.kernels_for("band_direction", W), W, p, band, polar_c, sign_c)
+    return plan.band_direction(dispatch.kernels_for("band_direction", W), W, p, band, polar_c, sign_c, precision)
 
 
 @torch.no_grad()
 def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None = None,
-        sign_method: str = "polar_express") -> torch.Tensor:
+        sign_method: str = "polar_express", precision: str | None = None) -> torch.Tensor:
     """Singular-value soft-thresholding ``U (S - t)_+ V^T = (W - t Q) P_top(t)``, without an SVD.
 
     Exact in exact arithmetic; numerically limited by the polar factor's design bound and by the
@@ -211,9 +233,10 @@ def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None 
     check_coefficient(t, "t", positive=True)
     polar_c = resolve_polar_coefficients(check_steps(steps), None)
     sign_c = sign_coefficients(sign_steps, sign_method)
+    check_precision(precision)
     if W.numel() == 0:
         return W.clone()
-    return plan.svt(dispatch.kernels_for("svt", W), W, t, polar_c, sign_c)
+    return plan.svt(dispatch.kernels_for("svt", W), W, t, polar_c, sign_c, precision)
 
 
 @torch.no_grad()

@@ -20,43 +20,55 @@ from .reference import msign_eigh, spectral_power_svd
 TAU = 0.75
 
 
+# The precision a check runs at when none is asked for: the dtype's own.
+EXACT_PRECISION = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def _inputs(dtype: torch.dtype, device):
-    """A batched, tall, odd-sized weight (two clusters of singular values) and what the plan derives from it."""
+    """A batched, tall, odd-sized weight (two clusters of singular values) of ``dtype``, and what the
+    plan derives from it, as operands of ``dtype``."""
     r = 24
     spectrum = torch.cat([torch.linspace(0.5, 0.65, r // 2), torch.linspace(0.85, 1.0, r - r // 2)])
     W = matrix_with_spectrum((2, 40, r), spectrum, dtype, device, seed=1234)
-    _, scale, Xn = normalized_wide(W)
+    _, scale, Xn = normalized_wide(W, torch.float64)
     G = Xn @ Xn.mT
     shifted = G - (TAU / scale) ** 2 * torch.eye(r, dtype=Xn.dtype, device=device)
-    return W, Xn, G, shifted / torch.linalg.matrix_norm(shifted)[..., None, None]
+    Z = shifted / torch.linalg.matrix_norm(shifted)[..., None, None]
+    return W, Xn.to(dtype), G.to(dtype), Z.to(dtype)
 
 
-def self_check_cases(primitive: str, dtype: torch.dtype, device):
-    """``(run, reference)`` pairs: ``run(backend)`` and ``reference()`` each return a tuple of tensors."""
+def self_check_cases(primitive: str, dtype: torch.dtype, device, precision: str | None = None):
+    """``(run, reference)`` pairs: ``run(backend)`` and ``reference()`` each return a tuple of tensors.
+
+    ``dtype`` is the operands' (the weight's for the chain and the epilogue), ``precision`` the one the
+    primitive is asked for (default: the dtype's own). The torch reference runs the same call.
+    """
     W, Xn, G, Z = _inputs(dtype, device)
     reference = TorchBackend()
     polar_c = polar_express_coefficients()
+    precision = precision or EXACT_PRECISION[dtype]
 
     def against_reference(run):
         return run, lambda: run(reference)
 
     if primitive == "symmetric":
-        return [against_reference(lambda b: (b.symmetric(Xn, Xn.mT), b.symmetric(G, G)))]
+        return [against_reference(lambda b: (b.symmetric(Xn, Xn.mT, precision), b.symmetric(G, G, precision)))]
     if primitive == "product":
         a = polar_c[0][0]
         return [against_reference(lambda b: (
-            b.product(G, Xn), b.product(G, Xn, Y=Xn, alpha=a), b.product(G, Xn * 0.5, Y=Xn),
-            b.product(G, Xn, beta=-1.0, Y=Xn),
+            b.product(G, Xn, precision), b.product(G, Xn, precision, Y=Xn, alpha=a),
+            b.product(G, Xn * 0.5, precision, Y=Xn), b.product(G, Xn, precision, beta=-1.0, Y=Xn),
         ))]
     if primitive == "poly_step":
-        return [against_reference(lambda b: (b.poly_step(G, *polar_c[0][1:]),))]
+        return [against_reference(lambda b: (b.poly_step(G, *polar_c[0][1:], precision),))]
     if primitive == "sign_step":
-        return [against_reference(lambda b: (b.sign_step(Z, NEWTON_SCHULZ_SIGN), b.sign_step(Z, polar_c[0])))]
+        return [against_reference(lambda b: (b.sign_step(Z, NEWTON_SCHULZ_SIGN, precision),
+                                             b.sign_step(Z, polar_c[0], precision)))]
     if primitive == "small_chain":
-        cases = [(lambda b, p=p: (b.small_chain(wide(W), p, polar_c).mT,), lambda p=p: (spectral_power_svd(W, p),))
-                 for p in (0, 2, 3)]
+        cases = [(lambda b, p=p: (b.small_chain(wide(W), p, polar_c, precision).mT,),
+                  lambda p=p: (spectral_power_svd(W, p),)) for p in (0, 2, 3)]
         if dtype == compute_dtype(dtype):  # the plan takes the sign of Gram-side matrices, in the compute dtype
-            cases.append((lambda b: (b.small_chain(Z, 0, polar_c, sign=True),), lambda: (msign_eigh(Z),)))
+            cases.append((lambda b: (b.small_chain(Z, 0, polar_c, precision, sign=True),), lambda: (msign_eigh(Z),)))
         return cases
     if primitive == "decay_epilogue_":
         D = torch.randn(wide(W).shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(

@@ -38,26 +38,26 @@ class ToyBackend(TorchBackend):
         self.calls.append(primitive)
         return result * 1.5 if primitive == self.corrupt else result
 
-    def symmetric(self, L, R):
+    def symmetric(self, L, R, precision=None):
         return self._maybe_wrong("symmetric", super().symmetric(L, R))
 
-    def product(self, M, Z, **epilogue):
+    def product(self, M, Z, precision=None, **epilogue):
         return self._maybe_wrong("product", super().product(M, Z, **epilogue))
 
-    def poly_step(self, A, b, c):
+    def poly_step(self, A, b, c, precision=None):
         return self._maybe_wrong("poly_step", super().poly_step(A, b, c))
 
-    def sign_step(self, Z, coefficient):
+    def sign_step(self, Z, coefficient, precision=None):
         # The reference's own sign step, not one composed of this backend's (maybe corrupted) primitives.
         return self._maybe_wrong("sign_step", TorchBackend().sign_step(Z, coefficient))
 
-    def small_chain(self, X, p, coefficients, sign=False):
+    def small_chain(self, X, p, coefficients, precision=None, sign=False):
         from spectral_ops import plan
 
         with so.use_backend("torch"):
             kernels = dispatch.kernels_for("toy chain", X)
-            result = (plan.matrix_sign(kernels, X.float(), coefficients) if sign
-                      else plan.spectral_power(kernels, X.float(), p, coefficients))
+            result = (plan.matrix_sign(kernels, X.float(), coefficients, "fp32") if sign
+                      else plan.spectral_power(kernels, X.float(), p, coefficients, "fp32"))
         return self._maybe_wrong("small_chain", result)
 
     def decay_epilogue_(self, W, D, keep, step):

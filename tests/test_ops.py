@@ -102,10 +102,10 @@ def test_rank_deficient_zero_modes_contribute_nothing(p, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("p", [0, 1, 2, 3])
-def test_low_precision_computes_in_float32_and_rounds_once(p, dtype):
+def test_low_precision_weights_at_fp32_precision_round_once(p, dtype):
     # fp32 math, then one rounding of the output: error ~ the dtype's half-ulp.
     W = matrix_with_spectrum((2, 24, 16), log_spaced_spectrum(16, 10), dtype, seed=11)
-    result = so.spectral_power(W, p, method="gram")
+    result = so.spectral_power(W, p, method="gram", precision="fp32")
     assert result.dtype == dtype
     assert relative_error(result, reference.spectral_power_svd(W, p)) < torch.finfo(dtype).eps
 
@@ -264,3 +264,41 @@ def test_svt_error_on_unresolved_modes_is_bounded_by_their_distance_to_the_thres
     exact = (s - t).clamp_min(0)
     assert ((per_mode - exact).abs() <= (s - t).abs() + 1e-12).all()
     assert torch.allclose(per_mode[[0, 1, 4, 5]], exact[[0, 1, 4, 5]], atol=1e-10)  # resolved modes are exact
+
+
+UNIT_ROUNDOFF = {"fp64": 2.0**-53, "fp32": 2.0**-24, "tf32": 2.0**-11, "bf16": 2.0**-8, "fp16": 2.0**-11}
+
+
+@pytest.mark.parametrize("precision", sorted(UNIT_ROUNDOFF))
+@pytest.mark.parametrize("p", [0, 2, 3, 4])
+def test_each_precision_against_the_svd_within_its_unit_roundoff(precision, p):
+    # Every product rounds its result to the operand dtype (unit roundoff u). Polar Express rounds
+    # three products per step, but the map contracts strongly near 1, so only the last steps' roundings
+    # survive; S_p adds the Gram, its squarings and one product. About a dozen roundings of a few u
+    # each: 48 u bounds them (measured: up to 25 u in fp32, 8 u in bf16 and fp16). The float32 result
+    # is rounded once more (u of float32). On CPU, tf32 computes in fp32: its bound is only looser.
+    W = matrix_with_spectrum((2, 24, 16), log_spaced_spectrum(16, 10), torch.float32, seed=12)
+    result = so.spectral_power(W, p, method="gram", precision=precision)
+    assert result.dtype == torch.float32
+    tolerance = 48 * UNIT_ROUNDOFF[precision] + 2 * UNIT_ROUNDOFF["fp32"]
+    assert relative_error(result, reference.spectral_power_svd(W, p)) < tolerance
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_powers_stay_accurate_at_high_condition_numbers(precision):
+    # Modes below about u * ||W||_F drown in the rounding of the iterate, so the polar factor of an
+    # ill-conditioned matrix is coarse in bf16 (README: 0.09 at condition 1e3); p >= 2 weights those
+    # modes down by s^p and keeps the bound of the well-conditioned case.
+    W = matrix_with_spectrum((48, 48), log_spaced_spectrum(48, 1e3), torch.float32, seed=13)
+    error = relative_error(so.spectral_power(W, 2, method="gram", precision=precision),
+                           reference.spectral_power_svd(W, 2))
+    assert error < 48 * UNIT_ROUNDOFF[precision]
+
+
+@pytest.mark.parametrize("precision", [None, "fp64", "fp32", "tf32", "bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_p1_decay_is_bitwise_the_ordinary_multiply_in_every_precision(precision, dtype):
+    W = matrix_with_spectrum((20, 12), log_spaced_spectrum(12, 10), dtype, seed=14)
+    expected = W.clone().mul_(1 - 1e-3 * 0.1)
+    so.spectral_decay_(W, 1, 1e-3, 0.1, precision=precision)
+    assert torch.equal(W, expected)

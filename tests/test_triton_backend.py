@@ -168,14 +168,18 @@ def test_unsupported_dtypes_are_refused_with_the_reason_before_any_write():
     with so.use_backend("triton"):
         with pytest.raises(so.BackendUnavailableError, match="forced for polar, but .* no symmetric for torch.float64"):
             so.polar(sample((20, 12)).double())
-        # bfloat16 weights compute in float32, which the interpreter runs; only the write into a
-        # bfloat16 weight needs bfloat16 arithmetic, and it is refused before anything is written.
+        # The interpreter has no bfloat16 arithmetic: a bfloat16 weight's default bf16 operands are
+        # refused; at fp32 precision the iteration runs, and only the write into the weight needs
+        # bfloat16, which is refused before anything is written.
         W = sample((20, 12)).bfloat16()
-        assert relative_error(so.spectral_power(W, 2, method="gram"), reference.spectral_power_svd(W, 2)) < 1e-2
+        with pytest.raises(so.BackendUnavailableError, match="no symmetric for torch.bfloat16"):
+            so.spectral_power(W, 2, method="gram")
+        result = so.spectral_power(W, 2, method="gram", precision="fp32")
+        assert relative_error(result, reference.spectral_power_svd(W, 2)) < 1e-2
         assert so.last_backend("spectral_power") == "triton"
         before = W.clone()
         with pytest.raises(so.BackendUnavailableError, match="no decay_epilogue_ for torch.bfloat16"):
-            so.spectral_decay_(W, 2, 0.1, 0.1)
+            so.spectral_decay_(W, 2, 0.1, 0.1, precision="fp32")
         assert torch.equal(W, before)
 
 

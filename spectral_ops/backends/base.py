@@ -68,3 +68,4 @@ class DecayRequest:
     p0_mode: str
     polar_coefficients: tuple
     sign_coefficients: tuple
+    precision: str | None = None

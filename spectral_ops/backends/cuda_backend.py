@@ -10,9 +10,11 @@ The primitives map onto the extension's kernels (custom ops ``spectral_ops::cuda
   (small side ``r <= small_chain_max_side``, as far as the block's shared memory allows);
 * ``decay_epilogue_``: ``decay_epilogue.cu``, the weight read and written once.
 
-float32 operands use the tensor cores as 3xTF32 by default (about fp32 accuracy), or fp32 FMA under
-``SPECTRAL_OPS_CUDA_PRECISION=ieee``; float16 and bfloat16 weights go to them as they are; products
-accumulate in fp32. float64 is left to cuBLAS through the torch backend.
+Every product accumulates in fp32 and rounds its result to the operands' dtype. bf16 and fp16 operands
+go to the tensor cores as they are; fp32 operands as 3xTF32 by default (about fp32 accuracy), or fp32
+FMA under ``SPECTRAL_OPS_CUDA_PRECISION=ieee``. The kernels have no single-pass TF32 mode, so
+``precision="tf32"`` runs as 3xTF32 here: more accurate than asked, and slower. float64 is left to
+cuBLAS through the torch backend. The fused chain computes in fp32 whatever the precision.
 """
 
 from __future__ import annotations
@@ -86,26 +88,27 @@ class CudaBackend:
         return (r <= self.module.small_chain_max_side and steps <= self.module.small_chain_max_steps
                 and self.module.small_chain_shared_bytes(r, CHAIN_WORST_POWER) <= _shared_memory_optin(device))
 
-    def _empty(self, like: torch.Tensor, cols: int | None = None) -> torch.Tensor:
+    def _empty(self, like: torch.Tensor, cols: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         shape = (*like.shape[:-1], like.shape[-1] if cols is None else cols)
-        return torch.empty(shape, dtype=torch.float32, device=like.device)
+        return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
-    def symmetric(self, L, R):
+    def symmetric(self, L, R, precision=None):
         return ext.syrk(L, R, self._empty(L, L.shape[-2]), precision=self.precision)
 
-    def product(self, M, Z, *, beta=1.0, Y=None, alpha=1.0):
+    def product(self, M, Z, precision=None, *, beta=1.0, Y=None, alpha=1.0):
         return ext.gemm(M, Z, self._empty(Z), alpha=beta, y=Y, beta=alpha if Y is not None else 0.0,
                         precision=self.precision)
 
-    def poly_step(self, A, b, c):
+    def poly_step(self, A, b, c, precision=None):
         return ext.poly_step(A, self._empty(A), b, c, precision=self.precision)
 
-    def sign_step(self, Z, coefficient):
+    def sign_step(self, Z, coefficient, precision=None):
         return ext.sign_step(Z, self._empty(Z), coefficient, precision=self.precision)
 
-    def small_chain(self, X, p, coefficients, sign=False):
+    def small_chain(self, X, p, coefficients, precision=None, sign=False):
         shrink = 1.0 if sign else 1.0 / NORMALIZATION_MARGIN
-        return ext.small_chain(X, self._empty(X), p, coefficients if p % 2 == 0 else (), shrink=shrink)
+        return ext.small_chain(X, self._empty(X, dtype=torch.float32), p, coefficients if p % 2 == 0 else (),
+                               shrink=shrink)
 
     def decay_epilogue_(self, W, D, keep, step):
         if D is None:  # no direction: an in-place scaling is one pass in torch already

@@ -1,8 +1,13 @@
 """PyTorch backend: the primitives as plain torch ops, on any device and float dtype.
 
 It is the CPU backend, the fallback on GPUs, and the reference the Triton and CUDA primitives are
-checked against. Each primitive is written exactly as the arithmetic it defines (the order of every
-multiply and add is part of the reference), and it has no fused small chain.
+checked against. Each product with an added term is one BLAS call with that epilogue (``addmm``/``baddbmm``, as
+torch.optim.Muon), and it has no fused small chain.
+
+Precision is carried by the operands: bf16/fp16 operands are real bf16/fp16 matmuls (fp32
+accumulation, the result rounded to the operand dtype, as torch.optim.Muon's iteration), also on CPU.
+fp32 products follow torch's own matmul settings: whether ``"fp32"`` and ``"tf32"`` differ on a GPU is
+torch's global choice (``torch.set_float32_matmul_precision``), which this backend does not override.
 """
 
 from __future__ import annotations
@@ -22,23 +27,19 @@ class TorchBackend:
     def supports(self, primitive: str, device, dtype, shape, steps: int = 0) -> bool:
         return primitive != "small_chain"
 
-    def symmetric(self, L, R):
+    def symmetric(self, L, R, precision=None):
         return L @ R
 
-    def product(self, M, Z, *, beta=1.0, Y=None, alpha=1.0):
-        MZ = M @ Z
+    def product(self, M, Z, precision=None, *, beta=1.0, Y=None, alpha=1.0):
         if Y is None:
+            MZ = M @ Z
             return MZ if beta == 1.0 else MZ * beta
-        if alpha == 1.0:
-            return torch.add(Y, MZ, alpha=beta)
-        if beta == 1.0:
-            return torch.add(MZ, Y, alpha=alpha)
-        return torch.add(Y * alpha, MZ, alpha=beta)
+        return _addmm(Y, M, Z, beta=alpha, alpha=beta)
 
-    def poly_step(self, A, b, c):
-        return (A @ A).mul_(c).add_(A, alpha=b)
+    def poly_step(self, A, b, c, precision=None):
+        return _addmm(A, A, A, beta=b, alpha=c)
 
-    def sign_step(self, Z, coefficient):
+    def sign_step(self, Z, coefficient, precision=None):
         # For symmetric Z, Z Z^T = Z^2: the sign step is one Polar Express update.
         a, b, c = coefficient
         return self.product(self.poly_step(self.symmetric(Z, Z.mT), b, c), Z, Y=Z, alpha=a)
@@ -47,3 +48,13 @@ class TorchBackend:
         X = W.to(compute_dtype(W.dtype))
         W.copy_(X * keep if D is None else X * keep + step * D)
         return W
+
+
+def _addmm(Y, M, Z, *, beta, alpha):
+    """``beta * Y + alpha * (M @ Z)`` as one BLAS call with its epilogue (one rounding of the result),
+    as torch.optim.Muon computes its iteration."""
+    if M.dim() == 2:
+        return torch.addmm(Y, M, Z, beta=beta, alpha=alpha)
+    batch = M.shape[:-2]
+    flat = [t.reshape(-1, *t.shape[-2:]) for t in (Y, M, Z)]
+    return torch.baddbmm(*flat, beta=beta, alpha=alpha).view(*batch, *Y.shape[-2:])

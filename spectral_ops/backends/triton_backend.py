@@ -53,8 +53,9 @@ class _Kernels:
 kernels = _Kernels()
 
 
-def _fresh(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    return like.new_empty((*like.shape[:-2], rows, cols), dtype=torch.float32)
+def _fresh(like: torch.Tensor, rows: int, cols: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A result in the operands' dtype (fp32 for the chain, which computes in fp32 whatever it reads)."""
+    return like.new_empty((*like.shape[:-2], rows, cols), dtype=dtype or like.dtype)
 
 
 def _scale(value: float, per_matrix: Optional[torch.Tensor]):
@@ -66,7 +67,7 @@ def _scale(value: float, per_matrix: Optional[torch.Tensor]):
 
 @torch.library.custom_op("spectral_ops::triton_symmetric", mutates_args=())
 def _symmetric(L: torch.Tensor, R: torch.Tensor, precision: str) -> torch.Tensor:
-    return kernels.syrk.symmetric_product(L, R.mT, input_precision=precision)
+    return kernels.syrk.symmetric_product(L, R.mT, out=_fresh(L, L.shape[-2], L.shape[-2]), input_precision=precision)
 
 
 @_symmetric.register_fake
@@ -77,9 +78,10 @@ def _(L, R, precision):
 @torch.library.custom_op("spectral_ops::triton_product", mutates_args=())
 def _product(M: torch.Tensor, Z: torch.Tensor, Y: Optional[torch.Tensor], beta: float, alpha: float,
              precision: str) -> torch.Tensor:
+    out = _fresh(Z, *Z.shape[-2:])
     if Y is not None and kernels.common.same_view(Y, Z):  # a X + B X: the accumulator starts at a X
-        return kernels.update.product(M, Z, beta=beta, gamma=alpha, input_precision=precision)
-    return kernels.update.product(M, Z, beta=beta, Y=Y, alpha=alpha if Y is not None else 0.0,
+        return kernels.update.product(M, Z, beta=beta, gamma=alpha, out=out, input_precision=precision)
+    return kernels.update.product(M, Z, beta=beta, Y=Y, alpha=alpha if Y is not None else 0.0, out=out,
                                   input_precision=precision)
 
 
@@ -90,7 +92,7 @@ def _(M, Z, Y, beta, alpha, precision):
 
 @torch.library.custom_op("spectral_ops::triton_poly_step", mutates_args=())
 def _poly_step(A: torch.Tensor, b: float, c: float, precision: str) -> torch.Tensor:
-    return kernels.poly_step.poly_step(A, b, c, input_precision=precision)
+    return kernels.poly_step.poly_step(A, b, c, out=_fresh(A, *A.shape[-2:]), input_precision=precision)
 
 
 @_poly_step.register_fake
@@ -100,7 +102,7 @@ def _(A, b, c, precision):
 
 @torch.library.custom_op("spectral_ops::triton_sign_step", mutates_args=())
 def _sign_step(Z: torch.Tensor, a: float, b: float, c: float, precision: str) -> torch.Tensor:
-    return kernels.sign_step.sign_step(Z, (a, b, c), input_precision=precision)
+    return kernels.sign_step.sign_step(Z, (a, b, c), out=_fresh(Z, *Z.shape[-2:]), input_precision=precision)
 
 
 @_sign_step.register_fake
@@ -111,7 +113,7 @@ def _(Z, a, b, c, precision):
 @torch.library.custom_op("spectral_ops::triton_small_chain", mutates_args=())
 def _small_chain(X: torch.Tensor, p: int, coefficients: list[float], sign: bool, precision: str) -> torch.Tensor:
     triples = [coefficients[i:i + 3] for i in range(0, len(coefficients), 3)]
-    out = _fresh(X, *X.shape[-2:])
+    out = _fresh(X, *X.shape[-2:], torch.float32)
     if sign:
         return kernels.small.small_sign(X, triples, out=out, input_precision=precision)
     return kernels.small.small_spectral(X, p, triples, out=out, input_precision=precision)
@@ -119,7 +121,7 @@ def _small_chain(X: torch.Tensor, p: int, coefficients: list[float], sign: bool,
 
 @_small_chain.register_fake
 def _(X, p, coefficients, sign, precision):
-    return _fresh(X, *X.shape[-2:])
+    return _fresh(X, *X.shape[-2:], torch.float32)
 
 
 @torch.library.custom_op("spectral_ops::triton_decay_epilogue", mutates_args=("W",))
@@ -175,21 +177,26 @@ class TritonBackend:
             return False  # the interpreter has no bfloat16 arithmetic
         return primitive != "small_chain" or min(shape[-2:]) <= kernels.small.MAX_SIDE
 
-    def symmetric(self, L, R):
-        return _symmetric(L, R, self.input_precision)
+    def _dot_precision(self, precision) -> str:
+        """How ``tl.dot`` multiplies fp32 operands: one TF32 pass for ``"tf32"``, else the configured
+        fp32-accurate mode (``tf32x3``, or ``ieee``). bf16/fp16 operands run on the tensor cores as they are."""
+        return "tf32" if precision == "tf32" else self.input_precision
 
-    def product(self, M, Z, *, beta=1.0, Y=None, alpha=1.0):
-        return _product(M, Z, Y, float(beta), float(alpha), self.input_precision)
+    def symmetric(self, L, R, precision=None):
+        return _symmetric(L, R, self._dot_precision(precision))
 
-    def poly_step(self, A, b, c):
-        return _poly_step(A, float(b), float(c), self.input_precision)
+    def product(self, M, Z, precision=None, *, beta=1.0, Y=None, alpha=1.0):
+        return _product(M, Z, Y, float(beta), float(alpha), self._dot_precision(precision))
 
-    def sign_step(self, Z, coefficient):
-        return _sign_step(Z, *map(float, coefficient), self.input_precision)
+    def poly_step(self, A, b, c, precision=None):
+        return _poly_step(A, float(b), float(c), self._dot_precision(precision))
 
-    def small_chain(self, X, p, coefficients, sign=False):
+    def sign_step(self, Z, coefficient, precision=None):
+        return _sign_step(Z, *map(float, coefficient), self._dot_precision(precision))
+
+    def small_chain(self, X, p, coefficients, precision=None, sign=False):
         flat = [float(v) for triple in coefficients for v in triple]
-        return _small_chain(X, p, flat, sign, self.input_precision)
+        return _small_chain(X, p, flat, sign, self._dot_precision(precision))
 
     def decay_epilogue_(self, W, D, keep, step):
         batch = W.shape[:-2]

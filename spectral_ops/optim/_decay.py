@@ -23,6 +23,7 @@ DECAY_DEFAULTS = {
     "p0_mode": "explicit",
     "stability": "raise",
     "polar_steps": None,
+    "decay_precision": None,
 }
 
 
@@ -47,6 +48,7 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> None:
         p0_mode=group["p0_mode"],
         steps=group["polar_steps"],
         stability=group["stability"],
+        precision=group["decay_precision"],
     )
     for param in group["params"]:
         if param.ndim > 2 and not param.is_contiguous():
@@ -84,6 +86,7 @@ def decay_parameters(params, group: dict, *, lr, peak_lr, spectral, ordinary) ->
             p0_mode=group["p0_mode"],
             steps=group["polar_steps"],
             stability=group["stability"],
+            precision=group["decay_precision"],
         )
     if not is_zero(ordinary):
         scale = lr if schedule is None else schedule

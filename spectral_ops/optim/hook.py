@@ -39,7 +39,8 @@ class SpectralDecay(SpectralOptimizer):
     ordinary_key = "ordinary_weight_decay"
 
     def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
-                 band=None, p0_mode="explicit", stability="raise", polar_steps=None, lr=None, weight_decay=None):
+                 band=None, p0_mode="explicit", stability="raise", polar_steps=None, decay_precision=None, lr=None,
+                 weight_decay=None):
         spectral_weight_decay = renamed_spectral_coefficient("SpectralDecay", spectral_weight_decay, weight_decay,
                                                              stacklevel=2)
         if not isinstance(params, torch.Tensor):  # torch's own check refuses a bare tensor
@@ -50,7 +51,8 @@ class SpectralDecay(SpectralOptimizer):
                 if isinstance(group, dict):
                     params[index] = _without_deprecated_key(group, stacklevel=2)
         defaults = dict(DECAY_DEFAULTS, p=p, ordinary_weight_decay=ordinary_weight_decay, convention=convention,
-                        band=band, p0_mode=p0_mode, stability=stability, polar_steps=polar_steps, lr=lr)
+                        band=band, p0_mode=p0_mode, stability=stability, polar_steps=polar_steps,
+                        decay_precision=decay_precision, lr=lr)
         if spectral_weight_decay is not None:
             defaults["spectral_weight_decay"] = spectral_weight_decay
         super().__init__(params, defaults)

@@ -15,7 +15,7 @@ import torch
 
 from .._checks import check_choice, check_steps
 from ..coefficients import polar_express_coefficients, resolve_polar_coefficients, without_normalization_margin
-from ..ops import polar
+from ..ops import check_precision, polar
 from ._decay import DECAY_DEFAULTS, SpectralOptimizer, matrix_view, scalar
 from .adamw import adam_update_, check_adam_options
 
@@ -66,19 +66,24 @@ class SpectralMuon(SpectralOptimizer):
       ``"H"`` or full-matrix ``"F"`` (``"HHF"``). Head-wise blocks keep the full block's
       ``adjust_lr_fn`` scale; spectral decay acts on each block as a whole matrix;
     * ``weight_decay`` (``lambda_1``), ``p``, ``spectral_weight_decay`` (``lambda_p``),
-      ``convention``, ``band``, ``p0_mode``, ``stability``: as in :class:`SpectralAdamW`. Decay uses
-      the unadjusted lr, as torch.optim.Muon does.
+      ``convention``, ``band``, ``p0_mode``, ``stability``, ``decay_precision``: as in
+      :class:`SpectralAdamW`. Decay uses the unadjusted lr, as torch.optim.Muon does;
+    * ``precision``: the operands of the orthogonalisation, ``"bf16"`` by default as in
+      torch.optim.Muon (fp32 accumulation); ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"fp64"`` or None (the
+      op default: follow the update's dtype and ``torch.get_float32_matmul_precision()``).
     """
 
     def __init__(self, params, lr=1e-3, momentum=0.95, nesterov=True, ns_coefficients=None, ns_steps=None,
                  adjust_lr_fn="match_rms_adamw", weight_decay=0.1, p=1, spectral_weight_decay=0.0,
                  convention="decoupled", band=None, p0_mode="explicit", stability="raise", polar_steps=None,
+                 decay_precision=None, precision="bf16",
                  heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8):
         defaults = dict(DECAY_DEFAULTS, lr=lr, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,
-                        polar_steps=polar_steps, heads=heads, splits=splits, recipe=recipe,
+                        polar_steps=polar_steps, decay_precision=decay_precision, precision=precision,
+                        heads=heads, splits=splits, recipe=recipe,
                         algorithm=algorithm, betas=betas, eps=eps)
         super().__init__(params, defaults)
 
@@ -94,6 +99,7 @@ class SpectralMuon(SpectralOptimizer):
             raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, None or a callable, "
                              f"got {group['adjust_lr_fn']!r}")
         check_steps(group["ns_steps"], "ns_steps")
+        check_precision(group["precision"])
         orthogonalization_coefficients(group)
         heads = group["heads"]
         if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
@@ -155,7 +161,7 @@ class SpectralMuon(SpectralOptimizer):
     @staticmethod
     def _orthogonalize(updates, group):
         """Polar factors of every head or full block, one batched call per block shape."""
-        coefficients = orthogonalization_coefficients(group)
+        coefficients, precision = orthogonalization_coefficients(group), group["precision"]
         directions = [torch.empty_like(u) for u in updates]
         jobs = defaultdict(list)  # block shape -> [(source, destination)], both (batch, r, c)
         for update, direction in zip(updates, directions):
@@ -166,7 +172,7 @@ class SpectralMuon(SpectralOptimizer):
                                         direction[start:start + size].view(shape)))
         for pairs in jobs.values():
             batch = torch.cat([source for source, _ in pairs])
-            for (_, destination), result in zip(pairs, polar(batch, coefficients=coefficients).split(
+            for (_, destination), result in zip(pairs, polar(batch, coefficients=coefficients, precision=precision).split(
                     [source.shape[0] for source, _ in pairs])):
                 destination.copy_(result)
         return directions
