@@ -1,9 +1,10 @@
 """``python bench/report.py RESULTS.json [--out FILE.md]``: pytest-benchmark JSON -> markdown tables.
 
-Main table, one row per (op, implementation, shape, dtype): median time with its p20-p80 range,
-TFLOP/s and percent of the measured dense-matmul peak (FLOP model in flops.py), and the speedup over
-the composed-torch route (``spectral_ops[torch]``) and over the FP32 SVD route (``svd32``) measured
-in the same run. A second table gives the CPU method-selection crossover, if it was run.
+Main table, one row per (op, implementation, shape, dtype): its precision, median time with its
+p20-p80 range, TFLOP/s and (on a GPU) percent of the measured dense-matmul peak (FLOP model in
+flops.py), and the speedup over the composed-torch route (``spectral_ops[torch]``) and over the FP32
+SVD route (``svd32``) measured in the same run. Further tables: SpectralMuon against torch.optim.Muon
+(interleaved ratios), and the CPU method-selection crossover, if they were run.
 """
 
 from __future__ import annotations
@@ -41,25 +42,30 @@ def shape_text(shape) -> str:
 
 
 def main_table(entries) -> list[str]:
-    rows = [e for e in entries if not e["extra_info"]["op"].startswith("select_")]
+    rows = [e for e in entries if not e["extra_info"]["op"].startswith("select_")
+            and e["extra_info"]["op"] != "muon_vs_torch"]
     medians = {}
     for e in rows:
         info = e["extra_info"]
         medians[(info["op"], shape_text(info["shape"]), info["dtype"], info["implementation"])] = e["stats"]["median"]
-    lines = ["| op | implementation | shape | dtype | median (p20-p80) | TFLOP/s | % of peak | vs composed torch | vs SVD route |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| op | implementation | shape | dtype | precision | median (p20-p80) | TFLOP/s | % of peak | "
+             "vs composed torch | vs SVD route |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for e in sorted(rows, key=lambda e: (e["extra_info"]["op"], e["extra_info"]["shape"], e["extra_info"]["dtype"], e["stats"]["median"])):
         info = e["extra_info"]
         median, low, high = quantiles(e)
         key = (info["op"], shape_text(info["shape"]), info["dtype"])
         rate = info["flops"] / median if info["flops"] else 0.0
-        percent = f"{100 * rate / info['peak_flops']:.1f}%" if info.get("peak_flops") and rate else "-"
+        # A CPU's "peak" from one small GEMM is no ceiling (LAPACK and bf16 kernels beat it): GPU only.
+        on_gpu = info.get("device") == "cuda" and info.get("peak_flops")
+        percent = f"{100 * rate / info['peak_flops']:.1f}%" if on_gpu and rate else "-"
 
         def speedup(baseline):
             other = medians.get((*key, baseline))
             return f"{other / median:.2f}x" if other else "-"
 
         lines.append(f"| {info['op']} | {info['implementation']} | {key[1]} | {info['dtype']} | "
+                     f"{info.get('precision', '-')} | "
                      f"{seconds(median)} ({seconds(low)}-{seconds(high)}) | {rate / 1e12:.3g} | {percent} | "
                      f"{speedup(COMPOSED_TORCH)} | {speedup(SVD_ROUTE)} |")
     return lines
@@ -85,13 +91,29 @@ def selection_table(entries) -> list[str]:
     return lines
 
 
+def muon_table(entries) -> list[str]:
+    """SpectralMuon's step time over torch.optim.Muon's, both timed in the same interleaved rounds."""
+    rows = [e["extra_info"] for e in entries if e["extra_info"]["op"] == "muon_vs_torch"]
+    if not rows:
+        return []
+    lines = ["| case | SpectralMuon | precision | SpectralMuon step | torch.optim.Muon step | ratio |",
+             "|---|---|---|---|---|---|"]
+    for info in sorted(rows, key=lambda info: (info["case"], info["implementation"])):
+        lines.append(f"| {info['case']} | {info['implementation']} | {info['precision']} | "
+                     f"{seconds(info['ours_median_s'])} | {seconds(info['torch_median_s'])} | {info['ratio']:.2f}x |")
+    return lines
+
+
 def render(results: dict) -> str:
     entries = results["benchmarks"]
     machine = results.get("machine_info", {})
     header = [f"Benchmarks on {machine.get('cpu', {}).get('brand_raw', machine.get('processor', 'unknown CPU'))}, "
               f"{results.get('datetime', '')}; device: {entries[0]['extra_info']['device'] if entries else '?'}.", ""]
     selection = selection_table(entries)
-    body = main_table(entries)
+    muon = muon_table(entries)
+    body = main_table(entries) if any(e["extra_info"]["op"] != "muon_vs_torch" for e in entries) else []
+    if muon:
+        body += ["", "### SpectralMuon against torch.optim.Muon (interleaved, same run)", ""] + muon
     if selection:
         body += ["", "### Method selection (`spectral_power`, CPU)", ""] + selection
     return "\n".join(header + body) + "\n"

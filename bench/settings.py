@@ -16,7 +16,7 @@ if DEVICE.type == "cuda":
         "moe": [(64, 2048, 1024)],
     }
 else:
-    DTYPES = [torch.float32]
+    DTYPES = [torch.float32, torch.bfloat16]
     SHAPES = {
         "square": [(64, 64), (256, 256)],
         "mlp": [(4 * 64, 64), (64, 4 * 64)],

@@ -16,6 +16,7 @@ from spectral_ops import dispatch
 from spectral_ops.coefficients import polar_express_coefficients
 from spectral_ops.linalg import compute_dtype, log_spaced_spectrum, matrix_with_spectrum
 from spectral_ops.optim import SpectralMuon
+from spectral_ops.plan import resolve_precision
 
 from baselines import (
     eigh_route,
@@ -129,7 +130,7 @@ def test_op(benchmark, op, implementation, shape, dtype, dense_peak_flops):
     benchmark.extra_info.update(
         op=op, implementation=implementation, shape=list(shape), dtype=str(dtype)[6:], device=DEVICE.type,
         flops=op_flops(op, shape), bytes=op_bytes(op, shape, element_size),
-        peak_flops=dense_peak_flops[str(dtype)],
+        peak_flops=dense_peak_flops[str(dtype)], precision=resolve_precision(None, dtype),
     )
     if op == "muon_step":
         function, args = muon_step(implementation, shape, dtype)

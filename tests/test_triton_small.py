@@ -61,7 +61,7 @@ def test_sign_chain_matches_the_torch_reference(coefficients, dtype):
     A = symmetric((3, 27, 27), dtype)
     result = small_sign(A, coefficients)
     assert result.dtype == dtype
-    assert relative(result, on_torch(plan.matrix_sign, A.float(), coefficients)) < TOLERANCE[dtype]
+    assert relative(result, on_torch(plan.matrix_sign, A.float(), coefficients, "fp32")) < TOLERANCE[dtype]
 
 
 def test_shape_errors():

@@ -50,6 +50,9 @@ class TrainConfig:
     lambda_v: float | None = None
     p0_mode: str = "explicit"
     stability: str = "clamp"
+    # Muon's orthogonalisation; None: bf16 on a GPU (torch.optim.Muon's), fp32 on a CPU, where bf16
+    # matmuls without native bf16 arithmetic are ~100x slower than fp32.
+    muon_precision: str | None = None
     # logging and checkpoints
     log_every: int = 50
     checkpoint_every: int = 0  # 0: only at the end

@@ -44,4 +44,8 @@ def param_groups(model, config) -> list[dict]:
 def build_optimizer(model, config):
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {config.optimizer!r}")
-    return OPTIMIZERS[config.optimizer](param_groups(model, config), lr=config.lr)
+    options = {}
+    if config.optimizer == "muon":
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        options["precision"] = config.muon_precision or ("bf16" if on_gpu else "fp32")
+    return OPTIMIZERS[config.optimizer](param_groups(model, config), lr=config.lr, **options)
