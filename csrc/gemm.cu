@@ -60,8 +60,8 @@ MatmulPlan prepare_matmul(const TensorDesc& a, const TensorDesc& b, const Tensor
   check_disjoint(out, a);
   check_disjoint(out, b);
   if (y != nullptr && !same_view(*y, out)) check_disjoint(out, *y);
-  if (precision != static_cast<int>(Precision::kIeee) && precision != static_cast<int>(Precision::kTf32x3)) {
-    throw std::invalid_argument("unknown precision code " + std::to_string(precision) + " (0=ieee, 1=tf32x3)");
+  if (precision < static_cast<int>(Precision::kIeee) || precision > static_cast<int>(Precision::kTf32)) {
+    throw std::invalid_argument("unknown precision code " + std::to_string(precision) + " (0=ieee, 1=tf32x3, 2=tf32)");
   }
 
   const std::vector<int> positions = batch_positions(out);
@@ -97,7 +97,11 @@ MatmulPlan prepare_matmul(const TensorDesc& a, const TensorDesc& b, const Tensor
   } else if (a.dtype == b.dtype && a.dtype == DType::kBFloat16) {
     plan.mode = MathMode::kBf16;
   } else {
-    plan.mode = precision == static_cast<int>(Precision::kTf32x3) ? MathMode::kTf32x3 : MathMode::kFma;
+    switch (static_cast<Precision>(precision)) {
+      case Precision::kTf32x3: plan.mode = MathMode::kTf32x3; break;
+      case Precision::kTf32: plan.mode = MathMode::kTf32; break;
+      case Precision::kIeee: plan.mode = MathMode::kFma; break;
+    }
   }
   // A's slabs run along its columns (the reduction dim k), B's along its rows.
   const int vec = vector_elements(plan.mode);

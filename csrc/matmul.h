@@ -13,11 +13,13 @@ namespace spectral_ops {
 enum class Precision : int {
   kIeee = 0,    // FMA on the CUDA cores: the fp32 result as torch computes it without TF32
   kTf32x3 = 1,  // each operand split into two TF32 parts, three MMAs: about fp32 accuracy on tensor cores
+  kTf32 = 2,    // each operand rounded to TF32, one MMA: a 10-bit mantissa, the fastest fp32 mode
 };
 
 enum class MathMode : int {
   kFma,     // fp32 operands (either dtype converted on load), fp32 FMA
   kTf32x3,  // fp32 operands in shared memory, split hi + lo at fragment load
+  kTf32,    // fp32 operands in shared memory, rounded to TF32 at fragment load
   kHalf,    // both operands float16
   kBf16,    // both operands bfloat16
 };

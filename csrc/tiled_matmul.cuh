@@ -303,6 +303,12 @@ struct WmmaAccumulator {
     }
   }
 
+  template <typename Frag>
+  __device__ static void round_to_tf32(Frag& f) {
+#pragma unroll
+    for (int t = 0; t < f.num_elements; ++t) f.x[t] = wmma::__float_to_tf32(f.x[t]);
+  }
+
   template <int kDepth, typename Smem>
   __device__ void multiply(const Smem* a_slab, const Smem* b_slab) {
 #pragma unroll
@@ -313,12 +319,14 @@ struct WmmaAccumulator {
       for (int j = 0; j < 2; ++j) {
         wmma::load_matrix_sync(b[j], b_slab + k * kLd<Smem> + warp_col() + j * 16, kLd<Smem>);
         if constexpr (kMode == MathMode::kTf32x3) split(b[j], b_lo[j]);
+        if constexpr (kMode == MathMode::kTf32) round_to_tf32(b[j]);
       }
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         FragA a, a_lo;
         wmma::load_matrix_sync(a, a_slab + k * kLd<Smem> + warp_row() + i * 16, kLd<Smem>);
         if constexpr (kMode == MathMode::kTf32x3) split(a, a_lo);
+        if constexpr (kMode == MathMode::kTf32) round_to_tf32(a);
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           if constexpr (kMode == MathMode::kTf32x3) {
@@ -504,6 +512,7 @@ void launch_mode(const MatmulPlan& plan, cudaStream_t stream) {
   switch (plan.mode) {
     case MathMode::kFma: launch_directions<MathMode::kFma, kTriangular>(plan, stream); break;
     case MathMode::kTf32x3: launch_directions<MathMode::kTf32x3, kTriangular>(plan, stream); break;
+    case MathMode::kTf32: launch_directions<MathMode::kTf32, kTriangular>(plan, stream); break;
     case MathMode::kHalf: launch_directions<MathMode::kHalf, kTriangular>(plan, stream); break;
     case MathMode::kBf16: launch_directions<MathMode::kBf16, kTriangular>(plan, stream); break;
   }

@@ -28,7 +28,7 @@ from .coefficients import NORMALIZATION_MARGIN
 # spectral_ops::DType in csrc/common.h. The codes are ABI: append only.
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 # spectral_ops::Precision in csrc/matmul.h: how float32 operands of gemm/syrk use the tensor cores.
-PRECISION_CODES = {"ieee": 0, "tf32x3": 1}
+PRECISION_CODES = {"ieee": 0, "tf32x3": 1, "tf32": 2}
 
 
 def build_info() -> dict | None:

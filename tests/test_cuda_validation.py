@@ -90,7 +90,7 @@ A, B, OUT = desc([2, 4, 3]), desc([2, 3, 5], address=OTHER), desc([2, 4, 5], add
          "device mismatch: out is on cuda:0 but alpha_per_matrix is on cuda:1"),
         ((A, B, OUT), {"alpha": 1e39}, ValueError, "alpha = .* is not a finite float32 number"),
         ((A, B, OUT), {"beta": float("nan")}, ValueError, "beta = nan is not a finite float32 number"),
-        ((A, B, OUT), {"precision": 2}, ValueError, r"unknown precision code 2 \(0=ieee, 1=tf32x3\)"),
+        ((A, B, OUT), {"precision": 3}, ValueError, r"unknown precision code 3 \(0=ieee, 1=tf32x3, 2=tf32\)"),
         ((desc([2] * 7 + [4, 3]), desc([2] * 7 + [3, 5], address=OTHER), desc([2] * 7 + [4, 5], address=THIRD)),
          {}, ValueError, "7 leading dims of size > 1; at most 6 are supported"),
         ((A, B, desc([2, 4, 5], device=-1, address=THIRD)), {}, ValueError, r"out: not a CUDA tensor"),
@@ -273,8 +273,8 @@ def test_wrappers_refuse_cpu_tensors_before_the_device(C):
 
 def test_wrappers_check_what_the_module_cannot_see(C):
     x = torch.zeros(4, 4)
-    with pytest.raises(ValueError, match="precision must be one of ieee, tf32x3, got 'tf32'"):
-        _extension.gemm(x, x, torch.zeros(4, 4), precision="tf32")
+    with pytest.raises(ValueError, match="precision must be one of ieee, tf32x3, tf32, got 'bf16'"):
+        _extension.gemm(x, x, torch.zeros(4, 4), precision="bf16")
     with pytest.raises(TypeError, match="gemm: alpha must be a Python number, not Tensor"):
         _extension.gemm(x, x, torch.zeros(4, 4), alpha=torch.tensor(1.0))
     with pytest.raises(TypeError, match="small_chain: p must be an int"):

@@ -169,3 +169,18 @@ def test_demo_command_runs_on_the_standard_library(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| p1_lam0.3 | 1 |" in printed and "| p4_lam0.3 | 4 |" in printed
     assert (tmp_path / "demo" / "report" / "spectra.png").exists()
+
+
+def test_muon_orthogonalises_in_fp32_on_a_cpu_unless_told_otherwise():
+    # bf16 matmuls on a CPU without native bf16 are ~100x slower than fp32: the loop's default there.
+    from spectral_ops.train.optimizers import build_optimizer
+
+    config = preset("tiny", optimizer="muon")
+    model = Transformer(config.model_config())
+    precisions = {group["precision"] for group in build_optimizer(model, config).param_groups
+                  if group["algorithm"] == "muon"}
+    assert precisions == {"fp32"}
+    config = preset("tiny", optimizer="muon", muon_precision="bf16")
+    precisions = {group["precision"] for group in build_optimizer(model, config).param_groups
+                  if group["algorithm"] == "muon"}
+    assert precisions == {"bf16"}

@@ -11,10 +11,9 @@ The primitives map onto the extension's kernels (custom ops ``spectral_ops::cuda
 * ``decay_epilogue_``: ``decay_epilogue.cu``, the weight read and written once.
 
 Every product accumulates in fp32 and rounds its result to the operands' dtype. bf16 and fp16 operands
-go to the tensor cores as they are; fp32 operands as 3xTF32 by default (about fp32 accuracy), or fp32
-FMA under ``SPECTRAL_OPS_CUDA_PRECISION=ieee``. The kernels have no single-pass TF32 mode, so
-``precision="tf32"`` runs as 3xTF32 here: more accurate than asked, and slower. float64 is left to
-cuBLAS through the torch backend. The fused chain computes in fp32 whatever the precision.
+go to the tensor cores as they are; fp32 operands as one TF32 pass for ``precision="tf32"``, else as
+3xTF32 (about fp32 accuracy), or fp32 FMA under ``SPECTRAL_OPS_CUDA_PRECISION=ieee``. float64 is left
+to cuBLAS through the torch backend. The fused chain computes in fp32 whatever the precision.
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ from ..coefficients import NORMALIZATION_MARGIN
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PRECISION_VAR = "SPECTRAL_OPS_CUDA_PRECISION"
 DEFAULT_PRECISION = "tf32x3"
+FP32_MODES = ("ieee", "tf32x3")  # how "fp32" products run; "tf32" asks for one pass explicitly
 # The chain's worst case for shared memory: p = 6 keeps two r x r buffers (csrc/small_chain.cu).
 CHAIN_WORST_POWER = 6
 
@@ -58,8 +58,8 @@ class CudaBackend:
         self.module, self._load_error = ext.load_extension()
         from_env = os.environ.get(PRECISION_VAR, "").strip().lower()
         self.precision = precision or from_env or DEFAULT_PRECISION
-        if self.precision not in ext.PRECISION_CODES:
-            raise ValueError(f"{PRECISION_VAR} must be one of {', '.join(ext.PRECISION_CODES)}, got {self.precision!r}")
+        if self.precision not in FP32_MODES:
+            raise ValueError(f"{PRECISION_VAR} must be one of {', '.join(FP32_MODES)}, got {self.precision!r}")
 
     def unavailable_reason(self, device: torch.device | None = None, forced: bool = False) -> str | None:
         if self.module is None:
@@ -92,18 +92,21 @@ class CudaBackend:
         shape = (*like.shape[:-1], like.shape[-1] if cols is None else cols)
         return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
+    def _mode(self, precision) -> str:
+        return "tf32" if precision == "tf32" else self.precision
+
     def symmetric(self, L, R, precision=None):
-        return ext.syrk(L, R, self._empty(L, L.shape[-2]), precision=self.precision)
+        return ext.syrk(L, R, self._empty(L, L.shape[-2]), precision=self._mode(precision))
 
     def product(self, M, Z, precision=None, *, beta=1.0, Y=None, alpha=1.0):
         return ext.gemm(M, Z, self._empty(Z), alpha=beta, y=Y, beta=alpha if Y is not None else 0.0,
-                        precision=self.precision)
+                        precision=self._mode(precision))
 
     def poly_step(self, A, b, c, precision=None):
-        return ext.poly_step(A, self._empty(A), b, c, precision=self.precision)
+        return ext.poly_step(A, self._empty(A), b, c, precision=self._mode(precision))
 
     def sign_step(self, Z, coefficient, precision=None):
-        return ext.sign_step(Z, self._empty(Z), coefficient, precision=self.precision)
+        return ext.sign_step(Z, self._empty(Z), coefficient, precision=self._mode(precision))
 
     def small_chain(self, X, p, coefficients, precision=None, sign=False):
         shrink = 1.0 if sign else 1.0 / NORMALIZATION_MARGIN
