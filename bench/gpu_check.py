@@ -67,7 +67,7 @@ from spectral_ops import plan  # noqa: E402
 from spectral_ops.backends.torch_backend import TorchBackend  # noqa: E402
 from spectral_ops.backends.triton_backend import TritonBackend  # noqa: E402
 from spectral_ops.coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients  # noqa: E402
-from spectral_ops.dispatch import SELF_CHECK_TOLERANCE, PinnedKernels  # noqa: E402
+from spectral_ops.dispatch import SELF_CHECK_TOLERANCE, TF32_SELF_CHECK_TOLERANCE, PinnedKernels  # noqa: E402
 from spectral_ops.linalg import relative_error  # noqa: E402
 from spectral_ops.triton_kernels import decay, poly_step, sign_step, small, syrk, update  # noqa: E402
 
@@ -234,15 +234,16 @@ register(Case(
 
 # ----- the plan's ops on the Triton kernels, end to end, against the torch backend -----
 
-def _op_case(name, call, shapes, tiny_shapes, dtypes=ALL_DTYPES, backend=TRITON, label="triton"):
+def _op_case(name, call, shapes, tiny_shapes, dtypes=ALL_DTYPES, backend=TRITON, label="triton",
+             tolerance=SELF_CHECK_TOLERANCE):
     kernels = PinnedKernels(backend)
     register(Case(f"op {name}", label, fn=lambda d: call(kernels, d), reference=lambda d: call(TORCH, d),
-                  inputs=weight, tolerance=SELF_CHECK_TOLERANCE, dtypes=dtypes,
+                  inputs=weight, tolerance=tolerance, dtypes=dtypes,
                   shapes=shapes, tiny_shapes=tiny_shapes, baseline_name="torch backend"))
 
 
-def _decay(p, band=None):
-    request = DecayRequest(p, 0.1, 0.01, band, "explicit", POLAR, POLAR)
+def _decay(p, band=None, precision=None):
+    request = DecayRequest(p, 0.1, 0.01, band, "explicit", POLAR, POLAR, precision)
     return lambda b, d: plan.decay_(b, d["W"], request)
 
 
@@ -261,9 +262,10 @@ _op_case("msign", lambda b, d: plan.msign(b, d["W"] @ d["W"].mT - torch.eye(d["W
 _op_case("decay_ p=0", _decay(0), BIG + [(96, 128, 768)], TINY)
 _op_case("decay_ p=2", _decay(2), BIG + [(96, 128, 768)] + ODD, TINY)
 _op_case("decay_ p=2 band top", _decay(2, BandSpec(0.6, "top")), ODD, TINY)
-# The headline bf16 goals again with plain tf32 products (faster, ~1e-3 accurate per product).
-_op_case("decay_ p=2 (tf32)", _decay(2), BIG + [(96, 128, 768)], [], dtypes=(torch.bfloat16,),
-         backend=TritonBackend(input_precision="tf32"), label="triton tf32")
+# Every case runs at its dtype's default precision (bf16 weights: bf16 operands), against the torch
+# backend at the same precision. The fp32 headline again with one TF32 pass per product (~1e-3 each).
+_op_case("decay_ p=2 (tf32)", _decay(2, precision="tf32"), BIG + [(96, 128, 768)], [], dtypes=(torch.float32,),
+         tolerance={torch.float32: TF32_SELF_CHECK_TOLERANCE})
 
 
 # ----- running -----
