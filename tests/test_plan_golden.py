@@ -1,8 +1,10 @@
 """The torch backend's results are pinned: a restructuring of the plan must not change one bit of them.
 
 ``tests/data/torch_golden.pt`` holds the results of every public op on fixed inputs, recorded with
-the torch backend before the algorithm moved into ``spectral_ops.plan`` (``python
-tests/test_plan_golden.py`` records them again, after a deliberate change of the arithmetic).
+the torch backend. They were recorded before the algorithm moved into ``spectral_ops.plan`` and
+matched bit for bit after it; they were recorded again when [precision] changed the arithmetic on
+purpose (products with BLAS epilogues, bf16 weights iterating in bf16). ``python
+tests/test_plan_golden.py`` records them again after such a deliberate change.
 
 Bitwise equality is only meaningful on the same torch build and CPU kernels: matmul results depend
 on the instruction set torch's BLAS picks. Elsewhere the comparison falls back to a few units of
