@@ -22,10 +22,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .linalg import power_weights
+from .linalg import matrix_with_spectrum, power_weights
 from .ops import spectral_power, svt
-from .optim import width_scaled_hyperparameters  # documented as analysis.width_scaled_hyperparameters
-from .linalg import matrix_with_spectrum
+from .optim import width_scaled_hyperparameters  # noqa: F401  (documented as analysis.width_scaled_hyperparameters)
 
 
 def _float64(x) -> torch.Tensor:

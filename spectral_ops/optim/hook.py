@@ -9,8 +9,6 @@ independent convention, the peak being the host group's starting lr or its sched
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from ..decay import renamed_spectral_coefficient
