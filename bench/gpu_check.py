@@ -43,6 +43,8 @@ def parse(argv):
     parser.add_argument("--dry-run", "--interpret", dest="dry_run", action="store_true",
                         help="CPU tensors under TRITON_INTERPRET=1, tiny shapes, fp32/fp16, one timing run")
     parser.add_argument("--json", type=Path, default=Path(__file__).with_suffix(".json"), help="where to write results")
+    parser.add_argument("--out", type=Path, help="write gpu_check.md and gpu_check.json into this folder "
+                                                 "(overrides --json)")
     parser.add_argument("--only", default="", help="comma-separated substrings of case names to run")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="stop starting new cases after this many seconds (the run must fit in 8 minutes)")
@@ -52,6 +54,28 @@ def parse(argv):
     return parser.parse_args(argv)
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def use_this_checkout() -> None:
+    """Import ``spectral_ops`` from this checkout even where the package is not installed (a bare GPU
+    machine has torch and triton but no registry): the checkout goes on ``sys.path``, and
+    ``spectral_ops.triton_kernels``, which an install maps to the top-level ``triton_kernels/``, is
+    mapped to that folder."""
+    if str(ROOT) not in sys.path and importlib.util.find_spec("spectral_ops") is None:
+        sys.path.insert(0, str(ROOT))
+    import spectral_ops
+
+    if importlib.util.find_spec("spectral_ops.triton_kernels") is None:
+        folder = ROOT / "triton_kernels"
+        spec = importlib.util.spec_from_file_location("spectral_ops.triton_kernels", folder / "__init__.py",
+                                                      submodule_search_locations=[str(folder)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        spectral_ops.triton_kernels = module
+
+
 if __name__ == "__main__":
     # triton.jit reads this when the kernels are imported, just below; an importer sets it itself.
     _mode = parse(sys.argv[1:])
@@ -59,6 +83,7 @@ if __name__ == "__main__":
         os.environ.pop("TRITON_INTERPRET", None)
     elif _mode.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
+    use_this_checkout()
 
 import torch  # noqa: E402
 
@@ -326,22 +351,43 @@ def _register_cuda_cases() -> None:
 _register_cuda_cases()
 
 
-def build_extension_if_needed() -> None:
-    """On a GPU machine with nvcc but no built ``spectral_ops._C``, build it in place first
-    (``pip install -e .`` with ``SPECTRAL_OPS_REQUIRE_CUDA=1``, so a failure is reported, not hidden)."""
+def build_extension_if_needed(device) -> None:
+    """On a GPU machine with nvcc but no built ``spectral_ops._C``, build it into the checkout with
+    CMake (no pip, no network: cmake, ninja and pybind11 are enough), for this GPU's architecture.
+    If the machine's compiler warns where this project's does not, the build is retried without
+    ``-Werror``. The outcome is printed, never hidden."""
     import shutil
     import subprocess
 
     from spectral_ops._extension import load_extension
 
-    if load_extension()[0] is not None or not shutil.which("nvcc"):
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    if load_extension()[0] is not None or nvcc is None or shutil.which("cmake") is None:
         return
-    root = Path(__file__).resolve().parent.parent
-    print("building spectral_ops._C ...", flush=True)
-    result = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
-                             "-e", str(root)], env={**os.environ, "SPECTRAL_OPS_REQUIRE_CUDA": "1"},
-                            capture_output=True, text=True)
-    print(result.stdout[-2000:] + result.stderr[-4000:] if result.returncode else "built", flush=True)
+    import pybind11
+
+    major, minor = torch.cuda.get_device_capability(device)
+    build = ROOT / "build" / "gpu-check"
+    configure = ["cmake", "-S", str(ROOT), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                 f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DCMAKE_CUDA_ARCHITECTURES={major}{minor}",
+                 f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={ROOT / 'spectral_ops'}", f"-DPython_EXECUTABLE={sys.executable}",
+                 f"-Dpybind11_DIR={pybind11.get_cmake_dir()}"]
+    if shutil.which("ninja"):
+        configure += ["-G", "Ninja"]
+    for werror in ("ON", "OFF"):
+        print(f"building spectral_ops._C for sm_{major}{minor} (SPECTRAL_OPS_WERROR={werror}) ...", flush=True)
+        shutil.rmtree(build, ignore_errors=True)
+        try:
+            for command in (configure + [f"-DSPECTRAL_OPS_WERROR={werror}"], ["cmake", "--build", str(build), "-j"]):
+                result = subprocess.run(command, capture_output=True, text=True, timeout=240)
+                if result.returncode:
+                    print((result.stdout + result.stderr)[-4000:], flush=True)
+                    break
+            else:
+                print("built", flush=True)
+                break
+        except subprocess.TimeoutExpired:
+            print("the build ran past 240 s", flush=True)
     load_extension.cache_clear()
 
 
@@ -536,7 +582,7 @@ def main(args) -> int:
     deadline = time.monotonic() + args.budget_s
     rows = []
     if not args.dry_run:
-        build_extension_if_needed()
+        build_extension_if_needed(device)
     cuda_reason = cuda_unavailable_reason(device)
     for case in _selected(args):
         if case.backend == "cuda" and cuda_reason and case.shapes:
@@ -560,6 +606,10 @@ def main(args) -> int:
     print()
     for name, value in report["context"].items():
         print(f"{name}: {value:.3f}")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_check.md").write_text(markdown(rows) + "\n")
+        args.json = args.out / "gpu_check.json"
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
     print(f"wrote {args.json}")

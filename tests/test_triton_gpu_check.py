@@ -54,3 +54,30 @@ def test_compile_only_builds_sm90_kernels_without_a_gpu(tmp_path):
     rows = json.loads(out.read_text())["compile_only"]
     assert {row["kernel"] for row in rows} == {"symmetric_kernel", "small_kernel"}
     assert all(row["ok"] and row["shared"] > 0 and row["registers"] for row in rows)
+
+
+def test_dry_run_starts_from_a_bare_copy_of_the_checkout(tmp_path):
+    """A GPU machine may have torch and triton but not this package, and no registry: the check must
+    start from a plain copy of the repository. ``python -S`` with the site-packages folder on
+    PYTHONPATH imports torch and triton but skips the ``.pth`` hook of this package's editable install."""
+    import shutil
+    import sysconfig
+
+    root = SCRIPT.parents[1]
+    copy = tmp_path / "checkout"
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout
+    for name in tracked.split():
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, copy / name)
+    env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    hidden = subprocess.run([sys.executable, "-S", "-c", "import spectral_ops"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True)
+    assert hidden.returncode != 0, "the installed package is still visible: the test would prove nothing"
+    out = tmp_path / "results"
+    result = subprocess.run([sys.executable, "-S", "bench/gpu_check.py", "--dry-run", "--only", "op decay_ p=2,syrk X X^T",
+                             "--out", str(out)], cwd=copy, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert {row["case"] for row in report["results"]} >= {"op decay_ p=2", "syrk X X^T"}
+    assert all(row["ok"] for row in report["results"])
+    assert "| op decay_ p=2 |" in (out / "gpu_check.md").read_text()

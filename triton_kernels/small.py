@@ -87,8 +87,9 @@ def _columns_update(SRC, s_sr, s_sc, DST, s_dr, B, a, rows, r, n, R: tl.constexp
         acc = a * tl.load(SRC + rows[:, None] * s_sr + cols[None, :] * s_sc, mask=inside, other=0.0).to(tl.float32)
         acc = accumulate_rows_product(acc, B, SRC, rows, cols, r, n, r, R, 1, s_sc, s_sr, BLOCK_K, UPCAST,
                                       INPUT_PRECISION, WIDE)
-        # In place is safe: every thread's accumulator waited for all threads' loads of this chunk
-        # (the dot shares operands through shared memory, behind a barrier) before anyone stores.
+        # In place: other threads read this chunk of SRC as dot operands. Triton's current lowering
+        # happens to finish those reads before any store; the barrier makes that a guarantee.
+        tl.debug_barrier()
         tl.store(DST + rows[:, None] * s_dr + cols[None, :], acc, mask=inside)
     tl.debug_barrier()
 
@@ -190,6 +191,8 @@ def small_kernel(
         if HAS_Y:
             acc += y_scale * tl.load(w + rows[:, None] * s_wr + cols[None, :] * s_wc, mask=inside,
                                      other=0.0).to(tl.float32)
+        # OUT may be W, whose chunk other threads read as dot operands (odd p): stores wait for them.
+        tl.debug_barrier()
         tl.store(OUT + b * s_ob + rows[:, None] * s_or + cols[None, :] * s_oc, acc.to(OUT.dtype.element_ty),
                  mask=inside)
 
@@ -262,7 +265,8 @@ def small_sign_kernel(A, OUT, WS, COEF, r, n_steps, s_ab, s_ar, s_ac, s_ob, s_or
                    BLOCK_K, INPUT_PRECISION)
         Z = tl.load(COEF + 3 * step) * _load_square(z_slot, rows, r, R)
         Z = _slot_product(Z, poly_slot, z_slot, rows, r, R, BLOCK_K, INPUT_PRECISION)
-        _store_square(z_slot, Z, rows, R)  # in place, as in _columns_update
+        tl.debug_barrier()  # in place, as in _columns_update: every read of z_slot before the store
+        _store_square(z_slot, Z, rows, R)
     tl.store(OUT + b * s_ob + rows[:, None] * s_or + rows[None, :] * s_oc, Z.to(OUT.dtype.element_ty), mask=inside)
 
 
