@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from cuda_emulation import build, harness
-import spectral_ops as so
 from spectral_ops import _extension, dispatch, plan
 from spectral_ops.backends.base import PRIMITIVES, BandSpec, DecayRequest
 from spectral_ops.backends.cuda_backend import CudaBackend
+from spectral_ops.backends.torch_backend import TorchBackend
+from spectral_ops.dispatch import PinnedKernels
 from spectral_ops.build_config import ENV_REQUIRE_CUDA, env_flag
 from spectral_ops.coefficients import polar_express_coefficients
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
@@ -50,15 +51,13 @@ def emulated(emulated_module, monkeypatch):
     return emulated_module
 
 
-def on_torch(plan_function, *args):
-    """The reference: the same plan with every primitive on the torch backend."""
-    with so.use_backend("torch"):
-        return plan_function(dispatch.kernels_for("reference", args[0]), *args)
+# The reference: the same plan with every product a plain torch matmul.
+TORCH = PinnedKernels(TorchBackend())
 
 
 def on_cuda(plan_function, *args, path="chain", precision=None):
     """The plan with every primitive on the (emulated) CUDA kernels; ``path="composed"`` skips the chain."""
-    kernels = dispatch.PinnedKernels(CudaBackend(precision=precision), small_chain=path == "chain")
+    kernels = PinnedKernels(CudaBackend(precision=precision), small_chain=path == "chain")
     return plan_function(kernels, *args)
 
 
@@ -189,7 +188,7 @@ def test_chain_matches_the_reference(dtype, shape, p):
     W = spectral_weight(shape, dtype, seed=p)
     out = torch.empty_like(W)
     _extension.small_chain(wide(W), wide(out), p, COEFFICIENTS if p % 2 == 0 else ())
-    expected = on_torch(plan.spectral_power, W.double(), p, COEFFICIENTS)
+    expected = plan.spectral_power(TORCH, W.double(), p, COEFFICIENTS)
     assert relative_error(out, expected) < 5 * TOLERANCE[dtype]
 
 
@@ -197,8 +196,7 @@ def test_chain_matches_the_reference(dtype, shape, p):
 def test_chain_decays_in_place_with_per_matrix_scales(dtype):
     W = spectral_weight((3, 90, 60), dtype, seed=1)
     keep, step = torch.tensor([0.99, 0.9, 1.0]), torch.tensor([0.01, 0.1, 0.0])
-    expected = keep.reshape(3, 1, 1) * W.double() - step.reshape(3, 1, 1) * on_torch(
-        plan.spectral_power, W.double(), 2, COEFFICIENTS)
+    expected = keep.reshape(3, 1, 1) * W.double() - step.reshape(3, 1, 1) * plan.spectral_power(TORCH, W.double(), 2, COEFFICIENTS)
     X = wide(W)
     _extension.small_chain(X, X, 2, COEFFICIENTS, alpha=1.0, alpha_per_matrix=keep, beta=-1.0, beta_per_matrix=step)
     assert relative_error(W, expected) < 5 * TOLERANCE[dtype]
@@ -237,7 +235,7 @@ def test_band_directions_over_several_tiles(mode):
     band = BandSpec(0.75, mode, p_bot=0, lambda_top=0.5, lambda_bot=2.0)
     sign = polar_express_coefficients()
     got = on_cuda(plan.band_direction, W, 2, band, COEFFICIENTS, sign, precision="ieee")
-    expected = on_torch(plan.band_direction, W, 2, band, COEFFICIENTS, sign)
+    expected = plan.band_direction(TORCH, W, 2, band, COEFFICIENTS, sign)
     assert relative_error(got, expected) < 1e-5
 
 
@@ -250,7 +248,7 @@ def test_decay_with_tensor_scales(path, p, p0_mode, band):
     W = matrix_with_spectrum((3, 60, 40), torch.linspace(0.5, 1.0, 40), torch.bfloat16, seed=3)
     request = DecayRequest(p, torch.tensor([0.1, 0.2, 0.05]).reshape(3, 1, 1), torch.tensor(0.01), band, p0_mode,
                            COEFFICIENTS, polar_express_coefficients())
-    expected = on_torch(plan.decay_, W.clone(), request)
+    expected = plan.decay_(TORCH, W.clone(), request)
     got = on_cuda(plan.decay_, W.clone(), request, path=path)
     assert relative_error(got, expected) < TOLERANCE[torch.bfloat16]
 

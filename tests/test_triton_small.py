@@ -4,15 +4,19 @@ import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are i
 
 import pytest
 import torch
-from triton_env import DTYPES, on_torch, randn, relative, symmetric
+from triton_env import DTYPES, randn, relative, symmetric
 
 from spectral_ops import plan
+from spectral_ops.backends.torch_backend import TorchBackend
+from spectral_ops.dispatch import PinnedKernels
 from spectral_ops.coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum
 from spectral_ops.triton_kernels.small import MAX_SIDE, small_sign, small_spectral
 
 POLAR = polar_express_coefficients()
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}
+# The reference: the same plan with every product a plain torch matmul.
+TORCH = PinnedKernels(TorchBackend())
 
 
 def wide(shape, dtype, seed=0):
@@ -25,19 +29,19 @@ def test_spectral_power_matches_the_torch_backend(p, dtype):
     X = wide((3, 21, 45), dtype, seed=p)
     result = small_spectral(X, p, POLAR)
     assert result.dtype == dtype
-    assert relative(result, on_torch(plan.spectral_power, X, p, POLAR)) < TOLERANCE[dtype]
+    assert relative(result, plan.spectral_power(TORCH, X, p, POLAR)) < TOLERANCE[dtype]
 
 
 def test_the_largest_small_side_and_a_ragged_last_chunk():
     X = wide((MAX_SIDE, 150), torch.float32)
-    assert relative(small_spectral(X, 2, POLAR), on_torch(plan.spectral_power, X, 2, POLAR)) < 1e-5
+    assert relative(small_spectral(X, 2, POLAR), plan.spectral_power(TORCH, X, 2, POLAR)) < 1e-5
 
 
 @pytest.mark.parametrize("p", [0, 2, 3])
 def test_decay_in_place_with_per_matrix_scales(p):
     W = wide((2, 2, 17, 40), torch.float32, seed=p)
     alpha, beta = 0.99, torch.tensor([-0.1, -0.2, -0.05, 0.0])
-    S = on_torch(plan.spectral_power, W, p, POLAR).double()
+    S = plan.spectral_power(TORCH, W, p, POLAR).double()
     expected = alpha * W.double() + beta.reshape(2, 2, 1, 1).double() * S
     assert small_spectral(W, p, POLAR, out=W, alpha=alpha, beta=beta) is W
     assert relative(W, expected) < 1e-6
@@ -48,7 +52,7 @@ def test_odd_powers_of_a_power_of_two_norm_sign_matrix_are_bit_exact():
     generator = torch.Generator().manual_seed(0)
     X = (torch.randint(0, 2, (2, 16, 64), generator=generator) * 2 - 1).float()
     for p in (3, 5):
-        assert torch.equal(small_spectral(X, p, POLAR), on_torch(plan.spectral_power, X, p, POLAR))
+        assert torch.equal(small_spectral(X, p, POLAR), plan.spectral_power(TORCH, X, p, POLAR))
 
 
 def test_a_zero_matrix_gives_zero():
@@ -61,7 +65,7 @@ def test_sign_chain_matches_the_torch_reference(coefficients, dtype):
     A = symmetric((3, 27, 27), dtype)
     result = small_sign(A, coefficients)
     assert result.dtype == dtype
-    assert relative(result, on_torch(plan.matrix_sign, A.float(), coefficients, "fp32")) < TOLERANCE[dtype]
+    assert relative(result, plan.matrix_sign(TORCH, A.float(), coefficients, "fp32")) < TOLERANCE[dtype]
 
 
 def test_shape_errors():

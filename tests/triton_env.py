@@ -21,8 +21,6 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-import spectral_ops as so  # noqa: E402
-from spectral_ops import dispatch  # noqa: E402
 from spectral_ops.triton_kernels.common import Config  # noqa: E402
 
 # 16 x 16 tiles, 16-deep steps: shapes up to 64 then span several tiles (and a ragged last one),
@@ -58,9 +56,3 @@ def relative(result, reference) -> float:
 def max_asymmetry(D) -> float:
     return float((D - D.mT).abs().max())
 
-
-def on_torch(plan_function, *args):
-    """``plan_function(kernels, *args)`` with every primitive on the torch backend: the reference a kernel
-    is compared with is the same algorithm on plain torch matmuls."""
-    with so.use_backend("torch"):
-        return plan_function(dispatch.kernels_for("reference", args[0]), *args)
