@@ -69,3 +69,13 @@ class DecayRequest:
     polar_coefficients: tuple
     sign_coefficients: tuple
     precision: str | None = None
+
+
+def number_and_per_matrix(value: Scale, batch_shape, device) -> tuple[float, torch.Tensor | None]:
+    """A scale as the kernels take it: ``(number, None)``, or ``(1.0, one fp32 value per matrix)`` for a
+    0-d or ``(..., 1, 1)`` tensor, contiguous in the matrices' row-major order. A tensor stays on the
+    device: reading it on the host would synchronise."""
+    if not isinstance(value, torch.Tensor):
+        return float(value), None
+    value = value.to(device=device, dtype=torch.float32)
+    return 1.0, torch.broadcast_to(value, (*batch_shape, 1, 1)).reshape(-1).contiguous()

@@ -25,6 +25,7 @@ import torch
 
 from .. import _extension as ext
 from ..coefficients import NORMALIZATION_MARGIN
+from .base import number_and_per_matrix
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PRECISION_VAR = "SPECTRAL_OPS_CUDA_PRECISION"
@@ -40,14 +41,6 @@ def _shared_memory_optin(device: torch.device) -> int:
     if device.type != "cuda":
         return 1 << 30
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 48 * 1024)
-
-
-def _scale(value, batch_shape, device) -> dict:
-    """A scale (number, 0-d or ``(..., 1, 1)`` tensor) as the extension's number and per-matrix vector."""
-    if not isinstance(value, torch.Tensor):
-        return {"value": float(value), "per_matrix": None}
-    value = value.to(device=device, dtype=torch.float32)
-    return {"value": 1.0, "per_matrix": torch.broadcast_to(value, (*batch_shape, 1, 1)).reshape(-1).contiguous()}
 
 
 class CudaBackend:
@@ -116,6 +109,7 @@ class CudaBackend:
     def decay_epilogue_(self, W, D, keep, step):
         if D is None:  # no direction: an in-place scaling is one pass in torch already
             return W.mul_(keep)
-        keep, step = (_scale(value, W.shape[:-2], W.device) for value in (keep, step))
-        return ext.decay_epilogue_(W, D.contiguous(), keep["value"], step["value"], alpha_per_matrix=keep["per_matrix"],
-                                   beta_per_matrix=step["per_matrix"])
+        (keep, keep_per_matrix), (step, step_per_matrix) = (
+            number_and_per_matrix(value, W.shape[:-2], W.device) for value in (keep, step))
+        return ext.decay_epilogue_(W, D.contiguous(), keep, step, alpha_per_matrix=keep_per_matrix,
+                                   beta_per_matrix=step_per_matrix)

@@ -27,6 +27,8 @@ from typing import Optional
 
 import torch
 
+from .base import number_and_per_matrix
+
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PRECISION_VAR = "SPECTRAL_OPS_TRITON_PRECISION"
 DEFAULT_PRECISION = "tf32x3"
@@ -137,14 +139,6 @@ def _(W, D, keep, keep_per_matrix, step, step_per_matrix, precision):
     return None
 
 
-def _number_and_vector(value, batch_shape, device):
-    """A scale as ``(number, None)`` or ``(1.0, one fp32 value per matrix)``."""
-    if not isinstance(value, torch.Tensor):
-        return float(value), None
-    value = value.to(device=device, dtype=torch.float32)
-    return 1.0, torch.broadcast_to(value, (*batch_shape, 1, 1)).reshape(-1)
-
-
 class TritonBackend:
     name = "triton"
     needs_self_check = True
@@ -200,6 +194,6 @@ class TritonBackend:
 
     def decay_epilogue_(self, W, D, keep, step):
         batch = W.shape[:-2]
-        _decay_epilogue(W, D, *_number_and_vector(keep, batch, W.device), *_number_and_vector(step, batch, W.device),
+        _decay_epilogue(W, D, *number_and_per_matrix(keep, batch, W.device), *number_and_per_matrix(step, batch, W.device),
                         self.input_precision)
         return W
