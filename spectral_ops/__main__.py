@@ -1,15 +1,24 @@
-"""``python -m spectral_ops``: versions, the compiled CUDA architectures, the GPU, and which
-backends are available (or why not)."""
+"""``python -m spectral_ops``: versions, the compiled CUDA architectures, the GPU, which backends are
+available (or why not) and what the routing cache holds.
+
+``python -m spectral_ops tune --shapes 4096x4096,32x128x768`` measures the routing of the ops on
+those shapes ahead of time (on a GPU), so that training runs start with a filled cache.
+"""
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import platform
+import sys
 
 import torch
 
-from . import __version__, dispatch
+from . import __version__, dispatch, tuning
 from ._extension import load_extension
+from .decay import spectral_decay_
+from .ops import polar, spectral_power
+from .plan import PRECISIONS
 
 
 def _version_of(distribution: str) -> str:
@@ -48,8 +57,107 @@ def report() -> str:
     ]
     for name, reason in dispatch.backend_status(device):
         lines.append(f"| {name} | {'available' if reason is None else 'unavailable: ' + reason} |")
+    return "\n".join(lines + ["", routing_report()])
+
+
+def routing_report(directory=None) -> str:
+    """What the routing cache holds: per environment (GPU and builds), the measured choice and the
+    median milliseconds of each backend per primitive, dtype, precision and shape bucket."""
+    directory = tuning.cache_dir() if directory is None else directory
+    autotune = "on" if tuning.enabled() else f"off ({tuning.ENV_AUTOTUNE}=0)"
+    lines = [f"Measured routing: {autotune}; cache {directory}"]
+    files = tuning.cached_files(directory)
+    if not files:
+        return lines[0] + ": empty (filled on first use on a GPU, or by `python -m spectral_ops tune`)"
+    for found in files:
+        environment = found["environment"]
+        if environment is None:
+            lines += ["", f"{found['path'].name}: unreadable, ignored"]
+            continue
+        lines += ["", ", ".join(f"{k} {v}" for k, v in environment.items()) + f" ({found['path'].name})", "",
+                  "| primitive | dtype | precision | bucket (batch x rows x cols) | choice | ms per call |",
+                  "|---|---|---|---|---|---|"]
+        for key, entry in found["choices"].items():
+            primitive, dtype, precision, bucket, *steps = key.split("|")
+            timings = ", ".join(f"{name} {ms:.3g}" for name, ms in sorted(entry["ms"].items(), key=lambda i: i[1]))
+            lines.append(f"| {primitive} {' '.join(steps)} | {dtype} | {precision} | {bucket} | "
+                         f"{entry['choice']} | {timings} |")
     return "\n".join(lines)
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# What a training step runs: the p = 2 decay (SpectralAdamW's default), Muon's polar factor, S_p.
+TUNE_OPS = {
+    "decay": lambda W, precision: spectral_decay_(W, 2, 1e-3, 0.1, precision=precision),
+    "polar": lambda W, precision: polar(W, precision=precision),
+    "spectral_power": lambda W, precision: spectral_power(W, 2, method="gram", precision=precision),
+}
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(d) for d in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if len(shape) < 2 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"a shape is [batch x] rows x cols, e.g. 4096x4096 or 32x128x768, not {text!r}")
+    return shape
+
+
+def _names(choices):
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in names if name not in choices]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"choose from {', '.join(choices)}, got {text!r}")
+        return names
+    return parse
+
+
+def tune(shapes, dtypes, ops, precision=None, device="cuda") -> str:
+    """Run ``ops`` once on random weights of each shape and dtype so that every primitive they call
+    is routed by measurement and cached; returns the cache report."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # a dependency, but a bare checkout on a GPU machine (bench/gpu_check.py) may lack it
+        def tqdm(iterable, **_):
+            return iterable
+    work = [(shape, dtype, op) for shape in shapes for dtype in dtypes for op in ops]
+    for shape, dtype, op in tqdm(work, desc="tuning", unit="call"):
+        W = torch.randn(shape, dtype=DTYPES[dtype], device=device)
+        TUNE_OPS[op](W, precision)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return routing_report()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m spectral_ops", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", metavar="{tune}")
+    tuner = commands.add_parser("tune", help="measure the routing for given shapes now (needs a GPU)",
+                                description="Fill the routing cache by running the ops on random weights.")
+    tuner.add_argument("--shapes", type=lambda t: [_shape(s) for s in t.split(",")], required=True,
+                       help="comma-separated [batch x] rows x cols, e.g. 4096x4096,16384x4096,32x128x768")
+    tuner.add_argument("--dtypes", type=_names(DTYPES), default=["bf16", "fp32"],
+                       help=f"comma-separated weight dtypes from {', '.join(DTYPES)} (default: bf16,fp32)")
+    tuner.add_argument("--ops", type=_names(TUNE_OPS), default=list(TUNE_OPS),
+                       help=f"comma-separated ops to run from {', '.join(TUNE_OPS)} (default: all)")
+    tuner.add_argument("--precision", choices=PRECISIONS, default=None,
+                       help="matmul precision of the ops (default: each dtype's default, see the README)")
+    args = parser.parse_args(argv)
+    if args.command is None:
+        print(report())
+        return 0
+    if not torch.cuda.is_available():
+        print("spectral_ops tune: no CUDA GPU is visible to torch; routing is measured only on GPUs", file=sys.stderr)
+        return 2
+    if not tuning.enabled():
+        print(f"spectral_ops tune: {tuning.ENV_AUTOTUNE}=0 turns measured routing off; unset it to tune",
+              file=sys.stderr)
+        return 2
+    print(tune(args.shapes, args.dtypes, args.ops, args.precision))
+    return 0
+
+
 if __name__ == "__main__":
-    print(report())
+    sys.exit(main())

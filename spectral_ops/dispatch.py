@@ -1,13 +1,19 @@
-"""The single point that decides which backend runs each primitive: CUDA extension, then Triton, then PyTorch.
+"""The single point that decides which backend runs each primitive: the fastest by measurement on a GPU.
 
 An op call gets a :class:`Kernels` object (:func:`kernels_for`) and hands it to the plan; every
 primitive call the plan makes goes through it, and is routed per call from the operand's device,
 dtype and shape:
 
 * a backend must be available on the device and *able* to run the primitive (its ``supports``);
-* it must be *meant* to: below the sizes where they pay off (:data:`CUDA_TILED_MIN_SIDE`,
-  :data:`CUDA_CHAIN_MAX_WORK`) the CUDA kernels leave the call to the next backend;
-* it must have passed its first-use self-check for that primitive and dtype (below).
+* it must have passed its first-use self-check for that primitive and dtype (below);
+* among the backends left, it must be the fastest. On a GPU that is **measured**
+  (:mod:`spectral_ops.tuning`): the first call of each primitive, dtype, precision and shape bucket
+  times every one of them, torch/cuBLAS included, on scratch copies of the operands, and the choice
+  is kept in memory and on disk. Where nothing is measured (``SPECTRAL_OPS_AUTOTUNE=0``, CPU
+  tensors, a new shape bucket met while a CUDA graph is captured or torch.compile traces) the
+  fixed order applies: CUDA, Triton, torch, with the CUDA kernels leaving calls below the sizes
+  where they are expected to pay off (:data:`CUDA_TILED_MIN_SIDE`, :data:`CUDA_CHAIN_MAX_WORK`) to
+  the next one.
 
 ``SPECTRAL_OPS_BACKEND=cuda|triton|torch`` or :func:`use_backend` force one backend for every
 primitive, whatever the sizes; forcing one that cannot run a call raises
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import os
 import warnings
@@ -36,6 +43,7 @@ from .backends.triton_backend import TritonBackend
 from .linalg import relative_error, wide
 from .plan import OPERAND_DTYPES, resolve_precision
 from .selfcheck import self_check_cases
+from .tuning import Autotuner, routing_key
 
 logger = logging.getLogger("spectral_ops")
 
@@ -82,6 +90,7 @@ _backends: dict[str, object] = {}
 _self_check_passed: dict[tuple, bool] = {}
 _logged_choices: set[tuple] = set()
 _last_choice: dict[str, set[str]] = {}
+_autotuner = Autotuner()
 
 
 def _check_name(name: str, source: str) -> str:
@@ -124,7 +133,9 @@ def register_backend(backend) -> None:
 
 
 def reset() -> None:
-    """Forget backend instances, self-check results and recorded choices."""
+    """Forget backend instances, self-check results, recorded choices and measurements held in memory
+    (the on-disk routing cache stays)."""
+    _autotuner.forget()
     _backends.clear()
     _self_check_passed.clear()
     _logged_choices.clear()
@@ -146,13 +157,14 @@ def _meant_to_run(name: str, primitive: str, shape) -> bool:
     return r >= CUDA_TILED_MIN_SIDE
 
 
-def _why_not(backend, primitive: str, device, dtype, shape, precision, forced: bool, steps: int) -> str | None:
+def _why_not(backend, primitive: str, device, dtype, shape, precision, forced: bool, steps: int,
+             fixed_order: bool = True) -> str | None:
     reason = backend.unavailable_reason(device, forced)
     if reason is not None:
         return reason
     if not backend.supports(primitive, device, dtype, shape, steps=steps):
         return f"the {backend.name} backend has no {primitive} for {dtype} operands of shape {shape} on {device}"
-    if not forced and not _meant_to_run(backend.name, primitive, shape):
+    if fixed_order and not forced and not _meant_to_run(backend.name, primitive, shape):
         return f"the {backend.name} backend's {primitive} is not used at shape {shape}"
     if not _passes_self_check(backend, primitive, dtype, precision, device):
         return f"the {backend.name} backend failed its {primitive} self-check for {dtype} and is disabled"
@@ -160,14 +172,16 @@ def _why_not(backend, primitive: str, device, dtype, shape, precision, forced: b
 
 
 def _select(op: str, primitive: str, operand: torch.Tensor, precision: str | None = None, *,
-            optional: bool = False, steps: int = 0):
+            optional: bool = False, steps: int = 0, trial=None):
     """The backend for one primitive call on ``operand`` (None for an optional one that none runs)."""
     return _select_for(op, primitive, operand.device, operand.dtype, tuple(operand.shape), precision, optional,
-                       steps)
+                       steps, trial)
 
 
 def _select_for(op: str, primitive: str, device, dtype, shape, precision=None, optional: bool = False,
-                steps: int = 0):
+                steps: int = 0, trial=None):
+    """``trial(backends)``, when given, returns a zero-argument call per backend on scratch copies of the
+    operands, for the autotuner to time."""
     forced = forced_backend()
     if forced is not None:
         backend = get_backend(forced)
@@ -177,12 +191,60 @@ def _select_for(op: str, primitive: str, device, dtype, shape, precision=None, o
         if optional:
             return None
         raise BackendUnavailableError(f"backend {forced!r} was forced for {op}, but {reason}")
+    if _autotuner.applies(device):
+        measured = _measured(primitive, device, dtype, shape, precision, steps, trial)
+        if measured is not None:
+            return measured
     for backend in map(get_backend, BACKEND_NAMES):
         if _why_not(backend, primitive, device, dtype, shape, precision, False, steps) is None:
             return backend
     if optional:
         return None
     raise BackendUnavailableError(f"no backend can run {primitive} for {op} on {dtype} {device}")
+
+
+def _measured(primitive: str, device, dtype, shape, precision, steps: int, trial):
+    """The fastest eligible backend by measurement (timed now if ``trial`` is given and this kind of
+    call never was), or None to fall back to the fixed order. Eligible: available, capable and past
+    its self-check, whatever the size thresholds say. A remembered ranking is walked fastest first,
+    so that a new process self-checks only the backend it is going to use."""
+    def eligible(backend) -> bool:
+        return _why_not(backend, primitive, device, dtype, shape, precision, False, steps, fixed_order=False) is None
+
+    key = routing_key(primitive, dtype, precision, shape, steps)
+    for name in _autotuner.ranking(device, key):
+        if name in BACKEND_NAMES and eligible(get_backend(name)):
+            return get_backend(name)
+    if trial is None or not _autotuner.can_time(device):
+        return None
+    candidates = [backend for backend in map(get_backend, BACKEND_NAMES) if eligible(backend)]
+    if len(candidates) < 2:
+        return candidates[0] if candidates else None
+    return get_backend(_autotuner.measure(device, key, trial(candidates)))
+
+
+def _scratch(value, copies: dict):
+    """``value`` with every tensor replaced by a copy; a tensor passed twice is copied once, so that
+    aliased operands (``product(M, Z, Y=Z)``) stay aliased."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in copies:
+            copies[id(value)] = value.clone()
+        return copies[id(value)]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_scratch(item, copies) for item in value)
+    if isinstance(value, dict):
+        return {key: _scratch(item, copies) for key, item in value.items()}
+    return value
+
+
+def _trial(primitive: str, args: tuple, kwargs: dict):
+    """Calls of ``primitive`` on each backend, all on one scratch copy of the operands: timing never
+    touches the caller's tensors (``decay_epilogue_`` writes its operand)."""
+    def runs(backends):
+        scratch_args, scratch_kwargs = _scratch((args, kwargs), {})
+        return {backend.name: functools.partial(getattr(backend, primitive), *scratch_args, **scratch_kwargs)
+                for backend in backends}
+    return runs
 
 
 class Kernels:
@@ -198,10 +260,13 @@ class Kernels:
         _last_choice[op] = self.used
 
     def _backend(self, primitive: str, operand: torch.Tensor, precision: str | None = None, optional: bool = False,
-                 steps: int = 0):
+                 steps: int = 0, call: tuple = ((), {})):
+        """The backend for ``primitive`` on ``operand``; ``call`` (its arguments) lets the autotuner time
+        the candidates the first time this kind of call is seen."""
         key = (primitive, operand.dtype, operand.shape, precision, steps)  # operands all share W's device
         if key not in self._choices:
-            self._choices[key] = _select(self.op, primitive, operand, precision, optional=optional, steps=steps)
+            self._choices[key] = _select(self.op, primitive, operand, precision, optional=optional, steps=steps,
+                                         trial=_trial(primitive, *call))
             if self._choices[key] is not None:
                 self._record(self._choices[key].name)
         return self._choices[key]
@@ -214,24 +279,28 @@ class Kernels:
             logger.debug("spectral_ops: %s on %s %s runs on the %s backend", self.op, *self._described, name)
 
     def symmetric(self, L, R, precision):
-        return self._backend("symmetric", L, precision).symmetric(L, R, precision)
+        return self._backend("symmetric", L, precision, call=((L, R, precision), {})).symmetric(L, R, precision)
 
     def product(self, M, Z, precision, *, beta=1.0, Y=None, alpha=1.0):
-        return self._backend("product", Z, precision).product(M, Z, precision, beta=beta, Y=Y, alpha=alpha)
+        epilogue = {"beta": beta, "Y": Y, "alpha": alpha}
+        return self._backend("product", Z, precision, call=((M, Z, precision), epilogue)).product(
+            M, Z, precision, **epilogue)
 
     def poly_step(self, A, b, c, precision):
-        return self._backend("poly_step", A, precision).poly_step(A, b, c, precision)
+        return self._backend("poly_step", A, precision, call=((A, b, c, precision), {})).poly_step(A, b, c, precision)
 
     def sign_step(self, Z, coefficient, precision):
-        return self._backend("sign_step", Z, precision).sign_step(Z, coefficient, precision)
+        return self._backend("sign_step", Z, precision, call=((Z, coefficient, precision), {})).sign_step(
+            Z, coefficient, precision)
 
     def small_chain(self, X, p, coefficients, precision, sign=False):
         """``S_p(X)`` (or ``msign``) by a fused chain, or None when no backend has one for ``X``."""
-        backend = self._backend("small_chain", X, precision, optional=True, steps=len(coefficients))
+        call = ((X, p, coefficients, precision), {"sign": sign})
+        backend = self._backend("small_chain", X, precision, optional=True, steps=len(coefficients), call=call)
         return None if backend is None else backend.small_chain(X, p, coefficients, precision, sign=sign)
 
     def decay_epilogue_(self, W, D, keep, step):
-        return self._backend("decay_epilogue_", W).decay_epilogue_(W, D, keep, step)
+        return self._backend("decay_epilogue_", W, call=((W, D, keep, step), {})).decay_epilogue_(W, D, keep, step)
 
 
 class PinnedKernels:
