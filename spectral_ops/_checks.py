@@ -63,17 +63,20 @@ def check_steps(steps, name: str = "steps"):
     return int(steps)
 
 
-def check_coefficient(value, name: str, *, positive: bool = False):
+def check_coefficient(value, name: str, *, positive: bool = False, sync: bool = True):
     """A finite scalar >= 0 (or > 0): a Python number or a 0-d tensor, returned unchanged.
 
-    0-d tensors stay tensors so that a step can be captured in a CUDA graph; checking their value
-    costs one host sync, which is the price of never applying a negative or NaN coefficient.
+    0-d tensors stay tensors so that a step can be captured in a CUDA graph. Checking their value
+    costs one host sync; ``sync=False`` (capturable steps) checks only their shape and dtype, and
+    leaves the value to the check made when the optimizer was built.
     """
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
             raise ValueError(f"{name} must be a scalar or a 0-d tensor, got shape {tuple(value.shape)}")
         if value.is_complex() or value.dtype == torch.bool:
             raise TypeError(f"{name} must be a real number, got dtype {value.dtype}")
+        if not sync:
+            return value
         number = float(value)
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):
         number = float(value)

@@ -95,13 +95,17 @@ def _stability_terms(p: int, weight_decay, band: Band | None):
     return [(power, coefficient, capped) for power, coefficient, capped in terms if power > 1]
 
 
-def _guarded_scale(stack, p, scale, weight_decay, band, policy):
+def _guarded_scale(stack, p, scale, weight_decay, band, policy, capturable=False):
     """The per-matrix spectral scale after the stability guard (SPEC 1.5), before any write.
 
     The per-mode map ``s -> s - eta lambda s^p`` is monotone only while
     ``kappa = eta lambda s_max^(p-1) < 1``. ``||W||_F`` bounds ``s_max`` for free; only when that
     is not enough are the Gram-squaring bounds computed. The guard therefore never misses a
     violation and can only be conservative by the bounds' ratio.
+
+    ``capturable``: the policy is ``"clamp"`` (construction refuses the host-side ones) and is
+    applied on the device, with the Gram-squaring bounds always computed (no host decision to skip
+    them): the same factors as the eager path, at the cost of the bounds on every step.
     """
     terms = _stability_terms(p, weight_decay, band)
     if not terms or policy == "ignore":
@@ -115,6 +119,9 @@ def _guarded_scale(stack, p, scale, weight_decay, band, policy):
         return torch.stack(kappas).amax(0)
 
     work = stack.to(compute_dtype(stack.dtype))
+    if capturable:
+        worst = worst_kappa(spectral_norm_bounds(work)[1])
+        return torch.where(worst >= 1, CLAMP_SHRINK / worst, torch.ones_like(worst))[..., None, None]
     if bool((worst_kappa(torch.linalg.matrix_norm(work)) < 1).all()):
         return None
     worst = worst_kappa(spectral_norm_bounds(work)[1])
@@ -150,27 +157,36 @@ class DecayOptions:
 
 def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, convention="decoupled", band=None,
                         p0_mode="explicit", steps=None, coefficients=None, stability="raise",
-                        precision=None) -> DecayOptions:
-    """Validate every decay hyper-parameter (optimizers call this at construction time)."""
+                        precision=None, capturable=False, sync=True) -> DecayOptions:
+    """Validate every decay hyper-parameter (optimizers call this at construction time).
+
+    ``capturable``: the decay must not synchronise with the host, so the stability policies that
+    report to the host (``"raise"``, ``"warn"``) are refused wherever the guard can act.
+    ``sync=False``: 0-d tensor coefficients are not read (see :func:`check_coefficient`).
+    """
     p = check_power(p)
-    check_coefficient(spectral_weight_decay, "spectral_weight_decay")
-    check_coefficient(ordinary_weight_decay, "ordinary_weight_decay")
+    check_coefficient(spectral_weight_decay, "spectral_weight_decay", sync=sync)
+    check_coefficient(ordinary_weight_decay, "ordinary_weight_decay", sync=sync)
     check_choice(convention, "convention", CONVENTIONS)
     check_choice(p0_mode, "p0_mode", P0_MODES)
     check_choice(stability, "stability", STABILITY_POLICIES)
     band = Band.coerce(band)
+    if capturable and stability in ("raise", "warn") and _stability_terms(p, spectral_weight_decay, band):
+        raise ValueError(f"stability={stability!r} needs the host to read the stability guard, which "
+                         "capturable=True forbids; pass stability='clamp' (the training default) or 'ignore'")
     spec = None
     if band is not None:
         if p == 0 and p0_mode == "prox":
             raise ValueError("p0_mode='prox' soft-thresholds the whole spectrum; it cannot be combined with band")
         two_band = band.mode == "two_band"
-        check_coefficient(band.weight_decay_bot, "band.weight_decay_bot")
+        check_coefficient(band.weight_decay_bot, "band.weight_decay_bot", sync=sync)
         spec = band_spec(
             band.tau,
             band.mode,
             p_bot=band.p_bot,
             lambda_top=spectral_weight_decay if two_band else 1.0,
             lambda_bot=band.weight_decay_bot if two_band else 1.0,
+            sync=sync,
         )
     return DecayOptions(
         p=p,
@@ -215,6 +231,7 @@ def spectral_decay_(
     coefficients=None,
     stability: str = "raise",
     precision: str | None = None,
+    capturable: bool = False,
     weight_decay=None,
 ):
     """Decay ``W`` in place: ``W <- W - s * (spectral_weight_decay * S_p(W) + ordinary_weight_decay * W)``.
@@ -232,6 +249,12 @@ def spectral_decay_(
     ``precision``: the operands of the iteration (see :func:`spectral_ops.polar`); the decay
     arithmetic itself is fp32 (fp64 for fp64 weights) whatever it is.
 
+    ``capturable=True`` makes the call free of host synchronisation (for CUDA graphs and
+    torch.compile). It then does **not** check that ``W`` is finite (a NaN/Inf weight stays
+    non-finite instead of being refused), nor the values of 0-d tensor coefficients (their shape
+    and dtype still), and ``stability`` must be ``"clamp"`` or ``"ignore"`` where the guard applies;
+    the clamp is computed on the device, with the same factors.
+
     ``weight_decay`` is a deprecated alias of ``spectral_weight_decay`` (the name of ``lambda_1`` in
     every optimizer of the family).
     """
@@ -243,18 +266,21 @@ def spectral_decay_(
         check_matrix(t, f"W[{i}]" if not isinstance(W, torch.Tensor) else "W")
     check_same_device(tensors)
     _check_distinct(tensors)
-    check_coefficient(lr, "lr")
+    sync = not capturable
+    check_coefficient(lr, "lr", sync=sync)
     options = check_decay_options(
         p, weight_decay, ordinary_weight_decay=ordinary_weight_decay, convention=convention, band=band,
         p0_mode=p0_mode, steps=steps, coefficients=coefficients, stability=stability, precision=precision,
+        capturable=capturable, sync=sync,
     )
     if convention == "independent":
         if schedule is None:
             raise ValueError("convention='independent' needs schedule= (eta_t: the current lr / the peak lr)")
-        scale = check_coefficient(schedule, "schedule")
+        scale = check_coefficient(schedule, "schedule", sync=sync)
     else:
         scale = lr
-    check_finite(tensors, "W")
+    if sync:
+        check_finite(tensors, "W")
     p, band, spec = options.p, options.band, options.band_spec
     if band is None and not isinstance(weight_decay, torch.Tensor) and weight_decay == 0:
         p = 1  # a zero spectral coefficient: only the ordinary term is left, no spectral math needed
@@ -267,7 +293,7 @@ def spectral_decay_(
     plans = []
     for group in groups.values():
         stack = group[0] if len(group) == 1 else torch.stack(group)
-        clamp = _guarded_scale(stack, p, scale, weight_decay, band, stability)
+        clamp = _guarded_scale(stack, p, scale, weight_decay, band, stability, capturable)
         request = DecayRequest(
             p=p,
             spectral_scale=spectral if clamp is None else spectral * clamp,

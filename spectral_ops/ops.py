@@ -30,9 +30,12 @@ BAND_MODES = ("top", "bot", "top_only", "bot_only", "two_band")
 POWER_METHODS = ("auto", "gram", "svd", "eigh")
 
 
-def _validated(W, name: str = "W") -> torch.Tensor:
+def _validated(W, name: str = "W", capturable: bool = False) -> torch.Tensor:
+    """``capturable``: no host synchronisation, so the finiteness check is skipped (every op takes
+    ``capturable=``; a NaN/Inf input then gives a non-finite result instead of an error)."""
     check_matrix(W, name)
-    check_finite([W], name)
+    if not capturable:
+        check_finite([W], name)
     return W
 
 
@@ -57,7 +60,8 @@ def sign_coefficients(steps=None, method: str = "newton_schulz") -> tuple:
 
 
 @torch.no_grad()
-def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, precision: str | None = None) -> torch.Tensor:
+def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, precision: str | None = None,
+          capturable: bool = False) -> torch.Tensor:
     """Polar Express approximation of ``U V^T`` (SPEC 1.3).
 
     ``W`` is Frobenius-normalised (with margin 1.01) and iterated in its wide orientation.
@@ -65,8 +69,9 @@ def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, preci
     repeated ``steps`` times (e.g. ``coefficients.MUON_QUINTIC``) or a list of triples.
     Singular values below ``1e-3 * ||W||_F`` are only partly lifted towards 1 (the design bound).
     ``precision`` (every op takes it): the operands of the iteration, see :func:`check_precision`.
+    ``capturable=True`` (every op takes it): no host synchronisation, and so no check that ``W`` is finite.
     """
-    _validated(W)
+    _validated(W, capturable=capturable)
     polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
     check_precision(precision)
     if W.numel() == 0:
@@ -76,21 +81,23 @@ def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, preci
 
 @torch.no_grad()
 def msign(A: torch.Tensor, steps: int | None = None, method: str = "newton_schulz", *,
-          precision: str | None = None) -> torch.Tensor:
+          precision: str | None = None, capturable: bool = False) -> torch.Tensor:
     """Matrix sign ``Z diag(sign(xi)) Z^T`` of a symmetric ``A`` without an eigendecomposition.
 
     ``method="newton_schulz"`` iterates ``Z (3I - 16/5 Z^2 + 6/5 Z^4)`` (default 30 steps);
     ``"polar_express"`` uses the Polar Express quintics (default 8). Eigenvalues closer to zero
-    than ``~1e-3 ||A||_F`` are not fully resolved with the default steps.
+    than ``~1e-3 ||A||_F`` are not fully resolved with the default steps. ``capturable=True`` also
+    skips the symmetry check.
     """
-    _validated(A, "A")
+    _validated(A, "A", capturable)
     if A.shape[-1] != A.shape[-2]:
         raise ValueError(f"A must be square (..., r, r), got shape {tuple(A.shape)}")
     coefficients = sign_coefficients(steps, method)
     check_precision(precision)
     if A.numel() == 0:
         return A.clone()
-    _check_symmetric(A)
+    if not capturable:
+        _check_symmetric(A)
     return plan.msign(dispatch.kernels_for("msign", A), A, coefficients, precision)
 
 
@@ -130,24 +137,29 @@ def _auto_method(W: torch.Tensor, p: int) -> str:
 
 @torch.no_grad()
 def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int | None = None,
-                   coefficients=None, precision: str | None = None) -> torch.Tensor:
+                   coefficients=None, precision: str | None = None, capturable: bool = False) -> torch.Tensor:
     """``S_p(W) = U diag(s^p) V^T`` for an integer ``p >= 0`` (SPEC 1.1-1.2).
 
     ``method="gram"``: the SVD-free route (odd ``p``: ``W G^k``; even: ``Q G^k``; ``G`` the
     smaller Gram, powers by repeated squaring, ``G`` shared with the first Polar Express step).
     ``"svd"``: a thin SVD in the compute dtype. ``"eigh"``: an eigendecomposition of the Gram
     (accurate for ``p >= 1``; for ``p = 0`` it loses the modes below ``sqrt(eps) s_max``).
-    ``"auto"``: the fastest accurate one for the device, dtype and shape. ``steps``/``coefficients`` configure the polar factor as in :func:`polar`.
+    ``"auto"``: the fastest accurate one for the device, dtype and shape. ``steps``/``coefficients``
+    configure the polar factor as in :func:`polar`. ``capturable=True`` needs ``"gram"`` (``"auto"``
+    means it then): the factorisations report errors to the host.
     """
-    _validated(W)
+    _validated(W, capturable=capturable)
     p = check_power(p)
     check_choice(method, "method", POWER_METHODS)
+    if capturable and method in ("svd", "eigh"):
+        raise ValueError(f"method={method!r} synchronises with the host (LAPACK/cuSOLVER report to it); "
+                         "capturable=True needs method='gram' or 'auto'")
     polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
     check_precision(precision)
     if W.numel() == 0:
         return W.clone()
     if method == "auto":
-        method = _auto_method(W, p)
+        method = "gram" if capturable else _auto_method(W, p)
     # The factorisations run in float64 for "fp64" and in the compute dtype otherwise.
     factor_dtype = torch.float64 if precision == "fp64" else compute_dtype(W.dtype)
     if method == "svd":
@@ -157,21 +169,21 @@ def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int 
     return plan.spectral_power(dispatch.kernels_for("spectral_power", W), W, p, polar_c, precision)
 
 
-def _check_tau(tau, name: str = "tau"):
-    return check_coefficient(tau, name, positive=True)
+def _check_tau(tau, name: str = "tau", sync: bool = True):
+    return check_coefficient(tau, name, positive=True, sync=sync)
 
 
 @torch.no_grad()
 def band_projectors(W: torch.Tensor, tau, steps: int | None = None, method: str = "polar_express", *,
-                    precision: str | None = None):
+                    precision: str | None = None, capturable: bool = False):
     """``(P_top, P_bot)``: projectors onto the singular directions with ``s > tau`` / ``s < tau``.
 
     They live on the small side: ``n x n`` right projectors (``W @ P``) for ``m >= n``, ``m x m``
     left projectors (``P @ W``) for ``m < n``. Built from ``msign(G - tau^2 I)`` with ``steps``
     sign iterations of ``method``; accuracy depends on the gap of ``s^2`` around ``tau^2``.
     """
-    _validated(W)
-    _check_tau(tau)
+    _validated(W, capturable=capturable)
+    _check_tau(tau, sync=not capturable)
     coefficients = sign_coefficients(steps, method)
     check_precision(precision)
     if W.numel() == 0:
@@ -181,16 +193,18 @@ def band_projectors(W: torch.Tensor, tau, steps: int | None = None, method: str 
     return plan.band_projectors(dispatch.kernels_for("band_projectors", W), W, tau, coefficients, precision)
 
 
-def band_spec(tau, mode: str = "top", *, p_bot: int = 1, lambda_top=1.0, lambda_bot=1.0) -> BandSpec:
-    """Validate a band rule (shared by :func:`band_direction` and :func:`spectral_decay_`)."""
-    _check_tau(tau)
+def band_spec(tau, mode: str = "top", *, p_bot: int = 1, lambda_top=1.0, lambda_bot=1.0,
+              sync: bool = True) -> BandSpec:
+    """Validate a band rule (shared by :func:`band_direction` and :func:`spectral_decay_`); ``sync``
+    as in :func:`~spectral_ops._checks.check_coefficient`."""
+    _check_tau(tau, sync=sync)
     check_choice(mode, "mode", BAND_MODES)
     return BandSpec(
         tau=tau,
         mode=mode,
         p_bot=check_power(p_bot, "p_bot"),
-        lambda_top=check_coefficient(lambda_top, "lambda_top"),
-        lambda_bot=check_coefficient(lambda_bot, "lambda_bot"),
+        lambda_top=check_coefficient(lambda_top, "lambda_top", sync=sync),
+        lambda_bot=check_coefficient(lambda_bot, "lambda_bot", sync=sync),
     )
 
 
@@ -198,7 +212,7 @@ def band_spec(tau, mode: str = "top", *, p_bot: int = 1, lambda_top=1.0, lambda_
 def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: int = 1,
                    lambda_top=1.0, lambda_bot=1.0, steps: int | None = None,
                    sign_steps: int | None = None, sign_method: str = "polar_express",
-                   precision: str | None = None) -> torch.Tensor:
+                   precision: str | None = None, capturable: bool = False) -> torch.Tensor:
     """A band-selective decay direction (SPEC 1.4), with ``P_top``/``P_bot`` split at ``tau``.
 
     ========== ================================================
@@ -209,9 +223,9 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
     ``two_band`` ``lambda_top S_p(W) P_top + lambda_bot S_{p_bot}(W) P_bot``
     ========== ================================================
     """
-    _validated(W)
+    _validated(W, capturable=capturable)
     p = check_power(p)
-    band = band_spec(tau, mode, p_bot=p_bot, lambda_top=lambda_top, lambda_bot=lambda_bot)
+    band = band_spec(tau, mode, p_bot=p_bot, lambda_top=lambda_top, lambda_bot=lambda_bot, sync=not capturable)
     polar_c = resolve_polar_coefficients(check_steps(steps), None)
     sign_c = sign_coefficients(sign_steps, sign_method)
     check_precision(precision)
@@ -222,15 +236,16 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
 
 @torch.no_grad()
 def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None = None,
-        sign_method: str = "polar_express", precision: str | None = None) -> torch.Tensor:
+        sign_method: str = "polar_express", precision: str | None = None,
+        capturable: bool = False) -> torch.Tensor:
     """Singular-value soft-thresholding ``U (S - t)_+ V^T = (W - t Q) P_top(t)``, without an SVD.
 
     Exact in exact arithmetic; numerically limited by the polar factor's design bound and by the
     gap of the singular values around ``t`` (as for :func:`band_projectors`): a mode the sign steps
     do not resolve comes out as ``pi (s - t)`` with ``pi`` in [0, 1], an error of at most ``|s - t|``.
     """
-    _validated(W)
-    check_coefficient(t, "t", positive=True)
+    _validated(W, capturable=capturable)
+    check_coefficient(t, "t", positive=True, sync=not capturable)
     polar_c = resolve_polar_coefficients(check_steps(steps), None)
     sign_c = sign_coefficients(sign_steps, sign_method)
     check_precision(precision)
@@ -240,13 +255,13 @@ def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None 
 
 
 @torch.no_grad()
-def spectral_norm_bounds(W: torch.Tensor, squarings: int = 3):
+def spectral_norm_bounds(W: torch.Tensor, squarings: int = 3, *, capturable: bool = False):
     """Per-matrix ``(lower, upper)`` bounds on the largest singular value, without an SVD.
 
     From ``||G^(2^j)||_F`` after ``squarings`` squarings of the Gram; ``upper / lower`` is at most
     ``r^(1 / 2^(squarings + 2))`` (1.3 for ``r = 4096`` with the default 3).
     """
-    _validated(W)
+    _validated(W, capturable=capturable)
     if isinstance(squarings, bool) or not isinstance(squarings, int) or squarings < 0:
         raise ValueError(f"squarings must be an integer >= 0, got {squarings!r}")
     if W.numel() == 0:

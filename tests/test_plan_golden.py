@@ -4,12 +4,8 @@
 the torch backend. They were recorded before the algorithm moved into ``spectral_ops.plan`` and
 matched bit for bit after it; they were recorded again when [precision] changed the arithmetic on
 purpose (products with BLAS epilogues, bf16 weights iterating in bf16). ``python
-tests/test_plan_golden.py`` records them again after such a deliberate change.
-
-Bitwise equality is only meaningful on the same torch build and CPU kernels: matmul results depend
-on the instruction set torch's BLAS picks. Elsewhere the comparison falls back to a few units of
-roundoff of the op's compute dtype, which still catches any change of the algorithm (those are
-O(1) or at least O(sqrt(eps)) off), though not a change of summation order.
+tests/test_plan_golden.py`` records them again after such a deliberate change. How they are
+compared: ``tests/golden.py``.
 """
 
 from __future__ import annotations
@@ -20,15 +16,12 @@ import pytest
 import torch
 
 import spectral_ops as so
+from golden import assert_matches, environment
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum
 
 GOLDEN = Path(__file__).with_name("data") / "torch_golden.pt"
 DTYPES = (torch.float64, torch.float32, torch.bfloat16)
 SHAPES = {"tall": (2, 12, 8), "wide": (8, 12), "square": (10, 10)}
-
-
-def environment() -> dict:
-    return {"torch": str(torch.__version__), "cpu": torch.backends.cpu.get_cpu_capability()}
 
 
 def _decayed(W, *args, **kwargs):
@@ -86,18 +79,9 @@ def golden():
 
 @pytest.mark.parametrize("name, thunk", list(cases()), ids=[name for name, _ in cases()])
 def test_torch_backend_results_are_unchanged(golden, name, thunk):
-    expected = golden["results"][name]
     with so.use_backend("torch"):
         got = thunk()
-    assert got.dtype == expected.dtype and got.shape == expected.shape
-    if golden["environment"] == environment():
-        assert torch.equal(got, expected)
-    else:
-        # A few units of roundoff of the compute dtype, relative to the result's largest entry.
-        eps = torch.finfo(torch.float64 if expected.dtype == torch.float64 else torch.float32).eps
-        rounding = 0.0 if expected.dtype in (torch.float64, torch.float32) else torch.finfo(expected.dtype).eps
-        scale = expected.double().abs().max().clamp_min(1e-30)
-        assert (got.double() - expected.double()).abs().max() <= (64 * eps + rounding) * scale
+    assert_matches(got, golden["results"][name], golden["environment"])
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ DECAY_DEFAULTS = {
     "stability": "raise",
     "polar_steps": None,
     "decay_precision": None,
+    "capturable": False,
 }
 
 
@@ -35,6 +36,25 @@ def is_zero(value) -> bool:
 def scalar(value) -> float:
     """A Python number from a float or a 0-d tensor (torch's optimizers do the same)."""
     return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def step_scalar(value, group: dict):
+    """A coefficient as a step uses it: read on the host, unless the group is capturable, where a 0-d
+    tensor stays on the device (a scheduler may change it inside a captured graph)."""
+    return value if group["capturable"] else scalar(value)
+
+
+def add_scaled_(target: torch.Tensor, update: torch.Tensor, scale) -> None:
+    """``target -= scale * update``, for a Python or a 0-d tensor ``scale`` (without reading it)."""
+    if isinstance(scale, torch.Tensor):
+        target.addcmul_(update, scale, value=-1)
+    else:
+        target.add_(update, alpha=-scale)
+
+
+def detached_peak(lr):
+    """The peak lr to remember: a tensor lr is copied, since schedulers change it in place."""
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
 
 def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> None:
@@ -49,10 +69,22 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> None:
         steps=group["polar_steps"],
         stability=group["stability"],
         precision=group["decay_precision"],
+        capturable=group["capturable"],
     )
     for param in group["params"]:
         if param.ndim > 2 and not param.is_contiguous():
             raise ValueError(f"a {param.ndim}-d parameter must be contiguous to be decayed as a matrix view")
+
+
+def check_on_parameter_device(group: dict, keys) -> None:
+    """A capturable group's tensor hyper-parameters live on its parameters' device: a GPU step that
+    reads a CPU tensor copies it from the host, which a captured graph cannot replay."""
+    devices = {param.device for param in group["params"]}
+    for key in keys:
+        value = group.get(key)
+        if isinstance(value, torch.Tensor) and devices - {value.device}:
+            raise ValueError(f"capturable=True: {key} is a tensor on {value.device} but the parameters are on "
+                             f"{', '.join(sorted(map(str, devices)))}; create it on their device")
 
 
 def schedule_multiplier(lr, peak_lr):
@@ -87,11 +119,12 @@ def decay_parameters(params, group: dict, *, lr, peak_lr, spectral, ordinary) ->
             steps=group["polar_steps"],
             stability=group["stability"],
             precision=group["decay_precision"],
+            capturable=group["capturable"],
         )
-    if not is_zero(ordinary):
+    vectors = [p for p in params if p.ndim < 2]
+    if vectors and not is_zero(ordinary):
         scale = lr if schedule is None else schedule
-        for vector in (p for p in params if p.ndim < 2):
-            vector.mul_(1 - scale * ordinary)
+        torch._foreach_mul_(vectors, 1 - scale * ordinary)
 
 
 class SpectralOptimizer(Optimizer):
@@ -115,11 +148,15 @@ class SpectralOptimizer(Optimizer):
             raise
         # Unless the group names its peak_lr, the lr it starts with is the peak of the independent
         # convention (eta_t = lr / peak_lr); an LR scheduler's initial_lr takes precedence once it exists.
-        group.setdefault("peak_lr", group["lr"])
+        group.setdefault("peak_lr", detached_peak(group["lr"]))
 
     def check_group(self, group: dict) -> None:
+        if not isinstance(group["capturable"], bool):
+            raise TypeError(f"capturable must be True or False, got {group['capturable']!r}")
         check_coefficient(group["lr"], "lr")
         check_decay_group(group, spectral=self.spectral_key, ordinary=self.ordinary_key)
+        if group["capturable"]:
+            check_on_parameter_device(group, ("lr", self.spectral_key, self.ordinary_key, "peak_lr"))
 
     def decay_group(self, params, group: dict) -> None:
         decay_parameters(

@@ -10,25 +10,51 @@ from ._decay import DECAY_DEFAULTS, SpectralOptimizer, scalar
 
 @torch.no_grad()
 def adam_update_(params, group: dict, state) -> None:
-    """One Adam step (no weight decay), operation for operation as torch's single-tensor AdamW."""
+    """One Adam step (no weight decay) for a group, with torch's multi-tensor (``_foreach``) ops.
+
+    Eager (``capturable=False``): operation for operation as torch's AdamW, the bias corrections
+    computed on the host from a CPU step count. ``capturable=True``: the step counts live on the
+    parameters' device and the bias corrections are device tensors, as in torch's capturable Adam,
+    so nothing is read back; ``lr`` may be a 0-d device tensor.
+    """
     beta1, beta2 = group["betas"]
-    lr, eps = scalar(group["lr"]), group["eps"]
+    eps, capturable = group["eps"], group["capturable"]
     for param in params:
-        grad = param.grad
         param_state = state[param]
         if not param_state:
-            param_state["step"] = torch.tensor(0.0)
+            param_state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if capturable else "cpu")
             param_state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             param_state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        param_state["step"] += 1
-        exp_avg, exp_avg_sq = param_state["exp_avg"], param_state["exp_avg_sq"]
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        step = param_state["step"].item()
-        bias_correction1 = 1 - beta1**step
-        bias_correction2 = 1 - beta2**step
-        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        elif capturable and param_state["step"].device != param.device:  # capturable switched on later
+            param_state["step"] = param_state["step"].to(param.device)
+    grads = [param.grad for param in params]
+    steps = [state[param]["step"] for param in params]
+    exp_avgs = [state[param]["exp_avg"] for param in params]
+    exp_avg_sqs = [state[param]["exp_avg_sq"] for param in params]
+    torch._foreach_add_(steps, 1)
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    if capturable:
+        lr = group["lr"]
+        # -lr / (1 - beta1^t) and sqrt(1 - beta2^t), all on the device.
+        bias_correction1 = torch._foreach_neg(torch._foreach_sub(torch._foreach_pow(beta1, steps), 1))
+        bias_correction2 = torch._foreach_neg(torch._foreach_sub(torch._foreach_pow(beta2, steps), 1))
+        step_size = torch._foreach_div(bias_correction1, lr)
+        torch._foreach_reciprocal_(step_size)
+        torch._foreach_neg_(step_size)
+        # (sqrt(v) / sqrt(bc2) + eps) / (-step_size), folded so that addcdiv needs no scalar.
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, torch._foreach_mul(torch._foreach_sqrt(bias_correction2), step_size))
+        torch._foreach_add_(denom, torch._foreach_reciprocal(torch._foreach_div(step_size, eps)))
+        torch._foreach_addcdiv_(params, exp_avgs, denom)
+        return
+    lr = scalar(group["lr"])
+    counts = [step.item() for step in steps]
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, [(1 - beta2**count) ** 0.5 for count in counts])
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / (1 - beta1**count) for count in counts])
 
 
 def check_adam_options(group: dict) -> None:
@@ -48,15 +74,19 @@ class SpectralAdamW(SpectralOptimizer):
     (``"independent"``; ``peak_lr`` is a group key, by default the lr the group starts with, and an LR
     scheduler's ``initial_lr`` takes precedence over it).
     With ``p = 1`` it is torch's AdamW. Every option can be set per parameter group.
+
+    ``capturable=True`` (torch's name): no host synchronisation after the first step, so the step
+    can be captured in a CUDA graph or compiled; lr and the coefficients may be 0-d device tensors
+    that a scheduler changes in place. See the README, "Capturable steps".
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, p=1,
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
-                 stability="raise", polar_steps=None, decay_precision=None):
+                 stability="raise", polar_steps=None, decay_precision=None, capturable=False):
         defaults = dict(DECAY_DEFAULTS, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, p=p,
                         spectral_weight_decay=spectral_weight_decay, convention=convention, band=band,
                         p0_mode=p0_mode, stability=stability, polar_steps=polar_steps,
-                        decay_precision=decay_precision)
+                        decay_precision=decay_precision, capturable=capturable)
         super().__init__(params, defaults)
 
     def check_group(self, group: dict) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..decay import renamed_spectral_coefficient
-from ._decay import DECAY_DEFAULTS, SpectralOptimizer, decay_parameters
+from ._decay import DECAY_DEFAULTS, SpectralOptimizer, decay_parameters, detached_peak
 
 # SpectralDecay once called lambda_p ``weight_decay``, the name of lambda_1 everywhere else.
 DEPRECATED_SPECTRAL_KEY = "weight_decay"
@@ -31,6 +31,9 @@ class SpectralDecay(SpectralOptimizer):
     """Decay only: ``spectral_weight_decay`` is the spectral coefficient ``lambda_p`` (default 0) and
     ``ordinary_weight_decay`` the ordinary ``lambda_1``; every option can be set per group.
 
+    ``capturable=True``: as in :class:`SpectralAdamW`; attached, the host optimizer's lr is used as
+    it is (a 0-d tensor stays on the device), so the host should be capturable too.
+
     ``weight_decay`` (an argument or a group key) is a deprecated alias of ``spectral_weight_decay``.
     """
 
@@ -38,7 +41,7 @@ class SpectralDecay(SpectralOptimizer):
 
     def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
                  band=None, p0_mode="explicit", stability="raise", polar_steps=None, decay_precision=None, lr=None,
-                 weight_decay=None):
+                 capturable=False, weight_decay=None):
         spectral_weight_decay = renamed_spectral_coefficient("SpectralDecay", spectral_weight_decay, weight_decay,
                                                              stacklevel=2)
         if not isinstance(params, torch.Tensor):  # torch's own check refuses a bare tensor
@@ -50,7 +53,7 @@ class SpectralDecay(SpectralOptimizer):
                     params[index] = _without_deprecated_key(group, stacklevel=2)
         defaults = dict(DECAY_DEFAULTS, p=p, ordinary_weight_decay=ordinary_weight_decay, convention=convention,
                         band=band, p0_mode=p0_mode, stability=stability, polar_steps=polar_steps,
-                        decay_precision=decay_precision, lr=lr)
+                        decay_precision=decay_precision, lr=lr, capturable=capturable)
         if spectral_weight_decay is not None:
             defaults["spectral_weight_decay"] = spectral_weight_decay
         super().__init__(params, defaults)
@@ -76,7 +79,7 @@ class SpectralDecay(SpectralOptimizer):
         if self._hook is not None:
             raise RuntimeError("this SpectralDecay is already attached; call detach() first")
         # The host's starting lr per group is its peak (unless an LR scheduler records initial_lr).
-        self._host_peak_lr = {id(group): group["lr"] for group in optimizer.param_groups}
+        self._host_peak_lr = {id(group): detached_peak(group["lr"]) for group in optimizer.param_groups}
         self._hook = optimizer.register_step_pre_hook(self._before_host_step)
         return self
 

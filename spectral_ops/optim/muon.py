@@ -16,7 +16,7 @@ import torch
 from .._checks import check_choice, check_steps
 from ..coefficients import polar_express_coefficients, resolve_polar_coefficients, without_normalization_margin
 from ..ops import check_precision, polar
-from ._decay import DECAY_DEFAULTS, SpectralOptimizer, matrix_view, scalar
+from ._decay import DECAY_DEFAULTS, SpectralOptimizer, add_scaled_, matrix_view, scalar, step_scalar
 from .adamw import adam_update_, check_adam_options
 
 ALGORITHMS = ("muon", "adamw")
@@ -70,21 +70,24 @@ class SpectralMuon(SpectralOptimizer):
       :class:`SpectralAdamW`. Decay uses the unadjusted lr, as torch.optim.Muon does;
     * ``precision``: the operands of the orthogonalisation, ``"bf16"`` by default as in
       torch.optim.Muon (fp32 accumulation); ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"fp64"`` or None (the
-      op default: follow the update's dtype and ``torch.get_float32_matmul_precision()``).
+      op default: follow the update's dtype and ``torch.get_float32_matmul_precision()``);
+    * ``capturable``: as in :class:`SpectralAdamW` (the polar factor is then not checked for a
+      finite momentum on the host).
     """
 
     def __init__(self, params, lr=1e-3, momentum=0.95, nesterov=True, ns_coefficients=None, ns_steps=None,
                  adjust_lr_fn="match_rms_adamw", weight_decay=0.1, p=1, spectral_weight_decay=0.0,
                  convention="decoupled", band=None, p0_mode="explicit", stability="raise", polar_steps=None,
                  decay_precision=None, precision="bf16",
-                 heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8):
+                 heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8,
+                 capturable=False):
         defaults = dict(DECAY_DEFAULTS, lr=lr, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,
                         polar_steps=polar_steps, decay_precision=decay_precision, precision=precision,
                         heads=heads, splits=splits, recipe=recipe,
-                        algorithm=algorithm, betas=betas, eps=eps)
+                        algorithm=algorithm, betas=betas, eps=eps, capturable=capturable)
         super().__init__(params, defaults)
 
     def check_group(self, group: dict) -> None:
@@ -134,12 +137,12 @@ class SpectralMuon(SpectralOptimizer):
         updates = [self._momentum_update(param, group) for param in params]
         directions = self._orthogonalize(updates, group)
         self.decay_group([block for param in params for block in self._decay_blocks(param, group)], group)
-        lr = scalar(group["lr"])
+        lr = step_scalar(group["lr"], group)
         for param, direction in zip(params, directions):
             target = matrix_view(param)
             for start, size, _ in row_blocks(target.shape[0], group):
                 scale = adjusted_lr(lr, group["adjust_lr_fn"], (size, target.shape[1]))
-                target[start:start + size].add_(direction[start:start + size], alpha=-scale)
+                add_scaled_(target[start:start + size], direction[start:start + size], scale)
 
     def _momentum_update(self, param, group) -> torch.Tensor:
         """Nesterov (or plain) momentum exactly as torch.optim.Muon: an EMA buffer, then a lerp."""
@@ -172,7 +175,7 @@ class SpectralMuon(SpectralOptimizer):
                                         direction[start:start + size].view(shape)))
         for pairs in jobs.values():
             batch = torch.cat([source for source, _ in pairs])
-            for (_, destination), result in zip(pairs, polar(batch, coefficients=coefficients, precision=precision).split(
-                    [source.shape[0] for source, _ in pairs])):
+            result = polar(batch, coefficients=coefficients, precision=precision, capturable=group["capturable"])
+            for (_, destination), result in zip(pairs, result.split([source.shape[0] for source, _ in pairs])):
                 destination.copy_(result)
         return directions

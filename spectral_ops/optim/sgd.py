@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._decay import DECAY_DEFAULTS, SpectralOptimizer, scalar
+from ._decay import DECAY_DEFAULTS, SpectralOptimizer, add_scaled_, scalar, step_scalar
 
 
 class SpectralSGD(SpectralOptimizer):
@@ -10,15 +10,16 @@ class SpectralSGD(SpectralOptimizer):
 
     Unlike torch's SGD, ``weight_decay`` here is *decoupled* (``lambda_1 W`` is subtracted from the
     weights, scaled by the lr, not added to the gradient and fed through the momentum).
+    ``capturable=True``: as in :class:`SpectralAdamW`.
     """
 
     def __init__(self, params, lr=1e-3, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0, p=1,
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
-                 stability="raise", polar_steps=None, decay_precision=None):
+                 stability="raise", polar_steps=None, decay_precision=None, capturable=False):
         defaults = dict(DECAY_DEFAULTS, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,
-                        polar_steps=polar_steps, decay_precision=decay_precision)
+                        polar_steps=polar_steps, decay_precision=decay_precision, capturable=capturable)
         super().__init__(params, defaults)
 
     def check_group(self, group: dict) -> None:
@@ -30,7 +31,7 @@ class SpectralSGD(SpectralOptimizer):
 
     def step_group(self, params, group: dict) -> None:
         self.decay_group(params, group)
-        momentum, lr = group["momentum"], scalar(group["lr"])
+        momentum, lr = group["momentum"], step_scalar(group["lr"], group)
         for param in params:
             direction = param.grad
             if momentum != 0:
@@ -41,4 +42,4 @@ class SpectralSGD(SpectralOptimizer):
                     state["momentum_buffer"].mul_(momentum).add_(direction, alpha=1 - group["dampening"])
                 buffer = state["momentum_buffer"]
                 direction = direction.add(buffer, alpha=momentum) if group["nesterov"] else buffer
-            param.add_(direction, alpha=-lr)
+            add_scaled_(param, direction, lr)

@@ -1,0 +1,158 @@
+"""``capturable=True``: after one warm-up step, an optimizer step never synchronises with the host.
+
+On CPU there is no device to wait for, so a synchronisation is detected where it would happen: every
+tensor method that reads a value back to Python (``item``, ``tolist``, ``bool``, ``float``,
+``int``, ``nonzero``) is replaced by one that raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import spectral_ops as so
+from optim_models import batch, tiny_model
+from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero")
+
+
+@contextlib.contextmanager
+def host_reads_forbidden():
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def forbidden(name):
+        def read(*args, **kwargs):
+            raise AssertionError(f"Tensor.{name} synchronises with the host in a capturable step")
+        return read
+
+    try:
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, forbidden(name))
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+def gradients(model, step):
+    inputs, targets = batch(step)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+
+
+def _muon(model, **options):
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    return SpectralMuon([{"params": matrices}, {"params": vectors, "algorithm": "adamw", "weight_decay": 0.0}],
+                        capturable=True, **options)
+
+
+def _attached(model, **options):
+    host = torch.optim.SGD(model.parameters(), lr=options.pop("lr"))
+    SpectralDecay([p for p in model.parameters() if p.ndim == 2], capturable=True, **options).attach(host)
+    return host
+
+
+FAMILY = {
+    "adamw": lambda m, **o: SpectralAdamW(m.parameters(), capturable=True, weight_decay=0.1, **o),
+    "sgd": lambda m, **o: SpectralSGD(m.parameters(), capturable=True, momentum=0.9, weight_decay=0.1, **o),
+    "muon": _muon,
+    "muon-heads": lambda m, **o: _muon(m, heads=2, **o),
+    "decay": lambda m, **o: SpectralDecay(m.parameters(), capturable=True, **o),
+    "decay-attached": _attached,
+}
+OPTIONS = {
+    "p0": {"p": 0, "spectral_weight_decay": 0.5},
+    "p2": {"p": 2, "spectral_weight_decay": 0.5, "stability": "clamp"},
+    "band": {"p": 2, "spectral_weight_decay": 0.5, "stability": "clamp", "band": so.Band(0.5)},
+    "independent": {"p": 2, "spectral_weight_decay": 0.5, "stability": "ignore", "convention": "independent"},
+}
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True], ids=["float-lr", "tensor-lr"])
+@pytest.mark.parametrize("options", OPTIONS, ids=list(OPTIONS))
+@pytest.mark.parametrize("name", FAMILY)
+def test_a_capturable_step_reads_nothing_back(name, options, tensor_lr):
+    model = tiny_model()
+    lr = torch.tensor(1e-2) if tensor_lr else 1e-2
+    optimizer = FAMILY[name](model, lr=lr, **OPTIONS[options])
+    gradients(model, 0)
+    optimizer.step()  # the first step may validate, allocate state and self-check
+    before = [p.detach().clone() for p in model.parameters()]
+    gradients(model, 1)
+    with host_reads_forbidden():
+        optimizer.step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("read", [lambda t: t.item(), lambda t: bool(t), lambda t: float(t), lambda t: int(t),
+                                  lambda t: t.tolist(), lambda t: t.nonzero()])
+def test_the_detector_catches_every_host_read(read):
+    with host_reads_forbidden(), pytest.raises(AssertionError, match="synchronises"):
+        read(torch.tensor(1.0))
+
+
+def test_the_detector_catches_an_eager_step():
+    model = tiny_model()
+    optimizer = SpectralAdamW(model.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5)
+    gradients(model, 0)
+    optimizer.step()
+    gradients(model, 1)
+    with host_reads_forbidden(), pytest.raises(AssertionError, match="synchronises"):
+        optimizer.step()
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: SpectralAdamW(params, capturable=True, p=2, spectral_weight_decay=0.5, stability="raise"),
+    lambda params: SpectralSGD(params, capturable=True, p=3, spectral_weight_decay=0.5, stability="warn"),
+    lambda params: SpectralMuon(params, capturable=True, p=2, spectral_weight_decay=0.5),  # "raise" by default
+    lambda params: SpectralDecay(params, capturable=True, p=2, spectral_weight_decay=0.5),
+], ids=["adamw", "sgd", "muon", "decay"])
+def test_host_side_stability_policies_are_refused_at_construction(make):
+    with pytest.raises(ValueError, match="capturable=True forbids; pass stability='clamp'"):
+        make([torch.nn.Parameter(torch.randn(4, 4))])
+
+
+def test_the_guard_is_irrelevant_without_a_power_above_one():
+    SpectralAdamW([torch.nn.Parameter(torch.randn(4, 4))], capturable=True, p=1, weight_decay=0.1)
+    SpectralAdamW([torch.nn.Parameter(torch.randn(4, 4))], capturable=True, p=0, spectral_weight_decay=0.1)
+
+
+def test_a_tensor_coefficient_must_live_on_the_parameters_device():
+    meta = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+    with pytest.raises(ValueError, match="lr is a tensor on cpu but the parameters are on meta"):
+        SpectralAdamW([meta], capturable=True, lr=torch.tensor(1e-2))
+
+
+@pytest.mark.parametrize("name", [name for name in FAMILY if name != "decay-attached"])  # no groups of its own
+def test_capturable_steps_match_eager_ones(name):
+    # Same arithmetic in another order (device bias corrections, a clamp factor of exactly 1.0): fp32
+    # roundoff per step, ~1e-7 relative on weights of size ~1 after 3 steps of size ~lr.
+    options = {"p": 2, "spectral_weight_decay": 0.5, "stability": "clamp"}
+    eager_model, capturable_model = tiny_model(), tiny_model()
+    eager = FAMILY[name](eager_model, lr=1e-2, **options)
+    for group in eager.param_groups:
+        group["capturable"] = False
+    capturable = FAMILY[name](capturable_model, lr=1e-2, **options)
+    for step in range(3):
+        for model, optimizer in ((eager_model, eager), (capturable_model, capturable)):
+            gradients(model, step)
+            optimizer.step()
+    for a, b in zip(eager_model.parameters(), capturable_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_a_tensor_lr_changed_in_place_takes_effect(capturable):
+    W = torch.nn.Parameter(torch.eye(3))
+    lr = torch.tensor(0.1)
+    optimizer = SpectralSGD([W], lr=lr, momentum=0.0, capturable=capturable)
+    W.grad = torch.ones(3, 3)
+    optimizer.step()
+    lr.fill_(0.5)  # what a scheduler does to a tensor lr
+    optimizer.step()
+    torch.testing.assert_close(W.detach(), torch.eye(3) - 0.6, rtol=0, atol=1e-7)
