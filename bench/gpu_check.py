@@ -1,35 +1,77 @@
 """Validate and time every GPU kernel and op against the PyTorch reference, in one command.
 
-    python bench/gpu_check.py                      # GPU: full sizes, fp32/bf16/fp16 (< 8 min on one H200)
+    timeout 540 python bench/gpu_check.py --out docs/results/gpu/$(date +%F)   # GPU: 8 minutes at most
     python bench/gpu_check.py --only syrk,decay    # cases whose name contains one of these
     python bench/gpu_check.py --dry-run            # CPU: Triton interpreter, tiny shapes (what the tests run)
-    python bench/gpu_check.py --compile-only sm80,sm90   # no GPU: compile every variant for those targets
+    python bench/gpu_check.py --compile-only sm80,sm90   # no GPU: resources of every kernel for those targets
 
-Each case runs the kernel (or backend op) on batched, odd, tall and wide inputs, checks it against
-its reference (relative Frobenius error within the dtype's tolerance), then times it and its
-baseline -- the torch call it replaces -- with CUDA events (median of several runs). It prints a
-markdown table, writes JSON (``--json``, default ``bench/gpu_check.json``) and exits 1 if any
-case fails its check. Timings are measurements of this machine, never assertions.
+It starts from a bare checkout (no install, no registry): it imports the package from the checkout and,
+where ``spectral_ops._C`` is not built, builds it with CMake for the GPU's architecture first.
 
-``--compile-only`` needs no GPU: it runs every case on CPU tensors with Triton's launcher replaced
-by a recorder, then compiles each distinct kernel specialisation it saw for the named targets and
-reports shared memory, registers and spill bytes (from the bundled ``ptxas``). It exits 1 if a
+Order. A GPU may be lent for as little as 15 minutes, so the run is ordered by what matters most
+should it be cut short:
+
+1. check: every case -- the Triton and CUDA kernels, the plan's ops on each backend -- at each of its
+   shapes (batched, odd, tall, wide, model-sized) and dtypes, against its reference (relative
+   Frobenius error within the dtype's tolerance), untimed. CUDA cases come first: their kernels were
+   compiled at build time, while each Triton specialisation JIT-compiles at its first launch (~120 of
+   them, about a second each). This phase therefore holds all compile and warm-up time.
+2. headline timings: the p = 2 decay at 4096x4096, 16384x4096 and 96 heads of 128x768, in bf16 and
+   fp32, on Triton, on CUDA and wherever dispatch sends it; SYRK at 4096; a 4096^3 matmul as the
+   yardstick; ``SpectralMuon`` against ``torch.optim.Muon`` (both orthogonalise in bf16); and a
+   capturable ``SpectralAdamW`` step captured in a CUDA graph, replayed and compared with eager steps
+   from the same start (last: a failed capture must not disturb the timings before it).
+3. every other timing.
+
+A timing is the median of CUDA-event-timed runs after one warm-up run (3 to 20 runs, about 200 ms of
+them), against its baseline -- the torch call it replaces -- and only for a case whose check passed.
+Timings are measurements of this machine, never assertions.
+
+Time limits. ``--budget-s`` (default 420 s, build included) bounds the run: no check starts after 55%
+of it, no headline timing after 80%, nothing after 100%; a case not started is reported as skipped.
+Each case runs under its own limit (120 s for a check, 30 s for a timing, 90 s for the optimizer
+cases; less if less of the budget is left): ``SIGALRM`` raises :class:`CaseTimeout` in the next Python
+bytecode, the case is reported as timed out, and the run moves on. Timing loops also stop sampling
+before the limit, so a slow case reports fewer runs rather than none. A signal cannot interrupt a
+blocking call, though: a hung kernel, or a synchronisation waiting for one, hangs the run. The report
+is rewritten after every case, so run the check under ``timeout``: the files keep everything before
+the hang, and the last progress line without an ending names the hung case.
+
+Expected on one H200 (an estimate: nothing has run on one yet): under a minute to build ``_C``, about
+three for the checks, one or two for the headline timings, the rest of the budget for the other
+timings. The budget caps it: 420 s plus Python's start-up and the report, about 8 minutes at most,
+unless a kernel hangs (hence ``timeout 540`` above).
+
+Every row has a ``status`` -- ok, failed, skipped (with the reason) or timed out (with the limit) --
+and ``ok``: true, false, or null for skipped and timed out, which are no verdict. The markdown table
+(``--out DIR``: ``DIR/gpu_check.md``) and the JSON (``--json``, default ``bench/gpu_check.json``, or
+``DIR/gpu_check.json``) hold one row per case, shape and dtype in each phase, the time each phase
+took and the counts per status. The exit status is 1 if any case failed, else 0 (the summary line
+still counts the timed-out and skipped ones).
+
+``--compile-only`` needs no GPU: it runs the Triton cases on CPU tensors with Triton's launcher
+replaced by a recorder, compiles each distinct kernel specialisation it saw for the named targets
+and reports shared memory, registers and spill bytes (from the bundled ``ptxas``). It exits 1 if a
 variant fails to compile or needs more shared memory than the target has. It relies on Triton's
 launcher internals (``JITFunction.run``, checked against triton 3.7).
 
-Cases live in ``REGISTRY``: ``(name, backend, fn, reference)`` plus inputs, shapes and, optionally,
-a separate timing baseline. The CUDA extension's kernels are added with :func:`register` like the
-Triton ones below.
+Cases live in ``REGISTRY`` (:class:`Case`: a function, its reference, inputs, shapes, dtypes and
+which shapes are headline timings); the CUDA extension's cases (``bench/cuda_cases.py``) are
+registered like the Triton ones below. The optimizer cases and the yardstick are
+:func:`special_tasks`.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib.util
 import json
 import math
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -41,16 +83,21 @@ from typing import Callable
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", "--interpret", dest="dry_run", action="store_true",
-                        help="CPU tensors under TRITON_INTERPRET=1, tiny shapes, fp32/fp16, one timing run")
+                        help="CPU tensors under TRITON_INTERPRET=1, tiny shapes, fp32/fp16, one timing run; "
+                             "cases that need CUDA are reported as skipped")
     parser.add_argument("--json", type=Path, default=Path(__file__).with_suffix(".json"), help="where to write results")
     parser.add_argument("--out", type=Path, help="write gpu_check.md and gpu_check.json into this folder "
                                                  "(overrides --json)")
-    parser.add_argument("--only", default="", help="comma-separated substrings of case names to run")
+    parser.add_argument("--only", default="", help="comma-separated substrings of case names to run "
+                                                   "(the optimizer cases and the yardstick included)")
     parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="stop starting new cases after this many seconds (the run must fit in 8 minutes)")
+                        help="the whole run's time limit in seconds, build included: checks start before 55%% "
+                             "of it, headline timings before 80%%, and a running case is stopped at 100%% "
+                             "(the default fits the run in 8 minutes)")
     parser.add_argument("--compile-only", metavar="ARCHS", default="",
                         help="no GPU: compile every kernel variant the cases launch for these targets "
-                             "(comma-separated: sm80, sm90) and report resources instead of running")
+                             "(comma-separated: sm80, sm90) and report registers, spills and shared memory "
+                             "instead of running")
     return parser.parse_args(argv)
 
 
@@ -87,13 +134,16 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+import spectral_ops as so  # noqa: E402
 from spectral_ops.backends.base import BandSpec, DecayRequest  # noqa: E402
 from spectral_ops import plan  # noqa: E402
+from spectral_ops.backends.cuda_backend import CudaBackend  # noqa: E402
 from spectral_ops.backends.torch_backend import TorchBackend  # noqa: E402
 from spectral_ops.backends.triton_backend import TritonBackend  # noqa: E402
 from spectral_ops.coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients  # noqa: E402
 from spectral_ops.dispatch import SELF_CHECK_TOLERANCE, TF32_SELF_CHECK_TOLERANCE, PinnedKernels  # noqa: E402
 from spectral_ops.linalg import relative_error  # noqa: E402
+from spectral_ops.optim import SpectralAdamW, SpectralMuon  # noqa: E402
 from spectral_ops.triton_kernels import decay, poly_step, sign_step, small, syrk, update  # noqa: E402
 
 ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -110,7 +160,11 @@ class Case:
 
     ``inputs(shape, dtype, device)`` builds a dict; ``fn`` and ``reference`` take it and return a
     tensor; ``baseline`` (default: ``reference``) is what ``fn`` is timed against. ``fn`` gets fresh
-    clones of the inputs for its check, so in-place kernels can be validated.
+    clones of the inputs for its check, so in-place kernels can be validated. ``headline``: the
+    shapes timed among the headline timings (in bf16 and fp32; in the dry run, the tiny shapes
+    stand in for them); ``timed=False`` cases are only checked. ``timeout_s`` replaces the default
+    limits of both its check and its timing; ``ran_on()``, called after the check, says which
+    backend(s) an automatically routed case ran on.
     """
 
     name: str
@@ -124,6 +178,10 @@ class Case:
     dtypes: tuple = ALL_DTYPES
     baseline: Callable[[dict], torch.Tensor] | None = None
     baseline_name: str = "torch"
+    headline: list[tuple] = field(default_factory=list)
+    timed: bool = True
+    timeout_s: float | None = None
+    ran_on: Callable[[], str | None] | None = None
 
 
 REGISTRY: list[Case] = []
@@ -183,7 +241,7 @@ register(Case(
     reference=lambda d: f32(d["X"]) @ f32(d["X"]).mT,
     baseline=lambda d: d["X"] @ d["X"].mT, baseline_name="torch.bmm",
     inputs=wide_and_factor,
-    shapes=[(4096, 4096), (4096, 8192), (8, 1000, 3000)], tiny_shapes=[(2, 37, 50)],
+    shapes=[(4096, 4096), (4096, 8192), (8, 1000, 3000)], tiny_shapes=[(2, 37, 50)], headline=[(4096, 4096)],
 ))
 register(Case(
     "syrk X^T X (tall, no copy)", "triton",
@@ -257,14 +315,14 @@ register(Case(
 ))
 
 
-# ----- the plan's ops on the Triton kernels, end to end, against the torch backend -----
+# ----- the plan's ops end to end (on Triton, on CUDA, as dispatch routes them), against the torch backend -----
 
 def _op_case(name, call, shapes, tiny_shapes, dtypes=ALL_DTYPES, backend=TRITON, label="triton",
-             tolerance=SELF_CHECK_TOLERANCE):
+             tolerance=SELF_CHECK_TOLERANCE, headline=()):
     kernels = PinnedKernels(backend)
     register(Case(f"op {name}", label, fn=lambda d: call(kernels, d), reference=lambda d: call(TORCH, d),
-                  inputs=weight, tolerance=tolerance, dtypes=dtypes,
-                  shapes=shapes, tiny_shapes=tiny_shapes, baseline_name="torch backend"))
+                  inputs=weight, tolerance=tolerance, dtypes=dtypes, shapes=shapes, tiny_shapes=tiny_shapes,
+                  baseline_name="torch backend", headline=list(headline)))
 
 
 def _decay(p, band=None, precision=None):
@@ -273,6 +331,7 @@ def _decay(p, band=None, precision=None):
 
 
 BIG = [(4096, 4096), (16384, 4096)]
+HEADS = [(96, 128, 768)]  # a stacked per-head weight: 96 heads of 128 x 768
 ODD = [(3, 1000, 700), (700, 1500)]
 TINY = [(2, 40, 24)]  # batched and tall; wide inputs are covered by the kernel cases and the tests
 _op_case("polar", lambda b, d: plan.polar(b, d["W"], POLAR), BIG + ODD, TINY)
@@ -284,72 +343,216 @@ _op_case("band_direction top", lambda b, d: plan.band_direction(b, d["W"], 2, Ba
 _op_case("svt", lambda b, d: plan.svt(b, d["W"], 0.5, POLAR, POLAR), ODD, TINY)
 _op_case("msign", lambda b, d: plan.msign(b, d["W"] @ d["W"].mT - torch.eye(d["W"].shape[-2], device=d["W"].device,
                                                                       dtype=d["W"].dtype), POLAR), ODD[:1], TINY[:1])
-_op_case("decay_ p=0", _decay(0), BIG + [(96, 128, 768)], TINY)
-_op_case("decay_ p=2", _decay(2), BIG + [(96, 128, 768)] + ODD, TINY)
+_op_case("decay_ p=0", _decay(0), BIG + HEADS, TINY)
+_op_case("decay_ p=2", _decay(2), BIG + HEADS + ODD, TINY, headline=BIG + HEADS)
+# The same decay on the CUDA kernels (the plan composes them where the fused chain does not apply)...
+_op_case("decay_ p=2", _decay(2), BIG + HEADS, [], backend=CudaBackend(), label="cuda", headline=BIG + HEADS)
+# ... and as a user calls it: spectral_decay_ routed by dispatch (its checks and guard included).
+register(Case(
+    "op decay_ p=2", "auto",
+    fn=lambda d: so.spectral_decay_(d["W"], 2, 1.0, 0.1, ordinary_weight_decay=0.01),
+    reference=functools.partial(_decay(2), TORCH),
+    inputs=weight, tolerance=SELF_CHECK_TOLERANCE, shapes=BIG + HEADS, tiny_shapes=TINY,
+    baseline_name="torch backend", headline=BIG + HEADS, ran_on=lambda: so.last_backend("decay_"),
+))
 _op_case("decay_ p=2 band top", _decay(2, BandSpec(0.6, "top")), ODD, TINY)
 # Every case runs at its dtype's default precision (bf16 weights: bf16 operands), against the torch
 # backend at the same precision. The fp32 headline again with one TF32 pass per product (~1e-3 each).
-_op_case("decay_ p=2 (tf32)", _decay(2, precision="tf32"), BIG + [(96, 128, 768)], [], dtypes=(torch.float32,),
+_op_case("decay_ p=2 (tf32)", _decay(2, precision="tf32"), BIG + HEADS, [], dtypes=(torch.float32,),
          tolerance={torch.float32: TF32_SELF_CHECK_TOLERANCE})
-
-
-# ----- running -----
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_ms(fn, device, dry_run) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events on a GPU; one wall-clock run when dry)."""
-    if dry_run:
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    fn()
-    _sync(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    _sync(device)
-    once = max(start.elapsed_time(end), 1e-3)
-    samples = []
-    for _ in range(max(3, min(20, int(200 / once)))):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
-
-
-def _clone(d):
-    return {k: tuple(t.clone() for t in v) if isinstance(v, tuple) else v.clone() for k, v in d.items()}
 
 
 # ----- the CUDA extension's kernels and ops (bench/cuda_cases.py), as cases of this registry -----
 
+# The CUDA timing cases among the headline timings: SYRK with a side of 4096.
+CUDA_HEADLINE = {"time/syrk/bf16/4096x16384", "time/syrk/fp32/4096x16384"}
+
+
 def _register_cuda_cases() -> None:
-    """Each CUDA case checks one kernel or op at one shape and dtype; the timing cases are
-    timed against the torch call they replace. They need a GPU: no tiny interpreter shapes."""
+    """Each CUDA case checks one kernel or op at one shape and dtype; the timing cases are also timed
+    against the torch call they replace. They need a GPU: no tiny interpreter shapes."""
     spec = importlib.util.spec_from_file_location("cuda_cases", Path(__file__).with_name("cuda_cases.py"))
     cuda_cases = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cuda_cases)
 
-    for spec in cuda_cases.cases() + cuda_cases.timing_cases():
+    for spec, timed in [(s, False) for s in cuda_cases.cases()] + [(s, True) for s in cuda_cases.timing_cases()]:
         register(Case(
             spec["name"], "cuda",
             fn=lambda d, spec=spec: spec["run"](*d["args"]),
             reference=lambda d, spec=spec: spec["reference"](*d["args"]),
             inputs=lambda shape, dtype, device, spec=spec: {"args": spec["make_inputs"](device)},
             shapes=[spec["shape"]], tiny_shapes=[], tolerance={spec["dtype"]: spec["tolerance"]},
-            dtypes=(spec["dtype"],),
+            dtypes=(spec["dtype"],), timed=timed, headline=[spec["shape"]] if spec["name"] in CUDA_HEADLINE else [],
         ))
 
 
 _register_cuda_cases()
 
+
+# ----- measuring -----
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device, dry_run, stop_at=math.inf) -> tuple[float, int]:
+    """Median milliseconds of ``fn()`` and the number of runs: CUDA events after one warm-up run, as
+    many runs as fill about 200 ms (3 to 20), fewer once ``stop_at`` (a ``time.monotonic()`` value)
+    has passed; one wall-clock run when dry."""
+    if dry_run:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3, 1
+    fn()
+    _sync(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    samples = []
+    while True:
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+        if len(samples) >= max(3, min(20, int(200 / max(samples[0], 1e-3)))) or time.monotonic() > stop_at:
+            return statistics.median(samples), len(samples)
+
+
+def timings(fn, baseline, device, dry_run, stop_at=math.inf) -> dict:
+    """``fn`` against ``baseline``, each sampled for at most half of the time left before ``stop_at``."""
+    halfway = time.monotonic() + (stop_at - time.monotonic()) / 2
+    ms, runs = time_ms(fn, device, dry_run, halfway)
+    baseline_ms, baseline_runs = time_ms(baseline, device, dry_run, stop_at)
+    return {"ms": ms, "baseline_ms": baseline_ms, "speedup": baseline_ms / ms, "runs": runs,
+            "baseline_runs": baseline_runs}
+
+
+def _clone(d):
+    return {k: tuple(t.clone() for t in v) if isinstance(v, tuple) else v.clone() for k, v in d.items()}
+
+
+def check_case(case: Case, shape, dtype, device, stop_at) -> dict:
+    inputs = case.inputs(shape, dtype, device)
+    error = relative_error(case.fn(_clone(inputs)), case.reference(_clone(inputs)))
+    result = {"error": error, "tolerance": case.tolerance[dtype], "ok": error <= case.tolerance[dtype]}
+    if case.ran_on is not None:
+        result["note"] = f"ran on {case.ran_on()}"
+    return result
+
+
+def time_case(case: Case, shape, dtype, device, dry_run, stop_at) -> dict:
+    inputs = case.inputs(shape, dtype, device)
+    baseline = case.baseline or case.reference
+    return {"ok": True, **timings(lambda: case.fn(inputs), lambda: baseline(inputs), device, dry_run, stop_at)}
+
+
+# ----- the optimizer cases and the yardstick -----
+
+MUON_SETTINGS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
+MUON_VARIANTS = {"torch NS5": dict(ns_coefficients=so.MUON_QUINTIC, ns_steps=5), "Polar Express": {}}
+MUON_SHAPES = [(1, 4096, 4096), (1, 16384, 4096), (96, 128, 768)]  # (heads, rows, cols): the decay's headline
+# One step of SpectralMuon with torch's quintic against torch.optim.Muon's, both bf16 iterations that
+# do not converge (the quintic oscillates): ~2e-2 apart on a CPU. A wrong one is off by O(1).
+MUON_TOLERANCE = 5e-2
+GRAPH_SHAPE = (1024, 4096)
+# Replayed against eager steps, relative to how far the eager steps moved the parameters: the same
+# kernels agree to round-off, while a value frozen at capture (a host-side step count) is off by %.
+GRAPH_TOLERANCE = 1e-3
+
+
+def muon_against_torch(heads, rows, cols, variant, device, dry_run, stop_at=math.inf) -> dict:
+    """One SpectralMuon step and one torch.optim.Muon step at equal settings from the same start (zero
+    weights, the same gradient), compared, then both timed. Ours updates the ``(heads * rows) x cols``
+    matrix (head-wise when ``heads > 1``), torch's one parameter per head: how a user gets head-wise
+    updates from it. Only torch's own iteration on one matrix is compared: Polar Express converges
+    where the quintic does not, and head-wise SpectralMuon scales the lr by the whole block's shape,
+    torch by each head's."""
+    gradient = torch.randn(heads * rows, cols, generator=_generator(device), device=device)
+    ours = torch.nn.Parameter(torch.zeros_like(gradient))
+    ours.grad = gradient.clone()
+    theirs = [torch.nn.Parameter(torch.zeros(rows, cols, device=device)) for _ in range(heads)]
+    for param, grad in zip(theirs, gradient.split(rows)):
+        param.grad = grad.clone()
+    head_options = {"heads": heads} if heads > 1 else {}
+    ours_step = SpectralMuon([ours], **MUON_SETTINGS, **MUON_VARIANTS[variant], **head_options).step
+    theirs_step = torch.optim.Muon(theirs, **MUON_SETTINGS).step
+    ours_step()
+    theirs_step()
+    result = {"ok": True}
+    if variant == "torch NS5" and heads == 1:
+        error = relative_error(ours.detach(), theirs[0].detach())
+        result.update(error=error, tolerance=MUON_TOLERANCE, ok=error <= MUON_TOLERANCE)
+    else:
+        result["note"] = "timed only: a different iteration" if heads == 1 else "timed only: per-head lr scales differ"
+    return {**result, **timings(ours_step, theirs_step, device, dry_run, stop_at)}
+
+
+def _capturable_adamw(shape, device):
+    """A capturable SpectralAdamW with the p = 2 decay on one weight and one bias, fixed gradients:
+    every call starts from the same state."""
+    W = torch.nn.Parameter(weight(shape, torch.float32, device)["W"])
+    b = torch.nn.Parameter(torch.zeros(shape[-2], device=device))
+    generator = _generator(device)
+    for param in (W, b):
+        param.grad = torch.randn(param.shape, generator=generator, device=device)
+    optimizer = SpectralAdamW([W, b], lr=1e-3, weight_decay=0.01, p=2, spectral_weight_decay=0.1, stability="clamp",
+                              capturable=True)
+    return optimizer, [W, b]
+
+
+@contextlib.contextmanager
+def _side_stream(device):
+    """CUDA-graph capture wants the steps before it off the default stream (torch's recipe)."""
+    if device.type != "cuda":
+        yield
+        return
+    current, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        yield
+    current.wait_stream(side)
+
+
+def cuda_graph(step):
+    """``step`` captured in a CUDA graph (its launches recorded, not run), returned as the replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
+def graph_against_eager(shape, device, dry_run, stop_at=math.inf, capture=cuda_graph, warmup=3, steps=5) -> dict:
+    """A SpectralAdamW step, warmed up, captured by ``capture`` (the tests pass the step itself) and
+    replayed ``steps`` times, against as many eager steps of a twin from the same state; then one
+    replay timed against one eager step. A step that synchronises with the host cannot be captured:
+    the capture raises, and the case fails with its message."""
+    graphed, graphed_params = _capturable_adamw(shape, device)
+    eager, eager_params = _capturable_adamw(shape, device)
+    with _side_stream(device):
+        for _ in range(warmup):
+            graphed.step()
+            eager.step()
+    start = [param.detach().clone() for param in eager_params]
+    replay = capture(graphed.step)
+    for _ in range(steps):
+        replay()
+        eager.step()
+    moved = max(float((param.detach() - first).abs().max()) for param, first in zip(eager_params, start))
+    difference = max(float((a.detach() - b.detach()).abs().max()) for a, b in zip(graphed_params, eager_params))
+    error = difference / moved
+    return {"error": error, "tolerance": GRAPH_TOLERANCE, "ok": error <= GRAPH_TOLERANCE,
+            "max_abs_diff": difference, "note": f"max abs difference {difference:.1e} after {steps} replays",
+            **timings(replay, eager.step, device, dry_run, stop_at)}
+
+
+def yardstick(n, dtype, device, dry_run, stop_at=math.inf) -> dict:
+    """An ``n^3`` matmul: stacked per-head decay should be comparable to a 4096^3 GEMM."""
+    A = torch.randn(n, n, generator=_generator(device), device=device).to(dtype)
+    ms, runs = time_ms(lambda: A @ A, device, dry_run, stop_at)
+    return {"ok": True, "ms": ms, "runs": runs, "note": f"{2 * n**3 / ms / 1e9:.1f} TFLOP/s"}
+
+
+# ----- building the extension on a bare GPU machine -----
 
 def build_extension_if_needed(device) -> None:
     """On a GPU machine with nvcc but no built ``spectral_ops._C``, build it into the checkout with
@@ -391,76 +594,256 @@ def build_extension_if_needed(device) -> None:
     load_extension.cache_clear()
 
 
-def cuda_unavailable_reason(device) -> str | None:
-    from spectral_ops.backends.cuda_backend import CudaBackend
+# ----- the run: tasks in order, each under a time limit -----
 
-    return CudaBackend().unavailable_reason(device)
+PHASES = ("check", "headline", "rest")
+# No task of a phase starts after this fraction of the budget: a cut falls on the rest timings first.
+PHASE_SHARE = {"check": 0.55, "headline": 0.8, "rest": 1.0}
+HEADLINE_DTYPES = (torch.bfloat16, torch.float32)
+CHECK_TIMEOUT_S = 120.0  # a check includes the JIT compile of every Triton specialisation it launches
+TIMING_TIMEOUT_S = 30.0
+OPTIMIZER_TIMEOUT_S = 90.0  # dispatch's first-use self-checks and compiles, then the steps
+# Timing loops stop at this fraction of their limit: a slow case then reports fewer runs, not none.
+SOFT_STOP = 0.8
 
 
-def run_case(case: Case, shape, dtype, device, dry_run) -> dict:
-    row = {"case": case.name, "backend": case.backend, "dtype": str(dtype).replace("torch.", ""),
-           "shape": list(shape), "baseline": case.baseline_name}
+class Skipped(Exception):
+    """A task that cannot run here; the message says why."""
+
+
+class CaseTimeout(BaseException):
+    """A task ran past its limit. A BaseException, like KeyboardInterrupt, so that the code under test
+    cannot swallow it: dispatch's self-check catches ``Exception`` from a kernel and disables it."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise :class:`CaseTimeout` after ``seconds``, in the main thread at its next bytecode: never
+    inside a blocking call (a launch, a synchronisation, a compile in C++), only once it returns."""
+    def expire(signum, frame):
+        raise CaseTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        inputs = case.inputs(shape, dtype, device)
-        got = case.fn(_clone(inputs))
-        expected = case.reference(_clone(inputs))
-        row["error"] = relative_error(got, expected)
-        row["tolerance"] = case.tolerance[dtype]
-        row["ok"] = row["error"] <= row["tolerance"]
-        del got, expected
-        baseline = case.baseline or case.reference
-        row["ms"] = time_ms(lambda: case.fn(inputs), device, dry_run)
-        row["baseline_ms"] = time_ms(lambda: baseline(inputs), device, dry_run)
-        row["speedup"] = row["baseline_ms"] / row["ms"]
-    except Exception as error:  # a crashing kernel is a failed check, reported with the rest
-        row.update(ok=False, failure=f"{type(error).__name__}: {error}"[:300])
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@dataclass
+class Task:
+    """One row of the report. ``run(stop_at)`` returns its results, ``"ok"`` included, ends any timing
+    loop by ``stop_at`` (a ``time.monotonic()`` value), and raises :class:`Skipped` if it cannot run
+    here. ``needs``: the key of the check a timing waits on."""
+
+    phase: str
+    case: str
+    backend: str
+    dtype: str
+    shape: tuple
+    run: Callable[[float], dict]
+    timeout_s: float
+    baseline: str = ""
+    needs: tuple | None = None
+
+    @property
+    def key(self) -> tuple:
+        return self.case, self.backend, self.dtype, tuple(self.shape)
+
+    def row(self, **results) -> dict:
+        return {"phase": self.phase, "case": self.case, "backend": self.backend, "dtype": self.dtype,
+                "shape": list(self.shape), "baseline": self.baseline, **results}
+
+
+def _skipping(reason: str):
+    def run(stop_at):
+        raise Skipped(reason)
+    return run
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _wanted(name: str, only: str) -> bool:
+    wanted = [w.strip() for w in only.split(",") if w.strip()]
+    return not wanted or any(w in name for w in wanted)
+
+
+def case_tasks(cases, device, dry_run, cuda_reason) -> list[Task]:
+    """A check of every case at each of its shapes and dtypes, then the timings: headline, then rest."""
+    checks, headline, rest = [], [], []
+    # CUDA first: its kernels were compiled at build time, Triton's compile at their first launch.
+    for case in sorted(cases, key=lambda case: case.backend != "cuda"):
+        cannot = cuda_reason if case.backend == "cuda" else None
+        if cannot is None and dry_run and not case.tiny_shapes:
+            cannot = "GPU only: no interpreter-sized shape"
+        if cannot is not None:  # one row for the whole case
+            checks.append(Task("check", case.name, case.backend, _dtype_name(case.dtypes[0]), case.shapes[0],
+                               _skipping(cannot), CHECK_TIMEOUT_S))
+            continue
+        dtypes = [d for d in case.dtypes if not (dry_run and d == torch.bfloat16)]
+        for dtype in dtypes:
+            for shape in case.tiny_shapes if dry_run else case.shapes:
+                check = Task("check", case.name, case.backend, _dtype_name(dtype), shape,
+                             functools.partial(check_case, case, shape, dtype, device),
+                             case.timeout_s or CHECK_TIMEOUT_S)
+                checks.append(check)
+                if not case.timed:
+                    continue
+                is_headline = dtype in HEADLINE_DTYPES and bool(case.headline) and (dry_run or shape in case.headline)
+                (headline if is_headline else rest).append(Task(
+                    "headline" if is_headline else "rest", case.name, case.backend, _dtype_name(dtype), shape,
+                    functools.partial(time_case, case, shape, dtype, device, dry_run),
+                    case.timeout_s or TIMING_TIMEOUT_S, baseline=case.baseline_name, needs=check.key))
+    return checks + headline + rest
+
+
+def special_tasks(device, dry_run) -> list[Task]:
+    """The headline cases that are not kernels: the yardstick, SpectralMuon against torch's, and the
+    CUDA-graph replay, last, so that a failed capture cannot disturb the timings before it."""
+    needs_cuda = None if device.type == "cuda" else "needs a CUDA device"
+    n = 64 if dry_run else 4096
+    tasks = [Task("headline", "torch matmul (yardstick)", "torch", _dtype_name(dtype), (n, n, n),
+                  functools.partial(yardstick, n, dtype, device, dry_run), TIMING_TIMEOUT_S)
+             for dtype in HEADLINE_DTYPES if not (dry_run and dtype == torch.bfloat16)]
+    no_muon = needs_cuda or (None if hasattr(torch.optim, "Muon")
+                             else f"torch {torch.__version__} has no torch.optim.Muon")
+    for variant in MUON_VARIANTS:
+        for heads, rows, cols in MUON_SHAPES:
+            run = functools.partial(muon_against_torch, heads, rows, cols, variant, device, dry_run)
+            tasks.append(Task("headline", f"SpectralMuon ({variant}, bf16) vs torch.optim.Muon", "auto", "float32",
+                              (heads, rows, cols), _skipping(no_muon) if no_muon else run, OPTIMIZER_TIMEOUT_S,
+                              baseline="torch.optim.Muon"))
+    run = functools.partial(graph_against_eager, GRAPH_SHAPE, device, dry_run)
+    tasks.append(Task("headline", "SpectralAdamW step in a CUDA graph", "auto", "float32", GRAPH_SHAPE,
+                      _skipping(needs_cuda) if needs_cuda else run, OPTIMIZER_TIMEOUT_S, baseline="eager step"))
+    return tasks
+
+
+def run_task(task: Task, device, end: float) -> dict:
+    """``task`` under its limit (or what is left before ``end``); every outcome is a row."""
+    limit = min(task.timeout_s, end - time.monotonic())
+    started = time.monotonic()
+    try:
+        with time_limit(limit):
+            results = task.run(started + SOFT_STOP * limit)
+            _sync(device)  # its kernels' errors and time belong to it
+        row = task.row(**results, status="ok" if results["ok"] else "failed")
+    except Skipped as skip:
+        row = task.row(ok=None, status="skipped", reason=str(skip))
+    except CaseTimeout:
+        cause = "its limit" if limit == task.timeout_s else "the end of the time budget"
+        row = task.row(ok=None, status="timed out", reason=f"stopped after {limit:.1f} s ({cause})")
+        # What it queued must not run into the next task's timing; a hung kernel hangs here. A CUDA
+        # error raised by the wait is not this task's verdict: it will fail the next task, with its message.
+        with contextlib.suppress(Exception):
+            _sync(device)
+    except Exception as error:  # a crashing kernel is a failed case, reported with the rest
+        row = task.row(ok=False, status="failed", reason=f"{type(error).__name__}: {error}"[:300])
+    row["wall_s"] = round(time.monotonic() - started, 3)
     return row
 
 
-def environment(device) -> dict:
+NEEDED = {"failed": "its check failed", "timed out": "its check timed out", "skipped": "its check was skipped"}
+
+
+def run_tasks(tasks, device, started: float, budget_s: float, save) -> list[dict]:
+    """Every task in order, ``save(rows)`` after each: a run cut short (or hung) keeps what it did."""
+    rows, status = [], {}
+    for task in tasks:
+        now = time.monotonic()
+        print(f"{now - started:6.1f} s  {task.phase:<8} {task.case} [{task.backend}, {task.dtype}, "
+              f"{'x'.join(map(str, task.shape))}] ...", end="", flush=True)
+        phase_end = PHASE_SHARE[task.phase] * budget_s
+        if task.needs is not None and status[task.needs] != "ok":
+            row = task.row(ok=None, status="skipped", reason=NEEDED[status[task.needs]])
+        elif now - started >= phase_end:
+            row = task.row(ok=None, status="skipped", reason=f"time budget: no {task.phase} task starts after "
+                                                             f"{phase_end:.0f} s")
+        else:
+            row = run_task(task, device, started + budget_s)
+        status[task.key] = row["status"]
+        rows.append(row)
+        save(rows)
+        print(f" {_status(row)}" + (f" ({row['wall_s']:.1f} s)" if "wall_s" in row else ""), flush=True)
+    return rows
+
+
+# ----- the report -----
+
+def environment(device, cuda_reason) -> dict:
     import triton
 
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
         "capability": list(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None,
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-        "input_precision": TRITON.input_precision,
+        "input_precision": TRITON.input_precision, "cuda_extension": cuda_reason or "loaded",
     }
 
 
-def context_timings(device, dry_run) -> dict:
-    """Yardsticks for the goals: a 4096^3 GEMM, which stacked per-head decay should be comparable to."""
-    n = 64 if dry_run else 4096
-    dtype = torch.float32 if dry_run else torch.bfloat16
-    A = torch.randn(n, n, device=device).to(dtype)
-    return {f"gemm {n}x{n}x{n} {str(dtype).replace('torch.', '')} ms": time_ms(lambda: A @ A, device, dry_run)}
+def summarise(report: dict) -> None:
+    """Per phase, the seconds its tasks took (the check phase's include every JIT compile and first-use
+    warm-up); per status, how many rows have it."""
+    rows = report["results"]
+    report["phase_s"] = {"build": report["build_s"], **{
+        phase: round(sum(r.get("wall_s", 0.0) for r in rows if r["phase"] == phase), 1) for phase in PHASES}}
+    report["summary"] = {status: sum(r["status"] == status for r in rows)
+                         for status in ("ok", "failed", "timed out", "skipped")}
 
 
-def markdown(rows) -> str:
-    lines = ["| case | backend | dtype | shape | rel. error | tol | ok | ms | baseline | baseline ms | speedup |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        if "failure" in r or "skipped" in r:
-            note = r.get("failure") or r["skipped"]
-            lines.append(f"| {r['case']} | {r['backend']} | {r['dtype']} | {r['shape']} | {note} | | "
-                         f"{'skipped' if 'skipped' in r else 'FAIL'} | | | | |")
-            continue
-        lines.append(
-            f"| {r['case']} | {r['backend']} | {r['dtype']} | {'x'.join(map(str, r['shape']))} | {r['error']:.2e} | "
-            f"{r['tolerance']:.0e} | {'yes' if r['ok'] else 'FAIL'} | {r['ms']:.3f} | {r['baseline']} | "
-            f"{r['baseline_ms']:.3f} | {r['speedup']:.2f}x |")
+def _status(row) -> str:
+    label = "**FAILED**" if row["status"] == "failed" else row["status"]
+    return f"{label}: {row['reason']}" if row.get("reason") else label
+
+
+def _number(key, spec):
+    return lambda row: format(row[key], spec) if row.get(key) is not None else ""
+
+
+_COMMON_COLUMNS = [("case", lambda r: r["case"]), ("backend", lambda r: r["backend"]), ("dtype", lambda r: r["dtype"]),
+                   ("shape", lambda r: "x".join(map(str, r["shape"]))), ("status", _status)]
+_CHECK_COLUMNS = _COMMON_COLUMNS + [("rel. error", _number("error", ".2e")), ("tol", _number("tolerance", ".0e")),
+                                    ("note", lambda r: r.get("note", "")), ("s", _number("wall_s", ".1f"))]
+_TIMING_COLUMNS = _COMMON_COLUMNS + [
+    ("ms", _number("ms", ".3f")), ("baseline", lambda r: r["baseline"]), ("baseline ms", _number("baseline_ms", ".3f")),
+    ("speedup", lambda r: f"{r['speedup']:.2f}x" if "speedup" in r else ""), ("runs", _number("runs", "d")),
+    ("rel. error", _number("error", ".2e")), ("tol", _number("tolerance", ".0e")),
+    ("note", lambda r: r.get("note", "")), ("s", _number("wall_s", ".1f"))]
+_SECTIONS = {"check": ("1. Checks", _CHECK_COLUMNS), "headline": ("2. Headline timings", _TIMING_COLUMNS),
+             "rest": ("3. Other timings", _TIMING_COLUMNS)}
+
+
+def table(rows, columns) -> str:
+    def cell(text) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(name for name, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(value(row)) for _, value in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def markdown(report: dict) -> str:
+    env, phase_s = report["environment"], report["phase_s"]
+    lines = [f"# gpu_check on {env['device']}", "",
+             f"torch {env['torch']}, triton {env['triton']}, Python {env['python']}; CUDA extension: "
+             f"{env['cuda_extension']}; budget {report['budget_s']:.0f} s.", "",
+             f"Seconds: build {phase_s['build']:.0f}, checks {phase_s['check']:.0f} (every JIT compile and warm-up), "
+             f"headline timings {phase_s['headline']:.0f}, other timings {phase_s['rest']:.0f}.", "",
+             "Cases: " + ", ".join(f"{count} {status}" for status, count in report["summary"].items()) + "."]
+    for phase, (title, columns) in _SECTIONS.items():
+        rows = [row for row in report["results"] if row["phase"] == phase]
+        lines += ["", f"## {title}", "", table(rows, columns) if rows else "(none)"]
+    return "\n".join(lines) + "\n"
 
 
 # ----- compiling without a GPU -----
 
 # Shared memory a block may use (opt-in maximum), per target.
 SHARED_MEMORY_LIMIT = {"sm80": 166912, "sm90": 232448}
-
-
-def _selected(args):
-    wanted = [w.strip() for w in args.only.split(",") if w.strip()]
-    return [case for case in REGISTRY if not wanted or any(w in case.name for w in wanted)]
 
 
 def record_launches(args, arch: str) -> dict:
@@ -492,7 +875,7 @@ def record_launches(args, arch: str) -> dict:
     real_run, real_arch = JITFunction.run, common.arch
     JITFunction.run, common.arch = record, (lambda device: arch)
     try:
-        for case in _selected(args):
+        for case in (case for case in REGISTRY if case.backend == "triton" and _wanted(case.name, args.only)):
             for dtype in case.dtypes:
                 for shape in case.tiny_shapes if args.dry_run else case.shapes:
                     case.fn(case.inputs(shape, dtype, torch.device("cpu")))
@@ -579,42 +962,33 @@ def main(args) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("no CUDA device: run with --dry-run for the CPU interpreter smoke test", file=sys.stderr)
         return 2
-    deadline = time.monotonic() + args.budget_s
-    rows = []
+    started = time.monotonic()
     if not args.dry_run:
         build_extension_if_needed(device)
-    cuda_reason = cuda_unavailable_reason(device)
-    for case in _selected(args):
-        if case.backend == "cuda" and cuda_reason and case.shapes:
-            if not args.dry_run:
-                rows.append({"case": case.name, "backend": "cuda", "dtype": str(case.dtypes[0]).replace("torch.", ""),
-                             "shape": list(case.shapes[0]), "skipped": f"CUDA extension unavailable: {cuda_reason}",
-                             "ok": False})
-            continue
-        dtypes = [d for d in case.dtypes if not (args.dry_run and d == torch.bfloat16)]
-        for dtype in dtypes:
-            for shape in case.tiny_shapes if args.dry_run else case.shapes:
-                if time.monotonic() > deadline:
-                    rows.append({"case": case.name, "backend": case.backend, "dtype": str(dtype).replace("torch.", ""),
-                                 "shape": list(shape), "skipped": "time budget spent", "ok": None})
-                    continue
-                rows.append(run_case(case, shape, dtype, device, args.dry_run))
-                print(markdown(rows[-1:]).splitlines()[-1], flush=True)
-    report = {"environment": environment(device), "context": context_timings(device, args.dry_run), "results": rows}
-    print()
-    print(markdown(rows))
-    print()
-    for name, value in report["context"].items():
-        print(f"{name}: {value:.3f}")
+    cuda_reason = CudaBackend().unavailable_reason(device)
+    tasks = case_tasks([case for case in REGISTRY if _wanted(case.name, args.only)], device, args.dry_run, cuda_reason)
+    tasks += [task for task in special_tasks(device, args.dry_run) if _wanted(task.case, args.only)]
+    tasks.sort(key=lambda task: PHASES.index(task.phase))  # stable: the order within each phase stays
+    report = {"environment": environment(device, cuda_reason), "budget_s": args.budget_s,
+              "build_s": round(time.monotonic() - started, 1), "results": []}
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gpu_check.md").write_text(markdown(rows) + "\n")
         args.json = args.out / "gpu_check.json"
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.json}")
-    # A case cut by the time budget is reported as skipped (ok: null), neither passed nor failed.
-    return 0 if all(r["ok"] is not False for r in rows) else 1
+
+    def save(rows):
+        report["results"] = rows
+        summarise(report)
+        args.json.write_text(json.dumps(report, indent=1))
+        if args.out is not None:
+            (args.out / "gpu_check.md").write_text(markdown(report))
+
+    save(run_tasks(tasks, device, started, args.budget_s, save))
+    print()
+    print(markdown(report))
+    print(f"wrote {args.json}" + (f" and {args.out / 'gpu_check.md'}" if args.out is not None else ""))
+    # Skipped and timed-out cases are no verdict: they do not fail the run, the summary counts them.
+    return 1 if report["summary"]["failed"] else 0
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
 
@@ -24,23 +26,122 @@ def gpu_check():
     del sys.modules[spec.name]
 
 
-def test_dry_run_validates_every_case_and_writes_the_report(gpu_check, tmp_path, capsys):
-    out = tmp_path / "report.json"
-    assert gpu_check.main(gpu_check.parse(["--dry-run", "--json", str(out)])) == 0
-    report = json.loads(out.read_text())
-    rows = report["results"]
-    cases_run = {row["case"] for row in rows}
-    assert cases_run == {case.name for case in gpu_check.REGISTRY if case.tiny_shapes}
-    assert all(row["ok"] and row["error"] <= row["tolerance"] and row["ms"] > 0 for row in rows)
+@pytest.fixture(scope="module")
+def dry_run(gpu_check, tmp_path_factory):
+    """One dry run of every case, shared: under the interpreter it is the slow part of this module."""
+    out = tmp_path_factory.mktemp("dry_run")
+    exit_status = gpu_check.main(gpu_check.parse(["--dry-run", "--out", str(out)]))
+    return exit_status, json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.md").read_text()
+
+
+def test_dry_run_checks_every_case_that_runs_on_a_cpu_and_writes_the_report(gpu_check, dry_run):
+    exit_status, report, markdown = dry_run
+    assert exit_status == 0
+    checks = [row for row in report["results"] if row["phase"] == "check"]
+    passed = {(row["case"], row["backend"]) for row in checks if row["status"] == "ok"}
+    assert passed == {(case.name, case.backend) for case in gpu_check.REGISTRY if case.tiny_shapes}
+    assert all(row["error"] <= row["tolerance"] for row in checks if row["status"] == "ok")
     kernels = {"syrk", "poly_step", "update", "decay", "sign step", "small path S_2", "small path msign"}
-    assert all(any(name in case for case in cases_run) for name in kernels)
-    assert "| case | backend | dtype |" in capsys.readouterr().out
+    assert all(any(name in case for case, _ in passed) for name in kernels)
+    assert {row["status"] for row in report["results"]} == {"ok", "skipped"}
+    assert report["summary"]["ok"] + report["summary"]["skipped"] == len(report["results"])
+    assert "| op decay_ p=2 | triton | float32 | 2x40x24 | ok |" in markdown
+
+
+def test_dry_run_runs_the_checks_then_the_headline_timings_then_the_rest(gpu_check, dry_run):
+    rows = dry_run[1]["results"]
+    phases = [row["phase"] for row in rows]
+    assert phases == sorted(phases, key=gpu_check.PHASES.index) and set(phases) == set(gpu_check.PHASES)
+    headline = {row["case"] for row in rows if row["phase"] == "headline"}
+    assert {"op decay_ p=2", "syrk X X^T", "torch matmul (yardstick)", "SpectralAdamW step in a CUDA graph"} <= headline
+    assert any("vs torch.optim.Muon" in case for case in headline)
+    assert rows[[row["phase"] for row in rows].index("headline") - 1]["phase"] == "check"
+    # CUDA cases are checked before the Triton ones, whose first launches compile.
+    backends = [row["backend"] for row in rows if row["phase"] == "check"]
+    assert backends.index("triton") > len(backends) - 1 - backends[::-1].index("cuda")
+    assert {row["dtype"] for row in rows if row["phase"] == "headline" and row["backend"] == "triton"} == {"float32"}
+
+
+def test_skipped_is_never_ok_and_always_says_why(dry_run):
+    _, report, markdown = dry_run
+    for row in report["results"]:
+        assert (row["ok"] is True) == (row["status"] == "ok"), row
+        if row["status"] == "skipped":
+            assert row["ok"] is None and row["reason"], row
+            assert f"| skipped: {row['reason']} |" in markdown
+
+
+def test_cuda_graph_and_muon_cases_are_skipped_on_a_cpu(dry_run):
+    rows = [row for row in dry_run[1]["results"] if "CUDA graph" in row["case"] or "Muon" in row["case"]]
+    assert len(rows) == 7
+    assert all(row["status"] == "skipped" and row["ok"] is None and "CUDA" in row["reason"] for row in rows)
+
+
+def test_cuda_kernels_are_skipped_without_the_extension_or_a_gpu(gpu_check, dry_run):
+    rows = [row for row in dry_run[1]["results"] if row["backend"] == "cuda"]
+    assert {row["case"] for row in rows} == {case.name for case in gpu_check.REGISTRY if case.backend == "cuda"}
+    assert all(row["status"] == "skipped" and row["reason"] for row in rows)
+
+
+def _fake_case(gpu_check, name, fn):
+    return gpu_check.Case(name, "fake", fn=fn, reference=lambda d: d["x"],
+                          inputs=lambda shape, dtype, device: {"x": torch.ones(shape)}, shapes=[(2, 2)],
+                          tiny_shapes=[(2, 2)], dtypes=(torch.float32,), tolerance={torch.float32: 0.0}, timeout_s=0.5)
+
+
+def test_a_case_past_its_time_limit_is_reported_as_timed_out_and_the_run_goes_on(gpu_check, tmp_path, monkeypatch):
+    def hangs(d):
+        time.sleep(60)  # never ends in time: the limit interrupts it, or the case would pass
+        return d["x"]
+
+    monkeypatch.setattr(gpu_check, "REGISTRY", [_fake_case(gpu_check, "fake slow", hangs),
+                                                _fake_case(gpu_check, "fake quick", lambda d: d["x"])])
+    out = tmp_path / "report.json"
+    assert gpu_check.main(gpu_check.parse(["--dry-run", "--only", "fake", "--json", str(out)])) == 0
+    rows = {(row["phase"], row["case"]): row for row in json.loads(out.read_text())["results"]}
+    assert list(rows) == [("check", "fake slow"), ("check", "fake quick"),
+                          ("rest", "fake slow"), ("rest", "fake quick")]
+    slow = rows["check", "fake slow"]
+    assert (slow["status"], slow["ok"]) == ("timed out", None) and "its limit" in slow["reason"]
+    assert rows["check", "fake quick"]["status"] == "ok" and rows["rest", "fake quick"]["status"] == "ok"
+    skipped = rows["rest", "fake slow"]
+    assert (skipped["status"], skipped["reason"]) == ("skipped", "its check timed out")
+
+
+def test_cases_past_the_time_budget_are_skipped(gpu_check, tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "REGISTRY", [_fake_case(gpu_check, "fake quick", lambda d: d["x"])])
+    out = tmp_path / "report.json"
+    assert gpu_check.main(gpu_check.parse(["--dry-run", "--only", "fake", "--budget-s", "0", "--json", str(out)])) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(row["status"], row["ok"]) for row in rows] == [("skipped", None)] * 2
+    assert rows[0]["reason"].startswith("time budget") and rows[1]["reason"] == "its check was skipped"
+
+
+def test_muon_case_compares_with_torch_muon_on_a_cpu(gpu_check):
+    """The case's code, on CPU at a tiny size: the GPU run is no place to find a typo."""
+    cpu = torch.device("cpu")
+    compared = gpu_check.muon_against_torch(1, 32, 48, "torch NS5", cpu, dry_run=True)
+    assert compared["ok"] and compared["error"] <= compared["tolerance"] and compared["ms"] > 0
+    heads = gpu_check.muon_against_torch(2, 16, 48, "Polar Express", cpu, dry_run=True)
+    assert heads["ok"] and "error" not in heads and heads["note"]
+
+
+def test_cuda_graph_case_compares_the_replay_with_eager_steps(gpu_check):
+    """On CPU the step stands in for its replay: the comparison must then find no difference, and must
+    find one when the replay does nothing."""
+    cpu = torch.device("cpu")
+    same = gpu_check.graph_against_eager((24, 40), cpu, dry_run=True, capture=lambda step: step)
+    assert same["ok"] and same["error"] == 0 and same["max_abs_diff"] == 0
+    frozen = gpu_check.graph_against_eager((24, 40), cpu, dry_run=True, capture=lambda step: lambda: None)
+    assert not frozen["ok"] and frozen["error"] > 0.5
 
 
 def test_registry_cases_name_a_backend_and_full_size_shapes(gpu_check):
     for case in gpu_check.REGISTRY:
         assert case.backend and case.shapes, case.name
-    assert len({case.name for case in gpu_check.REGISTRY}) == len(gpu_check.REGISTRY)
+        assert set(case.headline) <= set(case.shapes), case.name
+    assert len({(case.name, case.backend) for case in gpu_check.REGISTRY}) == len(gpu_check.REGISTRY)
+    assert gpu_check.CUDA_HEADLINE <= {case.name for case in gpu_check.REGISTRY if case.headline}
 
 
 def test_compile_only_builds_sm90_kernels_without_a_gpu(tmp_path):
@@ -77,7 +178,8 @@ def test_dry_run_starts_from_a_bare_copy_of_the_checkout(tmp_path):
     result = subprocess.run([sys.executable, "-S", "bench/gpu_check.py", "--dry-run", "--only", "op decay_ p=2,syrk X X^T",
                              "--out", str(out)], cwd=copy, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads((out / "gpu_check.json").read_text())
-    assert {row["case"] for row in report["results"]} >= {"op decay_ p=2", "syrk X X^T"}
-    assert all(row["ok"] for row in report["results"])
-    assert "| op decay_ p=2 |" in (out / "gpu_check.md").read_text()
+    rows = json.loads((out / "gpu_check.json").read_text())["results"]
+    ran = {(row["case"], row["backend"]) for row in rows if row["status"] == "ok"}
+    assert ran >= {("op decay_ p=2", "triton"), ("op decay_ p=2", "auto"), ("syrk X X^T", "triton")}
+    assert all(row["status"] == "skipped" for row in rows if row["backend"] == "cuda")
+    assert "| op decay_ p=2 | triton |" in (out / "gpu_check.md").read_text()
