@@ -8,10 +8,10 @@ actually left is what makes the composition converge in 8 steps instead of Newto
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
+import torch
 
 # polar() starts from X_0 = W / (1.01 ||W||_F), so every singular value is in (0, 1/1.01]: inside the
 # design interval even after round-off.
@@ -90,8 +90,20 @@ def polar_express_coefficients(steps: int = 8, lower: float = 1e-3, safety: floa
     return _greedy_coefficients(int(steps), float(lower), float(safety))
 
 
-@functools.lru_cache(maxsize=None)
+_designed: dict[tuple, tuple] = {}
+
+
+# A pure function of its arguments, computed with numpy and remembered: torch.compile takes its
+# result as a constant instead of tracing the minimax solves (which branch on their results).
+@torch.compiler.assume_constant_result
 def _greedy_coefficients(steps: int, lower: float, safety: float):
+    key = (steps, lower, safety)
+    if key not in _designed:
+        _designed[key] = _greedy_design(steps, lower, safety)
+    return _designed[key]
+
+
+def _greedy_design(steps: int, lower: float, safety: float):
     lo, hi = lower, 1.0
     designed = []
     for _ in range(steps):

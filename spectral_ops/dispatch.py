@@ -247,6 +247,16 @@ def _trial(primitive: str, args: tuple, kwargs: dict):
     return runs
 
 
+@torch.compiler.assume_constant_result
+def _traced_choice(op, primitive, device, dtype, shape, precision, optional, steps) -> str:
+    """The backend's name ("" for none) while torch.compile traces an op: decided when the graph is
+    traced, by the same rules, and baked into it (Triton's and CUDA's primitives are opaque custom
+    ops in the graph). Routing reads context variables, the environment, caches and runs
+    self-checks, none of which belongs in a graph; a graph keeps its backends until it is retraced."""
+    backend = _select_for(op, primitive, device, dtype, shape, precision, optional, steps)
+    return "" if backend is None else backend.name
+
+
 class Kernels:
     """The primitives for one op call, each routed to a backend per call (see the module docstring)."""
 
@@ -263,6 +273,10 @@ class Kernels:
                  steps: int = 0, call: tuple = ((), {})):
         """The backend for ``primitive`` on ``operand``; ``call`` (its arguments) lets the autotuner time
         the candidates the first time this kind of call is seen."""
+        if torch.compiler.is_compiling():
+            name = _traced_choice(self.op, primitive, operand.device, operand.dtype, tuple(operand.shape), precision,
+                                  optional, steps)
+            return get_backend(name) if name else None
         key = (primitive, operand.dtype, operand.shape, precision, steps)  # operands all share W's device
         if key not in self._choices:
             self._choices[key] = _select(self.op, primitive, operand, precision, optional=optional, steps=steps,

@@ -51,6 +51,13 @@ def resolve_precision(precision: str | None, dtype: torch.dtype) -> str:
         return "fp64"
     if dtype in (torch.bfloat16, torch.float16):
         return "bf16" if dtype == torch.bfloat16 else "fp16"
+    return _float32_precision()
+
+
+@torch.compiler.assume_constant_result
+def _float32_precision() -> str:
+    """torch's float32 matmul setting as a precision. Under torch.compile it is read once, when a
+    graph is traced (as Inductor reads it), since reading it is not traceable."""
     try:
         return FLOAT32_MATMUL_PRECISIONS[torch.get_float32_matmul_precision()]
     except RuntimeError:  # the per-backend API (torch.backends.cuda.matmul.fp32_precision) is in use

@@ -157,3 +157,15 @@ def test_weight_decay_is_a_deprecated_alias_of_spectral_weight_decay():
         so.spectral_decay_(W.clone(), 2, 0.1, 0.2, weight_decay=0.2)
     with pytest.raises(TypeError, match="needs spectral_weight_decay"):
         so.spectral_decay_(W.clone(), 2, 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_multiply_rounds_each_product_once(dtype):
+    # An in-place multi-tensor multiply would round 0.97 to 0.96875 in bf16 first.
+    from spectral_ops.decay import multiply_
+
+    tensors = [torch.full((5,), 0.1172, dtype=dtype), torch.randn(3, 4).to(dtype)]
+    expected = [(t.float() * 0.97).to(dtype) for t in tensors]
+    multiply_(tensors, 0.97)
+    for got, want in zip(tensors, expected):
+        assert torch.equal(got, want)

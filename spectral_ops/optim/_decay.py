@@ -12,7 +12,7 @@ import torch
 from torch.optim import Optimizer
 
 from .._checks import check_coefficient
-from ..decay import check_decay_options, spectral_decay_
+from ..decay import check_decay_options, multiply_, spectral_decay_
 
 # Decay keys every optimizer of the family accepts per parameter group, with their defaults.
 DECAY_DEFAULTS = {
@@ -124,7 +124,7 @@ def decay_parameters(params, group: dict, *, lr, peak_lr, spectral, ordinary) ->
     vectors = [p for p in params if p.ndim < 2]
     if vectors and not is_zero(ordinary):
         scale = lr if schedule is None else schedule
-        torch._foreach_mul_(vectors, 1 - scale * ordinary)
+        multiply_(vectors, 1 - scale * ordinary)
 
 
 class SpectralOptimizer(Optimizer):
