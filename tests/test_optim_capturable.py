@@ -170,6 +170,8 @@ COMPILED = {
                                      stability="clamp", capturable=True),
     "muon": lambda m: _muon(m, lr=torch.tensor(1e-2), p=2, spectral_weight_decay=0.5, stability="clamp",
                             precision="fp32"),
+    "sgd": lambda m: SpectralSGD(m.parameters(), lr=torch.tensor(1e-2), momentum=0.9, p=0, spectral_weight_decay=0.5,
+                                 capturable=True),
     "decay-attached": _attached_to_adamw,
 }
 
