@@ -165,6 +165,8 @@ class DecayOptions:
     polar_coefficients: tuple
     sign_coefficients: tuple
     precision: str | None
+    p0_mode: str
+    stability: str
 
 
 def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, convention="decoupled", band=None,
@@ -208,6 +210,8 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
         sign_coefficients=sign_coefficients(band.sign_steps if band else None,
                                             band.sign_method if band else "polar_express"),
         precision=check_precision(precision),
+        p0_mode=p0_mode,
+        stability=stability,
     )
 
 
@@ -293,15 +297,25 @@ def spectral_decay_(
         scale = lr
     if sync:
         check_finite(tensors, "W")
+    apply_decay_(tensors, options, scale=scale, spectral_weight_decay=weight_decay,
+                 ordinary_weight_decay=ordinary_weight_decay, capturable=capturable)
+    return W
+
+
+def apply_decay_(tensors: list[torch.Tensor], options: DecayOptions, *, scale, spectral_weight_decay,
+                 ordinary_weight_decay, capturable: bool) -> None:
+    """The decay of :func:`spectral_decay_` on validated arguments (optimizers validate theirs once):
+    distinct matrices on one device, ``options`` from :func:`check_decay_options`, ``scale`` the lr or
+    the schedule."""
     p, band, spec = options.p, options.band, options.band_spec
-    if band is None and not isinstance(weight_decay, torch.Tensor) and weight_decay == 0:
+    if band is None and not isinstance(spectral_weight_decay, torch.Tensor) and spectral_weight_decay == 0:
         p = 1  # a zero spectral coefficient: only the ordinary term is left, no spectral math needed
 
-    spectral = scale if spec is not None and spec.mode == "two_band" else scale * weight_decay
+    spectral = scale if spec is not None and spec.mode == "two_band" else scale * spectral_weight_decay
     if p == 1 and band is None:
         # No spectral direction (S_1(W) = W): one multi-tensor scaling, as torch's AdamW decays.
         multiply_([t for t in tensors if t.numel()], 1.0 - scale * ordinary_weight_decay - spectral)
-        return W
+        return
     groups = defaultdict(list)
     for t in tensors:
         if t.numel():
@@ -309,13 +323,13 @@ def spectral_decay_(
     plans = []
     for group in groups.values():
         stack = group[0] if len(group) == 1 else torch.stack(group)
-        clamp = _guarded_scale(stack, p, scale, weight_decay, band, stability, capturable)
+        clamp = _guarded_scale(stack, p, scale, spectral_weight_decay, band, options.stability, capturable)
         request = DecayRequest(
             p=p,
             spectral_scale=spectral if clamp is None else spectral * clamp,
             ordinary_scale=scale * ordinary_weight_decay,
             band=spec,
-            p0_mode=p0_mode,
+            p0_mode=options.p0_mode,
             polar_coefficients=options.polar_coefficients,
             sign_coefficients=options.sign_coefficients,
             precision=options.precision,
@@ -327,4 +341,3 @@ def spectral_decay_(
         if len(group) > 1:
             for t, new in zip(group, stack.unbind(0)):
                 t.copy_(new)
-    return W

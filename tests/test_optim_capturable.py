@@ -219,3 +219,27 @@ def test_a_compiled_step_has_no_graph_break_and_matches_eager(name):
     expected = graph_breaks(torch.compile(torch.optim.AdamW(tiny_model().parameters()).step)) \
         if name == "decay-attached" else 0
     assert breaks == expected
+
+
+def test_options_are_validated_at_construction_and_again_only_when_changed(monkeypatch):
+    import spectral_ops.optim._decay as family
+
+    calls = []
+    validate = family.check_decay_options
+    monkeypatch.setattr(family, "check_decay_options", lambda *a, **k: calls.append(a) or validate(*a, **k))
+    model = tiny_model()
+    optimizer = SpectralAdamW(model.parameters(), lr=torch.tensor(1e-2), p=2, spectral_weight_decay=0.5,
+                              stability="clamp", capturable=True)
+    assert len(calls) == 1
+    for step in range(3):
+        gradients(model, step)
+        optimizer.step()
+    optimizer.param_groups[0]["lr"].fill_(5e-3)  # a tensor changed in place is not an option change
+    optimizer.step()
+    assert len(calls) == 1
+    optimizer.param_groups[0]["p"] = 3
+    optimizer.step()
+    assert len(calls) == 2 and calls[-1][0] == 3
+    optimizer.param_groups[0]["p"] = -1
+    with pytest.raises(ValueError, match="p must be a non-negative integer"):
+        optimizer.step()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch.optim import Optimizer
 
-from .._checks import check_coefficient
-from ..decay import check_decay_options, multiply_, spectral_decay_
+from .._checks import check_coefficient, check_finite, check_same_device
+from ..decay import DecayOptions, apply_decay_, check_decay_options, multiply_
 
 # Decay keys every optimizer of the family accepts per parameter group, with their defaults.
 DECAY_DEFAULTS = {
@@ -57,9 +57,9 @@ def detached_peak(lr):
     return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
 
-def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> None:
+def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> DecayOptions:
     """Validate a group's decay options, naming its coefficient keys ``spectral`` and ``ordinary``."""
-    check_decay_options(
+    options = check_decay_options(
         group["p"],
         group[spectral],
         ordinary_weight_decay=group[ordinary],
@@ -74,6 +74,18 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> None:
     for param in group["params"]:
         if param.ndim > 2 and not param.is_contiguous():
             raise ValueError(f"a {param.ndim}-d parameter must be contiguous to be decayed as a matrix view")
+    check_same_device([param for param in group["params"] if param.ndim >= 2], "a parameter group's matrices")
+    return options
+
+
+def _option_key(value):
+    """A comparable stand-in for an option's value: a tensor by identity (its value may change in
+    place without needing validation again), a dict by its items."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value))
+    if isinstance(value, dict):
+        return tuple(sorted((k, _option_key(v)) for k, v in value.items()))
+    return value
 
 
 def check_on_parameter_device(group: dict, keys) -> None:
@@ -97,33 +109,23 @@ def matrix_view(param: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def decay_parameters(params, group: dict, *, lr, peak_lr, spectral, ordinary) -> None:
-    """Apply the group's decay to ``params`` in place, from their current (pre-update) values.
+def decay_parameters(params, group: dict, options: DecayOptions, *, lr, peak_lr, spectral, ordinary) -> None:
+    """Apply the group's decay to ``params`` in place, from their current (pre-update) values, with the
+    group's ``options`` validated beforehand.
 
     ``params`` may include views (e.g. the Q/K/V blocks of a fused projection): each is decayed as
     its own matrix.
     """
     schedule = schedule_multiplier(lr, peak_lr) if group["convention"] == "independent" else None
+    scale = lr if schedule is None else schedule
     matrices = [matrix_view(p) for p in params if p.ndim >= 2]
     if matrices and not (is_zero(spectral) and is_zero(ordinary) and group["band"] is None):
-        spectral_decay_(
-            matrices,
-            group["p"],
-            lr,
-            spectral,
-            ordinary_weight_decay=ordinary,
-            convention=group["convention"],
-            schedule=schedule,
-            band=group["band"],
-            p0_mode=group["p0_mode"],
-            steps=group["polar_steps"],
-            stability=group["stability"],
-            precision=group["decay_precision"],
-            capturable=group["capturable"],
-        )
+        if not group["capturable"]:
+            check_finite(matrices, "W")
+        apply_decay_(matrices, options, scale=scale, spectral_weight_decay=spectral, ordinary_weight_decay=ordinary,
+                     capturable=group["capturable"])
     vectors = [p for p in params if p.ndim < 2]
     if vectors and not is_zero(ordinary):
-        scale = lr if schedule is None else schedule
         multiply_(vectors, 1 - scale * ordinary)
 
 
@@ -137,6 +139,8 @@ class SpectralOptimizer(Optimizer):
 
     spectral_key = "spectral_weight_decay"
     ordinary_key = "weight_decay"
+    # SpectralDecay attached to another optimizer takes that one's lr.
+    lr_optional = False
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -153,15 +157,29 @@ class SpectralOptimizer(Optimizer):
     def check_group(self, group: dict) -> None:
         if not isinstance(group["capturable"], bool):
             raise TypeError(f"capturable must be True or False, got {group['capturable']!r}")
-        check_coefficient(group["lr"], "lr")
-        check_decay_group(group, spectral=self.spectral_key, ordinary=self.ordinary_key)
+        if group["lr"] is not None or not self.lr_optional:
+            check_coefficient(group["lr"], "lr")
+        self.decay_options(group)
         if group["capturable"]:
             check_on_parameter_device(group, ("lr", self.spectral_key, self.ordinary_key, "peak_lr"))
+
+    def decay_options(self, group: dict) -> DecayOptions:
+        """The group's validated decay options: validated again only when one of them changes, so a
+        step does not re-check what construction did."""
+        keys = (*DECAY_DEFAULTS, self.spectral_key, self.ordinary_key)
+        key = tuple(_option_key(group[k]) for k in keys)
+        validated = self.__dict__.setdefault("_validated_options", {})
+        cached = validated.get(id(group))
+        if cached is None or cached[0] is not group or cached[1] != key:
+            cached = validated[id(group)] = (group, key, check_decay_group(group, spectral=self.spectral_key,
+                                                                            ordinary=self.ordinary_key))
+        return cached[2]
 
     def decay_group(self, params, group: dict) -> None:
         decay_parameters(
             params,
             group,
+            self.decay_options(group),
             lr=group["lr"],
             peak_lr=group.get("initial_lr", group["peak_lr"]),
             spectral=group[self.spectral_key],

@@ -38,6 +38,7 @@ class SpectralDecay(SpectralOptimizer):
     """
 
     ordinary_key = "ordinary_weight_decay"
+    lr_optional = True  # lr=None: attached use, where the host optimizer supplies the lr
 
     def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
                  band=None, p0_mode="explicit", stability="raise", polar_steps=None, decay_precision=None, lr=None,
@@ -70,10 +71,6 @@ class SpectralDecay(SpectralOptimizer):
         for index, group in enumerate(self.param_groups):
             self.param_groups[index] = _without_deprecated_key(group, stacklevel=2)
 
-    def check_group(self, group: dict) -> None:
-        # lr=None: attached use, where the host optimizer supplies the lr.
-        super().check_group(group if group["lr"] is not None else dict(group, lr=0.0))
-
     def attach(self, optimizer: torch.optim.Optimizer) -> "SpectralDecay":
         """Decay before every ``optimizer.step()``, following that optimizer's current lr."""
         if self._hook is not None:
@@ -99,7 +96,7 @@ class SpectralDecay(SpectralOptimizer):
                 by_host.setdefault(id(host), (host, []))[1].append(param)
             for host, params in by_host.values():
                 peak = host.get("initial_lr", self._host_peak_lr.get(id(host), host["lr"]))
-                decay_parameters(params, group, lr=host["lr"], peak_lr=peak,
+                decay_parameters(params, group, self.decay_options(group), lr=host["lr"], peak_lr=peak,
                                  spectral=group[self.spectral_key], ordinary=group[self.ordinary_key])
 
     def step_group(self, params, group: dict) -> None:
