@@ -3,7 +3,7 @@
     timeout 540 python bench/gpu_check.py --out docs/results/gpu/$(date +%F)   # GPU: 8 minutes at most
     python bench/gpu_check.py --only syrk,decay    # cases whose name contains one of these
     python bench/gpu_check.py --dry-run            # CPU: Triton interpreter, tiny shapes (what the tests run)
-    python bench/gpu_check.py --compile-only sm80,sm90   # no GPU: resources of every kernel for those targets
+    python bench/gpu_check.py --compile-only sm80,sm90   # no GPU: registers, spills, shared memory per kernel
 
 It starts from a bare checkout (no install, no registry): it imports the package from the checkout and,
 where ``spectral_ops._C`` is not built, builds it with CMake for the GPU's architecture first.
@@ -51,9 +51,13 @@ still counts the timed-out and skipped ones).
 
 ``--compile-only`` needs no GPU: it runs the Triton cases on CPU tensors with Triton's launcher
 replaced by a recorder, compiles each distinct kernel specialisation it saw for the named targets
-and reports shared memory, registers and spill bytes (from the bundled ``ptxas``). It exits 1 if a
-variant fails to compile or needs more shared memory than the target has. It relies on Triton's
-launcher internals (``JITFunction.run``, checked against triton 3.7).
+to a cubin (with Triton's bundled ``ptxas``, 12.8 in triton 3.7, which handles sm80 and sm90;
+``TRITON_PTXAS_PATH`` names another), and reads each cubin's registers, stack frame, local and
+shared memory with ``cuobjdump -res-usage`` (``bench/sass.py``); register spills show as a stack
+frame. The same for every kernel of the built ``_C`` (its code for the target, as built: a target
+it was not built for is reported as skipped). It exits 1 if a variant fails to compile or needs
+more shared memory than the target has. ``--out DIR`` writes ``DIR/compile_only.md`` and ``.json``.
+It relies on Triton's launcher internals (``JITFunction.run``, checked against triton 3.7).
 
 Cases live in ``REGISTRY`` (:class:`Case`: a function, its reference, inputs, shapes, dtypes and
 which shapes are headline timings); the CUDA extension's cases (``bench/cuda_cases.py``) are
@@ -85,9 +89,11 @@ def parse(argv):
     parser.add_argument("--dry-run", "--interpret", dest="dry_run", action="store_true",
                         help="CPU tensors under TRITON_INTERPRET=1, tiny shapes, fp32/fp16, one timing run; "
                              "cases that need CUDA are reported as skipped")
-    parser.add_argument("--json", type=Path, default=Path(__file__).with_suffix(".json"), help="where to write results")
-    parser.add_argument("--out", type=Path, help="write gpu_check.md and gpu_check.json into this folder "
-                                                 "(overrides --json)")
+    parser.add_argument("--json", type=Path, default=Path(__file__).with_suffix(".json"),
+                        help="where to write the JSON results when --out is not given (default: bench/gpu_check.json)")
+    parser.add_argument("--out", type=Path, help="write gpu_check.md and gpu_check.json (compile_only.md and .json "
+                                                 "with --compile-only) into this folder, e.g. docs/results/gpu/DATE; "
+                                                 "overrides --json")
     parser.add_argument("--only", default="", help="comma-separated substrings of case names to run "
                                                    "(the optimizer cases and the yardstick included)")
     parser.add_argument("--budget-s", type=float, default=420.0,
@@ -95,9 +101,9 @@ def parse(argv):
                              "of it, headline timings before 80%%, and a running case is stopped at 100%% "
                              "(the default fits the run in 8 minutes)")
     parser.add_argument("--compile-only", metavar="ARCHS", default="",
-                        help="no GPU: compile every kernel variant the cases launch for these targets "
-                             "(comma-separated: sm80, sm90) and report registers, spills and shared memory "
-                             "instead of running")
+                        help="no GPU: compile every Triton kernel variant the cases launch for these targets "
+                             "(comma-separated: sm80, sm90) and report its registers, stack (spills) and shared "
+                             "memory from cuobjdump, and those of the built _C's kernels, instead of running")
     return parser.parse_args(argv)
 
 
@@ -368,13 +374,18 @@ _op_case("decay_ p=2 (tf32)", _decay(2, precision="tf32"), BIG + HEADS, [], dtyp
 CUDA_HEADLINE = {"time/syrk/bf16/4096x16384", "time/syrk/fp32/4096x16384"}
 
 
+def _bench_module(name: str):
+    """A sibling module of this script (bench/ is no package, and this script may run from a bare checkout)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _register_cuda_cases() -> None:
     """Each CUDA case checks one kernel or op at one shape and dtype; the timing cases are also timed
     against the torch call they replace. They need a GPU: no tiny interpreter shapes."""
-    spec = importlib.util.spec_from_file_location("cuda_cases", Path(__file__).with_name("cuda_cases.py"))
-    cuda_cases = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cuda_cases)
-
+    cuda_cases = _bench_module("cuda_cases")
     for spec, timed in [(s, False) for s in cuda_cases.cases()] + [(s, True) for s in cuda_cases.timing_cases()]:
         register(Case(
             spec["name"], "cuda",
@@ -840,10 +851,22 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _report_paths(args, stem: str) -> tuple[Path, Path | None]:
+    """``--out DIR``: ``DIR/<stem>.json`` and ``DIR/<stem>.md``; else ``--json`` and no markdown file."""
+    if args.out is None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        return args.json, None
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args.out / f"{stem}.json", args.out / f"{stem}.md"
+
+
 # ----- compiling without a GPU -----
+
+SASS = _bench_module("sass")  # resource usage and SASS read with cuobjdump
 
 # Shared memory a block may use (opt-in maximum), per target.
 SHARED_MEMORY_LIMIT = {"sm80": 166912, "sm90": 232448}
+STATIC_SHARED_LIMIT = 48 * 1024  # static __shared__ arrays; beyond it a kernel must use dynamic shared memory
 
 
 def record_launches(args, arch: str) -> dict:
@@ -884,9 +907,16 @@ def record_launches(args, arch: str) -> dict:
     return launches
 
 
+def _resources(usage: dict) -> dict:
+    """One kernel's ``cuobjdump -res-usage`` fields, as the report names them. Register spills and
+    local arrays show as a stack frame (or local memory)."""
+    return {"registers": usage["registers"], "stack": usage.get("stack", 0), "local": usage.get("local", 0),
+            "static_shared": usage.get("shared", 0)}
+
+
 def compile_launches(launches: dict, arch: str) -> list[dict]:
-    import re
-    import subprocess
+    """Each recorded specialisation compiled for ``arch`` by Triton (its bundled ``ptxas``, or the one
+    ``TRITON_PTXAS_PATH`` names), its cubin read back with cuobjdump: what the GPU would load."""
     import tempfile
 
     import triton
@@ -895,64 +925,102 @@ def compile_launches(launches: dict, arch: str) -> list[dict]:
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", int(arch[2:]), 32)
+    ptxas = knobs.nvidia.ptxas
     rows = []
     for kernel, signature, constexprs, attrs, options in launches.values():
         flags = {kernel.arg_names[path[0]]: value for path, value in constexprs.items()
                  if kernel.arg_names[path[0]].isupper()}
         pointers = sorted({kind for kind in signature.values() if kind.startswith("*")})
-        row = {"kernel": kernel.fn.__name__, "arch": arch, "operands": " ".join(pointers),
-               "num_warps": options.num_warps, "num_stages": options.num_stages, "constexprs": flags}
+        row = {"source": "triton", "kernel": kernel.fn.__name__, "arch": arch, "operands": " ".join(pointers),
+               "num_warps": options.num_warps, "num_stages": options.num_stages, "constexprs": flags,
+               "ptxas": f"{ptxas.version} ({ptxas.path})"}
         try:
             compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                                       options=options.__dict__)
         except Exception as error:
-            rows.append({**row, "ok": False, "failure": f"{type(error).__name__}: {error}"[:500]})
+            rows.append({**row, "ok": False, "status": "failed", "reason": f"{type(error).__name__}: {error}"[:500]})
             continue
-        row["shared"] = compiled.metadata.shared
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
-            ptx.write(compiled.asm["ptx"])
-            ptx.flush()
-            gpu = f"sm_{arch[2:]}a" if arch == "sm90" else f"sm_{arch[2:]}"
-            verbose = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"--gpu-name={gpu}", ptx.name, "-o", os.devnull],
-                                     capture_output=True, text=True).stderr
-        registers = re.search(r"Used (\d+) registers", verbose)
-        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", verbose)
-        row["registers"] = int(registers.group(1)) if registers else None
-        row["spill_stores"] = int(spills.group(1)) if spills else None
-        row["ok"] = compiled.metadata.shared <= SHARED_MEMORY_LIMIT[arch]
+        with tempfile.TemporaryDirectory() as folder:
+            cubin = Path(folder) / "kernel.cubin"
+            cubin.write_bytes(compiled.asm["cubin"])
+            row.update(_resources(SASS.resource_usage(cubin)[compiled.metadata.name]))
+        # Triton asks for its shared memory at launch (dynamic); static arrays come on top.
+        row["shared"] = compiled.metadata.shared + row["static_shared"]
+        row["ok"] = row["shared"] <= SHARED_MEMORY_LIMIT[arch]
+        row["status"] = "ok" if row["ok"] else "failed"
+        if not row["ok"]:
+            row["reason"] = f"needs {row['shared']} B of shared memory, {arch} has {SHARED_MEMORY_LIMIT[arch]}"
         rows.append(row)
     return rows
 
 
+def extension_resources(arch: str) -> list[dict]:
+    """Every kernel of the built ``spectral_ops._C`` for ``arch``, read from its SASS with cuobjdump
+    (no GPU, no rebuild: it says what that build holds). cuobjdump sees static shared memory only;
+    the fused chain sizes its dynamic shared memory at launch, from the matrix size."""
+    found = importlib.util.find_spec("spectral_ops._C")
+    head = {"source": "_C", "kernel": "spectral_ops._C", "arch": arch}
+    if found is None:
+        return [{**head, "ok": None, "status": "skipped", "reason": "not built (python -m spectral_ops says why)"}]
+    gpu = f"sm_{arch[2:]}"
+    usage = SASS.resource_usage(found.origin, arch=gpu)
+    if not usage:
+        return [{**head, "ok": None, "status": "skipped", "reason": f"the build holds no {gpu} code (python -m "
+                 "spectral_ops lists what it holds): set SPECTRAL_OPS_CUDA_ARCHS and rebuild"}]
+    names = SASS.demangle(usage)
+    rows = []
+    for name in sorted(usage, key=names.get):
+        row = {**head, "kernel": names[name], **_resources(usage[name])}
+        row["ok"] = row["static_shared"] <= STATIC_SHARED_LIMIT
+        row["status"] = "ok" if row["ok"] else "failed"
+        rows.append(row)
+    return rows
+
+
+_RESOURCE_COLUMNS = [("registers", _number("registers", "d")), ("stack B", _number("stack", "d")),
+                     ("local B", _number("local", "d"))]
+_TRITON_COLUMNS = [("kernel", lambda r: r["kernel"]), ("arch", lambda r: r["arch"]),
+                   ("operands", lambda r: r["operands"]), ("warps", lambda r: r["num_warps"]),
+                   ("stages", lambda r: r["num_stages"]), *_RESOURCE_COLUMNS,
+                   ("shared KiB", lambda r: f"{r['shared'] / 1024:.1f}" if "shared" in r else ""),
+                   ("status", _status), ("constexprs", lambda r: r["constexprs"])]
+_EXTENSION_COLUMNS = [("kernel", lambda r: r["kernel"]), ("arch", lambda r: r["arch"]), *_RESOURCE_COLUMNS,
+                      ("static shared KiB", lambda r: f"{r['static_shared'] / 1024:.1f}" if "static_shared" in r
+                       else ""), ("status", _status)]
+
+
 def compile_only(args) -> int:
     import triton.runtime.interpreter
+    from triton import knobs
 
     from spectral_ops.triton_kernels import syrk as any_kernel_module
 
     if isinstance(any_kernel_module.symmetric_kernel, triton.runtime.interpreter.InterpretedFunction):
         print("--compile-only needs compiled kernels: unset TRITON_INTERPRET", file=sys.stderr)
         return 2
+    archs = [a.strip() for a in args.compile_only.split(",") if a.strip()]
+    unknown = [arch for arch in archs if arch not in SHARED_MEMORY_LIMIT]
+    if unknown:
+        print(f"unknown target(s) {unknown}; known: {', '.join(SHARED_MEMORY_LIMIT)}", file=sys.stderr)
+        return 2
     rows = []
-    for arch in [a.strip() for a in args.compile_only.split(",") if a.strip()]:
-        if arch not in SHARED_MEMORY_LIMIT:
-            print(f"unknown target {arch!r}; known: {', '.join(SHARED_MEMORY_LIMIT)}", file=sys.stderr)
-            return 2
+    for arch in archs:
         rows += compile_launches(record_launches(args, arch), arch)
-    lines = ["| kernel | arch | operands | warps | stages | shared KiB | registers | spill bytes | ok | constexprs |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        head = f"| {r['kernel']} | {r['arch']} | {r['operands']} | {r['num_warps']} | {r['num_stages']} | "
-        if "failure" in r:
-            lines.append(f"{head} | | | FAIL: {r['failure']} | {r['constexprs']} |")
-        else:
-            lines.append(f"{head}"
-                         f"{r['shared'] / 1024:.0f} | {r['registers']} | {r['spill_stores']} | "
-                         f"{'yes' if r['ok'] else 'OVER'} | {r['constexprs']} |")
-    print("\n".join(lines))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"compile_only": rows}, indent=1, default=str))
-    print(f"wrote {args.json}")
-    return 0 if all(r["ok"] for r in rows) else 1
+        rows += extension_resources(arch)
+    text = "\n".join([
+        f"# Kernel resources for {', '.join(archs)} (cuobjdump {SASS.find_cuobjdump()}; Triton's ptxas "
+        f"{knobs.nvidia.ptxas.version})", "",
+        "## Triton kernels (one row per specialisation the cases launch)", "",
+        table([r for r in rows if r["source"] == "triton"], _TRITON_COLUMNS), "",
+        "## spectral_ops._C (static shared memory only; dynamic is set at launch)", "",
+        table([r for r in rows if r["source"] == "_C"], _EXTENSION_COLUMNS), ""])
+    print(text)
+    json_path, markdown_path = _report_paths(args, "compile_only")
+    json_path.write_text(json.dumps({"compile_only": rows}, indent=1, default=str))
+    if markdown_path is not None:
+        markdown_path.write_text(text)
+    print(f"wrote {json_path}" + (f" and {markdown_path}" if markdown_path is not None else ""))
+    return 1 if any(r["ok"] is False for r in rows) else 0
 
 
 def main(args) -> int:
@@ -971,22 +1039,19 @@ def main(args) -> int:
     tasks.sort(key=lambda task: PHASES.index(task.phase))  # stable: the order within each phase stays
     report = {"environment": environment(device, cuda_reason), "budget_s": args.budget_s,
               "build_s": round(time.monotonic() - started, 1), "results": []}
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        args.json = args.out / "gpu_check.json"
-    args.json.parent.mkdir(parents=True, exist_ok=True)
+    json_path, markdown_path = _report_paths(args, "gpu_check")
 
     def save(rows):
         report["results"] = rows
         summarise(report)
-        args.json.write_text(json.dumps(report, indent=1))
-        if args.out is not None:
-            (args.out / "gpu_check.md").write_text(markdown(report))
+        json_path.write_text(json.dumps(report, indent=1))
+        if markdown_path is not None:
+            markdown_path.write_text(markdown(report))
 
     save(run_tasks(tasks, device, started, args.budget_s, save))
     print()
     print(markdown(report))
-    print(f"wrote {args.json}" + (f" and {args.out / 'gpu_check.md'}" if args.out is not None else ""))
+    print(f"wrote {json_path}" + (f" and {markdown_path}" if markdown_path is not None else ""))
     # Skipped and timed-out cases are no verdict: they do not fail the run, the summary counts them.
     return 1 if report["summary"]["failed"] else 0
 
