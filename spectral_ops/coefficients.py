@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
+
+from ._compile import constant_when_traced
 
 # polar() starts from X_0 = W / (1.01 ||W||_F), so every singular value is in (0, 1/1.01]: inside the
 # design interval even after round-off.
@@ -95,7 +96,7 @@ _designed: dict[tuple, tuple] = {}
 
 # A pure function of its arguments, computed with numpy and remembered: torch.compile takes its
 # result as a constant instead of tracing the minimax solves (which branch on their results).
-@torch.compiler.assume_constant_result
+@constant_when_traced
 def _greedy_coefficients(steps: int, lower: float, safety: float):
     key = (steps, lower, safety)
     if key not in _designed:

@@ -37,6 +37,7 @@ import warnings
 
 import torch
 
+from ._compile import constant_when_traced
 from .backends.cuda_backend import CudaBackend
 from .backends.torch_backend import TorchBackend
 from .backends.triton_backend import TritonBackend
@@ -247,7 +248,7 @@ def _trial(primitive: str, args: tuple, kwargs: dict):
     return runs
 
 
-@torch.compiler.assume_constant_result
+@constant_when_traced
 def _traced_choice(op, primitive, device, dtype, shape, precision, optional, steps) -> str:
     """The backend's name ("" for none) while torch.compile traces an op: decided when the graph is
     traced, by the same rules, and baked into it (Triton's and CUDA's primitives are opaque custom

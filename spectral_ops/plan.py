@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from ._compile import constant_when_traced
 from .backends.base import BandSpec, DecayRequest
 from .coefficients import NORMALIZATION_MARGIN
 from .linalg import is_tall, normalized_wide, tiny, wide
@@ -54,7 +55,7 @@ def resolve_precision(precision: str | None, dtype: torch.dtype) -> str:
     return _float32_precision()
 
 
-@torch.compiler.assume_constant_result
+@constant_when_traced
 def _float32_precision() -> str:
     """torch's float32 matmul setting as a precision. Under torch.compile it is read once, when a
     graph is traced (as Inductor reads it), since reading it is not traceable."""
