@@ -93,7 +93,7 @@ def parse(argv):
                         help="where to write the JSON results when --out is not given (default: bench/gpu_check.json)")
     parser.add_argument("--out", type=Path, help="write gpu_check.md and gpu_check.json (compile_only.md and .json "
                                                  "with --compile-only) into this folder, e.g. docs/results/gpu/DATE; "
-                                                 "overrides --json")
+                                                 "the routing cache goes to its routing/ folder; overrides --json")
     parser.add_argument("--only", default="", help="comma-separated substrings of case names to run "
                                                    "(the optimizer cases and the yardstick included)")
     parser.add_argument("--budget-s", type=float, default=420.0,
@@ -148,6 +148,8 @@ from spectral_ops.backends.torch_backend import TorchBackend  # noqa: E402
 from spectral_ops.backends.triton_backend import TritonBackend  # noqa: E402
 from spectral_ops.coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients  # noqa: E402
 from spectral_ops.dispatch import SELF_CHECK_TOLERANCE, TF32_SELF_CHECK_TOLERANCE, PinnedKernels  # noqa: E402
+from spectral_ops.__main__ import routing_report  # noqa: E402
+from spectral_ops.tuning import ENV_CACHE_DIR  # noqa: E402
 from spectral_ops.linalg import relative_error  # noqa: E402
 from spectral_ops.optim import SpectralAdamW, SpectralMuon  # noqa: E402
 from spectral_ops.triton_kernels import decay, poly_step, sign_step, small, syrk, update  # noqa: E402
@@ -848,6 +850,8 @@ def markdown(report: dict) -> str:
     for phase, (title, columns) in _SECTIONS.items():
         rows = [row for row in report["results"] if row["phase"] == phase]
         lines += ["", f"## {title}", "", table(rows, columns) if rows else "(none)"]
+    lines += ["", "## 4. Measured routing", "", "What dispatch measured and chose during this run (the cases "
+              "routed \"auto\" use it).", "", report.get("routing", "(not yet)")]
     return "\n".join(lines) + "\n"
 
 
@@ -1031,6 +1035,9 @@ def main(args) -> int:
         print("no CUDA device: run with --dry-run for the CPU interpreter smoke test", file=sys.stderr)
         return 2
     started = time.monotonic()
+    if args.out is not None:
+        # The routing this run measures (and reuses) is kept with its results.
+        os.environ[ENV_CACHE_DIR] = str(args.out / "routing")
     if not args.dry_run:
         build_extension_if_needed(device)
     cuda_reason = CudaBackend().unavailable_reason(device)
@@ -1043,6 +1050,7 @@ def main(args) -> int:
 
     def save(rows):
         report["results"] = rows
+        report["routing"] = routing_report()
         summarise(report)
         json_path.write_text(json.dumps(report, indent=1))
         if markdown_path is not None:
