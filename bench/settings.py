@@ -3,6 +3,9 @@ model-sized ones on a GPU."""
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -29,3 +32,20 @@ ALL_SHAPES = [shape for family in SHAPES.values() for shape in family]
 def synchronize() -> None:
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
+
+
+def interleaved_medians(benchmark, steps: dict, rounds: int, warmup_rounds: int) -> dict:
+    """Median seconds of each of ``steps`` (name -> a call), timed back to back in each round so that
+    every call sees the same machine state; pytest-benchmark times the rounds themselves."""
+    times = {name: [] for name in steps}
+
+    def interleaved_round():
+        for name, step in steps.items():
+            synchronize()
+            start = time.perf_counter()
+            step()
+            synchronize()
+            times[name].append(time.perf_counter() - start)
+
+    benchmark.pedantic(interleaved_round, rounds=rounds, iterations=1, warmup_rounds=warmup_rounds)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}

@@ -9,16 +9,13 @@ like comparison; ``"Polar Express"`` is SpectralMuon's default, 8 converging ste
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import pytest
 import torch
 
 import spectral_ops as so
 from spectral_ops.optim import SpectralMuon
 
-from settings import DEVICE, synchronize
+from settings import DEVICE, interleaved_medians
 
 SHAPES = {"1024x1024": (1, 1024, 1024), "2048x512": (1, 2048, 512), "8 heads of 128x1024": (8, 128, 1024)}
 VARIANTS = {"torch NS5": dict(ns_coefficients=so.MUON_QUINTIC, ns_steps=5), "Polar Express": {}}
@@ -48,21 +45,8 @@ def optimizers(heads, rows, cols, variant):
 @pytest.mark.parametrize("case", list(SHAPES))
 def test_spectral_muon_against_torch_muon(benchmark, case, variant):
     ours, theirs = optimizers(*(SMOKE_SHAPE if benchmark.disabled else SHAPES[case]), variant)
-    times = {"ours": [], "theirs": []}
-
-    def timed(name, optimizer):
-        start = time.perf_counter()
-        optimizer.step()
-        synchronize()
-        times[name].append(time.perf_counter() - start)
-
-    def interleaved_round():
-        timed("ours", ours)
-        timed("theirs", theirs)
-
-    benchmark.pedantic(interleaved_round, rounds=ROUNDS, iterations=1, warmup_rounds=1)
-    ratio = statistics.median(times["ours"]) / statistics.median(times["theirs"])
+    medians = interleaved_medians(benchmark, {"ours": ours.step, "theirs": theirs.step}, ROUNDS, warmup_rounds=1)
+    ratio = medians["ours"] / medians["theirs"]
     benchmark.extra_info.update(op="muon_vs_torch", implementation=f"SpectralMuon ({variant})", case=case,
                                 shape=list(SHAPES[case]), dtype="bfloat16", precision="bf16", device=DEVICE.type,
-                                ours_median_s=statistics.median(times["ours"]),
-                                torch_median_s=statistics.median(times["theirs"]), ratio=ratio)
+                                ours_median_s=medians["ours"], torch_median_s=medians["theirs"], ratio=ratio)

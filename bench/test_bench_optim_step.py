@@ -9,9 +9,6 @@ times one step of each, back to back, on the same gradients; the ratio of the me
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import pytest
 import torch
 
@@ -19,7 +16,7 @@ from spectral_ops.optim import SpectralAdamW
 from spectral_ops.train.config import preset
 from spectral_ops.train.model import Transformer
 
-from settings import DEVICE, synchronize
+from settings import DEVICE, interleaved_medians
 
 ROUNDS = 20
 VARIANTS = {
@@ -41,24 +38,12 @@ def test_optimizer_step_against_torch_adamw(benchmark, variant):
     ours_model, theirs_model = model(), model()
     ours = SpectralAdamW(ours_model.parameters(), lr=1e-3, **VARIANTS[variant])
     theirs = torch.optim.AdamW(theirs_model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
-    times = {"ours": [], "theirs": []}
-
-    def timed(name, optimizer):
-        synchronize()
-        start = time.perf_counter()
-        optimizer.step()
-        synchronize()
-        times[name].append(time.perf_counter() - start)
-
-    def interleaved_round():
-        timed("ours", ours)
-        timed("theirs", theirs)
-
-    benchmark.pedantic(interleaved_round, rounds=1 if benchmark.disabled else ROUNDS, iterations=1,
-                       warmup_rounds=0 if benchmark.disabled else 2)
+    medians = interleaved_medians(benchmark, {"ours": ours.step, "theirs": theirs.step},
+                                  rounds=1 if benchmark.disabled else ROUNDS,
+                                  warmup_rounds=0 if benchmark.disabled else 2)
     matrices = sum(p.ndim >= 2 for p in ours_model.parameters())
-    ratio = statistics.median(times["ours"]) / statistics.median(times["theirs"])
+    ratio = medians["ours"] / medians["theirs"]
     benchmark.extra_info.update(op="optimizer_step_vs_adamw", implementation=variant, case=f"small preset, "
                                 f"{matrices} matrices", shape=[matrices], dtype="float32", precision="fp32",
-                                device=DEVICE.type, ours_median_s=statistics.median(times["ours"]),
-                                torch_median_s=statistics.median(times["theirs"]), ratio=ratio)
+                                device=DEVICE.type, ours_median_s=medians["ours"], torch_median_s=medians["theirs"],
+                                ratio=ratio)
