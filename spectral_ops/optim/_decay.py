@@ -120,7 +120,10 @@ def decay_parameters(params, group: dict, options: DecayOptions, *, lr, peak_lr,
     scale = lr if schedule is None else schedule
     matrices = [matrix_view(p) for p in params if p.ndim >= 2]
     if matrices and not (is_zero(spectral) and is_zero(ordinary) and group["band"] is None):
-        if not group["capturable"]:
+        spectral_direction = options.band is not None or (options.p != 1 and not is_zero(spectral))
+        if spectral_direction and not group["capturable"]:
+            # Refuse to compute a spectral direction from a non-finite weight. A plain scaling (p = 1)
+            # is not checked, as torch's AdamW does not check (it is a fifth of a p = 1 step).
             check_finite(matrices, "W")
         apply_decay_(matrices, options, scale=scale, spectral_weight_decay=spectral, ordinary_weight_decay=ordinary,
                      capturable=group["capturable"])
