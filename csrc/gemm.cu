@@ -75,6 +75,9 @@ MatmulPlan prepare_matmul(const TensorDesc& a, const TensorDesc& b, const Tensor
   if (tiles > std::numeric_limits<int32_t>::max()) {
     throw std::invalid_argument(out.describe() + ": too many 128 x 128 tiles for one launch");
   }
+  if (p.batch.count > tiled::kMaxGridYZ * tiled::kMaxGridYZ) {
+    throw std::invalid_argument(out.describe() + ": too many matrices in the batch for one launch");
+  }
   p.a = make_view(a, positions);
   p.b = make_view(b, positions);
   p.out = make_view(out, positions);
@@ -129,14 +132,16 @@ void run_matmul(const char* op, const MatmulPlan& plan, cudaStream_t stream) {
     }
   }
   if (plan.triangular) {
-    launch_triangular(plan, stream);
+    launch_triangular(op, plan, stream);
   } else {
-    launch_rectangular(plan, stream);
+    launch_rectangular(op, plan, stream);
   }
   SPECTRAL_OPS_CUDA_CHECK(op, cudaGetLastError());
 }
 
-void launch_rectangular(const MatmulPlan& plan, cudaStream_t stream) { tiled::launch_mode<false>(plan, stream); }
+void launch_rectangular(const char* op, const MatmulPlan& plan, cudaStream_t stream) {
+  tiled::launch_mode<false>(op, plan, stream);
+}
 
 void gemm(const TensorDesc& a, const TensorDesc& b, const TensorDesc& out, const TensorDesc* y, const ScaleArg& alpha,
           const ScaleArg& beta, int precision, cudaStream_t stream) {

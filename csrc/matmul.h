@@ -58,7 +58,7 @@ MatmulPlan prepare_matmul(const TensorDesc& a, const TensorDesc& b, const Tensor
 void run_matmul(const char* op, const MatmulPlan& plan, cudaStream_t stream);
 
 // One per grid shape, each in its own translation unit (gemm.cu, syrk.cu).
-void launch_rectangular(const MatmulPlan& plan, cudaStream_t stream);
-void launch_triangular(const MatmulPlan& plan, cudaStream_t stream);
+void launch_rectangular(const char* op, const MatmulPlan& plan, cudaStream_t stream);
+void launch_triangular(const char* op, const MatmulPlan& plan, cudaStream_t stream);
 
 }  // namespace spectral_ops

@@ -7,7 +7,9 @@
 
 namespace spectral_ops {
 
-void launch_triangular(const MatmulPlan& plan, cudaStream_t stream) { tiled::launch_mode<true>(plan, stream); }
+void launch_triangular(const char* op, const MatmulPlan& plan, cudaStream_t stream) {
+  tiled::launch_mode<true>(op, plan, stream);
+}
 
 void syrk(const TensorDesc& a, const TensorDesc& b, const TensorDesc& out, const TensorDesc* y, const ScaleArg& alpha,
           const ScaleArg& beta, int precision, cudaStream_t stream) {

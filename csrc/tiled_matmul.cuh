@@ -1,59 +1,94 @@
 // The tiled matrix-product kernel behind gemm.cu (rectangular grid) and syrk.cu (lower-triangle grid).
 //
 // One 256-thread block computes a 128 x 128 tile of out = alpha * (A B) + beta * Y for one matrix of
-// the batch, accumulating in fp32:
-//   * the main loop double-buffers `depth`-deep slabs of A and B through shared memory (global loads of
-//     slab k+1 are in flight while slab k is multiplied), both stored reduction-dim-major
-//     ([depth][128]), so one loader serves every operand and every math mode;
-//   * the math is a template parameter: WMMA on float16/bfloat16, WMMA TF32 with a hi/lo split (3xTF32)
-//     or fp32 FMA with an 8 x 8 register tile per thread;
-//   * the epilogue stages the accumulators through shared memory 32 rows at a time, so that it can
-//     apply alpha, beta * Y and the dtype conversion per element, write coalesced, and (triangular
-//     grid) write the mirrored element coalesced too.
+// the batch, accumulating in fp32. The math mode, a template parameter, picks the main loop:
+//   * tensor cores (float16 and bfloat16 operands; fp32 operands as TF32, one pass, or 3xTF32 with a
+//     hi/lo split): a kStages-deep cp.async pipeline of `depth`-deep slabs. Each operand's slab keeps
+//     the operand's own layout -- k-contiguous ([128][depth]) when its reduction dim has unit stride,
+//     else [depth][128] -- with its 16-byte chunks XOR-swizzled per row (SwizzledSlab), so that the
+//     cp.async stores and the fragment loads are both free of bank conflicts. Fragments load with
+//     ldmatrix.x4 (.trans from a 16-bit [depth][128] slab) and feed mma.sync m16n8k16 (f16, bf16) or
+//     m16n8k8 (tf32). TF32 fragments load with ldmatrix from a k-contiguous slab (one 8 x 8 b16 matrix
+//     is an 8 x 4 block of fp32, the tf32 fragment's layout) and with four swizzled, conflict-free
+//     LDS.32 from a [depth][128] slab (a b16 .trans would swap the halves of each fp32).
+//     A vector that cp.async cannot copy -- an operand of another dtype than the slab's, or a view not
+//     aligned for 16-byte access -- is loaded, converted and stored by the thread itself when its slab
+//     is issued, kStages - 1 slabs ahead of its use; a vector cut by the matrix edge is copied short
+//     and zero-filled.
+//   * fp32 FMA (precision=ieee; 16-bit operands converted on load): register-staged double buffering
+//     of [depth][128] slabs (the global loads of slab k+1 are in flight while slab k is multiplied)
+//     and an 8 x 8 register tile per thread.
+// __launch_bounds__(256, 2) caps a thread at 128 registers, so that two blocks share an SM.
+// The epilogue stages the accumulators through shared memory 32 rows at a time, so that it can apply
+// alpha, beta * Y and the dtype conversion per element, write coalesced, and (triangular grid) write
+// the mirrored element coalesced too.
 #pragma once
 
-#include <mma.h>
-
+#include <algorithm>
 #include <type_traits>
 
 #include "device.cuh"
 #include "matmul.h"
+#include "mma_ptx.cuh"
 
 namespace spectral_ops {
 namespace tiled {
 
-namespace wmma = nvcuda::wmma;
-
 constexpr int kTile = 128;
 constexpr int kThreads = 256;
+// Blocks per SM the register allocation must allow: 65536 / (2 * 256) = 128 registers a thread.
+constexpr int kMinBlocks = 2;
 constexpr int kStageRows = 32;
 constexpr int kStageLd = kTile + 4;
+// The largest grid.y and grid.z: a launch covers up to kMaxGridYZ^2 matrices of a batch.
+constexpr int64_t kMaxGridYZ = 65535;
 // Rectangular grids walk tiles in groups of this many tile rows, so that concurrently running blocks
 // share their A and B slabs in L2.
 constexpr int64_t kGroupRows = 8;
 
+// Elements per 16-byte shared-memory vector.
+template <typename Smem>
+constexpr int kVec = 16 / static_cast<int>(sizeof(Smem));
+// Row length of an FMA slab: the padding shifts consecutive rows across banks and keeps float4 aligned.
+constexpr int kFmaLd = kTile + kVec<float>;
+
+// kStages slabs of each operand are resident: FMA double-buffers through registers, the tensor-core
+// modes keep kStages - 1 slabs in flight. 4 stages of 16 KiB (A and B) leave room for two blocks per SM.
 template <MathMode kMode>
 struct Traits {
   using Smem = float;
   static constexpr int kDepth = 16;
+  static constexpr int kStages = 4;
+};
+template <>
+struct Traits<MathMode::kFma> {
+  using Smem = float;
+  static constexpr int kDepth = 16;
+  static constexpr int kStages = 2;
 };
 template <>
 struct Traits<MathMode::kHalf> {
   using Smem = __half;
   static constexpr int kDepth = 32;
+  static constexpr int kStages = 4;
 };
 template <>
 struct Traits<MathMode::kBf16> {
   using Smem = __nv_bfloat16;
   static constexpr int kDepth = 32;
+  static constexpr int kStages = 4;
 };
 
-// Elements per 16-byte shared-memory vector; also the row padding, which keeps WMMA fragment pointers
-// 32-byte aligned while shifting consecutive rows across banks.
+// Elements of one operand's slab: FMA's rows are padded, the tensor-core slabs swizzled instead.
+template <MathMode kMode>
+constexpr int kSlabElems = Traits<kMode>::kDepth * (kMode == MathMode::kFma ? kFmaLd : kTile);
+
 template <typename Smem>
-constexpr int kVec = 16 / static_cast<int>(sizeof(Smem));
-template <typename Smem>
-constexpr int kLd = kTile + kVec<Smem>;
+constexpr DType kDTypeOf = DType::kFloat32;
+template <>
+constexpr DType kDTypeOf<__half> = DType::kFloat16;
+template <>
+constexpr DType kDTypeOf<__nv_bfloat16> = DType::kBFloat16;
 
 // One operand as the loader sees it: `rows` along the reduction dim, `cols` along the output dim.
 struct TileSource {
@@ -87,28 +122,38 @@ __device__ __forceinline__ float bits_to_float(unsigned short bits, DType dtype)
                                   : __bfloat162float(__ushort_as_bfloat16(bits));
 }
 
+// 16 bytes, aligned so that a vector moves to shared memory in one store.
 template <typename Smem>
-struct Vector {
+struct alignas(16) Vector {
   Smem v[kVec<Smem>];
 };
 
-// kVec consecutive elements along a row (or, kDown, down a column) starting at (row, col), in one
-// 16-byte (or 8-byte) load where the host found the view aligned for it, else one element at a time (also
-// for a vector that crosses the matrix edge). Returned by value so the caller's registers stay registers.
+// How many elements of the vector of `vec` elements at (row, col) lie inside the matrix (0 to vec);
+// kDown: the vector runs down a column.
+template <bool kDown>
+__device__ __forceinline__ int64_t elements_inside(const TileSource& s, int64_t row, int64_t col, int vec) {
+  const int64_t left = kDown ? s.rows - row : s.cols - col;
+  const bool inside = (kDown ? col < s.cols : row < s.rows) && left > 0;
+  return inside ? (left < vec ? left : vec) : 0;
+}
+
+// kVec consecutive elements along a row (or, kDown, down a column) starting at (row, col), converted to
+// Smem, zero past the matrix edge: in one 16-byte (or 8-byte) load where the host found the view
+// aligned for it, else one element at a time (also for a vector that crosses the edge). Returned by
+// value so the caller's registers stay registers.
 template <typename Smem, bool kDown>
 __device__ __forceinline__ Vector<Smem> fetch_vector(const TileSource& s, int64_t row, int64_t col) {
   constexpr int vec = kVec<Smem>;
   Vector<Smem> out;
   const int64_t size = element_size(s.dtype);
   const char* p = s.base + (row * s.row_stride + col * s.col_stride) * size;
-  const int64_t left = kDown ? s.rows - row : s.cols - col;
-  const bool inside = (kDown ? col < s.cols : row < s.rows) && left > 0;
-  if (!inside || left < vec || !s.vectorized) {
+  const int64_t inside = elements_inside<kDown>(s, row, col, vec);
+  if (inside < vec || !s.vectorized) {
     const int64_t step = (kDown ? s.row_stride : s.col_stride) * size;
 #pragma unroll
     for (int l = 0; l < vec; ++l) {
       float x = 0.0f;
-      if (inside && l < left) {
+      if (l < inside) {
         if constexpr (std::is_same_v<Smem, float>) {
           x = load_as_float(p + l * step, s.dtype, 0);
         } else {
@@ -146,21 +191,22 @@ __device__ __forceinline__ Vector<Smem> fetch_vector(const TileSource& s, int64_
   return out;
 }
 
-// Moves one ROWS x 128 slab global -> registers (fetch) and registers -> shared memory (store), so that
-// the global loads of the next slab overlap the math on the current one. kDown (a template parameter of
-// the kernel, so that each thread's few addresses are all the registers it spends on loading) puts the
-// vectors down the columns, for operands whose reduction dim has unit stride; otherwise they run along
-// the rows. Consecutive threads take consecutive vectors, so the accesses coalesce either way.
-template <typename Smem, int ROWS, bool kDown>
-struct SlabLoader {
-  static constexpr int vec = kVec<Smem>;
+// fp32 FMA: moves one ROWS x 128 slab global -> registers (issue) and registers -> shared memory
+// [ROWS][kFmaLd] (finish), so that the global loads of the next slab overlap the math on the current
+// one. kDown (a template parameter of the kernel, so that each thread's few addresses are all the
+// registers it spends on loading) puts the vectors down the columns, for operands whose reduction dim
+// has unit stride; otherwise they run along the rows. Consecutive threads take consecutive vectors, so
+// the accesses coalesce either way.
+template <int ROWS, bool kDown>
+struct RegisterLoader {
+  static constexpr int vec = kVec<float>;
   static constexpr int kVectors = ROWS * kTile / kThreads / vec;
   static_assert(kVectors * vec * kThreads == ROWS * kTile && ROWS % vec == 0, "a slab must split into whole vectors");
-  Smem v[kVectors * vec];
+  float v[kVectors * vec];
 
-  // First element of this thread's vector i.
+  // First element of this thread's vector i. The thread index is re-read (see AsyncLoader::issue).
   __device__ static void position(int i, int& row, int& col) {
-    const int e = threadIdx.x + i * kThreads;
+    const int e = ptx::thread_index() + i * kThreads;
     if constexpr (kDown) {
       row = (e % (ROWS / vec)) * vec;
       col = e / (ROWS / vec);
@@ -170,24 +216,24 @@ struct SlabLoader {
     }
   }
 
-  __device__ void fetch(const TileSource& s, int64_t row0, int64_t col0) {
+  __device__ void issue(const TileSource& s, int64_t row0, int64_t col0, float*) {
 #pragma unroll
     for (int i = 0; i < kVectors; ++i) {
       int row, col;
       position(i, row, col);
-      const Vector<Smem> q = fetch_vector<Smem, kDown>(s, row0 + row, col0 + col);
+      const Vector<float> q = fetch_vector<float, kDown>(s, row0 + row, col0 + col);
 #pragma unroll
       for (int l = 0; l < vec; ++l) v[i * vec + l] = q.v[l];
     }
   }
 
-  __device__ void store(Smem* slab) const {
+  __device__ void finish(float* slab) const {
 #pragma unroll
     for (int i = 0; i < kVectors; ++i) {
       int row, col;
       position(i, row, col);
 #pragma unroll
-      for (int l = 0; l < vec; ++l) slab[(row + (kDown ? l : 0)) * kLd<Smem> + col + (kDown ? 0 : l)] = v[i * vec + l];
+      for (int l = 0; l < vec; ++l) slab[(row + (kDown ? l : 0)) * kFmaLd + col + (kDown ? 0 : l)] = v[i * vec + l];
     }
   }
 };
@@ -215,15 +261,15 @@ struct FmaAccumulator {
     v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
   }
 
-  template <int kDepth>
   __device__ void multiply(const float* a_slab, const float* b_slab) {
+    constexpr int kDepth = Traits<MathMode::kFma>::kDepth;
     const int a_base = (threadIdx.x / 16) * 4;
     const int b_base = (threadIdx.x % 16) * 4;
 #pragma unroll
     for (int k = 0; k < kDepth; ++k) {
       float a[8], b[8];
-      load8(a_slab + k * kLd<float>, a_base, a);
-      load8(b_slab + k * kLd<float>, b_base, b);
+      load8(a_slab + k * kFmaLd, a_base, a);
+      load8(b_slab + k * kFmaLd, b_base, b);
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
 #pragma unroll
@@ -244,40 +290,122 @@ struct FmaAccumulator {
   }
 };
 
-// bf16 and tf32 WMMA exist from sm_80 on. A build that also targets an older GPU gets only the FMA
-// kernels in that GPU's code; run_matmul refuses the other modes there (matmul_kernel traps).
+// ldmatrix, cp.async and mma.sync exist from sm_80 on. A build that also targets an older GPU gets
+// only the FMA kernels in that GPU's code; run_matmul refuses the other modes there (matmul_kernel traps).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
-#define SPECTRAL_OPS_WMMA 0
+#define SPECTRAL_OPS_TENSOR_CORES 0
 #else
-#define SPECTRAL_OPS_WMMA 1
+#define SPECTRAL_OPS_TENSOR_CORES 1
 #endif
 
-#if SPECTRAL_OPS_WMMA
-template <MathMode kMode>
-struct WmmaTypes {
-  using In = wmma::precision::tf32;
-  static constexpr int kK = 8;
-};
-template <>
-struct WmmaTypes<MathMode::kHalf> {
-  using In = __half;
-  static constexpr int kK = 16;
-};
-template <>
-struct WmmaTypes<MathMode::kBf16> {
-  using In = __nv_bfloat16;
-  static constexpr int kK = 16;
+#if SPECTRAL_OPS_TENSOR_CORES
+// One operand's slab in the operand's own layout: rows along the dim without unit stride, 16-byte
+// chunks along the other, so [128 outer][kDepth] when kKContig, else [kDepth][128 outer]. Chunk c of
+// row r is stored at c ^ swizzle(r). Shared memory serves a warp's 16-byte accesses 8 lanes (128 bytes,
+// all 32 banks) at a time and its 4-byte accesses 32 lanes at a time. The accesses here: the cp.async
+// stores (one row, 8 consecutive chunks), ldmatrix (8 consecutive rows, one chunk each) and, for fp32
+// [kDepth][128] slabs, the LDS.32 of a tf32 fragment (4 consecutive rows, 2 chunks each); the swizzle
+// spreads each of them over all 32 banks. Fragments step by 8 or 16 rows and by whole chunk bits, so
+// the swizzle of a fragment is the one of fragment 0 and its address that one's XOR a constant.
+template <typename T, int kDepth, bool kKContig>
+struct SwizzledSlab {
+  using Elem = T;
+  static constexpr bool kKContiguous = kKContig;
+  static constexpr int kChunkElems = kVec<T>;
+  static constexpr int kRowElems = kKContig ? kDepth : kTile;
+  static constexpr int kRows = kKContig ? kTile : kDepth;
+  static constexpr int kChunks = kRowElems / kChunkElems;
+  static constexpr int kElems = kRows * kRowElems;
+  static_assert(kChunks == 4 || kChunks % 8 == 0, "rows of 64 bytes or of whole 128-byte lines");
+  // Rows that one read touches together: ldmatrix reads 8, the tf32 LDS.32 of an fp32 [kDepth][128]
+  // slab 4 (with 2 chunks each, hence the step of 2 between their swizzles).
+  static constexpr int kReadRows = !kKContig && sizeof(T) == 4 ? 4 : 8;
+
+  __device__ static int swizzle(int row) {
+    if constexpr (kChunks == 4) {
+      // Two 64-byte rows share each 128-byte line: shift the chunks of each line.
+      return row / 2 % 4;
+    } else {
+      return row % kReadRows * (8 / kReadRows);
+    }
+  }
+
+  // Element offset of chunk c of row `row`.
+  __device__ static int chunk(int row, int c) { return row * kRowElems + (c ^ swizzle(row)) * kChunkElems; }
+
+  __device__ static int at(int outer, int k) {
+    const int row = kKContig ? outer : k, col = kKContig ? k : outer;
+    return chunk(row, col / kChunkElems) + col % kChunkElems;
+  }
 };
 
-// Tensor cores: 8 warps as 2 (rows) x 4 (cols), each owning a 64 x 32 block of 4 x 2 fragments.
-// Slabs are [k][m] and [k][n], i.e. A fragments load col_major and B fragments row_major.
-template <MathMode kMode>
-struct WmmaAccumulator {
-  using Types = WmmaTypes<kMode>;
-  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, Types::kK, typename Types::In, wmma::col_major>;
-  using FragB = wmma::fragment<wmma::matrix_b, 16, 16, Types::kK, typename Types::In, wmma::row_major>;
-  using FragC = wmma::fragment<wmma::accumulator, 16, 16, Types::kK, float>;
-  FragC c[4][2];
+// Issues one slab of one operand into its SwizzledSlab. Consecutive threads take consecutive 16-byte
+// chunks along the rows (along the operand's unit-stride dim), so the global reads coalesce.
+template <typename Smem, int kDepth, bool kKContig>
+struct AsyncLoader {
+  using Slab = SwizzledSlab<Smem, kDepth, kKContig>;
+  static constexpr int kVectors = Slab::kElems / kVec<Smem> / kThreads;
+  static_assert(kVectors * kVec<Smem> * kThreads == Slab::kElems, "a slab must split into whole vectors");
+
+  __device__ void issue(const TileSource& s, int64_t k0, int64_t outer0, Smem* slab) const {
+    const bool direct = s.vectorized && s.dtype == kDTypeOf<Smem>;
+    // Re-read per slab so that the compiler recomputes this thread's addresses (a few integer
+    // operations) instead of holding them, 64-bit, in registers through the math.
+    const int thread = ptx::thread_index();
+#pragma unroll
+    for (int i = 0; i < kVectors; ++i) {
+      const int e = thread + i * kThreads;
+      const int row = e / Slab::kChunks, c = e % Slab::kChunks;
+      const int64_t k = k0 + (kKContig ? c * kVec<Smem> : row);
+      const int64_t outer = outer0 + (kKContig ? row : c * kVec<Smem>);
+      Smem* dst = slab + Slab::chunk(row, c);
+      if (direct) {
+        const int64_t inside = elements_inside<kKContig>(s, k, outer, kVec<Smem>);
+        const char* src = inside > 0 ? s.base + (k * s.row_stride + outer * s.col_stride) * sizeof(Smem) : s.base;
+        ptx::cp_async_16(dst, src, static_cast<int>(inside * sizeof(Smem)));
+      } else {
+        *reinterpret_cast<Vector<Smem>*>(dst) = fetch_vector<Smem, kKContig>(s, k, outer);
+      }
+    }
+  }
+
+  __device__ void finish(Smem*) const {}
+};
+
+// The 16 (outer) x 16-byte (k) block at (outer0, k0) of a slab as four 8 x 8 b16 matrices, in the
+// order (outer 0-7, k low), (outer 8-15, k low), (outer 0-7, k high), (outer 8-15, k high); of each,
+// lane l holds outer l / 4 and the 4 bytes at 4 (l % 4) along k. That is the A fragment of
+// mma.m16n8k16 (f16, bf16: k 0-7 and 8-15) and of mma.m16n8k8 (tf32: k 0-3 and 4-7), and two B
+// fragments (8 columns each: registers 0 and 2, then 1 and 3).
+template <typename Slab>
+__device__ __forceinline__ void load_block(uint32_t (&r)[4], const typename Slab::Elem* slab, int outer0, int k0) {
+  const int lane = threadIdx.x % 32;
+  constexpr int kHalf = Slab::kChunkElems;
+  if constexpr (Slab::kKContiguous) {
+    ptx::ldmatrix_x4<false>(r, slab + Slab::at(outer0 + lane % 8 + lane / 8 % 2 * 8, k0 + lane / 16 * kHalf));
+  } else if constexpr (sizeof(typename Slab::Elem) == 2) {
+    // Rows are k here: each matrix is read as 8 k-rows of 8 outer elements and transposed.
+    ptx::ldmatrix_x4<true>(r, slab + Slab::at(outer0 + lane / 8 % 2 * 8, k0 + lane % 8 + lane / 16 * 8));
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      r[i] = __float_as_uint(slab[Slab::at(outer0 + lane / 4 + i % 2 * 8, k0 + lane % 4 + i / 2 * 4)]);
+    }
+  }
+}
+
+// Tensor cores: 8 warps as 2 (rows) x 4 (cols), each owning a 64 x 32 block as 4 x 4 mma tiles of
+// 16 x 8. Accumulator element e of tile (i, j) is row 16 i + lane / 4 + 8 (e / 2), column
+// 8 j + 2 (lane % 4) + e % 2 of the warp's block.
+template <MathMode kMode, bool kAKContig, bool kBKContig>
+struct MmaAccumulator {
+  using Smem = typename Traits<kMode>::Smem;
+  static constexpr int kDepth = Traits<kMode>::kDepth;
+  using ASlab = SwizzledSlab<Smem, kDepth, kAKContig>;
+  using BSlab = SwizzledSlab<Smem, kDepth, kBKContig>;
+  static constexpr bool kTf32 = kMode == MathMode::kTf32 || kMode == MathMode::kTf32x3;
+  static constexpr int kK = kTf32 ? 8 : 16;
+  float c[4][4][4];
 
   __device__ static int warp_row() { return (threadIdx.x / 32) / 4 * 64; }
   __device__ static int warp_col() { return (threadIdx.x / 32) % 4 * 32; }
@@ -286,85 +414,119 @@ struct WmmaAccumulator {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) wmma::fill_fragment(c[i][j], 0.0f);
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[i][j][e] = 0.0f;
+      }
     }
   }
 
-  // 3xTF32: x = hi + lo with both parts exact in TF32 (to about 2^-22 of x); the lo * lo term is
-  // dropped, and the small products go first so they are not absorbed by the large one.
-  template <typename Frag>
-  __device__ static void split(Frag& hi, Frag& lo) {
+  // Operands as the mode uses them. 3xTF32: x = hi + lo with both parts exact in TF32 (to about 2^-22
+  // of x); one-pass TF32: x rounded to nearest.
+  template <int N>
+  __device__ static void prepare(uint32_t (&x)[N], uint32_t (&lo)[N]) {
 #pragma unroll
-    for (int t = 0; t < hi.num_elements; ++t) {
-      const float x = hi.x[t];
-      const float h = wmma::__float_to_tf32(x);
-      hi.x[t] = h;
-      lo.x[t] = wmma::__float_to_tf32(x - h);
+    for (int t = 0; t < N; ++t) {
+      const float v = __uint_as_float(x[t]);
+      if constexpr (kMode == MathMode::kTf32x3) {
+        const float hi = ptx::to_tf32(v);
+        x[t] = __float_as_uint(hi);
+        lo[t] = __float_as_uint(ptx::to_tf32(v - hi));
+      } else if constexpr (kMode == MathMode::kTf32) {
+        x[t] = __float_as_uint(ptx::to_tf32(v));
+      }
     }
   }
 
-  template <typename Frag>
-  __device__ static void round_to_tf32(Frag& f) {
-#pragma unroll
-    for (int t = 0; t < f.num_elements; ++t) f.x[t] = wmma::__float_to_tf32(f.x[t]);
+  __device__ static void mma(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    if constexpr (kTf32) {
+      ptx::mma_m16n8k8_tf32(d, a, b);
+    } else {
+      ptx::mma_m16n8k16<Smem>(d, a, b);
+    }
   }
 
-  template <int kDepth, typename Smem>
   __device__ void multiply(const Smem* a_slab, const Smem* b_slab) {
 #pragma unroll
-    for (int k = 0; k < kDepth; k += Types::kK) {
-      // Both B fragments stay loaded; A fragments are loaded one at a time to save registers.
-      FragB b[2], b_lo[2];
+    for (int k = 0; k < kDepth; k += kK) {
+      // The four B fragments stay loaded; A fragments are loaded one at a time to save registers.
+      uint32_t b[4][2], b_lo[4][2];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        wmma::load_matrix_sync(b[j], b_slab + k * kLd<Smem> + warp_col() + j * 16, kLd<Smem>);
-        if constexpr (kMode == MathMode::kTf32x3) split(b[j], b_lo[j]);
-        if constexpr (kMode == MathMode::kTf32) round_to_tf32(b[j]);
+      for (int half = 0; half < 2; ++half) {
+        uint32_t r[4];
+        load_block<BSlab>(r, b_slab, warp_col() + 16 * half, k);
+        b[2 * half][0] = r[0], b[2 * half][1] = r[2];
+        b[2 * half + 1][0] = r[1], b[2 * half + 1][1] = r[3];
       }
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        FragA a, a_lo;
-        wmma::load_matrix_sync(a, a_slab + k * kLd<Smem> + warp_row() + i * 16, kLd<Smem>);
-        if constexpr (kMode == MathMode::kTf32x3) split(a, a_lo);
-        if constexpr (kMode == MathMode::kTf32) round_to_tf32(a);
+      for (int j = 0; j < 4; ++j) prepare(b[j], b_lo[j]);
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+      for (int i = 0; i < 4; ++i) {
+        uint32_t a[4], a_lo[4];
+        load_block<ASlab>(a, a_slab, warp_row() + 16 * i, k);
+        prepare(a, a_lo);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          // 3xTF32 drops lo * lo, and adds the small products first so the large one cannot absorb them.
           if constexpr (kMode == MathMode::kTf32x3) {
-            wmma::mma_sync(c[i][j], a_lo, b[j], c[i][j]);
-            wmma::mma_sync(c[i][j], a, b_lo[j], c[i][j]);
+            mma(c[i][j], a_lo, b[j]);
+            mma(c[i][j], a, b_lo[j]);
           }
-          wmma::mma_sync(c[i][j], a, b[j], c[i][j]);
+          mma(c[i][j], a, b[j]);
         }
       }
     }
   }
 
+  // Rows [32 chunk, 32 chunk + 32) of the tile into the staging buffer.
   __device__ void stage(float* staging, int chunk) const {
+    const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int row = warp_row() + i * 16;
+      const int row = warp_row() + i * 16 + lane / 4;
       if (row / kStageRows != chunk) continue;
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        wmma::store_matrix_sync(staging + (row % kStageRows) * kStageLd + warp_col() + j * 16, c[i][j], kStageLd,
-                                wmma::mem_row_major);
+      for (int half = 0; half < 2; ++half) {
+        float* dst = staging + (row % kStageRows + 8 * half) * kStageLd + warp_col() + 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(c[i][j][2 * half], c[i][j][2 * half + 1]);
+        }
       }
     }
   }
 };
 
-template <MathMode kMode>
-using Accumulator = std::conditional_t<kMode == MathMode::kFma, FmaAccumulator, WmmaAccumulator<kMode>>;
+template <MathMode kMode, bool kADown, bool kBDown>
+using Accumulator =
+    std::conditional_t<kMode == MathMode::kFma, FmaAccumulator, MmaAccumulator<kMode, kADown, kBDown>>;
+template <MathMode kMode, bool kDown>
+using Loader = std::conditional_t<kMode == MathMode::kFma, RegisterLoader<Traits<kMode>::kDepth, kDown>,
+                                  AsyncLoader<typename Traits<kMode>::Smem, Traits<kMode>::kDepth, kDown>>;
 #else
-template <MathMode kMode>
+template <MathMode kMode, bool kADown, bool kBDown>
 using Accumulator = FmaAccumulator;
+template <MathMode kMode, bool kDown>
+using Loader = RegisterLoader<Traits<kMode>::kDepth, kDown>;
 #endif
 
+// Where the block's tile starts, kept in shared memory rather than in registers through the main
+// loop, which needs it once per slab: the accumulators and fragments take all but a few of a thread's
+// 128 registers.
+struct TileOrigin {
+  const char* a;  // the block's matrices of the batch
+  const char* b;
+  int64_t m0, n0;
+};
+
 template <MathMode kMode>
-constexpr size_t kSharedBytes = std::max(
-    static_cast<size_t>(2 * 2 * Traits<kMode>::kDepth * kLd<typename Traits<kMode>::Smem>) *
-        sizeof(typename Traits<kMode>::Smem),
-    static_cast<size_t>(kStageRows * kStageLd) * sizeof(float));
+constexpr size_t kSlabBytes = static_cast<size_t>(2 * Traits<kMode>::kStages * kSlabElems<kMode>) *
+                              sizeof(typename Traits<kMode>::Smem);
+// The slabs, overlapped by the epilogue's staging buffer, then the TileOrigin.
+template <MathMode kMode>
+constexpr size_t kOriginOffset = std::max(kSlabBytes<kMode>, static_cast<size_t>(kStageRows * kStageLd) * sizeof(float));
+template <MathMode kMode>
+constexpr size_t kSharedBytes = kOriginOffset<kMode> + sizeof(TileOrigin);
 
 __device__ __forceinline__ void lower_triangle_tile(int64_t index, int64_t& tile_row, int64_t& tile_col) {
   // Row r of the lower triangle starts at r (r + 1) / 2; the float estimate is corrected exactly.
@@ -420,69 +582,91 @@ template <MathMode kMode, bool kTriangular, bool kADown, bool kBDown>
 __device__ void matmul_tiles(const MatmulParams& p) {
   using Smem = typename Traits<kMode>::Smem;
   constexpr int kDepth = Traits<kMode>::kDepth;
-  constexpr int kSlab = kDepth * kLd<Smem>;
+  constexpr int kStages = Traits<kMode>::kStages;
+  constexpr int kSlab = kSlabElems<kMode>;
+  constexpr bool kAsync = kMode != MathMode::kFma;
   extern __shared__ __align__(128) unsigned char shared[];  // kSharedBytes<kMode>
   Smem* a_slabs = reinterpret_cast<Smem*>(shared);
-  Smem* b_slabs = a_slabs + 2 * kSlab;
+  Smem* b_slabs = a_slabs + kStages * kSlab;
   float* staging = reinterpret_cast<float*>(shared);
+  TileOrigin& origin = *reinterpret_cast<TileOrigin*>(shared + kOriginOffset<kMode>);
 
-  int64_t tile_row, tile_col;
-  if constexpr (kTriangular) {
-    lower_triangle_tile(blockIdx.x, tile_row, tile_col);
-  } else {
-    grouped_tile(blockIdx.x, (p.m + kTile - 1) / kTile, (p.n + kTile - 1) / kTile, tile_row, tile_col);
+  // One matrix of the batch per block: grid.y * grid.z covers the batch (see launch).
+  const int64_t b = static_cast<int64_t>(blockIdx.z) * gridDim.y + blockIdx.y;
+  if (b >= p.batch.count) return;
+  if (threadIdx.x == 0) {
+    int64_t tile_row, tile_col;
+    if constexpr (kTriangular) {
+      lower_triangle_tile(blockIdx.x, tile_row, tile_col);
+    } else {
+      grouped_tile(blockIdx.x, (p.m + kTile - 1) / kTile, (p.n + kTile - 1) / kTile, tile_row, tile_col);
+    }
+    origin = {matrix_base(p.a, p.batch, b), matrix_base(p.b, p.batch, b), tile_row * kTile, tile_col * kTile};
   }
-  const int64_t m0 = tile_row * kTile, n0 = tile_col * kTile;
+  __syncthreads();
+  // A is read as its transpose (rows along k), B as it is.
+  const auto a = [&] {
+    return TileSource{origin.a, p.a.dtype, p.a.col_stride, p.a.row_stride, p.k, p.m, p.a_vectorized};
+  };
+  const auto bs = [&] {
+    return TileSource{origin.b, p.b.dtype, p.b.row_stride, p.b.col_stride, p.k, p.n, p.b_vectorized};
+  };
   const int64_t slabs = (p.k + kDepth - 1) / kDepth;
+  Loader<kMode, kADown> a_loader;
+  Loader<kMode, kBDown> b_loader;
+  Accumulator<kMode, kADown, kBDown> acc;
+  acc.zero();
 
-  for (int64_t b = blockIdx.y; b < p.batch.count; b += gridDim.y) {
-    // A is read as its transpose (rows along k), B as it is.
-    const TileSource a{matrix_base(p.a, p.batch, b), p.a.dtype, p.a.col_stride, p.a.row_stride, p.k, p.m,
-                       p.a_vectorized};
-    const TileSource bs{matrix_base(p.b, p.batch, b), p.b.dtype, p.b.row_stride, p.b.col_stride, p.k, p.n,
-                        p.b_vectorized};
-    SlabLoader<Smem, kDepth, kADown> a_loader;
-    SlabLoader<Smem, kDepth, kBDown> b_loader;
-    Accumulator<kMode> acc;
-    acc.zero();
-
-    a_loader.fetch(a, 0, m0);
-    b_loader.fetch(bs, 0, n0);
-    a_loader.store(a_slabs);
-    b_loader.store(b_slabs);
+  // Slab s goes to buffer s % kStages. One cp.async group is committed per slab, empty past the end,
+  // so that "all but the newest kStages - 2 groups have landed" always means "slab s has".
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < slabs) {
+      a_loader.issue(a(), s * kDepth, origin.m0, a_slabs + s * kSlab);
+      b_loader.issue(bs(), s * kDepth, origin.n0, b_slabs + s * kSlab);
+      a_loader.finish(a_slabs + s * kSlab);
+      b_loader.finish(b_slabs + s * kSlab);
+    }
+    if constexpr (kAsync) ptx::cp_async_commit();
+  }
+  for (int64_t s = 0; s < slabs; ++s) {
+    if constexpr (kAsync) ptx::cp_async_wait<kStages - 2>();
+    // Slab s is complete for every thread, and every warp is done with slab s - 1, whose buffer
+    // the next slab refills.
     __syncthreads();
-    for (int64_t s = 0; s < slabs; ++s) {
-      const int current = static_cast<int>(s & 1);
-      const bool more = s + 1 < slabs;
-      if (more) {
-        a_loader.fetch(a, (s + 1) * kDepth, m0);
-        b_loader.fetch(bs, (s + 1) * kDepth, n0);
-      }
-      acc.template multiply<kDepth>(a_slabs + current * kSlab, b_slabs + current * kSlab);
-      if (more) {
-        // The other buffer was last read in step s - 1, before the barrier that ended it.
-        a_loader.store(a_slabs + (1 - current) * kSlab);
-        b_loader.store(b_slabs + (1 - current) * kSlab);
-      }
-      __syncthreads();
+    const int64_t next = s + kStages - 1;
+    Smem* a_next = a_slabs + next % kStages * kSlab;
+    Smem* b_next = b_slabs + next % kStages * kSlab;
+    if (next < slabs) {
+      a_loader.issue(a(), next * kDepth, origin.m0, a_next);
+      b_loader.issue(bs(), next * kDepth, origin.n0, b_next);
     }
+    if constexpr (kAsync) ptx::cp_async_commit();
+    acc.multiply(a_slabs + s % kStages * kSlab, b_slabs + s % kStages * kSlab);
+    if (next < slabs) {
+      a_loader.finish(a_next);
+      b_loader.finish(b_next);
+    }
+  }
+  // Every warp is done with the slabs that the staging buffer overlaps, and (the last wait above
+  // left only empty groups in flight) no copy is still landing there.
+  __syncthreads();
 
-    char* out = matrix_base(p.out, p.batch, b);
-    const char* y = p.y.data == nullptr ? nullptr : matrix_base(p.y, p.batch, b);
-    const float alpha = scale_of(p.alpha, b), beta = scale_of(p.beta, b);
-    for (int chunk = 0; chunk < kTile / kStageRows; ++chunk) {
-      if (m0 + chunk * kStageRows >= p.m) break;
-      acc.stage(staging, chunk);
-      __syncthreads();
-      store_chunk<kTriangular>(p, staging, chunk, m0, n0, out, y, alpha, beta);
-      __syncthreads();
-    }
+  const int64_t m0 = origin.m0, n0 = origin.n0;
+  char* out = matrix_base(p.out, p.batch, b);
+  const char* y = p.y.data == nullptr ? nullptr : matrix_base(p.y, p.batch, b);
+  const float alpha = scale_of(p.alpha, b), beta = scale_of(p.beta, b);
+  for (int chunk = 0; chunk < kTile / kStageRows; ++chunk) {
+    if (m0 + chunk * kStageRows >= p.m) break;
+    acc.stage(staging, chunk);
+    __syncthreads();
+    store_chunk<kTriangular>(p, staging, chunk, m0, n0, out, y, alpha, beta);
+    __syncthreads();
   }
 }
 
 template <MathMode kMode, bool kTriangular, bool kADown, bool kBDown>
-__global__ void __launch_bounds__(kThreads) matmul_kernel(const MatmulParams p) {
-  if constexpr (kMode == MathMode::kFma || SPECTRAL_OPS_WMMA) {
+__global__ void __launch_bounds__(kThreads, kMinBlocks) matmul_kernel(const MatmulParams p) {
+  if constexpr (kMode == MathMode::kFma || SPECTRAL_OPS_TENSOR_CORES) {
     matmul_tiles<kMode, kTriangular, kADown, kBDown>(p);
   } else {
     __trap();
@@ -490,31 +674,39 @@ __global__ void __launch_bounds__(kThreads) matmul_kernel(const MatmulParams p) 
 }
 
 template <MathMode kMode, bool kTriangular, bool kADown, bool kBDown>
-void launch(const MatmulPlan& plan, cudaStream_t stream) {
+void launch(const char* op, const MatmulPlan& plan, cudaStream_t stream) {
   const MatmulParams& p = plan.params;
   const int64_t tiles_m = (p.m + kTile - 1) / kTile;
   const int64_t tiles = kTriangular ? tiles_m * (tiles_m + 1) / 2 : tiles_m * ((p.n + kTile - 1) / kTile);
-  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(std::min<int64_t>(p.batch.count, 65535)));
-  launch_kernel(matmul_kernel<kMode, kTriangular, kADown, kBDown>, grid, kThreads, kSharedBytes<kMode>, stream, p);
+  const int64_t ys = std::min(p.batch.count, kMaxGridYZ);
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(ys),
+                  static_cast<unsigned>((p.batch.count + ys - 1) / ys));
+  // Above 48 KiB of dynamic shared memory a kernel must opt in, per kernel (every sm_80+ GPU has room
+  // for kSharedBytes).
+  const auto kernel = matmul_kernel<kMode, kTriangular, kADown, kBDown>;
+  SPECTRAL_OPS_CUDA_CHECK(op, cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   static_cast<int>(kSharedBytes<kMode>)));
+  launch_kernel(kernel, grid, kThreads, kSharedBytes<kMode>, stream, p);
 }
 
 template <MathMode kMode, bool kTriangular>
-void launch_directions(const MatmulPlan& plan, cudaStream_t stream) {
+void launch_directions(const char* op, const MatmulPlan& plan, cudaStream_t stream) {
   const bool a_down = plan.params.a_down, b_down = plan.params.b_down;
-  if (a_down && b_down) return launch<kMode, kTriangular, true, true>(plan, stream);
-  if (a_down) return launch<kMode, kTriangular, true, false>(plan, stream);
-  if (b_down) return launch<kMode, kTriangular, false, true>(plan, stream);
-  launch<kMode, kTriangular, false, false>(plan, stream);
+  if (a_down && b_down) return launch<kMode, kTriangular, true, true>(op, plan, stream);
+  if (a_down) return launch<kMode, kTriangular, true, false>(op, plan, stream);
+  if (b_down) return launch<kMode, kTriangular, false, true>(op, plan, stream);
+  launch<kMode, kTriangular, false, false>(op, plan, stream);
 }
 
 template <bool kTriangular>
-void launch_mode(const MatmulPlan& plan, cudaStream_t stream) {
+void launch_mode(const char* op, const MatmulPlan& plan, cudaStream_t stream) {
   switch (plan.mode) {
-    case MathMode::kFma: launch_directions<MathMode::kFma, kTriangular>(plan, stream); break;
-    case MathMode::kTf32x3: launch_directions<MathMode::kTf32x3, kTriangular>(plan, stream); break;
-    case MathMode::kTf32: launch_directions<MathMode::kTf32, kTriangular>(plan, stream); break;
-    case MathMode::kHalf: launch_directions<MathMode::kHalf, kTriangular>(plan, stream); break;
-    case MathMode::kBf16: launch_directions<MathMode::kBf16, kTriangular>(plan, stream); break;
+    case MathMode::kFma: launch_directions<MathMode::kFma, kTriangular>(op, plan, stream); break;
+    case MathMode::kTf32x3: launch_directions<MathMode::kTf32x3, kTriangular>(op, plan, stream); break;
+    case MathMode::kTf32: launch_directions<MathMode::kTf32, kTriangular>(op, plan, stream); break;
+    case MathMode::kHalf: launch_directions<MathMode::kHalf, kTriangular>(op, plan, stream); break;
+    case MathMode::kBf16: launch_directions<MathMode::kBf16, kTriangular>(op, plan, stream); break;
   }
 }
 

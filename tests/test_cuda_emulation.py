@@ -1,18 +1,22 @@
 """The CUDA kernels themselves, without a GPU: csrc/ compiled as C++ and run on the CPU's emulation of the
 execution model (tests/cuda_emulation). Every thread of a block is a fiber, __syncthreads() a phase
-barrier, WMMA an exact per-warp emulation (TF32 operands truncated as the tensor cores do); the host code
-is the real one, validation and launch included.
+barrier; ldmatrix and mma.sync follow the PTX ISA's fragment layouts exactly (TF32 operands truncated
+as the tensor cores do), and a cp.async copy lands only at the wait that covers it. The host code is
+the real one, validation and launch included.
 
-What this verifies: indexing, tiling, the triangular grid and mirrored stores, epilogues, strides and
-batch offsets, the chain's algorithm, the backend's composition, and (running the same inputs with the
-threads of each phase in shuffled orders) that no barrier is missing. What it cannot: timing, memory
-coalescing, bank conflicts, register or shared-memory limits, and the hardware's exact rounding inside
-an MMA (accumulation order), which the tolerances below absorb.
+What this verifies: indexing, tiling, the slab layouts and swizzles, the cp.async pipeline (a missing
+or short wait reads stale shared memory), the triangular grid and mirrored stores, epilogues, strides
+and batch offsets, the chain's algorithm, the backend's composition, and (running the same inputs with
+the threads of each phase in shuffled orders) that no barrier is missing. What it cannot: timing,
+memory coalescing, bank conflicts, register or shared-memory limits (tests/test_cuda_sass.py checks
+what nvcc makes of the kernels), and the hardware's exact rounding inside an MMA (accumulation order),
+which the tolerances below absorb.
 
-The first run compiles the module (~20 s on 2 cores); it is cached in build/cuda-emulation/.
+The first run compiles the module (~40 s on 2 cores); it is cached in build/cuda-emulation/.
 """
 
 import os
+import subprocess
 
 import pytest
 import torch
@@ -102,6 +106,41 @@ def test_small_integers_are_exact_in_every_math_mode(precision, dtype):
     G = torch.empty(3, 70, 70)
     _extension.syrk(a, a.mT, G, alpha=0.5, precision=precision)
     assert torch.equal(G, reference_product(a, a.mT, alpha=0.5).float())
+
+
+def strided_integers(rows, cols, dtype, unit_dim, offset, generator):
+    """A batch of two rows x cols views of small integers with unit stride along `unit_dim` (0 or 1),
+    the leading and batch strides multiples of 8 elements, the data starting `offset` elements into
+    its buffer: with offset 0 every view is aligned for 16-byte copies, with offset 1 none is."""
+    inner, outer = (rows, cols) if unit_dim == 0 else (cols, rows)
+    lead = (inner + 7) // 8 * 8
+    batch_stride = outer * lead + 8
+    buffer = integers((offset + 2 * batch_stride,), generator, dtype)
+    strides = (batch_stride, 1, lead) if unit_dim == 0 else (batch_stride, lead, 1)
+    return buffer.as_strided((2, rows, cols), strides, offset)
+
+
+# A (130 x 70) and B (70 x 40): two tile rows, the second partial, and k ending inside a slab and
+# inside a 16-byte vector. "kn" is A with k contiguous (k-contiguous slab, ldmatrix), B with n
+# contiguous ([k][128] slab, ldmatrix.trans, or LDS.32 for tf32). Aligned views of the slab's dtype are
+# copied with cp.async (short and zero-filled at the edge), the others loaded and converted by the
+# threads.
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+@pytest.mark.parametrize("a_unit, b_unit", [(1, 0), (1, 1), (0, 0), (0, 1)], ids=["kk", "kn", "mk", "mn"])
+@pytest.mark.parametrize(
+    "a_dtype, b_dtype, precision",
+    [(torch.float16, torch.float16, "ieee"), (torch.bfloat16, torch.bfloat16, "ieee"),
+     (torch.float32, torch.float32, "tf32x3"), (torch.float32, torch.float32, "tf32"),
+     (torch.float32, torch.bfloat16, "tf32x3")],
+    ids=["fp16", "bf16", "tf32x3", "tf32", "tf32x3-mixed"],
+)
+def test_tensor_core_operands_in_every_layout(a_dtype, b_dtype, precision, a_unit, b_unit, offset):
+    g = torch.Generator().manual_seed(12)
+    a = strided_integers(130, 70, a_dtype, a_unit, offset, g)
+    b = strided_integers(70, 40, b_dtype, b_unit, offset, g)
+    out = torch.empty(2, 130, 40)
+    _extension.gemm(a, b, out, precision=precision)
+    assert torch.equal(out, (a.double() @ b.double()).float())  # exact: small integers (SPEC 8)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -268,6 +307,14 @@ def run_everything():
     d = torch.randn(2, 100, 140, generator=torch.Generator().manual_seed(0))
     results.append(_extension.decay_epilogue_(X.clone(), d, 0.9, -0.1, stochastic_rounding=True, seed=3))
     return results
+
+
+def test_the_emulation_keeps_the_ptx_semantics():
+    # ldmatrix's documented fragment layout, cp.async copies that land at their wait and not at a
+    # barrier, and the refusal of a block whose threads mix barriers and warp exchanges in one phase
+    # (tests/cuda_emulation/selftest.cpp).
+    result = subprocess.run([str(build.build_selftest())], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_results_do_not_depend_on_the_order_threads_run_in(monkeypatch):

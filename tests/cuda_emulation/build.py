@@ -53,7 +53,9 @@ def _flags() -> list[str]:
     except ImportError as exc:
         raise EmulationUnavailable("pybind11 is not installed") from exc
     return [
-        "-std=c++17", "-O2", "-fPIC", "-w",
+        # -U_FORTIFY_SOURCE: the fibers switch stacks with _longjmp (runtime.cpp), which the fortified
+        # longjmp would take for a jump into a dead frame.
+        "-std=c++17", "-O2", "-fPIC", "-w", "-U_FORTIFY_SOURCE",
         "-include", str(HERE / "prelude.h"),
         f"-I{HERE / 'include'}", f"-I{CSRC}", f"-I{cuda_include_dir()}",
         f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}",
@@ -67,12 +69,32 @@ def _digest(flags: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def build() -> Path:
-    """The emulated module's path, compiling it if the sources changed since the last build."""
+def _compiler() -> str:
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         raise EmulationUnavailable("no C++ compiler (g++ or $CXX)")
-    flags = _flags()
+    return compiler
+
+
+def build_selftest() -> Path:
+    """The emulation's own checks (selftest.cpp with runtime.cpp) as an executable, compiled if the
+    sources changed since the last build."""
+    compiler, flags = _compiler(), _flags()
+    target = CACHE / _digest(flags) / "selftest"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run([compiler, *flags, str(HERE / "selftest.cpp"), str(HERE / "runtime.cpp"), "-o", str(target)],
+                       check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(f"the emulation self-test build failed:\n{exc.stderr}") from exc
+    return target
+
+
+def build() -> Path:
+    """The emulated module's path, compiling it if the sources changed since the last build."""
+    compiler, flags = _compiler(), _flags()
     out_dir = CACHE / _digest(flags)
     target = out_dir / f"_C{sysconfig.get_config_var('EXT_SUFFIX')}"
     if target.exists():

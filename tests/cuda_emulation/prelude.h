@@ -4,7 +4,7 @@
 // block is a fiber, __syncthreads() ends a phase in which every fiber of the block runs up to its next
 // barrier (in a shuffled order, so a missing barrier changes results), and the CUDA runtime calls the
 // host code makes are answered by runtime.cpp as if one device were present. Device pointers are host
-// pointers (CPU tensors).
+// pointers (CPU tensors). The warp-level PTX of csrc/mma_ptx.cuh is emulated in include/ptx_emulation.h.
 #pragma once
 
 #define SPECTRAL_OPS_EMULATION 1
@@ -45,9 +45,17 @@ extern dim3 gridDim;
 namespace emulation {
 void syncthreads();
 void run(dim3 grid, dim3 block, const std::function<void()>& kernel);
-// A warp-collective result: the first lane of the warp to make its n-th such call computes it, the
-// others copy it. `check` summarises the inputs; a lane whose inputs differ is an error, as on hardware.
-const float* warp_collective(size_t size, double check, const std::function<void(float*)>& compute);
+// Each lane of the calling thread's warp passes `bytes` at `mine`; returns the 32 lanes' values, in
+// lane order, once all of them have (valid until the thread's next exchange). The thread waits by
+// yielding its fiber, which here ends a phase for the whole block, as a barrier does: that is right
+// only where every thread of the block runs the same sequence of barriers and warp exchanges (the
+// tiled main loop does), and run() throws when the threads of a block stop at different ones.
+const void* warp_exchange(const void* mine, size_t bytes);
+// cp.async: queued per thread, grouped at each commit; a wait performs every group but the newest
+// `pending`, in order. A thread that ends with a copy never waited for is an error.
+void cp_async(void* dst, const void* src, size_t bytes, size_t src_bytes);
+void cp_async_commit();
+void cp_async_wait(size_t pending);
 }  // namespace emulation
 
 inline void __syncthreads() { emulation::syncthreads(); }
