@@ -4,7 +4,7 @@ runs without a GPU, so it is strict.
 Every csrc/*.cu is compiled to an sm_90 cubin as the CMake build compiles it (-O3; gemm.cu and
 syrk.cu instantiate every tiled variant: 5 math modes x 2 grids x 4 operand layouts), cached under
 build/sass/ by the hash of the sources, flags and nvcc version (the first, uncached run takes about
-25 s on 2 cores), and read with cuobjdump through bench/sass.py. Checked:
+40 s on 2 cores, later ones well under a second), and read with cuobjdump through bench/sass.py. Checked:
   * no kernel spills (stack frame 0, no LDL/STL) but those in SPILL_EXCEPTIONS, each with its reason;
   * the tiled kernels fit their launch bounds: registers * kThreads * kMinBlocks <= 65536;
   * the tensor-core mainloops: fp16 and bf16 read every fragment with ldmatrix (LDSM), tf32 with
