@@ -81,7 +81,7 @@ void yield(Stop stop) {
   if (_setjmp(f.jump) == 0) _longjmp(scheduler, 1);
 }
 
-// Runs fiber t up to its next stop.
+// Runs `f` up to its next stop.
 void resume(Fiber& f) {
   if (_setjmp(scheduler) != 0) return;
   if (!f.started) {
