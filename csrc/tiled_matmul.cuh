@@ -66,18 +66,17 @@ struct Traits<MathMode::kFma> {
   static constexpr int kDepth = 16;
   static constexpr int kStages = 2;
 };
-template <>
-struct Traits<MathMode::kHalf> {
-  using Smem = __half;
+// 16-bit operands: twice the depth in the same bytes per slab.
+template <typename Half>
+struct HalfTraits {
+  using Smem = Half;
   static constexpr int kDepth = 32;
   static constexpr int kStages = 4;
 };
 template <>
-struct Traits<MathMode::kBf16> {
-  using Smem = __nv_bfloat16;
-  static constexpr int kDepth = 32;
-  static constexpr int kStages = 4;
-};
+struct Traits<MathMode::kHalf> : HalfTraits<__half> {};
+template <>
+struct Traits<MathMode::kBf16> : HalfTraits<__nv_bfloat16> {};
 
 // Elements of one operand's slab: FMA's rows are padded, the tensor-core slabs swizzled instead.
 template <MathMode kMode>
