@@ -270,3 +270,21 @@ def test_a_custom_op_compiles_without_a_graph_break_and_writes_through_torch():
     assert not torch._dynamo.utils.counters["graph_break"]
     assert relative_error(W, expected) < 1e-6
     assert W._version > version  # the mutation was declared, so torch bumped the version counter itself
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon-heads"])
+def test_a_capturable_step_on_the_triton_backend_reads_nothing_back(name):
+    # The Triton primitives take their scales as device tensors (number_and_per_matrix): nothing in
+    # the backend reads a value back either (the detector: tests/test_optim_capturable.py).
+    from optim_models import tiny_model
+    from test_optim_capturable import FAMILY, OPTIONS, gradients, host_reads_forbidden
+
+    with so.use_backend("triton"):
+        model = tiny_model()
+        optimizer = FAMILY[name](model, lr=torch.tensor(1e-2), **OPTIONS["band"])
+        gradients(model, 0)
+        optimizer.step()
+        gradients(model, 1)
+        with host_reads_forbidden():
+            optimizer.step()
+    assert so.last_backend("decay_") == "triton"
