@@ -43,7 +43,7 @@ def shape_text(shape) -> str:
 
 def main_table(entries) -> list[str]:
     rows = [e for e in entries if not e["extra_info"]["op"].startswith("select_")
-            and e["extra_info"]["op"] != "muon_vs_torch"]
+            and e["extra_info"]["op"] not in AGAINST_TORCH]
     medians = {}
     for e in rows:
         info = e["extra_info"]
@@ -91,16 +91,28 @@ def selection_table(entries) -> list[str]:
     return lines
 
 
-def muon_table(entries) -> list[str]:
-    """SpectralMuon's step time over torch.optim.Muon's, both timed in the same interleaved rounds."""
-    rows = [e["extra_info"] for e in entries if e["extra_info"]["op"] == "muon_vs_torch"]
-    if not rows:
-        return []
-    lines = ["| case | SpectralMuon | precision | SpectralMuon step | torch.optim.Muon step | ratio |",
-             "|---|---|---|---|---|---|"]
-    for info in sorted(rows, key=lambda info: (info["case"], info["implementation"])):
-        lines.append(f"| {info['case']} | {info['implementation']} | {info['precision']} | "
-                     f"{seconds(info['ours_median_s'])} | {seconds(info['torch_median_s'])} | {info['ratio']:.2f}x |")
+# Benchmarks that time one of ours against a torch optimizer in the same interleaved rounds:
+# op -> (section title, what the implementation column holds, the torch side).
+AGAINST_TORCH = {
+    "muon_vs_torch": ("SpectralMuon against torch.optim.Muon (interleaved, same run)", "SpectralMuon",
+                      "torch.optim.Muon step"),
+    "optimizer_step_vs_adamw": ("Optimizer step against torch.optim.AdamW(foreach=True) (interleaved, same run)",
+                                "optimizer", "AdamW step"),
+}
+
+
+def against_torch_tables(entries) -> list[str]:
+    """Per such op, our step time over torch's, both timed in the same interleaved rounds."""
+    lines = []
+    for op, (title, ours, theirs) in AGAINST_TORCH.items():
+        rows = [e["extra_info"] for e in entries if e["extra_info"]["op"] == op]
+        if not rows:
+            continue
+        lines += ["", f"### {title}", "", f"| case | {ours} | precision | our step | {theirs} | ratio |",
+                  "|---|---|---|---|---|---|"]
+        for info in sorted(rows, key=lambda info: (info["case"], info["implementation"])):
+            lines.append(f"| {info['case']} | {info['implementation']} | {info['precision']} | "
+                         f"{seconds(info['ours_median_s'])} | {seconds(info['torch_median_s'])} | {info['ratio']:.2f}x |")
     return lines
 
 
@@ -110,10 +122,8 @@ def render(results: dict) -> str:
     header = [f"Benchmarks on {machine.get('cpu', {}).get('brand_raw', machine.get('processor', 'unknown CPU'))}, "
               f"{results.get('datetime', '')}; device: {entries[0]['extra_info']['device'] if entries else '?'}.", ""]
     selection = selection_table(entries)
-    muon = muon_table(entries)
-    body = main_table(entries) if any(e["extra_info"]["op"] != "muon_vs_torch" for e in entries) else []
-    if muon:
-        body += ["", "### SpectralMuon against torch.optim.Muon (interleaved, same run)", ""] + muon
+    body = main_table(entries) if any(e["extra_info"]["op"] not in AGAINST_TORCH for e in entries) else []
+    body += against_torch_tables(entries)
     if selection:
         body += ["", "### Method selection (`spectral_power`, CPU)", ""] + selection
     return "\n".join(header + body) + "\n"
