@@ -129,3 +129,22 @@ def test_a_bad_added_group_is_not_kept():
     with pytest.raises(ValueError):
         optimizer.add_param_group({"params": tiny_model()[2].parameters(), "p": -2})
     assert len(optimizer.param_groups) == 1
+
+
+def test_a_state_saved_before_capturable_with_a_plain_step_count_resumes_identically():
+    # Old or converted checkpoints: no "capturable" group key, and Adam step counts as plain numbers
+    # (torch's Adam converts those; so must we).
+    model, reference_model = tiny_model(), tiny_model()
+    optimizer = SpectralAdamW(model.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.05)
+    reference = SpectralAdamW(reference_model.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.05)
+    train(model, optimizer, 3)
+    train(reference_model, reference, 3)
+    saved = copy.deepcopy(optimizer.state_dict())
+    for group in saved["param_groups"]:
+        del group["capturable"]
+    for state in saved["state"].values():
+        state["step"] = int(state["step"].item())
+    restored = SpectralAdamW(model.parameters(), lr=1.0)
+    restored.load_state_dict(saved)
+    assert restored.param_groups[0]["capturable"] is False
+    assert_same_trajectory(train(model, restored, 3, start=3), train(reference_model, reference, 3, start=3), 0.0)

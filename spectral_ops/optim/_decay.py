@@ -157,6 +157,20 @@ class SpectralOptimizer(Optimizer):
         # convention (eta_t = lr / peak_lr); an LR scheduler's initial_lr takes precedence once it exists.
         group.setdefault("peak_lr", detached_peak(group["lr"]))
 
+    def __setstate__(self, state: dict) -> None:
+        # load_state_dict lands here. A state saved by an earlier release lacks the group keys added
+        # since (they take this optimizer's defaults), and a converted or old Adam state may hold its
+        # step count as a plain number (made a tensor, as torch's Adam does).
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            for param in group["params"]:
+                param_state = self.state.get(param, {})
+                if "step" in param_state and not torch.is_tensor(param_state["step"]):
+                    device = param.device if group["capturable"] else "cpu"
+                    param_state["step"] = torch.tensor(float(param_state["step"]), dtype=torch.float32, device=device)
+
     def check_group(self, group: dict) -> None:
         if not isinstance(group["capturable"], bool):
             raise TypeError(f"capturable must be True or False, got {group['capturable']!r}")

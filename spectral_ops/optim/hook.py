@@ -67,9 +67,9 @@ class SpectralDecay(SpectralOptimizer):
     def __setstate__(self, state: dict) -> None:
         # load_state_dict lands here: a state dict saved before the rename keys lambda_p as weight_decay.
         # The warning names load_state_dict itself; its caller sits behind a torch wrapper of no fixed depth.
-        super().__setstate__(state)
-        for index, group in enumerate(self.param_groups):
-            self.param_groups[index] = _without_deprecated_key(group, stacklevel=2)
+        # Renamed before the family fills in missing keys, which would add a default lambda_p next to it.
+        groups = [_without_deprecated_key(group, stacklevel=2) for group in state["param_groups"]]
+        super().__setstate__({**state, "param_groups": groups})
 
     def attach(self, optimizer: torch.optim.Optimizer) -> "SpectralDecay":
         """Decay before every ``optimizer.step()``, following that optimizer's current lr."""
