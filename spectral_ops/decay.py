@@ -293,6 +293,9 @@ def spectral_decay_(
         if schedule is None:
             raise ValueError("convention='independent' needs schedule= (eta_t: the current lr / the peak lr)")
         scale = check_coefficient(schedule, "schedule", sync=sync)
+    elif schedule is not None:
+        raise ValueError("schedule= is used only with convention='independent'; the decoupled convention "
+                         "scales the decay by lr")
     else:
         scale = lr
     if sync:

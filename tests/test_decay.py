@@ -169,3 +169,11 @@ def test_multiply_rounds_each_product_once(dtype):
     multiply_(tensors, 0.97)
     for got, want in zip(tensors, expected):
         assert torch.equal(got, want)
+
+
+def test_a_schedule_under_the_decoupled_convention_is_refused_not_ignored():
+    W = torch.randn(6, 4)
+    before = W.clone()
+    with pytest.raises(ValueError, match="schedule= is used only with convention='independent'"):
+        so.spectral_decay_(W, 2, 0.1, 0.1, schedule=0.5)
+    assert torch.equal(W, before)

@@ -148,3 +148,14 @@ def test_a_state_saved_before_capturable_with_a_plain_step_count_resumes_identic
     restored.load_state_dict(saved)
     assert restored.param_groups[0]["capturable"] is False
     assert_same_trajectory(train(model, restored, 3, start=3), train(reference_model, reference, 3, start=3), 0.0)
+
+
+def test_a_state_with_a_band_loads_with_weights_only(tmp_path):
+    model = tiny_model()
+    optimizer = SpectralAdamW(model.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.05, band=so.Band(0.5, "top"))
+    train(model, optimizer, 1)
+    torch.save(optimizer.state_dict(), tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert state["param_groups"][0]["band"] == {"tau": 0.5, "mode": "top", "p_bot": 1, "weight_decay_bot": 0.0,
+                                                "sign_steps": None, "sign_method": "polar_express"}
+    SpectralAdamW(model.parameters()).load_state_dict(state)

@@ -85,3 +85,11 @@ def test_width_transfer():
     with pytest.raises(ValueError, match="explicit lr"):
         width_transfer(param_groups_by_module(Block()), 256, 512)
     assert math.isclose(wide["mlp_in"]["weight_decay"], 0.2)
+
+
+def test_an_override_for_an_unknown_role_is_refused():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"unknown roles \['atention'\]"):
+        param_groups_by_module(model, {"atention": {"p": 0}})
+    # A known role the model happens not to have is fine (e.g. no separate head).
+    param_groups_by_module(model, {"head": {"p": 0}})

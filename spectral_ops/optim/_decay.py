@@ -8,11 +8,13 @@ batched :func:`spectral_ops.spectral_decay_` call per group (same shapes share a
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.optim import Optimizer
 
 from .._checks import check_coefficient, check_finite, check_same_device
-from ..decay import DecayOptions, apply_decay_, check_decay_options, multiply_
+from ..decay import Band, DecayOptions, apply_decay_, check_decay_options, multiply_
 
 # Decay keys every optimizer of the family accepts per parameter group, with their defaults.
 DECAY_DEFAULTS = {
@@ -156,6 +158,9 @@ class SpectralOptimizer(Optimizer):
         # Unless the group names its peak_lr, the lr it starts with is the peak of the independent
         # convention (eta_t = lr / peak_lr); an LR scheduler's initial_lr takes precedence once it exists.
         group.setdefault("peak_lr", detached_peak(group["lr"]))
+        # Held as a plain dict, so that a saved optimizer state loads with torch.load(weights_only=True).
+        if isinstance(group["band"], Band):
+            group["band"] = dataclasses.asdict(group["band"])
 
     def __setstate__(self, state: dict) -> None:
         # load_state_dict lands here. A state saved by an earlier release lacks the group keys added

@@ -48,6 +48,10 @@ def param_groups_by_module(model: torch.nn.Module, overrides=None, *, patterns=N
     usual set-up (the other optimizers have no ``algorithm`` key; pass ``non_matrix={"weight_decay": 0.0}``).
     """
     overrides = overrides or {}
+    known = {*ROLE_PATTERNS, *(patterns or {}), "matrix", "vector", "attention", "mlp"}
+    unknown = sorted(set(overrides) - known)
+    if unknown:  # a typo would otherwise leave its options silently unused
+        raise ValueError(f"overrides name unknown roles {unknown}; known: {sorted(known)}")
     non_matrix = {"algorithm": "adamw", "weight_decay": 0.0} if non_matrix is None else non_matrix
     by_role: dict[str, list] = {}
     for name, param in model.named_parameters():
