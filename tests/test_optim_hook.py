@@ -1,5 +1,7 @@
 """SpectralDecay bolted onto other optimizers."""
 
+import copy
+
 import pytest
 import torch
 
@@ -135,3 +137,33 @@ def test_a_state_dict_saved_under_the_old_name_loads():
     with pytest.warns(DeprecationWarning, match=DEPRECATED):
         other.load_state_dict(state)
     assert other.param_groups[0]["spectral_weight_decay"] == 0.1 and "weight_decay" not in other.param_groups[0]
+
+
+def test_the_independent_peak_survives_the_host_state_dict():
+    # lr set by hand each step (no scheduler, so no initial_lr): the peak must come back with the host.
+    def run(model, host, steps, start):
+        for step in range(start, start + steps):
+            for group in host.param_groups:
+                group["lr"] = 1e-2 * 0.5 ** step
+            train(model, host, 1, start=step)
+
+    def fresh():
+        model = tiny_model()
+        host = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
+        SpectralDecay([p for p in model.parameters() if p.ndim == 2], p=2, spectral_weight_decay=0.5,
+                      convention="independent").attach(host)
+        return model, host
+
+    model, host = fresh()
+    run(model, host, 5, 0)
+    resumed_model, resumed_host = fresh()
+    run(resumed_model, resumed_host, 2, 0)
+    saved_model, saved_host = copy.deepcopy(resumed_model.state_dict()), copy.deepcopy(resumed_host.state_dict())
+    resumed_model, resumed_host = fresh()
+    for group in resumed_host.param_groups:
+        group["lr"] = 123.0  # whatever the new process starts with is not the peak
+    resumed_model.load_state_dict(saved_model)
+    resumed_host.load_state_dict(saved_host)
+    run(resumed_model, resumed_host, 3, 2)
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)

@@ -14,8 +14,19 @@ import torch
 from ..decay import renamed_spectral_coefficient
 from ._decay import DECAY_DEFAULTS, SpectralOptimizer, decay_parameters, detached_peak
 
+# The host group key holding its starting lr, the peak of the independent convention (unless an LR
+# scheduler records initial_lr). In the group, like initial_lr, it is saved and loaded with the host's
+# state_dict; a group added after attach gets it at the first step.
+HOST_PEAK_KEY = "spectral_decay_peak_lr"
+
 # SpectralDecay once called lambda_p ``weight_decay``, the name of lambda_1 everywhere else.
 DEPRECATED_SPECTRAL_KEY = "weight_decay"
+
+
+def _remember_peak(host_group: dict):
+    if HOST_PEAK_KEY not in host_group:
+        host_group[HOST_PEAK_KEY] = detached_peak(host_group["lr"])
+    return host_group[HOST_PEAK_KEY]
 
 
 def _without_deprecated_key(group: dict, stacklevel: int) -> dict:
@@ -59,7 +70,6 @@ class SpectralDecay(SpectralOptimizer):
             defaults["spectral_weight_decay"] = spectral_weight_decay
         super().__init__(params, defaults)
         self._hook = None
-        self._host_peak_lr: dict[int, object] = {}
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(_without_deprecated_key(param_group, stacklevel=2))
@@ -75,8 +85,8 @@ class SpectralDecay(SpectralOptimizer):
         """Decay before every ``optimizer.step()``, following that optimizer's current lr."""
         if self._hook is not None:
             raise RuntimeError("this SpectralDecay is already attached; call detach() first")
-        # The host's starting lr per group is its peak (unless an LR scheduler records initial_lr).
-        self._host_peak_lr = {id(group): detached_peak(group["lr"]) for group in optimizer.param_groups}
+        for group in optimizer.param_groups:
+            _remember_peak(group)
         self._hook = optimizer.register_step_pre_hook(self._before_host_step)
         return self
 
@@ -95,7 +105,7 @@ class SpectralDecay(SpectralOptimizer):
                     raise ValueError("SpectralDecay holds a parameter that the attached optimizer does not optimise")
                 by_host.setdefault(id(host), (host, []))[1].append(param)
             for host, params in by_host.values():
-                peak = host.get("initial_lr", self._host_peak_lr.get(id(host), host["lr"]))
+                peak = host.get("initial_lr", _remember_peak(host))
                 decay_parameters(params, group, self.decay_options(group), lr=host["lr"], peak_lr=peak,
                                  spectral=group[self.spectral_key], ordinary=group[self.ordinary_key])
 
