@@ -159,3 +159,17 @@ def test_a_state_with_a_band_loads_with_weights_only(tmp_path):
     assert state["param_groups"][0]["band"] == {"tau": 0.5, "mode": "top", "p_bot": 1, "weight_decay_bot": 0.0,
                                                 "sign_steps": None, "sign_method": "polar_express"}
     SpectralAdamW(model.parameters()).load_state_dict(state)
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1)])
+def test_any_one_element_lr_tensor_is_accepted_and_followed_in_place(shape):
+    model_a, model_b = tiny_model(), tiny_model()
+    lr = torch.full(shape, 1e-2)
+    ours = SpectralAdamW(model_a.parameters(), lr=lr, p=2, spectral_weight_decay=0.05)
+    reference = SpectralAdamW(model_b.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.05)
+    history_a, history_b = train(model_a, ours, 2), train(model_b, reference, 2)
+    lr.fill_(5e-3)  # the user's tensor, changed in place, still drives the step
+    reference.param_groups[0]["lr"] = 5e-3
+    history_a += train(model_a, ours, 2, start=2)
+    history_b += train(model_b, reference, 2, start=2)
+    assert_same_trajectory(history_a, history_b, ROUNDOFF_20_STEPS)

@@ -150,6 +150,12 @@ class SpectralOptimizer(Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        for key in ("lr", self.spectral_key, self.ordinary_key):
+            value = group.get(key)
+            # torch takes any 1-element lr tensor; a 0-d view of it (same storage, so in-place schedules
+            # still reach it) is what the step's arithmetic broadcasts correctly.
+            if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() > 0:
+                group[key] = value.reshape(())
         try:
             self.check_group(group)
         except (TypeError, ValueError):
