@@ -171,16 +171,18 @@ class DecayOptions:
 
 def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, convention="decoupled", band=None,
                         p0_mode="explicit", steps=None, coefficients=None, stability="raise",
-                        precision=None, capturable=False, sync=True) -> DecayOptions:
+                        precision=None, capturable=False, sync=True,
+                        names=("spectral_weight_decay", "ordinary_weight_decay")) -> DecayOptions:
     """Validate every decay hyper-parameter (optimizers call this at construction time).
 
     ``capturable``: the decay must not synchronise with the host, so the stability policies that
     report to the host (``"raise"``, ``"warn"``) are refused wherever the guard can act.
-    ``sync=False``: 0-d tensor coefficients are not read (see :func:`check_coefficient`).
+    ``sync=False``: 0-d tensor coefficients are not read (see :func:`check_coefficient`). ``names``:
+    what the caller calls the two coefficients, for the messages (``weight_decay`` in an optimizer).
     """
     p = check_power(p)
-    check_coefficient(spectral_weight_decay, "spectral_weight_decay", sync=sync)
-    check_coefficient(ordinary_weight_decay, "ordinary_weight_decay", sync=sync)
+    check_coefficient(spectral_weight_decay, names[0], sync=sync)
+    check_coefficient(ordinary_weight_decay, names[1], sync=sync)
     check_choice(convention, "convention", CONVENTIONS)
     check_choice(p0_mode, "p0_mode", P0_MODES)
     check_choice(stability, "stability", STABILITY_POLICIES)

@@ -173,3 +173,10 @@ def test_any_one_element_lr_tensor_is_accepted_and_followed_in_place(shape):
     history_a += train(model_a, ours, 2, start=2)
     history_b += train(model_b, reference, 2, start=2)
     assert_same_trajectory(history_a, history_b, ROUNDOFF_20_STEPS)
+
+
+def test_errors_name_the_users_keys():
+    with pytest.raises(ValueError, match="^weight_decay must be >= 0"):
+        SpectralAdamW(tiny_model().parameters(), weight_decay=-0.1)
+    with pytest.raises(ValueError, match="^spectral_weight_decay must be >= 0"):
+        SpectralAdamW(tiny_model().parameters(), p=2, spectral_weight_decay=-0.1)

@@ -72,6 +72,7 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> DecayOpti
         stability=group["stability"],
         precision=group["decay_precision"],
         capturable=group["capturable"],
+        names=(spectral, ordinary),
     )
     for param in group["params"]:
         if param.ndim > 2 and not param.is_contiguous():
