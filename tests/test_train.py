@@ -184,3 +184,20 @@ def test_muon_orthogonalises_in_fp32_on_a_cpu_unless_told_otherwise():
     precisions = {group["precision"] for group in build_optimizer(model, config).param_groups
                   if group["algorithm"] == "muon"}
     assert precisions == {"bf16"}
+
+
+def test_every_flag_of_every_command_has_a_help_line():
+    import argparse
+
+    from spectral_ops.train.__main__ import parser
+
+    def actions(p):
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from actions(sub)
+            else:
+                yield action
+
+    missing = [a.option_strings or a.dest for a in actions(parser()) if not a.help]
+    assert not missing, missing

@@ -30,19 +30,27 @@ def parser() -> argparse.ArgumentParser:
 
     sweep_parser = commands.add_parser("sweep", help="a grid of runs")
     add_config_arguments(sweep_parser)
-    sweep_parser.add_argument("--out", type=Path, default=Path("runs/sweep"))
-    sweep_parser.add_argument("--powers", type=int, nargs="+", default=[0, 1, 2, 4])
-    sweep_parser.add_argument("--coefficients", type=float, nargs="+", default=[0.01])
-    sweep_parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=[])
-    sweep_parser.add_argument("--lrs", type=float, nargs="+", default=[])
+    sweep_parser.add_argument("--out", type=Path, default=Path("runs/sweep"),
+                              help="folder of the runs and of summary.{md,csv,json} (default: runs/sweep)")
+    sweep_parser.add_argument("--powers", type=int, nargs="+", default=[0, 1, 2, 4],
+                              help="spectral powers p to sweep (default: 0 1 2 4)")
+    sweep_parser.add_argument("--coefficients", type=float, nargs="+", default=[0.01],
+                              help="spectral coefficients lambda_p to sweep (default: 0.01)")
+    sweep_parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=[],
+                              help="SPEC 7.5/7.6 recipes to sweep instead of powers x coefficients")
+    sweep_parser.add_argument("--lrs", type=float, nargs="+", default=[],
+                              help="peak lrs to sweep as well (default: the config's lr only)")
 
     report_parser = commands.add_parser("report", help="plots and tables from finished runs")
-    report_parser.add_argument("runs", type=Path, nargs="+")
-    report_parser.add_argument("--out", type=Path, default=Path("runs/report"))
+    report_parser.add_argument("runs", type=Path, nargs="+", help="finished run folders")
+    report_parser.add_argument("--out", type=Path, default=Path("runs/report"),
+                               help="folder for the plots and tables (default: runs/report)")
 
     demo_parser = commands.add_parser("demo", help="the README's main job")
-    demo_parser.add_argument("--out", type=Path, default=Path("runs/demo"))
-    demo_parser.add_argument("--coefficient", type=float, default=0.3)
+    demo_parser.add_argument("--out", type=Path, default=Path("runs/demo"),
+                             help="folder of the three runs and the report (default: runs/demo)")
+    demo_parser.add_argument("--coefficient", type=float, default=0.3,
+                             help="the raw spectral coefficient shared by p = 1, 2 and 4 (default: 0.3)")
     demo_parser.add_argument("--steps", type=int, default=None, help="override the tiny preset's steps")
     return main
 

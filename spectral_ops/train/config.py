@@ -16,6 +16,8 @@ from pathlib import Path
 
 @dataclass
 class TrainConfig:
+    """Everything a run depends on; FIELD_HELP below says what each field means."""
+
     preset: str = "tiny"
     # model
     n_layers: int = 2
@@ -25,28 +27,28 @@ class TrainConfig:
     seq_len: int = 128
     tied_embeddings: bool = False
     # data
-    data: str | None = None  # None: the Python standard library
+    data: str | None = None
     batch_size: int = 16
     grad_accum: int = 1
     val_batches: int = 8
     # optimisation
-    optimizer: str = "adamw"  # adamw | muon | sgd
-    lr: float = 3e-3  # peak lr of the matrices (and of everything under adamw/sgd)
-    vector_lr: float = 0.0  # Muon's internal AdamW (embeddings, norms, head); 0: same as lr
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    vector_lr: float = 0.0
     steps: int = 300
     warmup_steps: int = 30
-    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of the peak
+    min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
-    weight_decay: float = 0.0  # ordinary lambda_1 on matrices
+    weight_decay: float = 0.0
     convention: str = "decoupled"
-    p: int = 1  # spectral power of every matrix unless overridden below
-    spectral_weight_decay: float = 0.0  # lambda_p
+    p: int = 1
+    spectral_weight_decay: float = 0.0
     p_attention: int | None = None
     p_mlp: int | None = None
     lambda_attention: float | None = None
     lambda_mlp: float | None = None
-    qkv_recipe: str = ""  # Muon: H (head-wise) / F (full) for Q, K, V, e.g. "HHF"
-    p_v: int | None = None  # extra rule for V (SPEC 7.5: p = 2 on top of ordinary WD)
+    qkv_recipe: str = ""
+    p_v: int | None = None
     lambda_v: float | None = None
     p0_mode: str = "explicit"
     stability: str = "clamp"
@@ -55,10 +57,10 @@ class TrainConfig:
     muon_precision: str | None = None
     # logging and checkpoints
     log_every: int = 50
-    checkpoint_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 0
     out_dir: str = "runs/run"
     seed: int = 0
-    device: str = "auto"  # auto: cuda if available
+    device: str = "auto"
     notes: dict = field(default_factory=dict)
 
     def model_config(self):
@@ -99,6 +101,47 @@ def _parse_bool(text: str) -> bool:
     return text.lower() in ("true", "1", "yes")
 
 
+# The --help line of each config flag.
+FIELD_HELP = {
+    "n_layers": "Transformer blocks",
+    "d_model": "model width",
+    "n_heads": "attention heads",
+    "mlp_hidden": "SwiGLU hidden width (0: 8/3 d_model rounded up to a multiple of 64)",
+    "seq_len": "tokens per training sequence",
+    "tied_embeddings": "share the input embedding and the output head",
+    "data": "a text file or folder to train on (none: the Python standard library's source)",
+    "batch_size": "sequences per micro-batch",
+    "grad_accum": "micro-batches per optimizer step",
+    "val_batches": "batches per validation",
+    "optimizer": "adamw, muon or sgd",
+    "lr": "peak lr of the matrices (and of everything under adamw/sgd)",
+    "vector_lr": "peak lr of Muon's internal AdamW (embeddings, norms, head); 0: same as --lr",
+    "steps": "optimizer steps",
+    "warmup_steps": "linear warm-up steps before the cosine decay",
+    "min_lr_ratio": "cosine floor, as a fraction of the peak lr",
+    "grad_clip": "clip the global gradient norm to this (0: no clipping)",
+    "weight_decay": "ordinary weight decay lambda_1 on matrices",
+    "convention": "decoupled (decay scaled by lr) or independent (by lr / peak lr)",
+    "p": "spectral power of every matrix unless overridden below",
+    "spectral_weight_decay": "spectral coefficient lambda_p",
+    "p_attention": "spectral power of the attention matrices (SPEC 4 module-wise recipe)",
+    "p_mlp": "spectral power of the MLP matrices (SPEC 4 module-wise recipe)",
+    "lambda_attention": "lambda_p of the attention matrices",
+    "lambda_mlp": "lambda_p of the MLP matrices",
+    "qkv_recipe": "Muon: H (head-wise) or F (full) for Q, K and V, e.g. HHF",
+    "p_v": "extra spectral power for V on top of the ordinary decay (SPEC 7.5)",
+    "lambda_v": "lambda_p of that extra V rule",
+    "p0_mode": "p = 0 as an explicit step or as exact soft-thresholding (prox)",
+    "stability": "p > 1 stability guard: raise, warn, clamp or ignore. clamp here, unlike the library's "
+                 "raise: an unattended run should shrink a too-large step, not stop at it",
+    "muon_precision": "Muon's orthogonalisation precision (none: bf16 on a GPU, fp32 on a CPU)",
+    "log_every": "steps between log lines and metrics",
+    "checkpoint_every": "steps between checkpoints (0: only at the end)",
+    "out_dir": "run folder: config, metrics, checkpoint",
+    "seed": "random seed",
+    "device": "auto (cuda if available), cpu or cuda",
+}
+
 _PARSERS = {"int": int, "float": float, "str": str, "bool": _parse_bool}
 CLI_FIELDS = [f for f in fields(TrainConfig) if f.name not in ("preset", "notes")]
 
@@ -110,6 +153,14 @@ def _parser_for(annotation: str):
     return (lambda text: None if text.lower() == "none" else parse(text)) if optional else parse
 
 
+def _field_help(f) -> str:
+    """The field's --help line with its default under the default preset (tiny), and whether the
+    other presets set it."""
+    default = PRESETS["tiny"].get(f.name, f.default)
+    by_preset = any(f.name in values for name, values in PRESETS.items() if name != "tiny")
+    return f"{FIELD_HELP[f.name]} (default: {default!r}{'; other presets set their own' if by_preset else ''})"
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """``--preset``, ``--config FILE.json`` and one ``--field-name`` flag per config field."""
     parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS,
@@ -117,7 +168,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="JSON file with any subset of the fields")
     for f in CLI_FIELDS:
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_parser_for(f.type),
-                            default=argparse.SUPPRESS, metavar=f.type.split(" ")[0].upper())
+                            default=argparse.SUPPRESS, metavar=f.type.split(" ")[0].upper(),
+                            help=_field_help(f))
 
 
 def config_from_arguments(args: argparse.Namespace) -> TrainConfig:
