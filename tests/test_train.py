@@ -1,5 +1,6 @@
 """The reference training loop: presets, data, a short run, resume, sweep and report."""
 
+import dataclasses
 import json
 
 import pytest
@@ -201,3 +202,33 @@ def test_every_flag_of_every_command_has_a_help_line():
 
     missing = [a.option_strings or a.dest for a in actions(parser()) if not a.help]
     assert not missing, missing
+
+
+def test_checkpoints_rotate_and_resume_falls_back_past_a_corrupt_one(tmp_path, corpus_dir):
+    reference = train(tiny_run(tmp_path / "a", corpus_dir, checkpoint_every=2), progress=False)
+    config = tiny_run(tmp_path / "b", corpus_dir, checkpoint_every=2)
+    train(config, progress=False)
+    out = tmp_path / "b" / "run"
+    assert sorted(p.name for p in out.glob("checkpoint*")) == ["checkpoint.1.pt", "checkpoint.pt"]
+    (out / "checkpoint.pt").write_bytes(b"torn")  # the newest (step 6) is corrupt: resume from step 4
+    with pytest.warns(RuntimeWarning, match=r"cannot resume from .*checkpoint\.pt"):
+        resumed = train(config, resume=True, progress=False)
+    assert [r["train_loss"] for r in resumed] == [r["train_loss"] for r in reference]
+    assert [r["val_bpb"] for r in resumed] == [r["val_bpb"] for r in reference]
+
+
+def test_resume_refuses_a_changed_config_and_says_when_there_is_nothing(tmp_path, corpus_dir, capsys):
+    config = tiny_run(tmp_path, corpus_dir, steps=2)
+    train(config, resume=True, progress=False)
+    assert "nothing to resume" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"config differs .*p: 2 -> 3.*--force"):
+        train(dataclasses.replace(config, p=3), resume=True, progress=False)
+
+
+def test_a_diverging_run_stops_without_checkpointing_non_finite_weights(tmp_path, corpus_dir):
+    config = tiny_run(tmp_path, corpus_dir, steps=6, checkpoint_every=1, lr=1e6, grad_clip=0.0)
+    with pytest.raises(FloatingPointError, match="not finite|training loss is nan|training loss is inf"):
+        train(config, progress=False)
+    for path in tmp_path.glob("run/checkpoint*.pt"):
+        state = torch.load(path, weights_only=False)
+        assert all(torch.isfinite(v).all() for v in state["model"].values()), path

@@ -26,7 +26,11 @@ def parser() -> argparse.ArgumentParser:
     commands = main.add_subparsers(dest="command", required=True)
     train_parser = commands.add_parser("train", help="one run")
     add_config_arguments(train_parser)
-    train_parser.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint.pt")
+    train_parser.add_argument("--resume", action="store_true",
+                              help="continue from the newest loadable checkpoint in OUT_DIR (checkpoint.pt, "
+                                   "then checkpoint.1.pt, ...)")
+    train_parser.add_argument("--force", action="store_true",
+                              help="with --resume: continue even though the config differs from OUT_DIR/config.json")
 
     sweep_parser = commands.add_parser("sweep", help="a grid of runs")
     add_config_arguments(sweep_parser)
@@ -61,7 +65,7 @@ def main(argv=None) -> None:
         argv.insert(0, "train")
     args = parser().parse_args(argv)
     if args.command == "train":
-        train(config_from_arguments(args), resume=args.resume)
+        train(config_from_arguments(args), resume=args.resume, force=args.force)
     elif args.command == "sweep":
         run_sweep(config_from_arguments(args), args.out, powers=args.powers, coefficients=args.coefficients,
                   recipes=args.recipes, lrs=args.lrs)

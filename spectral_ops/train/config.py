@@ -58,6 +58,7 @@ class TrainConfig:
     # logging and checkpoints
     log_every: int = 50
     checkpoint_every: int = 0
+    keep_checkpoints: int = 2
     out_dir: str = "runs/run"
     seed: int = 0
     device: str = "auto"
@@ -137,6 +138,8 @@ FIELD_HELP = {
     "muon_precision": "Muon's orthogonalisation precision (none: bf16 on a GPU, fp32 on a CPU)",
     "log_every": "steps between log lines and metrics",
     "checkpoint_every": "steps between checkpoints (0: only at the end)",
+    "keep_checkpoints": "checkpoints kept (checkpoint.pt, checkpoint.1.pt, ...): --resume falls back to an "
+                        "older one when the newest cannot be loaded",
     "out_dir": "run folder: config, metrics, checkpoint",
     "seed": "random seed",
     "device": "auto (cuda if available), cpu or cuda",

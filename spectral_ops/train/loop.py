@@ -7,6 +7,8 @@ import csv
 import json
 import math
 import os
+import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -48,12 +50,63 @@ def validation_bits_per_byte(model, batches, device) -> float:
     return sum(losses) / len(losses) / math.log(2)
 
 
-def save_checkpoint(path: Path, model, optimizer, step: int, history: list, config: TrainConfig) -> None:
-    """Write to a temporary file, then rename: a crash never leaves a half-written checkpoint."""
-    temporary = path.with_suffix(".tmp")
+def checkpoint_paths(out: Path, keep: int) -> list[Path]:
+    """Newest first: ``checkpoint.pt``, then ``checkpoint.1.pt``, ... (``keep`` in all)."""
+    return [out / CHECKPOINT] + [out / f"checkpoint.{index}.pt" for index in range(1, keep)]
+
+
+def check_finite_weights(model, step: int, out: Path) -> None:
+    """Stop a run whose weights went non-finite before it measures or checkpoints them."""
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise FloatingPointError(f"step {step}: the weights are not finite (lower the lr?); stopping before "
+                                 f"measuring or checkpointing them (the last checkpoint in {out} is kept)")
+
+
+def save_checkpoint(out: Path, model, optimizer, step: int, history: list, config: TrainConfig) -> None:
+    """Write to a temporary file, shift the older checkpoints down (the oldest drops out), then
+    rename: a crash never leaves a half-written checkpoint, and one cut between the shift and the
+    rename leaves the previous checkpoint as ``checkpoint.1.pt``, where resuming looks next."""
+    check_finite_weights(model, step, out)
+    paths = checkpoint_paths(out, config.keep_checkpoints)
+    temporary = paths[0].with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                 "history": history, "config": to_dict(config)}, temporary)
-    os.replace(temporary, path)
+    for older, newer in reversed(list(zip(paths[1:], paths[:-1]))):
+        if newer.exists():
+            os.replace(newer, older)
+    os.replace(temporary, paths[0])
+
+
+def load_checkpoint(out: Path, keep: int, device) -> dict | None:
+    """The newest checkpoint that loads, warning about each one that does not (naming the file);
+    None when there is none. Raises when every one there is unreadable."""
+    found = [path for path in checkpoint_paths(out, keep) if path.exists()]
+    for path in found:
+        try:
+            state = torch.load(path, map_location=device, weights_only=False)
+            missing = {"model", "optimizer", "step", "history"} - set(state)
+            if missing:
+                raise KeyError(f"no {sorted(missing)}")
+            return state
+        except Exception as error:  # a torn or corrupt file: fall back to the previous one
+            warnings.warn(f"cannot resume from {path} ({type(error).__name__}: {error}); trying an older "
+                          "checkpoint", RuntimeWarning, stacklevel=2)
+    if found:
+        raise RuntimeError(f"no checkpoint in {out} can be loaded: {', '.join(map(str, found))}")
+    return None
+
+
+def check_resumable(out: Path, config: TrainConfig, force: bool) -> None:
+    """A resumed run continues the same run: a changed config is refused unless ``force``."""
+    path = out / "config.json"
+    if force or not path.exists():
+        return
+    saved, now = json.loads(path.read_text()), to_dict(config)
+    changed = sorted(key for key in set(saved) | set(now) if saved.get(key) != now.get(key))
+    if changed:
+        details = ", ".join(f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in changed)
+        raise ValueError(f"--resume: the config differs from {path} ({details}); pass --force to resume "
+                         "with the new one anyway")
 
 
 def write_logs(out: Path, history: list) -> None:
@@ -73,10 +126,15 @@ def summary_line(record: dict) -> str:
             f"QK stable rank {record['qk/stable_rank']:.2f}, attention entropy {record['attention/entropy']:.3f}")
 
 
-def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -> list[dict]:
-    """Train one run into ``config.out_dir``; returns the logged records."""
+def train(config: TrainConfig, *, resume: bool = False, force: bool = False, progress: bool = True) -> list[dict]:
+    """Train one run into ``config.out_dir``; returns the logged records. ``resume`` continues from
+    the newest loadable checkpoint there (``force``: even with a changed config)."""
+    if config.keep_checkpoints < 1:
+        raise ValueError(f"keep_checkpoints must be >= 1, got {config.keep_checkpoints}")
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if resume:
+        check_resumable(out, config, force)
     (out / "config.json").write_text(json.dumps(to_dict(config), indent=2) + "\n")
     device = pick_device(config.device)
 
@@ -85,11 +143,13 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
     model = Transformer(config.model_config()).to(device)
     optimizer = build_optimizer(model, config)
     start, history = 0, []
-    if resume and (out / CHECKPOINT).exists():
-        state = torch.load(out / CHECKPOINT, map_location=device, weights_only=False)
+    state = load_checkpoint(out, config.keep_checkpoints, device) if resume else None
+    if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         start, history = state["step"], state["history"]
+    elif resume:
+        print(f"{out}: nothing to resume (no checkpoint); starting from step 0", file=sys.stderr)
 
     validation = validation_batches(corpus, config.val_batches, config.batch_size, config.seq_len)
     probe = validation[0][0][:4].to(device)  # fixed tokens for the attention and V metrics
@@ -111,12 +171,16 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
             train_loss += loss.item() / config.grad_accum
         if config.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        if not math.isfinite(train_loss):  # stop before anything trained on it is checkpointed
+            raise FloatingPointError(f"step {step}: the training loss is {train_loss}; stopping (lower the lr? "
+                                     f"the last checkpoint in {out} is kept)")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{train_loss:.3f}")
 
         done = step + 1
         if done % config.log_every == 0 or done == config.steps:
+            check_finite_weights(model, done, out)
             record = {"step": done, "train_loss": train_loss, "lr_multiplier": multiplier,
                       "val_bpb": validation_bits_per_byte(model, validation, device)}
             record.update(monitor.weight_metrics(model, optimizer))
@@ -124,7 +188,7 @@ def train(config: TrainConfig, *, resume: bool = False, progress: bool = True) -
             history.append(record)
             write_logs(out, history)
         if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
-            save_checkpoint(out / CHECKPOINT, model, optimizer, done, history, config)
+            save_checkpoint(out, model, optimizer, done, history, config)
     if history and progress:
         print(f"{out}: {summary_line(history[-1])}")
     return history
