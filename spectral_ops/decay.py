@@ -88,12 +88,33 @@ def multiply_(tensors: list[torch.Tensor], factor) -> None:
         torch._foreach_copy_(tensors, torch._foreach_mul(tensors, factor))
 
 
-def _check_distinct(tensors) -> None:
-    seen = {}
+def _extent(t: torch.Tensor) -> tuple[int, int, int]:
+    """``(storage, first byte, one past the last byte)`` that ``t`` can touch."""
+    start = t.storage_offset() * t.element_size()
+    span = sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) + 1
+    return t.untyped_storage().data_ptr(), start, start + span * t.element_size()
+
+
+def _check_writable(tensors) -> None:
+    """Every weight can be written in place, once, before any is: a failure found half-way through a
+    list would leave the first weights decayed and the rest not."""
+    extents = []
     for i, t in enumerate(tensors):
-        if t.numel() and t.data_ptr() in seen:
-            raise ValueError(f"W[{seen[t.data_ptr()]}] and W[{i}] share memory; each weight may appear once")
-        seen[t.data_ptr()] = i
+        if not t.numel():
+            continue
+        if t.device.type == "meta":
+            raise ValueError(f"W[{i}] is a meta tensor: it has no values to decay")
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(f"W[{i}] is an inference tensor, which cannot be written outside "
+                               "torch.inference_mode()")
+        if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
+            raise ValueError(f"W[{i}] has elements that share memory (an expanded view); it cannot be "
+                             "written in place")
+        storage, start, end = _extent(t)
+        for j, (other_storage, other_start, other_end) in extents:
+            if storage == other_storage and start < other_end and other_start < end:
+                raise ValueError(f"W[{j}] and W[{i}] overlap in memory; each weight may appear once")
+        extents.append((i, (storage, start, end)))
 
 
 def _stability_terms(p: int, weight_decay, band: Band | None):
@@ -283,7 +304,7 @@ def spectral_decay_(
     for i, t in enumerate(tensors):
         check_matrix(t, f"W[{i}]" if not isinstance(W, torch.Tensor) else "W")
     check_same_device(tensors)
-    _check_distinct(tensors)
+    _check_writable(tensors)
     sync = not capturable
     check_coefficient(lr, "lr", sync=sync)
     options = check_decay_options(

@@ -115,8 +115,37 @@ def test_tensors_on_different_devices():
 
 def test_the_same_weight_twice():
     W = good()
-    with pytest.raises(ValueError, match="share memory"):
+    with pytest.raises(ValueError, match="overlap in memory"):
         so.spectral_decay_([W, W], 2, 0.1, 0.1)
+
+
+def _unwritable_lists():
+    base = torch.randn(10, 3)
+    yield "overlap in memory", [base[0:5], base[3:8]]  # partly overlapping views
+    yield "expanded view", [torch.randn(5, 3), torch.randn(3).expand(5, 3)]
+    with torch.inference_mode():
+        frozen = torch.randn(5, 3)
+    yield "inference tensor", [torch.randn(5, 3), frozen]
+    yield "meta tensor", [torch.empty(5, 3, device="meta")]
+
+
+@pytest.mark.parametrize("message, tensors", list(_unwritable_lists()), ids=["overlap", "expanded", "inference",
+                                                                              "meta"])
+def test_a_list_that_cannot_all_be_written_is_refused_before_any_is(message, tensors):
+    before = [t.clone() if t.device.type != "meta" else None for t in tensors]
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        so.spectral_decay_(tensors, 2, 0.1, 0.1)
+    for t, saved in zip(tensors, before):
+        assert saved is None or torch.equal(t, saved)
+
+
+def test_disjoint_views_of_one_tensor_are_decayed_each():
+    base = torch.randn(10, 3, dtype=torch.float64)
+    expected = torch.cat([so.reference.spectral_decay_svd(base[:5], 2, 0.1, 0.1),
+                          so.reference.spectral_decay_svd(base[5:], 2, 0.1, 0.1)])
+    so.spectral_decay_([base[:5], base[5:]], 2, 0.1, 0.1)
+    # fp64, well-conditioned 5x3 blocks: Polar Express converges to ~1e-13; 1e-10 is slack.
+    assert torch.allclose(base, expected, atol=1e-10)
 
 
 @pytest.mark.parametrize("tau", [0.0, -1.0, math.inf])
