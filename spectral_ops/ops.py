@@ -34,6 +34,8 @@ def _validated(W, name: str = "W", capturable: bool = False) -> torch.Tensor:
     """``capturable``: no host synchronisation, so the finiteness check is skipped (every op takes
     ``capturable=``; a NaN/Inf input then gives a non-finite result instead of an error)."""
     check_matrix(W, name)
+    if W.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor: it has no values to compute with")
     if not capturable:
         check_finite([W], name)
     return W

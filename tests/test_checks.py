@@ -163,3 +163,10 @@ def test_invalid_method_names():
         so.msign(torch.eye(3), method="halley")
     with pytest.raises(ValueError, match="mode"):
         so.band_direction(good(), 1.0, 2, mode="middle")
+
+
+@pytest.mark.parametrize("op", [lambda W: so.polar(W), lambda W: so.spectral_power(W, 2), lambda W: so.svt(W, 0.1)],
+                         ids=["polar", "spectral_power", "svt"])
+def test_a_meta_tensor_is_refused_with_a_clear_message(op):
+    with pytest.raises(ValueError, match="meta tensor"):
+        op(torch.empty(6, 4, device="meta"))
