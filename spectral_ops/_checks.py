@@ -26,8 +26,10 @@ def check_matrix(W, name: str = "W") -> None:
         raise ValueError(f"{name} must have at least 2 dimensions (..., m, n), got shape {tuple(W.shape)}")
 
 
-def check_finite(tensors: Iterable[torch.Tensor], name: str = "W") -> None:
-    """Raise if any tensor holds NaN or Inf, with one host sync for the whole list."""
+def check_finite(tensors: Iterable[torch.Tensor], name: str = "W",
+                 reason: str = "contains NaN or Inf; refusing to compute a spectral direction from it",
+                 error: type[Exception] = ValueError) -> None:
+    """Raise ``error`` if any tensor holds NaN or Inf, with one host sync for the whole list."""
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return
@@ -37,7 +39,7 @@ def check_finite(tensors: Iterable[torch.Tensor], name: str = "W") -> None:
     bad = (~flags).nonzero().flatten().tolist()
     if bad:
         where = f"{name}[{bad[0]}]" if len(tensors) > 1 else name
-        raise ValueError(f"{where} contains NaN or Inf; refusing to compute a spectral direction from it")
+        raise error(f"{where} {reason}")
 
 
 def check_same_device(tensors: Iterable[torch.Tensor], name: str = "W") -> None:

@@ -81,7 +81,9 @@ def multiply_(tensors: list[torch.Tensor], factor) -> None:
 
     In place, torch's multi-tensor multiply rounds a Python ``factor`` to a bf16/fp16 tensor's dtype
     first (0.97 becomes 0.96875 in bf16: a decay 4% too strong), so those are multiplied out of
-    place and copied back."""
+    place and copied back. ``factor``: one number or 0-d tensor, or a list with one per tensor."""
+    if not tensors:
+        return
     if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
         torch._foreach_mul_(tensors, factor)
     else:
@@ -323,32 +325,75 @@ def spectral_decay_(
         scale = lr
     if sync:
         check_finite(tensors, "W")
-    apply_decay_(tensors, options, scale=scale, spectral_weight_decay=weight_decay,
-                 ordinary_weight_decay=ordinary_weight_decay, capturable=capturable)
+    pending = prepare_decay(tensors, options, scale=scale, spectral_weight_decay=weight_decay,
+                            ordinary_weight_decay=ordinary_weight_decay, capturable=capturable)
+    if sync and pending.decayed:
+        # A finite weight never becomes non-finite: the decayed values are checked before any is written.
+        check_finite(pending.new_values(), "W", reason="would not be finite after this decay (its exact value "
+                     "exceeds the weights' dtype); nothing was written", error=OverflowError)
+    pending.commit()
     return W
 
 
-def apply_decay_(tensors: list[torch.Tensor], options: DecayOptions, *, scale, spectral_weight_decay,
-                 ordinary_weight_decay, capturable: bool) -> None:
-    """The decay of :func:`spectral_decay_` on validated arguments (optimizers validate theirs once):
-    distinct matrices on one device, ``options`` from :func:`check_decay_options`, ``scale`` the lr or
-    the schedule."""
+@dataclass
+class PendingDecay:
+    """A decay with every check passed and every spectral direction computed, not yet written.
+
+    :meth:`commit` writes it with element-wise copies and multiplies only, so a failure while
+    computing (a guard, a kernel, running out of memory) leaves every weight unchanged, and the new
+    values can be checked before any weight takes them.
+    """
+
+    tensors: list[torch.Tensor]
+    # Weights decayed by one multiply at commit (no spectral direction), and their factor.
+    scaled: list[int]
+    factor: object
+    # Weight index -> its decayed value.
+    decayed: dict[int, torch.Tensor]
+
+    def new_values(self) -> list[torch.Tensor]:
+        """Each weight's value after the commit where it is computed already, else the weight itself
+        (a plain multiply is computed at commit)."""
+        return [self.decayed.get(i, t) for i, t in enumerate(self.tensors)]
+
+    def commit(self, keep=None) -> None:
+        """Write the decay. ``keep`` has one entry per weight: ``False`` leaves it unchanged, a 0-d
+        bool tensor decides on the device (a capturable step's skip), ``True``/None writes it."""
+        keep = [True] * len(self.tensors) if keep is None else keep
+        scaled = [i for i in self.scaled if keep[i] is not False]
+        if all(keep[i] is True for i in scaled):
+            multiply_([self.tensors[i] for i in scaled], self.factor)
+        else:
+            multiply_([self.tensors[i] for i in scaled],
+                      [torch.where(keep[i], self.factor, 1.0) for i in scaled])
+        for i, value in self.decayed.items():
+            if keep[i] is True:
+                self.tensors[i].copy_(value)
+            elif keep[i] is not False:
+                self.tensors[i].copy_(torch.where(keep[i], value, self.tensors[i]))
+
+
+def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, spectral_weight_decay,
+                  ordinary_weight_decay, capturable: bool) -> PendingDecay:
+    """The decay of :func:`spectral_decay_` on validated arguments (optimizers validate theirs once),
+    computed but not written: distinct matrices on one device, ``options`` from
+    :func:`check_decay_options`, ``scale`` the lr or the schedule."""
     p, band, spec = options.p, options.band, options.band_spec
     if band is None and not isinstance(spectral_weight_decay, torch.Tensor) and spectral_weight_decay == 0:
         p = 1  # a zero spectral coefficient: only the ordinary term is left, no spectral math needed
 
     spectral = scale if spec is not None and spec.mode == "two_band" else scale * spectral_weight_decay
+    nonempty = [i for i, t in enumerate(tensors) if t.numel()]
     if p == 1 and band is None:
-        # No spectral direction (S_1(W) = W): one multi-tensor scaling, as torch's AdamW decays.
-        multiply_([t for t in tensors if t.numel()], 1.0 - scale * ordinary_weight_decay - spectral)
-        return
+        # No spectral direction (S_1(W) = W): one multi-tensor scaling at commit, as torch's AdamW decays.
+        return PendingDecay(tensors, nonempty, 1.0 - scale * ordinary_weight_decay - spectral, {})
     groups = defaultdict(list)
-    for t in tensors:
-        if t.numel():
-            groups[(tuple(t.shape), t.dtype)].append(t)
-    plans = []
-    for group in groups.values():
-        stack = group[0] if len(group) == 1 else torch.stack(group)
+    for i in nonempty:
+        groups[(tuple(tensors[i].shape), tensors[i].dtype)].append(i)
+    requests = []
+    for indices in groups.values():
+        # The decay is computed in a copy: a stack of a same-shape batch, or a clone of a lone weight.
+        stack = torch.stack([tensors[i] for i in indices]) if len(indices) > 1 else tensors[indices[0]].clone()
         clamp = _guarded_scale(stack, p, scale, spectral_weight_decay, band, options.stability, capturable)
         request = DecayRequest(
             p=p,
@@ -360,10 +405,11 @@ def apply_decay_(tensors: list[torch.Tensor], options: DecayOptions, *, scale, s
             sign_coefficients=options.sign_coefficients,
             precision=options.precision,
         )
-        plans.append((group, stack, request))
+        requests.append((indices, stack, request))
 
-    for group, stack, request in plans:
-        plan.decay_(dispatch.kernels_for("decay_", stack), stack, request)
-        if len(group) > 1:
-            for t, new in zip(group, stack.unbind(0)):
-                t.copy_(new)
+    decayed = {}
+    for indices, stack, request in requests:
+        # Not checked for overflow there: the caller checks the new values before any is written.
+        plan.decay_(dispatch.kernels_for("decay_", stack), stack, request, sync=False)
+        decayed.update(zip(indices, stack.unbind(0) if len(indices) > 1 else [stack]))
+    return PendingDecay(tensors, [], 1.0, decayed)

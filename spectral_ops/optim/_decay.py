@@ -9,12 +9,15 @@ batched :func:`spectral_ops.spectral_decay_` call per group (same shapes share a
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from collections import defaultdict
+from typing import Callable
 
 import torch
 from torch.optim import Optimizer
 
-from .._checks import check_coefficient, check_finite, check_same_device
-from ..decay import Band, DecayOptions, apply_decay_, check_decay_options, multiply_
+from .._checks import check_coefficient, check_same_device
+from ..decay import Band, DecayOptions, PendingDecay, check_decay_options, prepare_decay
 
 # Decay keys every optimizer of the family accepts per parameter group, with their defaults.
 DECAY_DEFAULTS = {
@@ -27,6 +30,7 @@ DECAY_DEFAULTS = {
     "polar_steps": None,
     "decay_precision": None,
     "capturable": False,
+    "strict": False,
 }
 
 
@@ -111,34 +115,126 @@ def matrix_view(param: torch.Tensor) -> torch.Tensor:
     return param if param.ndim == 2 else param.view(param.shape[0], -1)
 
 
-@torch.no_grad()
-def decay_parameters(params, group: dict, options: DecayOptions, *, lr, peak_lr, spectral, ordinary) -> None:
-    """Apply the group's decay to ``params`` in place, from their current (pre-update) values, with the
-    group's ``options`` validated beforehand.
+@dataclasses.dataclass
+class ParameterDecay:
+    """A group's decay computed but not written (see :class:`spectral_ops.decay.PendingDecay`): its
+    matrices (parameters or views of them, such as the Q/K/V blocks of a fused projection) and its
+    vectors, each with the index of the parameter it belongs to."""
 
-    ``params`` may include views (e.g. the Q/K/V blocks of a fused projection): each is decayed as
-    its own matrix.
-    """
+    matrices: PendingDecay | None = None
+    matrix_owners: tuple = ()
+    vectors: PendingDecay | None = None
+    vector_owners: tuple = ()
+
+    def checks(self):
+        """``(parameter index, decayed value)`` for every value computed before the commit."""
+        if self.matrices is not None:
+            for index, value in self.matrices.decayed.items():
+                yield self.matrix_owners[index], value
+
+    def commit(self, keep: list) -> None:
+        """Write the decay of the parameters ``keep`` keeps (one entry per parameter, as in
+        :meth:`PendingDecay.commit`)."""
+        for pending, owners in ((self.matrices, self.matrix_owners), (self.vectors, self.vector_owners)):
+            if pending is not None:
+                pending.commit([keep[owner] for owner in owners])
+
+
+@torch.no_grad()
+def prepare_parameter_decay(tensors, owners, group: dict, options: DecayOptions, *, lr, peak_lr, spectral,
+                            ordinary) -> ParameterDecay:
+    """The group's decay of ``tensors`` (parameters or views of them; ``owners[i]`` is the index of the
+    parameter ``tensors[i]`` belongs to), computed from their current values but not written, with the
+    group's ``options`` validated beforehand."""
     schedule = schedule_multiplier(lr, peak_lr) if group["convention"] == "independent" else None
     scale = lr if schedule is None else schedule
-    matrices = [matrix_view(p) for p in params if p.ndim >= 2]
+    decay = ParameterDecay()
+    matrices = [(owner, matrix_view(t)) for owner, t in zip(owners, tensors) if t.ndim >= 2]
     if matrices and not (is_zero(spectral) and is_zero(ordinary) and group["band"] is None):
-        spectral_direction = options.band is not None or (options.p != 1 and not is_zero(spectral))
-        if spectral_direction and not group["capturable"]:
-            # Refuse to compute a spectral direction from a non-finite weight. A plain scaling (p = 1)
-            # is not checked, as torch's AdamW does not check (it is a fifth of a p = 1 step).
-            check_finite(matrices, "W")
-        apply_decay_(matrices, options, scale=scale, spectral_weight_decay=spectral, ordinary_weight_decay=ordinary,
-                     capturable=group["capturable"])
-    vectors = [p for p in params if p.ndim < 2]
+        decay.matrix_owners = tuple(owner for owner, _ in matrices)
+        decay.matrices = prepare_decay([m for _, m in matrices], options, scale=scale, spectral_weight_decay=spectral,
+                                       ordinary_weight_decay=ordinary, capturable=group["capturable"])
+    vectors = [(owner, t) for owner, t in zip(owners, tensors) if t.ndim < 2]
     if vectors and not is_zero(ordinary):
-        multiply_(vectors, 1 - scale * ordinary)
+        decay.vector_owners = tuple(owner for owner, _ in vectors)
+        decay.vectors = PendingDecay([t for _, t in vectors], list(range(len(vectors))), 1 - scale * ordinary, {})
+    return decay
+
+
+@dataclasses.dataclass
+class PreparedStep:
+    """One group's step, computed but not written.
+
+    ``checks`` holds ``(parameter index, tensor, limit)``: the parameter is updated only if every
+    entry of each of its tensors is at most ``limit`` in magnitude (NaN never is). ``commit(keep)``
+    writes the step of the parameters ``keep`` keeps: one entry per parameter, ``True``/``False``
+    decided on the host, or a 0-d bool tensor decided on the device (capturable steps).
+    """
+
+    group: dict
+    params: list
+    checks: list
+    commit: Callable[[list], None]
+
+
+def kept(params, keep) -> list:
+    """The parameters an eager step writes: those the host decided to keep."""
+    return [param for param, kept in zip(params, keep) if kept is not False]
+
+
+def device_masks(keep) -> list | None:
+    """A capturable step's per-parameter device decisions, or None when every parameter is written."""
+    return None if all(k is True for k in keep) else [torch.as_tensor(k) for k in keep]
+
+
+def finite_limit(tensor: torch.Tensor) -> float:
+    """The largest finite magnitude of ``tensor``'s dtype: the limit of a check for NaN and Inf."""
+    return torch.finfo(tensor.dtype).max
+
+
+def _within_limits(checks) -> list:
+    """One 0-d bool tensor per check, on its tensor's device: one multi-tensor reduction per device,
+    and no host value copied to the device (a captured graph could not replay that)."""
+    flags = [torch.ones((), dtype=torch.bool, device=tensor.device) if not tensor.numel() else None
+             for _, tensor, _ in checks]
+    by_device = defaultdict(list)
+    for position, (_, tensor, _) in enumerate(checks):
+        if tensor.numel():
+            by_device[tensor.device].append(position)
+    for positions in by_device.values():
+        # The largest magnitude over its limit: NaN propagates through both.
+        largest = torch._foreach_norm([checks[i][1] for i in positions], float("inf"))
+        ratios = torch._foreach_div(largest, [checks[i][2] for i in positions])
+        for position, flag in zip(positions, (torch.stack(ratios) <= 1).unbind(0)):
+            flags[position] = flag
+    return flags
+
+
+def _all(flags: list):
+    """The conjunction of 0-d bool tensors, on their device (True when there is nothing to check)."""
+    result = True
+    for flag in flags:
+        result = flag if result is True else result & flag
+    return result
+
+
+def _read_on_host(flags: list) -> list[bool]:
+    """0-d bool tensors as Python bools: one read per device."""
+    by_device = defaultdict(list)
+    for position, flag in enumerate(flags):
+        by_device[flag.device if isinstance(flag, torch.Tensor) else None].append(position)
+    values = list(flags)
+    by_device.pop(None, None)
+    for positions in by_device.values():
+        for position, value in zip(positions, torch.stack([flags[i] for i in positions]).tolist()):
+            values[position] = value
+    return values
 
 
 class SpectralOptimizer(Optimizer):
     """Shared construction for the family: defaults, validation and the ``peak_lr`` of each group.
 
-    Subclasses implement :meth:`step_group` (decay, then their update), set
+    Subclasses implement :meth:`prepare_group` (their decay and update, computed but not written), set
     ``spectral_key``/``ordinary_key`` (the group keys of ``lambda_p``/``lambda_1``) and may extend
     :meth:`check_group`.
     """
@@ -184,8 +280,12 @@ class SpectralOptimizer(Optimizer):
                     param_state["step"] = torch.tensor(float(param_state["step"]), dtype=torch.float32, device=device)
 
     def check_group(self, group: dict) -> None:
-        if not isinstance(group["capturable"], bool):
-            raise TypeError(f"capturable must be True or False, got {group['capturable']!r}")
+        for key in ("capturable", "strict"):
+            if not isinstance(group[key], bool):
+                raise TypeError(f"{key} must be True or False, got {group[key]!r}")
+        if group["strict"] and group["capturable"]:
+            raise ValueError("strict=True raises on a non-finite update, which needs the host to read it; "
+                             "capturable=True forbids that (skips are still counted in optimizer.skipped)")
         if group["lr"] is not None or not self.lr_optional:
             check_coefficient(group["lr"], "lr")
         self.decay_options(group)
@@ -204,32 +304,131 @@ class SpectralOptimizer(Optimizer):
                                                                             ordinary=self.ordinary_key))
         return cached[2]
 
-    def decay_group(self, params, group: dict) -> None:
-        decay_parameters(
-            params,
+    def prepare_decay(self, tensors, owners, group: dict, *, lr=None, peak_lr=None) -> ParameterDecay:
+        """The group's decay of ``tensors`` (see :func:`prepare_parameter_decay`), with the group's own
+        lr and peak lr unless given."""
+        return prepare_parameter_decay(
+            tensors,
+            owners,
             group,
             self.decay_options(group),
-            lr=group["lr"],
-            peak_lr=group.get("initial_lr", group["peak_lr"]),
+            lr=group["lr"] if lr is None else lr,
+            peak_lr=group.get("initial_lr", group["peak_lr"]) if peak_lr is None else peak_lr,
             spectral=group[self.spectral_key],
             ordinary=group[self.ordinary_key],
         )
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One step for every group: :meth:`step_group` on its parameters that have a gradient."""
+        """One step for every group with a gradient: every group's step is computed first, then the
+        parameters whose gradient and update are finite are written (see :meth:`commit_steps`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        prepared = []
         for group in self.param_groups:
             params = list(self.params_with_grad(group))
             if params:
-                self.step_group(params, group)
+                prepared.append(self.prepare_group(params, group))
+        self.commit_steps(prepared)
         return loss
 
-    def step_group(self, params, group: dict) -> None:
+    @torch.no_grad()
+    def commit_steps(self, prepared: list[PreparedStep]) -> None:
+        """Write the prepared steps, skipping each parameter whose checks fail: its weight and its state
+        stay unchanged, and the skip is counted in :attr:`skipped`.
+
+        Eager groups decide on the host (one read per device for the whole step), warn once per
+        parameter, and raise instead with ``strict=True``, before anything is written. Capturable
+        groups decide on the device, without a host read, and count on the device.
+        """
+        flags = iter(_within_limits([check for step in prepared for check in step.checks]))
+        per_param = [[[] for _ in step.params] for step in prepared]
+        for step, flags_of in zip(prepared, per_param):
+            for index, _, _ in step.checks:
+                flags_of[index].append(next(flags))
+        keeps, eager = [], []
+        for step, flags_of in zip(prepared, per_param):
+            keep = [_all(f) for f in flags_of]
+            keeps.append(keep)
+            if not step.group["capturable"]:
+                eager.extend(keep)
+        read = iter(_read_on_host(eager))
+        skipped = []
+        for step, keep in zip(prepared, keeps):
+            if step.group["capturable"]:
+                checked = [(param, kept) for param, kept in zip(step.params, keep) if kept is not True]
+                if checked:
+                    torch._foreach_add_([self._skip_count(param) for param, _ in checked],
+                                        [torch.logical_not(kept).to(torch.int32) for _, kept in checked])
+                continue
+            keep[:] = [next(read) for _ in keep]
+            skipped.extend((step, param) for param, kept in zip(step.params, keep) if not kept)
+        strict = [self.parameter_name(step.group, param) for step, param in skipped if step.group["strict"]]
+        if strict:
+            raise FloatingPointError(f"{type(self).__name__}: the gradient or the update of {', '.join(strict)} "
+                                     "is not finite; nothing was written (strict=True)")
+        for step, param in skipped:
+            self._skip_count(param).add_(1)
+            self._warn_skip(self.parameter_name(step.group, param))
+        for step, keep in zip(prepared, keeps):
+            step.commit(keep)
+
+    @property
+    def skipped(self) -> dict:
+        """Skipped updates per parameter name, as 0-d int32 tensors on the parameters' devices (read
+        them when convenient: they are updated without a host read). Only parameters that were
+        skipped at least once, or that belong to a capturable group, appear."""
+        counts = self.__dict__.get("_skip_counts", {})
+        return {self.parameter_name(group, param): counts[param] for group in self.param_groups
+                for param in group["params"] if param in counts}
+
+    def parameter_name(self, group: dict, param: torch.Tensor) -> str:
+        """``param_names`` as torch records them (``named_parameters()``, or
+        :func:`param_groups_by_module`), else the position ``param_groups[g]['params'][i]``, with the shape."""
+        g = next(i for i, candidate in enumerate(self.param_groups) if candidate is group)
+        i = next(i for i, candidate in enumerate(group["params"]) if candidate is param)
+        names = group.get("param_names")
+        where = names[i] if names else f"param_groups[{g}]['params'][{i}]"
+        return f"{where} {tuple(param.shape)}"
+
+    def _skip_count(self, param: torch.Tensor) -> torch.Tensor:
+        counts = self.__dict__.setdefault("_skip_counts", {})
+        if param not in counts:
+            counts[param] = torch.zeros((), dtype=torch.int32, device=param.device)
+        return counts[param]
+
+    def _warn_skip(self, name: str) -> None:
+        warned = self.__dict__.setdefault("_warned_skips", set())
+        if name not in warned:
+            warned.add(name)
+            warnings.warn(f"{type(self).__name__} skipped the update of {name}: its gradient or update is not "
+                          "finite, so its weight and optimizer state are unchanged. Later skips are counted in "
+                          "optimizer.skipped without a warning; strict=True raises instead.", RuntimeWarning,
+                          stacklevel=4)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        counts = self.__dict__.get("_skip_counts", {})
+        if counts:  # by parameter position, as torch numbers the state
+            params = [param for group in self.param_groups for param in group["params"]]
+            state["skipped"] = {i: counts[param].clone() for i, param in enumerate(params) if param in counts}
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        params = [param for group in self.param_groups for param in group["params"]]
+        self.__dict__["_skip_counts"] = {params[int(i)]: count.to(device=params[int(i)].device, dtype=torch.int32)
+                                         for i, count in state_dict.get("skipped", {}).items()}
+
+    def prepare_group(self, params, group: dict) -> PreparedStep:
+        """Compute the group's step for ``params`` (those with a gradient) without writing anything."""
         raise NotImplementedError
+
+    def gradient_checks(self, params) -> list:
+        """A parameter is skipped when its gradient is not finite."""
+        return [(i, param.grad, finite_limit(param.grad)) for i, param in enumerate(params)]
 
     @staticmethod
     def params_with_grad(group: dict):

@@ -5,18 +5,27 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_coefficient
-from ._decay import DECAY_DEFAULTS, SpectralOptimizer, scalar
+from ._decay import DECAY_DEFAULTS, PreparedStep, SpectralOptimizer, device_masks, finite_limit, kept, scalar
+
+
+def adam_gradient_checks(params) -> list:
+    """Adam skips a parameter whose gradient is not finite or whose square overflows the second moment's
+    dtype (which would make it Inf for good and freeze the parameter)."""
+    return [(i, param.grad, torch.finfo(param.dtype).max ** 0.5) for i, param in enumerate(params)]
 
 
 @torch.no_grad()
-def adam_update_(params, group: dict, state) -> None:
+def adam_update_(params, group: dict, state, masks=None) -> None:
     """One Adam step (no weight decay) for a group, with torch's multi-tensor (``_foreach``) ops.
 
     Eager (``capturable=False``): operation for operation as torch's AdamW, the bias corrections
     computed on the host from a CPU step count. ``capturable=True``: the step counts live on the
     parameters' device and the bias corrections are device tensors, as in torch's capturable Adam,
-    so nothing is read back; ``lr`` may be a 0-d device tensor.
+    so nothing is read back; ``lr`` may be a 0-d device tensor. ``masks`` (capturable only): one 0-d
+    bool per parameter; a False one leaves the parameter and its state unchanged.
     """
+    if not params:
+        return
     beta1, beta2 = group["betas"]
     eps, capturable = group["eps"], group["capturable"]
     for param in params:
@@ -31,10 +40,23 @@ def adam_update_(params, group: dict, state) -> None:
     steps = [state[param]["step"] for param in params]
     exp_avgs = [state[param]["exp_avg"] for param in params]
     exp_avg_sqs = [state[param]["exp_avg_sq"] for param in params]
-    torch._foreach_add_(steps, 1)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    if masks is not None:
+        # Each operation is an exact identity on a masked-out parameter: the step count adds 0, the
+        # first moment moves towards itself, the second is multiplied by 1 and adds 0, the parameter
+        # adds 0 (its count is at least 1 in the bias corrections, so those stay finite).
+        torch._foreach_add_(steps, [mask.to(torch.float32) for mask in masks])
+        torch._foreach_lerp_(exp_avgs, [torch.where(m, g, a) for m, g, a in zip(masks, grads, exp_avgs)], 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, [torch.where(mask, beta2, 1.0) for mask in masks])
+        grads = [torch.where(mask, grad, 0) for mask, grad in zip(masks, grads)]
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        steps = torch._foreach_clamp_min(steps, 1)
+        numerators = [torch.where(mask, exp_avg, 0) for mask, exp_avg in zip(masks, exp_avgs)]
+    else:
+        torch._foreach_add_(steps, 1)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+        numerators = exp_avgs
     if capturable:
         lr = group["lr"]
         # -lr / (1 - beta1^t) and sqrt(1 - beta2^t), all on the device.
@@ -47,7 +69,7 @@ def adam_update_(params, group: dict, state) -> None:
         denom = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denom, torch._foreach_mul(torch._foreach_sqrt(bias_correction2), step_size))
         torch._foreach_add_(denom, torch._foreach_reciprocal(torch._foreach_div(step_size, eps)))
-        torch._foreach_addcdiv_(params, exp_avgs, denom)
+        torch._foreach_addcdiv_(params, numerators, denom)
         return
     lr = scalar(group["lr"])
     counts = [step.item() for step in steps]
@@ -82,17 +104,31 @@ class SpectralAdamW(SpectralOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, p=1,
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
-                 stability="raise", polar_steps=None, decay_precision=None, capturable=False):
+                 stability="raise", polar_steps=None, decay_precision=None, capturable=False, strict=False):
         defaults = dict(DECAY_DEFAULTS, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, p=p,
                         spectral_weight_decay=spectral_weight_decay, convention=convention, band=band,
                         p0_mode=p0_mode, stability=stability, polar_steps=polar_steps,
-                        decay_precision=decay_precision, capturable=capturable)
+                        decay_precision=decay_precision, capturable=capturable, strict=strict)
         super().__init__(params, defaults)
 
     def check_group(self, group: dict) -> None:
         super().check_group(group)
         check_adam_options(group)
 
-    def step_group(self, params, group: dict) -> None:
-        self.decay_group(params, group)
-        adam_update_(params, group, self.state)
+    def prepare_group(self, params, group: dict) -> PreparedStep:
+        return prepare_adam_step(self, params, group)
+
+
+def prepare_adam_step(optimizer: SpectralOptimizer, params, group: dict) -> PreparedStep:
+    """The decay (computed now) and the Adam update (element-wise, at commit) of an Adam group."""
+    decay = optimizer.prepare_decay(params, range(len(params)), group)
+
+    def commit(keep):
+        decay.commit(keep)
+        if group["capturable"]:
+            adam_update_(params, group, optimizer.state, device_masks(keep))
+        else:
+            adam_update_(kept(params, keep), group, optimizer.state)
+
+    return PreparedStep(group, params, adam_gradient_checks(params) + [(i, value, finite_limit(value))
+                                                                         for i, value in decay.checks()], commit)

@@ -40,7 +40,8 @@ def parameter_role(name: str, param: torch.Tensor, patterns=None) -> str:
 
 def param_groups_by_module(model: torch.nn.Module, overrides=None, *, patterns=None,
                            non_matrix=None) -> list[dict]:
-    """One parameter group per role present in ``model``, each tagged with ``"role"``.
+    """One parameter group per role present in ``model``, each tagged with ``"role"`` and holding torch's
+    ``"param_names"`` (so that messages name a parameter by its module path).
 
     ``overrides`` maps a role (or ``"attention"`` / ``"mlp"`` for all of theirs) to group options,
     e.g. from :func:`module_wise_powers` or :func:`full_v_extra_decay`. Non-matrix roles get the
@@ -56,14 +57,16 @@ def param_groups_by_module(model: torch.nn.Module, overrides=None, *, patterns=N
     by_role: dict[str, list] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
-            by_role.setdefault(parameter_role(name, param, patterns), []).append(param)
+            by_role.setdefault(parameter_role(name, param, patterns), []).append((name, param))
     groups = []
-    for role, params in by_role.items():
+    for role, named in by_role.items():
         options = dict(non_matrix) if role in NON_MATRIX_ROLES else {}
         family = "attention" if role in ATTENTION_ROLES else "mlp" if role in MLP_ROLES else None
         options.update(overrides.get(family, {}) if family else {})
         options.update(overrides.get(role, {}))
-        groups.append({"params": params, "role": role, **options})
+        # param_names (torch's key) lets the optimizer name a parameter by its module path.
+        groups.append({"params": [param for _, param in named], "param_names": [name for name, _ in named],
+                       "role": role, **options})
     return groups
 
 

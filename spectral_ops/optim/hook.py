@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..decay import renamed_spectral_coefficient
-from ._decay import DECAY_DEFAULTS, SpectralOptimizer, decay_parameters, detached_peak
+from ._decay import DECAY_DEFAULTS, PreparedStep, SpectralOptimizer, detached_peak, finite_limit
 
 # The host group key holding its starting lr, the peak of the independent convention (unless an LR
 # scheduler records initial_lr). In the group, like initial_lr, it is saved and loaded with the host's
@@ -53,7 +53,7 @@ class SpectralDecay(SpectralOptimizer):
 
     def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
                  band=None, p0_mode="explicit", stability="raise", polar_steps=None, decay_precision=None, lr=None,
-                 capturable=False, weight_decay=None):
+                 capturable=False, strict=False, weight_decay=None):
         spectral_weight_decay = renamed_spectral_coefficient("SpectralDecay", spectral_weight_decay, weight_decay,
                                                              stacklevel=2)
         if not isinstance(params, torch.Tensor):  # torch's own check refuses a bare tensor
@@ -65,7 +65,7 @@ class SpectralDecay(SpectralOptimizer):
                     params[index] = _without_deprecated_key(group, stacklevel=2)
         defaults = dict(DECAY_DEFAULTS, p=p, ordinary_weight_decay=ordinary_weight_decay, convention=convention,
                         band=band, p0_mode=p0_mode, stability=stability, polar_steps=polar_steps,
-                        decay_precision=decay_precision, lr=lr, capturable=capturable)
+                        decay_precision=decay_precision, lr=lr, capturable=capturable, strict=strict)
         if spectral_weight_decay is not None:
             defaults["spectral_weight_decay"] = spectral_weight_decay
         super().__init__(params, defaults)
@@ -95,8 +95,12 @@ class SpectralDecay(SpectralOptimizer):
             self._hook.remove()
             self._hook = None
 
+    @torch.no_grad()
     def _before_host_step(self, optimizer, args, kwargs) -> None:
+        """Decay every group before the host's step: all computed first, then written, so a failure
+        leaves every weight unchanged (and the host's step does not run)."""
         host_group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        prepared = []
         for group in self.param_groups:
             by_host = {}
             for param in self.params_with_grad(group):
@@ -106,11 +110,18 @@ class SpectralDecay(SpectralOptimizer):
                 by_host.setdefault(id(host), (host, []))[1].append(param)
             for host, params in by_host.values():
                 peak = host.get("initial_lr", _remember_peak(host))
-                decay_parameters(params, group, self.decay_options(group), lr=host["lr"], peak_lr=peak,
-                                 spectral=group[self.spectral_key], ordinary=group[self.ordinary_key])
+                prepared.append(self._prepare_decay_step(params, group, lr=host["lr"], peak_lr=peak))
+        self.commit_steps(prepared)
 
-    def step_group(self, params, group: dict) -> None:
+    def prepare_group(self, params, group: dict) -> PreparedStep:
         """Standalone use (``.step()``): decay with this object's own lr."""
         if group["lr"] is None:
             raise ValueError("SpectralDecay.step() needs lr= (or attach it to an optimizer)")
-        self.decay_group(params, group)
+        return self._prepare_decay_step(params, group)
+
+    def _prepare_decay_step(self, params, group: dict, **lrs) -> PreparedStep:
+        """The decay alone: a weight is skipped when its decayed value is not finite (the gradient
+        belongs to whichever optimizer uses it)."""
+        decay = self.prepare_decay(params, range(len(params)), group, **lrs)
+        return PreparedStep(group, params, [(i, value, finite_limit(value)) for i, value in decay.checks()],
+                            decay.commit)

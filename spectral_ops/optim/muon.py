@@ -16,8 +16,18 @@ import torch
 from .._checks import check_choice, check_steps
 from ..coefficients import polar_express_coefficients, resolve_polar_coefficients, without_normalization_margin
 from ..ops import check_precision, polar
-from ._decay import DECAY_DEFAULTS, SpectralOptimizer, add_scaled_, matrix_view, scalar, step_scalar
-from .adamw import adam_update_, check_adam_options
+from ._decay import (
+    DECAY_DEFAULTS,
+    PreparedStep,
+    SpectralOptimizer,
+    add_scaled_,
+    device_masks,
+    finite_limit,
+    matrix_view,
+    scalar,
+    step_scalar,
+)
+from .adamw import check_adam_options, prepare_adam_step
 
 ALGORITHMS = ("muon", "adamw")
 ADJUST_LR_FNS = ("original", "match_rms_adamw")
@@ -80,14 +90,14 @@ class SpectralMuon(SpectralOptimizer):
                  convention="decoupled", band=None, p0_mode="explicit", stability="raise", polar_steps=None,
                  decay_precision=None, precision="bf16",
                  heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8,
-                 capturable=False):
+                 capturable=False, strict=False):
         defaults = dict(DECAY_DEFAULTS, lr=lr, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,
                         polar_steps=polar_steps, decay_precision=decay_precision, precision=precision,
                         heads=heads, splits=splits, recipe=recipe,
-                        algorithm=algorithm, betas=betas, eps=eps, capturable=capturable)
+                        algorithm=algorithm, betas=betas, eps=eps, capturable=capturable, strict=strict)
         super().__init__(params, defaults)
 
     def check_group(self, group: dict) -> None:
@@ -129,29 +139,55 @@ class SpectralMuon(SpectralOptimizer):
             if letter == "H" and size % heads:
                 raise ValueError(f"a head-wise block of {size} rows does not split into {heads} heads")
 
-    def step_group(self, params, group: dict) -> None:
+    def prepare_group(self, params, group: dict) -> PreparedStep:
         if group["algorithm"] == "adamw":
-            self.decay_group(params, group)
-            adam_update_(params, group, self.state)
-            return
-        updates = [self._momentum_update(param, group) for param in params]
-        directions = self._orthogonalize(updates, group)
-        self.decay_group([block for param in params for block in self._decay_blocks(param, group)], group)
-        lr = step_scalar(group["lr"], group)
-        for param, direction in zip(params, directions):
-            target = matrix_view(param)
-            for start, size, _ in row_blocks(target.shape[0], group):
-                scale = adjusted_lr(lr, group["adjust_lr_fn"], (size, target.shape[1]))
-                add_scaled_(target[start:start + size], direction[start:start + size], scale)
+            return prepare_adam_step(self, params, group)
+        buffers = [self._next_momentum(param, group) for param in params]
+        directions = self._orthogonalize([self._nesterov(param, buffer, group) for param, buffer in zip(params, buffers)],
+                                         group)
+        blocks = [(i, block) for i, param in enumerate(params) for block in self._decay_blocks(param, group)]
+        decay = self.prepare_decay([block for _, block in blocks], [i for i, _ in blocks], group)
 
-    def _momentum_update(self, param, group) -> torch.Tensor:
-        """Nesterov (or plain) momentum exactly as torch.optim.Muon: an EMA buffer, then a lerp."""
-        state = self.state[param]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
-        buffer = state["momentum_buffer"]
-        buffer.lerp_(param.grad, 1 - group["momentum"])
-        update = param.grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer.clone()
+        def commit(keep):
+            masks = device_masks(keep) if group["capturable"] else None
+            for index, (param, buffer) in enumerate(zip(params, buffers)):
+                if keep[index] is False:
+                    continue
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = buffer if masks is None else torch.where(masks[index], buffer, 0)
+                elif masks is None:
+                    state["momentum_buffer"].copy_(buffer)
+                else:
+                    state["momentum_buffer"].copy_(torch.where(masks[index], buffer, state["momentum_buffer"]))
+            decay.commit(keep)
+            lr = step_scalar(group["lr"], group)
+            for index, (param, direction) in enumerate(zip(params, directions)):
+                if keep[index] is False:
+                    continue
+                if masks is not None:
+                    direction = torch.where(masks[index], direction, 0)
+                target = matrix_view(param)
+                for start, size, _ in row_blocks(target.shape[0], group):
+                    scale = adjusted_lr(lr, group["adjust_lr_fn"], (size, target.shape[1]))
+                    add_scaled_(target[start:start + size], direction[start:start + size], scale)
+
+        checks = self.gradient_checks(params) + [(i, d, finite_limit(d)) for i, d in enumerate(directions)]
+        checks += [(i, value, finite_limit(value)) for i, value in decay.checks()]
+        return PreparedStep(group, params, checks, commit)
+
+    def _next_momentum(self, param, group) -> torch.Tensor:
+        """The momentum buffer after this step, not yet stored: an EMA of the gradients, as
+        torch.optim.Muon keeps it."""
+        buffer = self.state.get(param, {}).get("momentum_buffer")  # state is a defaultdict: no entry made
+        if buffer is None:
+            buffer = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
+        return buffer.lerp(param.grad, 1 - group["momentum"])
+
+    @staticmethod
+    def _nesterov(param, buffer, group) -> torch.Tensor:
+        """Muon's update from the new buffer: Nesterov's lerp, or the buffer itself."""
+        update = param.grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
         return matrix_view(update.contiguous())
 
     @staticmethod
@@ -175,7 +211,9 @@ class SpectralMuon(SpectralOptimizer):
                                         direction[start:start + size].view(shape)))
         for pairs in jobs.values():
             batch = torch.cat([source for source, _ in pairs])
-            result = polar(batch, coefficients=coefficients, precision=precision, capturable=group["capturable"])
+            # Not checked for NaN/Inf here (capturable=True skips that check, and the host read): the
+            # step checks each direction it computed, and skips its parameter rather than raise.
+            result = polar(batch, coefficients=coefficients, precision=precision, capturable=True)
             for (_, destination), result in zip(pairs, result.split([source.shape[0] for source, _ in pairs])):
                 destination.copy_(result)
         return directions

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from ._decay import DECAY_DEFAULTS, SpectralOptimizer, add_scaled_, scalar, step_scalar
+import torch
+
+from ._decay import (
+    DECAY_DEFAULTS,
+    PreparedStep,
+    SpectralOptimizer,
+    add_scaled_,
+    device_masks,
+    finite_limit,
+    kept,
+    scalar,
+    step_scalar,
+)
 
 
 class SpectralSGD(SpectralOptimizer):
@@ -15,11 +27,11 @@ class SpectralSGD(SpectralOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0, p=1,
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
-                 stability="raise", polar_steps=None, decay_precision=None, capturable=False):
+                 stability="raise", polar_steps=None, decay_precision=None, capturable=False, strict=False):
         defaults = dict(DECAY_DEFAULTS, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,
-                        polar_steps=polar_steps, decay_precision=decay_precision, capturable=capturable)
+                        polar_steps=polar_steps, decay_precision=decay_precision, capturable=capturable, strict=strict)
         super().__init__(params, defaults)
 
     def check_group(self, group: dict) -> None:
@@ -29,17 +41,37 @@ class SpectralSGD(SpectralOptimizer):
         if group["nesterov"] and (group["momentum"] == 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
 
-    def step_group(self, params, group: dict) -> None:
-        self.decay_group(params, group)
+    def prepare_group(self, params, group: dict) -> PreparedStep:
+        decay = self.prepare_decay(params, range(len(params)), group)
+
+        def commit(keep):
+            decay.commit(keep)
+            if group["capturable"]:
+                self._momentum_step(params, group, device_masks(keep))
+            else:
+                self._momentum_step(kept(params, keep), group)
+
+        checks = self.gradient_checks(params) + [(i, value, finite_limit(value)) for i, value in decay.checks()]
+        return PreparedStep(group, params, checks, commit)
+
+    def _momentum_step(self, params, group: dict, masks=None) -> None:
+        """torch.optim.SGD's update. ``masks`` (capturable only): a False one makes every operation an
+        exact identity on its parameter (a buffer created then starts at zero rather than at the gradient)."""
         momentum, lr = group["momentum"], step_scalar(group["lr"], group)
-        for param in params:
+        for index, param in enumerate(params):
             direction = param.grad
+            mask = None if masks is None else masks[index]
+            if mask is not None:
+                direction = torch.where(mask, direction, 0)
             if momentum != 0:
                 state = self.state[param]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = direction.detach().clone()
                 else:
-                    state["momentum_buffer"].mul_(momentum).add_(direction, alpha=1 - group["dampening"])
+                    factor = momentum if mask is None else torch.where(mask, momentum, 1.0)
+                    state["momentum_buffer"].mul_(factor).add_(direction, alpha=1 - group["dampening"])
                 buffer = state["momentum_buffer"]
                 direction = direction.add(buffer, alpha=momentum) if group["nesterov"] else buffer
+                if mask is not None:
+                    direction = torch.where(mask, direction, 0)
             add_scaled_(param, direction, lr)

@@ -1,0 +1,297 @@
+"""A step either updates a parameter from finite values or leaves it alone, and a step that raises
+changes nothing: the reliability promises of the optimizer family (README, "Guarantees").
+
+Every comparison here is bitwise (``torch.equal``): skipping or refusing must leave the exact bits,
+and the parameters that are updated must get exactly what a step without the bad parameter gives.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+
+import spectral_ops as so
+from optim_models import batch, tiny_model
+from spectral_ops.backends.torch_backend import TorchBackend
+from spectral_ops.linalg import matrix_with_spectrum
+from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD, param_groups_by_module
+
+
+def _muon(params, **options):
+    matrices = [p for p in params if p.ndim == 2]
+    vectors = [p for p in params if p.ndim < 2]
+    return SpectralMuon([{"params": matrices}, {"params": vectors, "algorithm": "adamw", "weight_decay": 0.0}],
+                        lr=2e-2, precision="fp32", **options)
+
+
+def _attached(params, **options):
+    host = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0, foreach=False)
+    SpectralDecay([p for p in params if p.ndim == 2], **options).attach(host)
+    return host
+
+
+# Every optimizer, with a spectral decay (p = 2: the Gram, the polar iteration and the epilogue all run).
+OPTIMIZERS = {
+    "adamw": lambda params, **o: SpectralAdamW(params, lr=1e-2, p=2, spectral_weight_decay=0.5, **o),
+    "sgd": lambda params, **o: SpectralSGD(params, lr=5e-2, momentum=0.9, p=2, spectral_weight_decay=0.5, **o),
+    "muon": lambda params, **o: _muon(params, p=2, spectral_weight_decay=0.5, **o),
+    "attached": lambda params, **o: _attached(params, p=2, spectral_weight_decay=0.5, **o),
+}
+
+
+def _gradients(model, step=0):
+    inputs, targets = batch(step)
+    model.zero_grad()
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+
+
+def _snapshot(model, optimizer):
+    """Every parameter and every state tensor, copied."""
+    state = [{key: value.clone() if torch.is_tensor(value) else value for key, value in s.items()}
+             for s in optimizer.state.values()]
+    return [p.detach().clone() for p in model.parameters()], state
+
+
+def _assert_unchanged(before, after):
+    (params_a, state_a), (params_b, state_b) = before, after
+    assert all(torch.equal(a, b) for a, b in zip(params_a, params_b, strict=True))
+    assert len(state_a) == len(state_b)
+    for a, b in zip(state_a, state_b):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
+
+
+def _name(optimizer, param):
+    """How the optimizer names ``param`` (its position differs between the optimizers' groupings)."""
+    group = next(g for g in optimizer.param_groups if any(p is param for p in g["params"]))
+    return optimizer.parameter_name(group, param)
+
+
+def _run(name, steps=2, **options):
+    """A model after ``steps`` steps (so that the state exists), its optimizer, and fresh gradients."""
+    model = tiny_model()
+    optimizer = OPTIMIZERS[name](list(model.parameters()), **options)
+    for step in range(steps):
+        _gradients(model, step)
+        optimizer.step()
+    _gradients(model, steps)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("primitive", ["symmetric", "product", "poly_step", "decay_epilogue_"])
+def test_a_failing_primitive_leaves_every_weight_and_state_unchanged(monkeypatch, name, primitive):
+    """Fault injection: the primitive fails at its last call of the step (after earlier matrices and
+    groups were computed), so a step that wrote as it went would be caught half-way."""
+    with so.use_backend("torch"):
+        model, optimizer = _run(name)
+        calls = []
+        original = getattr(TorchBackend, primitive)
+        monkeypatch.setattr(TorchBackend, primitive, lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+        optimizer.step()  # count the calls of one step, on a copy of the same situation
+        total = len(calls)
+        assert total, f"{primitive} is not used by {name}'s step"
+
+        model, optimizer = _run(name)
+        before = _snapshot(model, optimizer)
+        count = iter(range(total))
+
+        def failing(self, *args, **kwargs):
+            if next(count) == total - 1:
+                raise RuntimeError("injected fault")
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(TorchBackend, primitive, failing)
+        with pytest.raises(RuntimeError, match="injected fault"):
+            optimizer.step()
+        _assert_unchanged(before, _snapshot(model, optimizer))
+
+
+def _two_groups(name):
+    """The tiny model's layers as two decay groups, and the group dict holding the second one's lambda_p."""
+    model = tiny_model()
+    first, second = [model[0].weight, model[0].bias], [model[2].weight, model[2].bias]
+    if name == "attached":
+        host = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
+        decay = SpectralDecay([{"params": [model[0].weight]}, {"params": [model[2].weight]}], p=2,
+                              spectral_weight_decay=0.5).attach(host)
+        return model, host, decay.param_groups[1]
+    optimizer = OPTIMIZERS[name](first)
+    optimizer.add_param_group({"params": second, **({"algorithm": "adamw"} if name == "muon" else {})})
+    return model, optimizer, optimizer.param_groups[-1]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_an_unstable_second_group_raises_before_the_first_is_written(name):
+    """The stability guard of a later group fails: nothing is written, and a retry with a stable
+    coefficient gives exactly the step of a run that never failed (the first group applied once)."""
+    model, optimizer, second = _two_groups(name)
+    reference_model, reference, _ = _two_groups(name)
+    for m in (model, reference_model):
+        _gradients(m)
+    second["spectral_weight_decay"] = 1e3  # lr * 1e3 * s_max >= 1
+    before = _snapshot(model, optimizer)
+    with pytest.raises(so.SpectralStabilityError):
+        optimizer.step()
+    _assert_unchanged(before, _snapshot(model, optimizer))
+
+    second["spectral_weight_decay"] = 0.5
+    optimizer.step()
+    reference.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference_model.parameters()))
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "muon"])
+@pytest.mark.parametrize("where", ["gradient", "weight", "intermediate"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_matrix_is_skipped_counted_and_the_others_updated(monkeypatch, name, where, bad):
+    """NaN/Inf in one matrix's gradient, weight, or a product computed for it: that parameter and its
+    state keep their bits, the skip is counted, the other parameters get exactly the step they get
+    when the bad parameter has no gradient at all, and the next finite step is normal."""
+    with so.use_backend("torch"):
+        model, optimizer = _run(name)
+        reference_model, reference = _run(name)
+        target = model[2].weight  # 4 x 16: a shape no other matrix has
+        reference_model[2].weight.grad = None
+        if where == "gradient":
+            target.grad[1, 3] = bad
+        elif where == "weight":
+            with torch.no_grad():
+                target[1, 3] = bad
+                reference_model[2].weight[1, 3] = bad
+        else:
+            original = TorchBackend.product
+
+            def poisoned(self, M, Z, *args, **kwargs):
+                result = original(self, M, Z, *args, **kwargs)
+                return result.fill_(bad) if Z.shape[-2:] == (4, 16) else result
+
+            monkeypatch.setattr(TorchBackend, "product", poisoned)
+        before = target.detach().clone()
+        state_before = {k: v.clone() for k, v in optimizer.state[target].items()}
+        with pytest.warns(RuntimeWarning, match=re.escape(f"skipped the update of {_name(optimizer, target)}:")):
+            optimizer.step()
+        reference.step()
+        monkeypatch.undo()
+
+        assert torch.equal(target, before) or (where == "weight" and torch.equal(target.isnan(), before.isnan()))
+        assert all(torch.equal(v, state_before[k]) for k, v in optimizer.state[target].items())
+        assert {name: int(count) for name, count in optimizer.skipped.items()} == {_name(optimizer, target): 1}
+        others = [(p, q) for p, q in zip(model.parameters(), reference_model.parameters()) if p is not target]
+        assert all(torch.equal(p, q) for p, q in others)
+
+        if where == "weight":
+            return  # the weight itself stays non-finite: every later step skips it
+        _gradients(model, 5)
+        _gradients(reference_model, 5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a finite step is normal, and warns about nothing
+            optimizer.step()
+        reference.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference_model.parameters()))
+
+
+def test_a_nan_gradient_does_not_poison_muons_momentum():
+    model, optimizer = _run("muon")
+    model[2].weight.grad.fill_(float("nan"))
+    with pytest.warns(RuntimeWarning):
+        optimizer.step()
+    for step in range(3):
+        _gradients(model, 10 + step)
+        optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert all(torch.isfinite(s["momentum_buffer"]).all() for s in optimizer.state.values() if "momentum_buffer" in s)
+
+
+def test_adam_skips_a_gradient_whose_square_overflows():
+    """|g| = 1e20: finite, but g^2 overflows fp32, which would make the second moment Inf for good."""
+    model, optimizer = _run("adamw")
+    model[0].weight.grad[0, 0] = 1e20
+    with pytest.warns(RuntimeWarning, match=r"param_groups\[0\]\['params'\]\[0\]"):
+        optimizer.step()
+    assert all(torch.isfinite(s["exp_avg_sq"]).all() for s in optimizer.state.values())
+
+
+def test_the_warning_comes_once_per_parameter_and_names_its_module_path():
+    model = tiny_model()
+    model.register_module("head", torch.nn.Linear(4, 4))
+    optimizer = SpectralAdamW(param_groups_by_module(model, non_matrix={"weight_decay": 0.0}), lr=1e-2, p=2,
+                              spectral_weight_decay=0.5)
+    for step in range(3):
+        inputs, targets = batch(step)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model.head(model(inputs)), targets).backward()
+        model.head.weight.grad[0, 0] = float("nan")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.step()
+        messages = [str(w.message) for w in caught]
+        assert messages == (["SpectralAdamW skipped the update of head.weight (4, 4): its gradient or update is "
+                             "not finite, so its weight and optimizer state are unchanged. Later skips are counted "
+                             "in optimizer.skipped without a warning; strict=True raises instead."]
+                            if step == 0 else [])
+    assert int(optimizer.skipped["head.weight (4, 4)"]) == 3
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "muon"])
+def test_strict_raises_and_writes_nothing(name):
+    model, optimizer = _run(name, strict=True)
+    model[2].weight.grad[0, 0] = float("nan")
+    before = _snapshot(model, optimizer)
+    with pytest.raises(FloatingPointError, match=re.escape(_name(optimizer, model[2].weight)) + ".*strict=True"):
+        optimizer.step()
+    _assert_unchanged(before, _snapshot(model, optimizer))
+
+
+def test_strict_cannot_be_capturable():
+    with pytest.raises(ValueError, match="strict=True .* capturable=True"):
+        SpectralAdamW(tiny_model().parameters(), strict=True, capturable=True)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "muon"])
+def test_a_capturable_step_skips_on_the_device_without_a_warning(name):
+    """The same skip decided on the device (no host read): bits kept, the count on the device, the
+    others updated as without the bad parameter."""
+    options = {"capturable": True, "stability": "clamp"}
+    model, optimizer = _run(name, **options)
+    reference_model, reference = _run(name, **options)
+    target = model[2].weight
+    target.grad[0, 0] = float("nan")
+    reference_model[2].weight.grad = None
+    before, state_before = target.detach().clone(), {k: v.clone() for k, v in optimizer.state[target].items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.step()
+    reference.step()
+    assert torch.equal(target, before)
+    assert all(torch.equal(v, state_before[k]) for k, v in optimizer.state[target].items())
+    assert {k: int(v) for k, v in optimizer.skipped.items() if int(v)} == {_name(optimizer, target): 1}
+    others = [(p, q) for p, q in zip(model.parameters(), reference_model.parameters()) if p is not target]
+    assert all(torch.equal(p, q) for p, q in others)
+
+
+def test_skip_counts_are_saved_and_loaded():
+    model, optimizer = _run("adamw")
+    model[2].weight.grad[0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning):
+        optimizer.step()
+    state = optimizer.state_dict()
+    fresh = SpectralAdamW(model.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5)
+    fresh.load_state_dict(state)
+    assert {k: int(v) for k, v in fresh.skipped.items()} == {"param_groups[0]['params'][2] (4, 16)": 1}
+    assert fresh.skipped["param_groups[0]['params'][2] (4, 16)"].dtype == torch.int32
+
+
+def test_a_list_decay_that_would_overflow_raises_before_writing_any_weight():
+    """Every weight finite, the exact result of the second one is not (it is about -9 s_max ~ -1e38 * 9,
+    past fp32's 3.4e38, with stability='ignore'): refused, and the first weight is not written."""
+    first = torch.randn(8, 8)
+    second = matrix_with_spectrum((8, 4), [1e38, 1e37, 1e36, 1e35], dtype=torch.float32)
+    weights = [first, second, torch.randn(8, 4)]
+    before = [w.clone() for w in weights]
+    with pytest.raises(OverflowError, match=r"W\[1\] would not be finite"):
+        so.spectral_decay_(weights, 2, 1e-37, 1.0, stability="ignore")
+    assert all(torch.equal(a, b) for a, b in zip(weights, before))
