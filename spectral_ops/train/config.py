@@ -59,6 +59,7 @@ class TrainConfig:
     log_every: int = 50
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
+    max_skipped_steps: int = 3
     out_dir: str = "runs/run"
     seed: int = 0
     device: str = "auto"
@@ -140,6 +141,8 @@ FIELD_HELP = {
     "checkpoint_every": "steps between checkpoints (0: only at the end)",
     "keep_checkpoints": "checkpoints kept (checkpoint.pt, checkpoint.1.pt, ...): --resume falls back to an "
                         "older one when the newest cannot be loaded",
+    "max_skipped_steps": "stop after this many steps in a row in which the optimizer skipped an update with a "
+                         "non-finite gradient (0: never stop; each skip is logged)",
     "out_dir": "run folder: config, metrics, checkpoint",
     "seed": "random seed",
     "device": "auto (cuda if available), cpu or cuda",

@@ -55,6 +55,11 @@ def checkpoint_paths(out: Path, keep: int) -> list[Path]:
     return [out / CHECKPOINT] + [out / f"checkpoint.{index}.pt" for index in range(1, keep)]
 
 
+def skipped_updates(optimizer) -> int:
+    """The optimizer's skipped updates so far (read only when there are counters: after a skip)."""
+    return sum(int(count) for count in getattr(optimizer, "skipped", {}).values())
+
+
 def check_finite_weights(model, step: int, out: Path) -> None:
     """Stop a run whose weights went non-finite before it measures or checkpoints them."""
     if not all(torch.isfinite(p).all() for p in model.parameters()):
@@ -101,7 +106,8 @@ def check_resumable(out: Path, config: TrainConfig, force: bool) -> None:
     path = out / "config.json"
     if force or not path.exists():
         return
-    saved, now = json.loads(path.read_text()), to_dict(config)
+    # A key the saved config lacks was added since: that run used its default.
+    saved, now = {**to_dict(TrainConfig()), **json.loads(path.read_text())}, to_dict(config)
     changed = sorted(key for key in set(saved) | set(now) if saved.get(key) != now.get(key))
     if changed:
         details = ", ".join(f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in changed)
@@ -155,6 +161,7 @@ def train(config: TrainConfig, *, resume: bool = False, force: bool = False, pro
     probe = validation[0][0][:4].to(device)  # fixed tokens for the attention and V metrics
     bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc=out.name,
                disable=not progress, dynamic_ncols=True)
+    skipping = 0  # steps in a row with a skipped update
     for step in bar:
         multiplier = lr_multiplier(step, config.steps, config.warmup_steps, config.min_lr_ratio)
         for group in optimizer.param_groups:
@@ -174,14 +181,21 @@ def train(config: TrainConfig, *, resume: bool = False, force: bool = False, pro
         if not math.isfinite(train_loss):  # stop before anything trained on it is checkpointed
             raise FloatingPointError(f"step {step}: the training loss is {train_loss}; stopping (lower the lr? "
                                      f"the last checkpoint in {out} is kept)")
+        skips_before = skipped_updates(optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        skipping = skipping + 1 if skipped_updates(optimizer) > skips_before else 0
+        if config.max_skipped_steps and skipping >= config.max_skipped_steps:
+            raise FloatingPointError(f"step {step}: the optimizer skipped updates with non-finite gradients in "
+                                     f"{skipping} steps in a row; stopping (lower the lr? the last checkpoint in "
+                                     f"{out} is kept)")
         bar.set_postfix(loss=f"{train_loss:.3f}")
 
         done = step + 1
         if done % config.log_every == 0 or done == config.steps:
             check_finite_weights(model, done, out)
             record = {"step": done, "train_loss": train_loss, "lr_multiplier": multiplier,
+                      "skipped_updates": skipped_updates(optimizer),
                       "val_bpb": validation_bits_per_byte(model, validation, device)}
             record.update(monitor.weight_metrics(model, optimizer))
             record.update(monitor.activation_metrics(model, probe))
