@@ -295,3 +295,46 @@ def test_a_list_decay_that_would_overflow_raises_before_writing_any_weight():
     with pytest.raises(OverflowError, match=r"W\[1\] would not be finite"):
         so.spectral_decay_(weights, 2, 1e-37, 1.0, stability="ignore")
     assert all(torch.equal(a, b) for a, b in zip(weights, before))
+
+
+# ----- torch conformance: complex parameters
+
+
+def _complex_parameters():
+    generator = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(6, 5, dtype=torch.complex64, generator=generator)),
+            torch.nn.Parameter(torch.randn(7, dtype=torch.complex64, generator=generator))]
+
+
+def _complex_steps(optimizer, params, steps=4):
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for param in params:
+            param.grad = torch.randn(param.shape, dtype=param.dtype, generator=generator)
+        optimizer.step()
+
+
+@pytest.mark.parametrize("build, torch_build", [
+    (lambda ps: SpectralAdamW(ps, lr=1e-2, weight_decay=0.1),
+     lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True)),
+    (lambda ps: SpectralSGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
+     lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True)),
+    (lambda ps: SpectralMuon([{"params": ps, "algorithm": "adamw"}], lr=1e-2, weight_decay=0.1, betas=(0.9, 0.999)),
+     lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True)),
+], ids=["adamw", "sgd", "muon-adamw"])
+def test_complex_parameters_follow_torch(build, torch_build):
+    """Element-wise updates of complex parameters are torch's, bit for bit: Adam's moments are those of
+    the real and imaginary parts (view_as_real), not of g * g."""
+    ours, theirs = _complex_parameters(), _complex_parameters()
+    _complex_steps(build(ours), ours)
+    _complex_steps(torch_build(theirs), theirs)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_a_complex_matrix_is_refused_the_spectral_decay_when_the_optimizer_is_built():
+    matrix, vector = _complex_parameters()
+    with pytest.raises(TypeError, match=r"complex \(6, 5\) parameter cannot take the spectral decay"):
+        SpectralAdamW([matrix, vector], p=2, spectral_weight_decay=0.1)
+    with pytest.raises(TypeError, match="Muon's polar factor is implemented for real matrices only"):
+        SpectralMuon([matrix])
+    SpectralAdamW([matrix, vector], p=2, spectral_weight_decay=0.0, weight_decay=0.1)  # ordinary decay only

@@ -78,9 +78,14 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> DecayOpti
         capturable=group["capturable"],
         names=(spectral, ordinary),
     )
+    spectral_direction = options.band is not None or (options.p != 1 and not is_zero(group[spectral]))
     for param in group["params"]:
         if param.ndim > 2 and not param.is_contiguous():
             raise ValueError(f"a {param.ndim}-d parameter must be contiguous to be decayed as a matrix view")
+        if spectral_direction and param.is_complex() and param.ndim >= 2:
+            raise TypeError(f"a complex {tuple(param.shape)} parameter cannot take the spectral decay (p={options.p}"
+                            f"{', band' if options.band is not None else ''}): S_p is implemented for real matrices "
+                            f"only. Put it in a group with p=1 or {spectral}=0 (the ordinary decay works on it)")
     check_same_device([param for param in group["params"] if param.ndim >= 2], "a parameter group's matrices")
     return options
 

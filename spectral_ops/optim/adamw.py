@@ -8,6 +8,12 @@ from .._checks import check_coefficient
 from ._decay import DECAY_DEFAULTS, PreparedStep, SpectralOptimizer, device_masks, finite_limit, kept, scalar
 
 
+def real_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as two real ones, as torch's Adam treats it: the moments are those of the real
+    and the imaginary parts, never ``g * g`` of the complex values."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
 def adam_gradient_checks(params) -> list:
     """Adam skips a parameter whose gradient is not finite or whose square overflows the second moment's
     dtype (which would make it Inf for good and freeze the parameter)."""
@@ -36,10 +42,11 @@ def adam_update_(params, group: dict, state, masks=None) -> None:
             param_state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         elif capturable and param_state["step"].device != param.device:  # capturable switched on later
             param_state["step"] = param_state["step"].to(param.device)
-    grads = [param.grad for param in params]
     steps = [state[param]["step"] for param in params]
-    exp_avgs = [state[param]["exp_avg"] for param in params]
-    exp_avg_sqs = [state[param]["exp_avg_sq"] for param in params]
+    grads = [real_view(param.grad) for param in params]
+    exp_avgs = [real_view(state[param]["exp_avg"]) for param in params]
+    exp_avg_sqs = [real_view(state[param]["exp_avg_sq"]) for param in params]
+    params = [real_view(param) for param in params]
     if masks is not None:
         # Each operation is an exact identity on a masked-out parameter: the step count adds 0, the
         # first moment moves towards itself, the second is multiplied by 1 and adds 0, the parameter

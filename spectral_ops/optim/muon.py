@@ -121,6 +121,9 @@ class SpectralMuon(SpectralOptimizer):
             if param.ndim < 2:
                 raise ValueError(f"Muon updates matrices; put the {tuple(param.shape)} parameter in a group "
                                  "with algorithm='adamw'")
+            if param.is_complex():
+                raise TypeError(f"Muon's polar factor is implemented for real matrices only; put the complex "
+                                f"{tuple(param.shape)} parameter in a group with algorithm='adamw'")
             self._check_blocks(matrix_view(param).shape, group)
 
     @staticmethod
