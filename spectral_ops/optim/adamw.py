@@ -48,13 +48,14 @@ def adam_update_(params, group: dict, state, masks=None) -> None:
     exp_avg_sqs = [real_view(state[param]["exp_avg_sq"]) for param in params]
     params = [real_view(param) for param in params]
     if masks is not None:
-        # Each operation is an exact identity on a masked-out parameter: the step count adds 0, the
-        # first moment moves towards itself, the second is multiplied by 1 and adds 0, the parameter
-        # adds 0 (its count is at least 1 in the bias corrections, so those stay finite).
+        # Each operation is an exact identity on a masked-out parameter, whose gradient is replaced by
+        # zeros: the step count adds 0, the first moment lerps with weight 0, the second is multiplied
+        # by 1 and adds 0, the parameter adds 0 (its count is at least 1 in the bias corrections, so
+        # those stay finite).
         torch._foreach_add_(steps, [mask.to(torch.float32) for mask in masks])
-        torch._foreach_lerp_(exp_avgs, [torch.where(m, g, a) for m, g, a in zip(masks, grads, exp_avgs)], 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, [torch.where(mask, beta2, 1.0) for mask in masks])
         grads = [torch.where(mask, grad, 0) for mask, grad in zip(masks, grads)]
+        torch._foreach_lerp_(exp_avgs, grads, [torch.where(mask, 1 - beta1, 0.0) for mask in masks])
+        torch._foreach_mul_(exp_avg_sqs, [torch.where(mask, beta2, 1.0) for mask in masks])
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         steps = torch._foreach_clamp_min(steps, 1)
         numerators = [torch.where(mask, exp_avg, 0) for mask, exp_avg in zip(masks, exp_avgs)]
