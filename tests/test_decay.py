@@ -177,3 +177,69 @@ def test_a_schedule_under_the_decoupled_convention_is_refused_not_ignored():
     with pytest.raises(ValueError, match="schedule= is used only with convention='independent'"):
         so.spectral_decay_(W, 2, 0.1, 0.1, schedule=0.5)
     assert torch.equal(W, before)
+
+
+# ----- property: any layout, any list, all or nothing
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+LAYOUTS = ("contiguous", "transposed", "row_slice", "strided", "batch_slice")
+
+
+def _laid_out(layout: str, shape, dtype, seed: int):
+    """A ``shape`` weight (a well-conditioned spectrum) stored in ``layout``, and the base tensor that
+    owns its memory (whose other elements the decay must not touch)."""
+    m, n = shape
+    W = weights((m, n), dtype, seed=seed)
+    if layout == "contiguous":
+        return W, W
+    if layout == "transposed":
+        base = W.mT.contiguous()
+        return base.mT, base
+    if layout == "row_slice":  # rows in the middle of a taller matrix
+        base = torch.randn(m + 3, n, dtype=dtype)
+        base[1:m + 1] = W
+        return base[1:m + 1], base
+    if layout == "strided":  # every other column
+        base = torch.randn(m, 2 * n, dtype=dtype)
+        base[:, ::2] = W
+        return base[:, ::2], base
+    base = torch.randn(3, m, n, dtype=dtype)  # one matrix of a batch
+    base[1] = W
+    return base[1], base
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(layouts=st.lists(st.sampled_from(LAYOUTS), min_size=1, max_size=3),
+       shape=st.tuples(st.integers(2, 9), st.integers(2, 9)),
+       p=st.integers(0, 4),
+       dtype=st.sampled_from([torch.float64, torch.float32]),
+       share_base=st.booleans())
+def test_any_layout_and_list_is_decayed_exactly_or_refused_untouched(layouts, shape, p, dtype, share_base):
+    """Each weight of a list, in any layout, gets the SVD oracle's decay (to the dtype's tolerance of
+    this module) and nothing around it changes; a list whose weights overlap in memory is refused
+    with every weight and its base bitwise unchanged."""
+    laid = [_laid_out(layout, shape, dtype, seed) for seed, layout in enumerate(layouts)]
+    if share_base and len(laid) > 1:  # the same weight twice: overlapping memory
+        laid.append(laid[0])
+    tensors = [W for W, _ in laid]
+    bases = [base.clone() for _, base in laid]
+    expected = [reference.spectral_decay_svd(W, p, 0.05, 0.2, 0.1) for W in tensors]
+    if share_base and len(laid) > 1:
+        with pytest.raises(ValueError, match="overlap in memory"):
+            so.spectral_decay_(tensors, p, 0.05, 0.2, ordinary_weight_decay=0.1)
+        assert all(torch.equal(base, before) for (_, base), before in zip(laid, bases))
+        return
+    so.spectral_decay_(tensors, p, 0.05, 0.2, ordinary_weight_decay=0.1)
+    for (W, base), before, want in zip(laid, bases, expected):
+        assert relative_error(W, want) < TOLERANCE[dtype]
+        outside = torch.ones_like(base, dtype=torch.bool)
+        outside.view(-1)[_offsets(W, base)] = False
+        assert torch.equal(base[outside], before[outside])
+
+
+def _offsets(W: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """The flat positions in ``base`` of ``W``'s elements (``W`` is a view of the contiguous ``base``)."""
+    index = torch.arange(base.numel()).view(base.shape)
+    return torch.as_strided(index, W.shape, W.stride(), W.storage_offset() - base.storage_offset())
