@@ -7,17 +7,14 @@ routes here are the ones that need a factorisation, which no backend provides.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 computes in float64; float32, float16 and bfloat16 compute in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def tiny(dtype: torch.dtype) -> float:
-    """The smallest normal number of ``dtype``: added to norms so that a zero matrix divides to zero."""
-    return torch.finfo(dtype).tiny
 
 
 def is_tall(W: torch.Tensor) -> bool:
@@ -34,13 +31,59 @@ def wide(W: torch.Tensor) -> torch.Tensor:
     return W.mT if is_tall(W) else W
 
 
+def frobenius_normalized(A: torch.Tensor):
+    """``(A / ||A||_F, ln ||A||_F)`` per matrix, exact in range for every finite ``A``.
+
+    ``A`` is first divided by the power of two ``2^e`` just below its largest magnitude (as LAPACK's
+    ``nrm2`` scales): the squares of the raw entries overflow from ~1e19 in float32 and underflow
+    below ~1e-19, where ``||A||_F`` itself is fine. Dividing by a power of two is exact, so the
+    result is the once-rounded ``A / ||A||_F`` wherever that exists. The log norm is float64
+    (``(..., 1, 1)``), so that ``||A||_F^p`` never has to exist as a number; a zero matrix gives
+    zeros and ``-inf``.
+    """
+    dims = (-2, -1)
+    largest = torch.maximum(A.amax(dim=dims, keepdim=True), -A.amin(dim=dims, keepdim=True))
+    # frexp's exponent e puts the largest magnitude in [2^(e-1), 2^e); 2^(e-1) is representable for
+    # every finite one (2^e is not at the top of the range).
+    exponent = torch.frexp(largest).exponent - 1
+    normalized = A / torch.exp2(exponent.to(A.dtype))
+    rest = torch.linalg.vector_norm(normalized, dim=dims, keepdim=True)
+    normalized.div_(torch.where(rest > 0, rest, 1.0))
+    return normalized, exponent.double() * math.log(2) + rest.double().log()
+
+
 def normalized_wide(W: torch.Tensor, dtype: torch.dtype | None = None):
     """``(X, c, Xn)``: the wide ``X`` in ``dtype`` (default: the compute dtype), ``c = ||X||_F``
-    (``(..., 1, 1)``) and ``Xn = X / c`` (zero for a zero matrix). Working at unit norm keeps every
-    power of the Gram in range."""
+    (``(..., 1, 1)``, inf where it exceeds ``dtype``) and ``Xn = X / c`` (zero for a zero matrix,
+    right whatever ``c``). Working at unit norm keeps every power of the Gram in range."""
     X = wide(W).to(dtype or compute_dtype(W.dtype))
-    scale = torch.linalg.matrix_norm(X)[..., None, None]
-    return X, scale, X / (scale + tiny(X.dtype))
+    Xn, log_scale = frobenius_normalized(X)
+    return X, log_scale.exp().to(X.dtype), Xn
+
+
+def scaled_(D: torch.Tensor, log_factor: torch.Tensor) -> torch.Tensor:
+    """``D * exp(log_factor)`` in place, for a ``D`` with entries of at most about 1 (a direction at unit
+    norm). The factor (``||W||_F^p``) may overflow or underflow where the product does not, so the part
+    of it beyond the dtype's range, exactly 1 when there is none, is applied in a second multiply."""
+    info = torch.finfo(D.dtype)
+    headroom = math.log(16.0)  # D's entries reach a little over 1 (a polar factor's overshoot)
+    in_range = log_factor.clamp(math.log(info.tiny) + headroom, math.log(info.max) - headroom)
+    return D.mul_(in_range.exp().to(D.dtype)).mul_((log_factor - in_range).exp().to(D.dtype))
+
+
+def as_float64(value, device) -> torch.Tensor:
+    """A Python number or tensor as a float64 tensor on ``device``; a number by a fill, which CUDA graph
+    capture allows (a copy from the host it does not)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float64)
+    return torch.full((), float(value), dtype=torch.float64, device=device)
+
+
+def ratio(value, log_scale: torch.Tensor, most: float, dtype: torch.dtype) -> torch.Tensor:
+    """``min(value / exp(log_scale), most)`` in ``dtype``, for a threshold ``value`` against a norm
+    held as a log: the quotient of two in-range numbers can overflow (``1e30 / 1e-30`` in float32)."""
+    log_value = as_float64(value, log_scale.device).log()
+    return (log_value - log_scale).clamp(max=math.log(most)).exp().to(dtype)
 
 
 def power_weights(s: torch.Tensor, p: int, size: int) -> torch.Tensor:
@@ -61,7 +104,7 @@ def eigh_spectral_power(W: torch.Tensor, p: int, dtype: torch.dtype) -> torch.Te
     precision of the small ones, which ``s^(p-1)`` weights down for ``p >= 1`` but ``1/s`` blows up
     for ``p = 0``: the route is accurate for ``p >= 1`` only (``"auto"`` never picks it for 0).
     """
-    _, scale, Xn = normalized_wide(W.to(dtype))
+    Xn, log_scale = frobenius_normalized(wide(W).to(dtype))
     eigenvalues, V = torch.linalg.eigh(Xn @ Xn.mT)
     s = eigenvalues.clamp_min(0).sqrt()
     if p == 0:
@@ -69,39 +112,74 @@ def eigh_spectral_power(W: torch.Tensor, p: int, dtype: torch.dtype) -> torch.Te
         weights = keep / torch.where(keep > 0, s, 1.0)
     else:
         weights = s ** (p - 1)
-    direction = (V * weights[..., None, :]) @ (V.mT @ Xn)
-    direction = direction * scale**p
+    direction = scaled_((V * weights[..., None, :]) @ (V.mT @ Xn), p * log_scale)
     return direction.mT if is_tall(W) else direction
 
 
 def svd_spectral_power(W: torch.Tensor, p: int, dtype: torch.dtype) -> torch.Tensor:
-    """``S_p`` through a thin SVD computed in ``dtype``."""
+    """``S_p`` through a thin SVD computed in ``dtype``; ``s^p`` relative to ``s_max^p``, which is
+    applied last (it can overflow where the result does not)."""
     U, s, Vh = torch.linalg.svd(W.to(dtype), full_matrices=False)
-    return (U * power_weights(s, p, max(W.shape[-2:]))[..., None, :]) @ Vh
+    if p == 0:
+        return (U * power_weights(s, 0, max(W.shape[-2:]))[..., None, :]) @ Vh
+    s_max = s[..., :1]
+    relative = s / torch.where(s_max > 0, s_max, 1.0)
+    return scaled_((U * relative[..., None, :] ** p) @ Vh, p * s_max.double().log()[..., None])
+
+
+def log_frobenius_norm(W: torch.Tensor) -> torch.Tensor:
+    """``ln ||W||_F`` per matrix (shape ``W.shape[:-2]``, float64), right at every finite ``W``."""
+    return frobenius_normalized(W.to(compute_dtype(W.dtype)))[1][..., 0, 0]
+
+
+def log_spectral_norm_bounds(W: torch.Tensor, squarings: int = 3):
+    """``(ln lower, ln upper)`` with ``lower <= s_max <= upper`` per matrix (float64, shape ``W.shape[:-2]``;
+    ``-inf`` for a zero matrix), finite for every finite ``W``.
+
+    ``||G^(2^j)||_F^(1 / 2^(j+1))`` bounds ``s_max`` from above and exceeds it by at most the factor
+    ``r^(1 / 2^(j+2))`` (1.3x for r = 4096 after 3 squarings), which gives the lower bound. It is
+    computed on the unit-norm ``Xn`` and each square is renormalised, so no power over- or
+    underflows; ``||X||_F`` enters as its log. The rounding of the Gram and its squares (relative
+    ``~N eps`` at worst for an ``r x N`` product) could move the bound across a tight ``s_max``
+    (a rank-one matrix), so both bounds are widened by that factor.
+    """
+    Xn, log_scale = frobenius_normalized(wide(W).to(compute_dtype(W.dtype)))
+    M = Xn @ Xn.mT
+    log_norm = torch.zeros_like(log_scale)
+    for square in range(squarings + 1):
+        if square:
+            M = M @ M
+        norm = torch.linalg.matrix_norm(M)[..., None, None]
+        log_norm = 2 * log_norm + norm.double().log()
+        M = M / torch.where(norm > 0, norm, 1.0)
+    exponent = 1.0 / 2 ** (squarings + 1)
+    log_upper = (log_scale + log_norm * exponent)[..., 0, 0]
+    r, n = Xn.shape[-2:]
+    rounding = math.log1p(n * torch.finfo(Xn.dtype).eps)
+    return log_upper - exponent / 2 * math.log(r) - rounding, log_upper + rounding
 
 
 def spectral_norm_bounds(W: torch.Tensor, squarings: int = 3):
-    """Cheap per-matrix bounds ``lower <= s_max <= upper``, each of shape ``W.shape[:-2]``.
+    """Cheap per-matrix bounds ``lower <= s_max <= upper``, each of shape ``W.shape[:-2]`` in the compute
+    dtype (see :func:`log_spectral_norm_bounds`). Beyond the dtype's range the upper bound is inf and
+    the lower one the dtype's largest number: still bounds."""
+    dtype = compute_dtype(W.dtype)
+    log_lower, log_upper = log_spectral_norm_bounds(W, squarings)
+    return log_lower.exp().clamp(max=torch.finfo(dtype).max).to(dtype), log_upper.exp().to(dtype)
 
-    ``||G^(2^j)||_F^(1 / 2^(j+1))`` bounds ``s_max`` from above and exceeds it by at most the factor
-    ``r^(1 / 2^(j+2))`` (1.3x for r = 4096 after 3 squarings), which gives the lower bound.
-    Each square is renormalised so that no power over- or underflows.
-    """
-    _, scale, Xn = normalized_wide(W)
-    M = Xn @ Xn.mT
-    log_norm = torch.log(torch.linalg.matrix_norm(M))
-    M = M / torch.linalg.matrix_norm(M)[..., None, None].clamp_min(tiny(M.dtype))
-    for _ in range(squarings):
-        M = M @ M
-        norm = torch.linalg.matrix_norm(M)
-        log_norm = 2 * log_norm + torch.log(norm)
-        M = M / norm[..., None, None].clamp_min(tiny(M.dtype))
-    exponent = 1.0 / 2 ** (squarings + 1)
-    upper = scale[..., 0, 0] * torch.exp(log_norm * exponent)
-    upper = torch.nan_to_num(upper, nan=0.0)
-    r = Xn.shape[-2]
-    lower = upper / r ** (exponent / 2)
-    return lower, upper
+
+def stability_kappa(scale, coefficient, log_s_max: torch.Tensor, power: int, cap=None) -> torch.Tensor:
+    """``kappa = scale * coefficient * s_max^(power - 1)`` (SPEC 1.5) from ``ln s_max``, in float64 logs:
+    ``s_max^(power-1)`` alone overflows float32 from ``s_max ~ 1e13`` at ``power = 4``, where a small
+    coefficient keeps ``kappa`` below 1. ``cap`` (a band's ``tau``) limits ``s_max``. Inf where
+    ``kappa`` exceeds float64, 0 for a zero matrix or coefficient."""
+    def log(value):
+        return as_float64(value, log_s_max.device).log()
+
+    if cap is not None:
+        log_s_max = torch.minimum(log_s_max, log(cap))
+    # A zero matrix has ln s_max = -inf, and power - 1 >= 1 keeps that -inf (never 0 * -inf).
+    return (log(scale) + log(coefficient) + (power - 1) * log_s_max).exp()
 
 
 def matrix_with_spectrum(shape, singular_values, dtype=torch.float64, device="cpu", seed=0):

@@ -164,11 +164,12 @@ def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int 
         method = "gram" if capturable else _auto_method(W, p)
     # The factorisations run in float64 for "fp64" and in the compute dtype otherwise.
     factor_dtype = torch.float64 if precision == "fp64" else compute_dtype(W.dtype)
-    if method == "svd":
-        return svd_spectral_power(W, p, factor_dtype).to(W.dtype)
-    if method == "eigh":
-        return eigh_spectral_power(W, p, factor_dtype).to(W.dtype)
-    return plan.spectral_power(dispatch.kernels_for("spectral_power", W), W, p, polar_c, precision)
+    if method in ("svd", "eigh"):
+        route = svd_spectral_power if method == "svd" else eigh_spectral_power
+        result = route(W, p, factor_dtype).to(W.dtype)
+        return plan.checked_finite(result, "spectral_power") if p > 1 else result
+    return plan.spectral_power(dispatch.kernels_for("spectral_power", W), W, p, polar_c, precision,
+                               sync=not capturable)
 
 
 def _check_tau(tau, name: str = "tau", sync: bool = True):
@@ -233,7 +234,8 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
     check_precision(precision)
     if W.numel() == 0:
         return W.clone()
-    return plan.band_direction(dispatch.kernels_for("band_direction", W), W, p, band, polar_c, sign_c, precision)
+    return plan.band_direction(dispatch.kernels_for("band_direction", W), W, p, band, polar_c, sign_c, precision,
+                               sync=not capturable)
 
 
 @torch.no_grad()
@@ -253,7 +255,7 @@ def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None 
     check_precision(precision)
     if W.numel() == 0:
         return W.clone()
-    return plan.svt(dispatch.kernels_for("svt", W), W, t, polar_c, sign_c, precision)
+    return plan.svt(dispatch.kernels_for("svt", W), W, t, polar_c, sign_c, precision, sync=not capturable)
 
 
 @torch.no_grad()

@@ -11,8 +11,11 @@ The shape of the computation (SPEC 1.2-1.4):
 * Everything runs in the *wide* orientation ``X`` (``r x N``, ``r = min(m, n)``; a tall weight is
   transposed as a view), so the Gram ``X X^T`` is the small side and every spectral factor multiplies
   ``X`` from the left.
-* ``X`` is scaled to unit Frobenius norm once (``Xn = X / c``): the Gram ``Gn = Xn Xn^T`` and its powers
-  stay in range, and the scale ``c^p`` is applied once at the end. ``Gn`` doubles as the first Polar
+* ``X`` is scaled to unit Frobenius norm once (``Xn = X / c``, through a power of two so that no square
+  leaves the range): the Gram ``Gn = Xn Xn^T`` and its powers stay in range, and the scale ``c^p`` is
+  applied once at the end, from its log (it can overflow where ``S_p`` does not), or folded into the
+  decay's step. A result beyond the dtype raises OverflowError before anything is written (except
+  on the capturable path, which cannot read a flag back: there it comes out as Inf). ``Gn`` doubles as the first Polar
   Express step's ``A`` (up to the constant margin).
 * ``S_p = c^p Gn^k Q`` for ``p = 2k`` and ``c^p Gn^k Xn`` for ``p = 2k + 1``, with ``Gn^k`` by repeated
   squaring; every product of polynomials in ``Gn`` is symmetric. Band forms need one rectangular product
@@ -28,12 +31,14 @@ fp32 otherwise), and the result is rounded to the weight's dtype once.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._compile import constant_when_traced
 from .backends.base import BandSpec, DecayRequest
 from .coefficients import NORMALIZATION_MARGIN
-from .linalg import is_tall, normalized_wide, tiny, wide
+from .linalg import as_float64, compute_dtype, frobenius_normalized, is_tall, ratio, scaled_, wide
 
 OPS = ("polar", "msign", "spectral_power", "band_projectors", "band_direction", "svt", "decay_")
 PRECISIONS = ("fp64", "fp32", "tf32", "bf16", "fp16")
@@ -101,30 +106,57 @@ def polar_iterations(kernels, X: torch.Tensor, coefficients, precision: str,
 def matrix_sign(kernels, A: torch.Tensor, coefficients, precision: str) -> torch.Tensor:
     """``msign`` of a symmetric ``A`` (SPEC 1.4): normalise by ``||A||_F``, then one sign step per triple.
 
-    ``A`` is in the math dtype; the result is in the operand dtype of ``precision``.
+    ``A`` is in the math dtype; the result is in the operand dtype of ``precision``. A fused chain
+    normalises again, harmlessly: it gets the unit-norm ``A``, whose square cannot leave fp32's range.
     """
-    chained = kernels.small_chain(A, 0, coefficients, precision, sign=True)
+    Z = frobenius_normalized(A)[0]
+    chained = kernels.small_chain(Z, 0, coefficients, precision, sign=True)
     if chained is not None:
         return chained.to(OPERAND_DTYPES[precision])
-    norm = torch.linalg.matrix_norm(A)[..., None, None]
-    Z = (A / (norm + tiny(A.dtype))).to(OPERAND_DTYPES[precision])
+    Z = Z.to(OPERAND_DTYPES[precision])
     for coefficient in coefficients:
         Z = kernels.sign_step(Z, coefficient, precision)
     return Z
 
 
+def renormalized(M: torch.Tensor, log_scale: torch.Tensor):
+    """``(M / 2^e, log_scale + e ln 2)`` with ``2^e`` the power of two nearest above ``||M||_F``: an exact
+    rescaling, so a chain of products of ``Gn``'s squares (whose norms shrink geometrically, to zero
+    in fp16 for ``Gn^4`` of a 4096-side Gram) keeps every mantissa it would have had in range."""
+    norm = torch.linalg.vector_norm(M, dim=(-2, -1), keepdim=True, dtype=compute_dtype(M.dtype))
+    exponent = torch.frexp(norm).exponent
+    return M * torch.exp2(-exponent.to(M.dtype)), log_scale + exponent.double() * math.log(2)
+
+
+def checked_finite(result: torch.Tensor, op: str) -> torch.Tensor:
+    """``result``, or OverflowError when a value of it overflowed its dtype (one host sync)."""
+    if not bool(torch.isfinite(result).all()):
+        raise OverflowError(
+            f"{op}: the result does not fit in {result.dtype} (a value of it exceeds "
+            f"{torch.finfo(result.dtype).max:.3g}); compute in float64 or rescale W")
+    return result
+
+
 class GramPlan:
     """The intermediate results of one (batch of) matrix, each computed lazily and at most once:
-    ``X``, ``c = ||X||_F``, ``Xn`` (math dtype), the operand ``Xo`` (``Xn`` in the operand dtype), the
-    Gram ``Gn`` and its squares, and the polar factor ``Q`` (operand dtype)."""
+    ``X``, ``ln c`` with ``c = ||X||_F`` (float64), ``Xn`` (math dtype), the operand ``Xo`` (``Xn`` in
+    the operand dtype), the Gram ``Gn``, its renormalised squares, and the polar factor ``Q`` (operand
+    dtype).
+
+    ``c`` is held as a log: at the dtype's extremes it and its powers need not exist as numbers.
+    Results scaled by ``c^p`` come as a *scaled* pair ``(D, ln f)`` with ``S = f D``, ``D`` of norm
+    about 1; the caller applies ``f`` where it cannot overflow alone (:func:`~.linalg.scaled_`, or the
+    decay's step).
+    """
 
     def __init__(self, W: torch.Tensor, kernels, precision: str):
         self.kernels = kernels
         self.precision = precision
         self.transposed = is_tall(W)
-        self.X, self.scale, self.Xn = normalized_wide(W, math_dtype(W.dtype, precision))
+        self.X = wide(W).to(math_dtype(W.dtype, precision))
+        self.Xn, self.log_scale = frobenius_normalized(self.X)
         self.Xo = self.Xn.to(OPERAND_DTYPES[precision])
-        self._gram_squares: dict[int, torch.Tensor] = {}
+        self._gram_squares: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._polar = None
 
     def symmetric(self, L, R):
@@ -135,25 +167,27 @@ class GramPlan:
 
     @property
     def gram(self) -> torch.Tensor:
-        if 1 not in self._gram_squares:
-            self._gram_squares[1] = self.symmetric(self.Xo, self.Xo.mT)
-        return self._gram_squares[1]
+        return self._gram_square(1)[0]
 
     def identity(self) -> torch.Tensor:
         r = self.Xn.shape[-2]
         return torch.eye(r, dtype=self.Xn.dtype, device=self.Xn.device)
 
-    def _gram_square(self, exponent: int) -> torch.Tensor:
-        """``Gn^exponent`` for a power of two."""
-        if exponent == 1:
-            return self.gram
+    def _gram_square(self, exponent: int):
+        """``Gn^exponent`` for a power of two, scaled: ``(M, ln f)`` with ``Gn^exponent = f M``."""
         if exponent not in self._gram_squares:
-            half = self._gram_square(exponent // 2)
-            self._gram_squares[exponent] = self.symmetric(half, half)
+            if exponent == 1:
+                self._gram_squares[1] = (self.symmetric(self.Xo, self.Xo.mT), torch.zeros_like(self.log_scale))
+            else:
+                half, log_half = self._gram_square(exponent // 2)
+                self._gram_squares[exponent] = renormalized(self.symmetric(half, half), 2 * log_half)
         return self._gram_squares[exponent]
 
-    def gram_power(self, k: int) -> torch.Tensor:
-        return repeated_squaring(k, self._gram_square, self.symmetric)
+    def gram_power(self, k: int):
+        """``Gn^k`` scaled, ``(M, ln f)``, by repeated squaring."""
+        def multiply(left, right):
+            return renormalized(self.symmetric(left[0], right[0]), left[1] + right[1])
+        return repeated_squaring(k, self._gram_square, multiply)
 
     def polar(self, coefficients) -> torch.Tensor:
         """Polar Express ``Q = U V^T`` (wide), from ``X0 = Xn / 1.01``, sharing the Gram with step one."""
@@ -163,19 +197,29 @@ class GramPlan:
                                            self.gram * shrink**2)
         return self._polar
 
-    def power(self, p: int, coefficients) -> torch.Tensor:
-        """``S_p`` (wide, math dtype): ``c^p Gn^k Q`` for ``p = 2k``, ``c^p Gn^k Xn`` for ``2k + 1``."""
+    def scaled_power(self, p: int, coefficients):
+        """``S_p`` (wide, math dtype) scaled, ``(D, ln f)``: ``D = M Q`` for ``p = 2k`` and ``M Xn`` for
+        ``2k + 1``, with ``Gn^k = g M`` and ``f = c^p g``; ``(X, 0)`` for ``p = 1``."""
         if p == 1:
-            return self.X
+            return self.X, torch.zeros_like(self.log_scale)
         base = self.polar(coefficients) if p % 2 == 0 else self.Xo
-        k = p // 2
-        direction = (base if k == 0 else self.product(self.gram_power(k), base)).to(self.Xn.dtype)
-        return direction if p == 0 else direction * self.scale**p
+        if p == 0:
+            return base.to(self.Xn.dtype), torch.zeros_like(self.log_scale)
+        M, log_gram = self.gram_power(p // 2)
+        return self.product(M, base).to(self.Xn.dtype), p * self.log_scale + log_gram
+
+    def power(self, p: int, coefficients) -> torch.Tensor:
+        """``S_p`` (wide, math dtype), non-finite only where it overflows the math dtype."""
+        if p <= 1:
+            return self.scaled_power(p, coefficients)[0]
+        return scaled_(*self.scaled_power(p, coefficients))
 
     def top_projector(self, tau, sign_coefficients) -> torch.Tensor:
-        """``P_top = (I + msign(Gn - (tau / c)^2 I)) / 2`` on the small side (math dtype)."""
-        nonzero = self.scale > 0
-        ratio_sq = torch.where(nonzero, (tau / torch.where(nonzero, self.scale, 1.0)) ** 2, 1.0)
+        """``P_top = (I + msign(Gn - (tau / c)^2 I)) / 2`` on the small side (math dtype).
+
+        ``Gn``'s eigenvalues are in [0, 1], so a shift above 2 gives ``P_top = 0`` as surely as the exact one
+        (which can exceed the dtype: ``tau / c = 1e60`` for ``tau = 1e30``, ``c = 1e-30``)."""
+        ratio_sq = ratio(tau, self.log_scale, math.sqrt(2.0), self.Xn.dtype) ** 2
         shifted = self.gram.to(self.Xn.dtype) - ratio_sq * self.identity()
         J = matrix_sign(self.kernels, shifted, sign_coefficients, self.precision).to(self.Xn.dtype)
         return (J + self.identity()) * 0.5
@@ -184,7 +228,8 @@ class GramPlan:
         """A band-selective direction (SPEC 1.4) with one rectangular product by ``P_top``.
 
         ``P_bot = I - P_top`` and ``P_top`` commutes with every ``S_p``, so e.g.
-        ``P_top S_p + P_bot X = X + P_top (S_p - X)``.
+        ``P_top S_p + P_bot X = X + P_top (S_p - X)``. ``S_p`` is formed unscaled, so a band form is
+        finite only where ``S_p(W)`` itself fits the math dtype.
         """
         P_top = self.top_projector(band.tau, sign_coefficients)
         S_top = self.power(p, polar_coefficients)
@@ -200,10 +245,15 @@ class GramPlan:
         S_bot = self.power(band.p_bot, polar_coefficients) * band.lambda_bot
         return product(P_top, S_top * band.lambda_top - S_bot, Y=S_bot)
 
-    def svt(self, t, polar_coefficients, sign_coefficients) -> torch.Tensor:
-        """``prox_{t ||.||_*}(W) = P_top(t) (X - t Q)`` (SPEC 1.4)."""
+    def scaled_svt(self, t, polar_coefficients, sign_coefficients):
+        """``prox_{t ||.||_*}(W) = c P_top(t) (Xn - (t / c) Q)`` (SPEC 1.4), scaled: ``(D, ln c)``.
+
+        Every singular value is at most ``c``, so a ``t / c`` above 1 gives zero as surely as the exact
+        one, and is capped there (it can exceed the dtype)."""
         P_top = self.top_projector(t, sign_coefficients)
-        return self._final_product(P_top, self.X - t * self.polar(polar_coefficients).to(self.Xn.dtype))
+        shift = ratio(t, self.log_scale, 1.0, self.Xn.dtype)
+        return self._final_product(P_top, self.Xn - shift * self.polar(polar_coefficients).to(self.Xn.dtype)), \
+            self.log_scale
 
     def _final_product(self, M, Z, **epilogue):
         """The one rectangular product of a band form, on unscaled weights: in the math dtype, whose
@@ -222,15 +272,40 @@ def _unwide(W: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
 # ----- the ops: (validated) inputs in, a new tensor of the input's dtype out; precision None resolves here
 
 
-def spectral_power(kernels, W: torch.Tensor, p: int, polar_coefficients, precision: str | None = None):
+def chained_power(kernels, plan: GramPlan, p: int, polar_coefficients):
+    """``S_p`` scaled, ``(D, ln c^p)``, by a backend's fused chain where one runs it, else None.
+
+    The chain gets the unit-norm operand ``Xo``, not the weight: it forms the raw Gram and
+    ``||X||^p`` in fp32, which leave the range at ``||W||_F ~ 1e19`` (or ``1e-19``), and for large
+    ``p`` even at unit norm. It does not renormalise ``Gn^k``, whose norm is at least ``r^-k``: the
+    chain is left out where that could fall below fp32's normal range.
+    """
+    r = plan.Xo.shape[-2]
+    if p // 2 * math.log2(max(r, 2)) > CHAIN_POWER_RANGE_BITS:
+        return None
+    chained = kernels.small_chain(plan.Xo, p, polar_coefficients, plan.precision)
+    if chained is None:
+        return None
+    return chained.to(plan.Xn.dtype), p * plan.log_scale
+
+
+# Gn^k at unit norm stays above 2^-CHAIN_POWER_RANGE_BITS, well inside fp32's normal range (2^-126).
+CHAIN_POWER_RANGE_BITS = 100
+
+
+def spectral_power(kernels, W: torch.Tensor, p: int, polar_coefficients, precision: str | None = None,
+                   sync: bool = True):
+    """``sync``: check the result for overflow (OverflowError); the capturable path passes False and
+    gets Inf where the result exceeds the dtype."""
     if p == 1:
         return W.clone()  # S_1(W) = W, and the result must never alias the input
-    precision = resolve_precision(precision, W.dtype)
-    chained = kernels.small_chain(wide(W), p, polar_coefficients, precision)
-    if chained is not None:
-        return _unwide(W, chained).to(W.dtype)
-    plan = GramPlan(W, kernels, precision)
-    return plan.oriented(plan.power(p, polar_coefficients)).to(W.dtype)
+    plan = GramPlan(W, kernels, resolve_precision(precision, W.dtype))
+    direction, log_factor = (chained_power(kernels, plan, p, polar_coefficients)
+                             or plan.scaled_power(p, polar_coefficients))
+    if p == 0:
+        return plan.oriented(direction).to(W.dtype)
+    result = plan.oriented(scaled_(direction, log_factor)).to(W.dtype)
+    return checked_finite(result, "spectral_power") if sync else result
 
 
 def polar(kernels, W: torch.Tensor, polar_coefficients, precision: str | None = None) -> torch.Tensor:
@@ -249,37 +324,70 @@ def band_projectors(kernels, W: torch.Tensor, tau, sign_coefficients, precision:
 
 
 def band_direction(kernels, W: torch.Tensor, p: int, band: BandSpec, polar_coefficients, sign_coefficients,
-                   precision: str | None = None):
+                   precision: str | None = None, sync: bool = True):
     plan = GramPlan(W, kernels, resolve_precision(precision, W.dtype))
-    return plan.oriented(plan.band(p, band, polar_coefficients, sign_coefficients)).to(W.dtype)
+    result = plan.oriented(plan.band(p, band, polar_coefficients, sign_coefficients)).to(W.dtype)
+    return checked_finite(result, "band_direction") if sync else result
 
 
-def svt(kernels, W: torch.Tensor, t, polar_coefficients, sign_coefficients, precision: str | None = None):
+def svt(kernels, W: torch.Tensor, t, polar_coefficients, sign_coefficients, precision: str | None = None,
+        sync: bool = True):
     plan = GramPlan(W, kernels, resolve_precision(precision, W.dtype))
-    return plan.oriented(plan.svt(t, polar_coefficients, sign_coefficients)).to(W.dtype)
+    result = plan.oriented(scaled_(*plan.scaled_svt(t, polar_coefficients, sign_coefficients))).to(W.dtype)
+    return checked_finite(result, "svt") if sync else result
 
 
-def decay_(kernels, W: torch.Tensor, request: DecayRequest) -> torch.Tensor:
-    """Write the decayed weights into ``W`` (any layout) once, after the whole direction is computed."""
+def decay_(kernels, W: torch.Tensor, request: DecayRequest, sync: bool = True) -> torch.Tensor:
+    """Write the decayed weights into ``W`` (any layout) once, after the whole direction is computed.
+
+    The direction's scale ``c^p`` goes into the step (a per-matrix factor), never into a number of its
+    own. ``sync``: before writing, check that the new weights fit ``W``'s dtype (OverflowError, nothing
+    written; one host sync, and a pass over the direction); the capturable path passes False and then
+    writes Inf where they do not.
+    """
     spectral, ordinary = request.spectral_scale, request.ordinary_scale
     target = wide(W)
     prox = request.p == 0 and request.p0_mode == "prox" and request.band is None
     if request.p == 1 and request.band is None:
         kernels.decay_epilogue_(target, None, 1.0 - ordinary - spectral, 0.0)
         return W
-    precision = resolve_precision(request.precision, W.dtype)
+    plan = GramPlan(W, kernels, resolve_precision(request.precision, W.dtype))
     if prox:  # the spectral part is the soft-threshold itself: W <- prox - ordinary W
-        direction, keep, step = GramPlan(W, kernels, precision).svt(
-            spectral, request.polar_coefficients, request.sign_coefficients), -ordinary, 1.0
+        keep, step = -ordinary, 1.0
+        direction, log_factor = plan.scaled_svt(spectral, request.polar_coefficients, request.sign_coefficients)
     else:
         keep, step = 1.0 - ordinary, -spectral
-        direction = None if request.band is not None else kernels.small_chain(
-            target, request.p, request.polar_coefficients, precision)
-        if direction is None:
-            plan = GramPlan(W, kernels, precision)
-            if request.band is not None:
-                direction = plan.band(request.p, request.band, request.polar_coefficients, request.sign_coefficients)
-            else:
-                direction = plan.power(request.p, request.polar_coefficients)
+        if request.band is not None:
+            direction = plan.band(request.p, request.band, request.polar_coefficients, request.sign_coefficients)
+            log_factor = torch.zeros_like(plan.log_scale)
+        else:
+            direction, log_factor = (chained_power(kernels, plan, request.p, request.polar_coefficients)
+                                     or plan.scaled_power(request.p, request.polar_coefficients))
+    step = scaled_step(step, log_factor).to(plan.X.dtype)
+    if sync:
+        check_update_fits(plan, keep, step, direction, W.dtype)
     kernels.decay_epilogue_(target, direction, keep, step)
     return W
+
+
+def scaled_step(step, log_factor: torch.Tensor) -> torch.Tensor:
+    """``step * exp(log_factor)`` per matrix (float64 ``(..., 1, 1)``), summed as logs: the factor alone
+    (``c^p``) can overflow where ``step`` brings the product back (``1e-40 * (1e10)^4``)."""
+    step = as_float64(step, log_factor.device)
+    return torch.sign(step) * (step.abs().log() + log_factor).exp()
+
+
+def check_update_fits(plan: GramPlan, keep, step: torch.Tensor, direction: torch.Tensor, dtype: torch.dtype):
+    """Raise OverflowError unless every ``keep W + step D`` fits ``dtype``. ``|keep| ||W||_F + |step| ||D||_F``
+    bounds each entry and settles it in one pass over ``D``; only where that bound exceeds the dtype are
+    the new weights formed and checked."""
+    keep = as_float64(keep, step.device)
+    direction_norm = torch.linalg.vector_norm(direction, dim=(-2, -1), keepdim=True).double()
+    bound = keep.abs() * plan.log_scale.exp() + step.abs() * direction_norm
+    if bool((bound <= torch.finfo(dtype).max).all()):
+        return
+    candidate = (plan.X * keep.to(plan.X.dtype) + step * direction).to(dtype)
+    if not bool(torch.isfinite(candidate).all()):
+        raise OverflowError(
+            f"spectral_decay_: the decayed weights do not fit in {dtype} (a value exceeds "
+            f"{torch.finfo(dtype).max:.3g}); nothing was written")
