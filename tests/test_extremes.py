@@ -1,0 +1,235 @@
+"""Numerics at the extremes of the dtypes (issue #17): a finite input whose exact result fits the dtype
+gives a finite result at the usual accuracy; otherwise the call raises before writing anything; the
+stability bound is a true upper bound at every norm.
+
+Tolerances. Every op normalises ``W`` by a power of two and its Frobenius norm first, which is exact
+(up to subnormal inputs, whose own precision is what it is), so after that the arithmetic is the
+normal-range arithmetic: the tolerances are the ones the normal-range tests use for the Gram route on
+a well-conditioned spectrum (condition 10, which Polar Express resolves fully): 5e-5 in float32
+(a few dozen fp32 roundings through the iteration), 1e-11 in float64 (the scale ``c^p`` is applied
+from its float64 log, ``|ln c^p| * 2^-53`` relative: up to ~1e-13 at 1e+-300), and 2e-2 in bfloat16
+(the iteration's operands and the result are bf16, 2^-8 each).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import spectral_ops as so
+from spectral_ops import linalg, reference
+from spectral_ops.decay import SpectralStabilityError
+from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
+
+TOLERANCE = {torch.float64: 1e-11, torch.float32: 5e-5, torch.bfloat16: 2e-2}
+# Float32 and bfloat16 share this range; 1e-40 is subnormal in both.
+SCALES_32 = (3e17, 1e30, 3e37, 1e-24, 1e-30, 1e-40)
+
+
+def conditioned(shape, scale, dtype, seed=0, condition=10.0):
+    """A matrix with singular values log-spaced from ``scale`` down to ``scale / condition``, built in
+    float64 and rounded to ``dtype`` once (a float64 ``scale`` beyond ``dtype``'s range is the caller's
+    business)."""
+    r = min(shape[-2:])
+    return matrix_with_spectrum(shape, log_spaced_spectrum(r, condition) * scale, dtype, seed=seed)
+
+
+def symmetric_with_eigenvalues(r, scale, dtype, seed=0):
+    """``Z diag(xi) Z^T`` with ``|xi|`` log-spaced over a decade below ``scale``, half of them negative."""
+    Z, _ = torch.linalg.qr(torch.randn(r, r, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)))
+    xi = log_spaced_spectrum(r, 10.0) * scale * torch.tensor([1.0, -1.0], dtype=torch.float64).repeat(r // 2)
+    return ((Z * xi) @ Z.mT).to(dtype)
+
+
+def close(result: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Relative Frobenius error within the dtype's tolerance; results at the bottom of the range are held
+    to the dtype's smallest normal number per entry, the most rounding to it can lose."""
+    difference = float(torch.linalg.vector_norm(result.double() - expected.double()))
+    slack = math.sqrt(expected.numel()) * torch.finfo(dtype).tiny
+    return difference <= TOLERANCE[dtype] * float(torch.linalg.vector_norm(expected)) + slack
+
+
+# ----- the reported cases
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", SCALES_32)
+def test_the_bounds_bracket_the_largest_singular_value_at_every_norm(scale, dtype):
+    W = (torch.randn(64, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * scale).to(dtype)
+    s_max = torch.linalg.matrix_norm(W.double(), ord=2)
+    log_lower, log_upper = linalg.log_spectral_norm_bounds(W)
+    assert math.log(s_max) <= float(log_upper) <= math.log(s_max) + math.log(1.3)
+    assert float(log_lower) <= math.log(s_max)
+    lower, upper = so.spectral_norm_bounds(W)
+    assert 0 < lower <= s_max <= upper
+
+
+def test_the_bounds_are_tight_for_a_rank_one_matrix_and_still_above_it():
+    # s_max = ||W||_F exactly: the only slack left is the rounding the bound is widened for.
+    u = torch.randn(48, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for scale in (1e-40, 1e-20, 1.0, 1e20, 1e37):
+        W = (u @ u.mT * scale).float()
+        assert linalg.log_spectral_norm_bounds(W)[1] >= math.log(torch.linalg.matrix_norm(W.double(), ord=2))
+
+
+def test_the_bounds_hold_at_the_top_of_float32():
+    W = torch.full((8, 8), torch.finfo(torch.float32).max)  # s_max = 8 * max: beyond float32 itself
+    lower, upper = so.spectral_norm_bounds(W)
+    assert math.isinf(upper) and lower == torch.finfo(torch.float32).max
+    assert float(linalg.log_spectral_norm_bounds(W)[1]) >= math.log(8 * torch.finfo(torch.float32).max)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", SCALES_32)
+def test_the_ops_are_right_at_every_norm(scale, dtype):
+    W = conditioned((40, 24), scale, dtype)
+    assert close(so.polar(W), reference.polar_svd(W), dtype)
+    assert close(so.spectral_power(W, 0, method="gram"), reference.polar_svd(W), dtype)
+    A = symmetric_with_eigenvalues(24, scale, dtype)
+    assert close(so.msign(A), reference.msign_eigh(A), dtype)
+    for p in (1, 3):
+        expected = reference.spectral_power_svd(W, p)
+        if expected.abs().max() < torch.finfo(dtype).max / 64:
+            assert close(so.spectral_power(W, p, method="gram"), expected, dtype)
+    tau = 0.5 * scale
+    assert close(so.svt(W, tau), reference.svt_svd(W, tau), dtype)
+    P_top, _ = so.band_projectors(W, tau)
+    assert close(P_top, reference.band_projectors_svd(W, tau)[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_unstable_decay_of_a_huge_matrix_is_refused(dtype):
+    # Reported: the fp32 norm overflowed, the bounds were (0, 0), the guard passed and W became NaN.
+    W = (torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * 3e17).to(dtype)
+    before = W.clone()
+    with pytest.raises(SpectralStabilityError):
+        so.spectral_decay_(W, 2, 1e-3, 0.1)
+    assert torch.equal(W, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [3e17, 1e-24, 1e-40])
+def test_a_p0_decay_moves_the_weights_at_every_norm(scale, dtype):
+    # Reported: at 3e17 p = 0 did nothing (the polar factor was zero), at 1e-24 it wrote NaN.
+    W = conditioned((32, 32), scale, dtype)
+    expected = reference.spectral_decay_svd(W, 0, 1e-3, 0.1)
+    so.spectral_decay_(W, 0, 1e-3, 0.1)
+    assert close(W, expected, dtype)
+
+
+def test_a_large_power_whose_result_fits_is_finite():
+    # Reported: ||W||_F^22 (~1e40) overflowed although the largest entry of S_22 is ~2e25.
+    W = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    result = so.spectral_power(W, 22, method="gram")
+    expected = reference.spectral_power_svd(W, 22)
+    # A random square matrix is ill-conditioned at the bottom, but S_22 weights those modes by s^22:
+    # the error is the top modes', amplified 22-fold by the exponent.
+    assert relative_error(result, expected) < 22 * TOLERANCE[torch.float32]
+
+
+def test_a_stable_decay_whose_direction_alone_overflows_is_written():
+    # Reported: S_4 of a matrix at ||W||_F = 1e10 is ~1e40, out of float32, but lr * lambda * S_4 is tiny.
+    W = conditioned((48, 48), 1e10, torch.float32)
+    expected = reference.spectral_decay_svd(W, 4, 1e-3, 1e-40)
+    so.spectral_decay_(W, 4, 1e-3, 1e-40)
+    assert torch.isfinite(W).all() and close(W, expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_result_beyond_the_dtype_raises(dtype):
+    big = 1e30 if dtype != torch.float64 else 1e200
+    W = conditioned((24, 16), big, dtype)
+    for op in (lambda: so.spectral_power(W, 2, method="gram"), lambda: so.spectral_power(W, 2, method="svd"),
+               lambda: so.spectral_power(W, 2, method="eigh"), lambda: so.band_direction(W, big / 2, 2, "top_only")):
+        with pytest.raises(OverflowError, match="does not fit"):
+            op()
+
+
+def test_a_decay_whose_new_weights_overflow_writes_nothing():
+    W = conditioned((16, 16), 1e20, torch.float32)
+    before = W.clone()
+    with pytest.raises(OverflowError, match="nothing was written"):
+        so.spectral_decay_(W, 3, 1.0, 1.0, stability="ignore")
+    assert torch.equal(W, before)
+
+
+def test_powers_of_two_scale_the_results_exactly():
+    # The normalisation divides by a power of two and ||W||_F: a power-of-two rescaled input gives the
+    # same normalised matrix, bit for bit, and so the same polar factor.
+    W = conditioned((20, 12), 1.0, torch.float32)
+    for exponent in (-100, -60, 60, 120):  # the input stays normal: no precision is lost in it
+        assert torch.equal(so.polar(W * 2.0**exponent), so.polar(W))
+
+
+def test_a_zero_matrix_stays_zero():
+    Z = torch.zeros(2, 8, 6)
+    assert torch.equal(so.polar(Z), Z)
+    assert torch.equal(so.spectral_power(Z, 3, method="gram"), Z)
+    assert torch.equal(so.svt(Z, 1.0), Z)
+    assert torch.equal(torch.stack(so.spectral_norm_bounds(Z)), torch.zeros(2, 2))
+
+
+def test_the_stability_kappa_is_computed_in_logs():
+    log_s_max = torch.tensor([math.log(1e15), -math.inf, math.log(1e-30)], dtype=torch.float64)
+    kappa = linalg.stability_kappa(1e-3, 1e-50, log_s_max, 4)
+    assert torch.allclose(kappa[0], torch.tensor(1e-8, dtype=torch.float64), rtol=1e-12)
+    assert kappa[1] == 0 and math.isclose(kappa[2], 1e-143, rel_tol=1e-12)
+    assert linalg.stability_kappa(1e-3, 0.1, log_s_max, 4, cap=1e3)[0] == pytest.approx(1e-4 * 1e9, rel=1e-12)
+
+
+# ----- the property: accurate where the result fits, a clean refusal where it does not
+
+
+def _expected_outcome(expected: torch.Tensor, dtype: torch.dtype):
+    """True: must fit; False: must raise; None: within a factor 64 of the largest number, either."""
+    largest = float(expected.abs().max())
+    if largest > torch.finfo(dtype).max:
+        return False
+    return True if largest < torch.finfo(dtype).max / 64 else None
+
+
+matrices = st.tuples(
+    st.sampled_from([(), (2,)]),
+    st.integers(1, 24), st.integers(1, 24),
+    st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+    st.integers(0, 4),
+    st.floats(-30, 30),
+    st.integers(0, 2**16),
+)
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(matrices)
+def test_spectral_power_is_accurate_or_refuses(case):
+    batch, m, n, dtype, p, log_scale, seed = case
+    W = conditioned((*batch, m, n), 10.0**log_scale, dtype, seed)
+    before = W.clone()
+    expected = reference.spectral_power_svd(W, p)
+    fits = _expected_outcome(expected, dtype)
+    try:
+        result = so.spectral_power(W, p, method="gram")
+    except (ValueError, ArithmeticError):
+        assert fits is not True
+    else:
+        assert fits is not False
+        assert torch.isfinite(result).all() and close(result, expected, dtype)
+    assert torch.equal(W, before)
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(matrices)
+def test_spectral_decay_never_makes_a_finite_weight_non_finite(case):
+    batch, m, n, dtype, p, log_scale, seed = case
+    W = conditioned((*batch, m, n), 10.0**log_scale, dtype, seed)
+    before = W.clone()
+    expected = reference.spectral_decay_svd(W, p, 1e-3, 0.1)
+    try:
+        so.spectral_decay_(W, p, 1e-3, 0.1)
+    except (ValueError, ArithmeticError):
+        assert torch.equal(W, before)
+    else:
+        assert torch.isfinite(W).all() and close(W, expected, dtype)
