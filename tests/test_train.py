@@ -246,51 +246,64 @@ def test_cli_killed_with_sigkill_resumes_past_a_corrupt_newest_checkpoint_bitwis
     import time
     from pathlib import Path
 
-    steps = 60  # ~2.5 s of training at ~25 steps/s: far longer than the poll latency below
+    steps = 60  # ~2.5 s of training at ~25 steps/s: 50 steps after the kill point, far longer than a poll
     flags = ["train", "--n-layers", "1", "--d-model", "32", "--n-heads", "2", "--seq-len", "32",
              "--batch-size", "4", "--steps", str(steps), "--warmup-steps", "2", "--log-every", "1",
              "--val-batches", "2", "--data", str(corpus_dir), "--p", "2", "--spectral-weight-decay", "0.1",
              "--lr", "1e-2", "--checkpoint-every", "3", "--keep-checkpoints", "3"]
     # The fixture's private token cache reaches a subprocess only through the environment, and so
-    # does the checkout under test (an editable install elsewhere would otherwise win).
+    # does the checkout under test (an editable install elsewhere would otherwise win). One thread in
+    # every run: the same reduction order in all three, and no OpenMP thread spinning at a barrier
+    # for a core that a loaded machine (other test processes, the other run) has given away, which
+    # made a 7 s run take minutes.
     package_root = str(Path(spectral_ops.__file__).resolve().parents[1])
-    env = {**os.environ, "SPECTRAL_OPS_CACHE": str(tmp_path / "cache"),
+    env = {**os.environ, "SPECTRAL_OPS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+           "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    timeout = 300  # a healthy run takes ~7 s; only a hung one gets near this
+    started = []
 
     def start(out, *extra):
         # stderr to a file, not a pipe: tqdm writes a line per step and nobody reads a pipe until the end.
         log = open(tmp_path / f"{out}.{len(extra)}.stderr", "w+")
         command = [sys.executable, "-m", "spectral_ops.train", *flags, "--out-dir", str(tmp_path / out), *extra]
-        return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env), log
+        started.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env))
+        return started[-1], log
 
-    def finish(process, log, timeout=120):
+    def finish(process, log):
         assert process.wait(timeout=timeout) == 0, log.seek(0) or log.read()[-3000:]
         log.seek(0)
         return log.read()
 
-    reference, reference_log = start("reference")  # runs alongside the killed run: the test's wall time
-    victim, victim_log = start("victim")
-    out = tmp_path / "victim"
-    paths = loop.checkpoint_paths(out, 3)
-    # Once the third checkpoint exists, every instant of a later rotation (shift .1 -> .2, .pt -> .1,
-    # then .tmp -> .pt) leaves at least two complete checkpoints, so one corrupted still leaves one.
-    deadline = time.monotonic() + 120
-    while not paths[-1].exists():
-        assert victim.poll() is None, victim_log.seek(0) or victim_log.read()[-3000:]
-        assert time.monotonic() < deadline, "no third checkpoint within 120 s"
-        time.sleep(0.005)
-    assert victim.poll() is None, f"the run finished before the kill; make it longer than {steps} steps"
-    victim.send_signal(signal.SIGKILL)
-    assert victim.wait(timeout=30) == -signal.SIGKILL
+    try:
+        reference, reference_log = start("reference")  # runs alongside the killed run: the test's wall time
+        victim, victim_log = start("victim")
+        out = tmp_path / "victim"
+        paths = loop.checkpoint_paths(out, 3)
+        # Once the third checkpoint exists, every instant of a later rotation (shift .1 -> .2, .pt -> .1,
+        # then .tmp -> .pt) leaves at least two complete checkpoints, so one corrupted still leaves one.
+        deadline = time.monotonic() + timeout
+        while not paths[-1].exists():
+            assert victim.poll() is None, victim_log.seek(0) or victim_log.read()[-3000:]
+            assert time.monotonic() < deadline, f"no third checkpoint within {timeout} s"
+            time.sleep(0.005)
+        assert victim.poll() is None, f"the run finished before the kill; make it longer than {steps} steps"
+        victim.send_signal(signal.SIGKILL)
+        assert victim.wait(timeout=timeout) == -signal.SIGKILL
 
-    found = [path for path in paths if path.exists()]
-    assert len(found) >= 2, found
-    newest, previous = found[0], found[1]
-    resume_step = torch.load(previous, weights_only=False)["step"]
-    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # torn in the middle
+        found = [path for path in paths if path.exists()]
+        assert len(found) >= 2, found
+        newest, previous = found[0], found[1]
+        resume_step = torch.load(previous, weights_only=False)["step"]
+        newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # torn in the middle
 
-    resumed_log = finish(*start("victim", "--resume"))
-    reference_log = finish(reference, reference_log)
+        resumed_log = finish(*start("victim", "--resume"))
+        finish(reference, reference_log)
+    finally:  # a failed assertion must not leave a run behind, training on
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     assert f"cannot resume from {newest}" in resumed_log
     # tqdm's first bar shows where the loop started: the previous checkpoint's step, not 0 (from 0
     # the losses would match as well, so they alone would not show that the resume happened).
