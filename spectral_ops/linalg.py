@@ -127,9 +127,16 @@ def svd_spectral_power(W: torch.Tensor, p: int, dtype: torch.dtype) -> torch.Ten
     return scaled_((U * relative[..., None, :] ** p) @ Vh, p * s_max.double().log()[..., None])
 
 
-def log_frobenius_norm(W: torch.Tensor) -> torch.Tensor:
-    """``ln ||W||_F`` per matrix (shape ``W.shape[:-2]``, float64), right at every finite ``W``."""
-    return frobenius_normalized(W.to(compute_dtype(W.dtype)))[1][..., 0, 0]
+def log_frobenius_norm_or_inf(W: torch.Tensor) -> torch.Tensor:
+    """``ln ||W||_F`` per matrix (shape ``W.shape[:-2]``, float64) from the plain norm, one pass and no
+    temporary, or ``+inf`` where that may be wrong: overflowed, or so small that squares lost below the
+    normal range (at most ``numel * tiny``) could matter. An upper bound either way, for a cheap first
+    test (:func:`log_spectral_norm_bounds` is right at every norm)."""
+    work = W.to(compute_dtype(W.dtype))
+    info = torch.finfo(work.dtype)
+    norm = torch.linalg.matrix_norm(work).double()
+    trusted = torch.isfinite(norm) & (norm**2 >= W.shape[-2] * W.shape[-1] * info.tiny / info.eps)
+    return torch.where(trusted, norm.log(), math.inf)
 
 
 def log_spectral_norm_bounds(W: torch.Tensor, squarings: int = 3):

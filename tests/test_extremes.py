@@ -173,6 +173,17 @@ def test_a_zero_matrix_stays_zero():
     assert torch.equal(torch.stack(so.spectral_norm_bounds(Z)), torch.zeros(2, 2))
 
 
+def test_the_quick_frobenius_log_is_an_upper_bound_or_inf():
+    for scale, dtype in ((1.0, torch.float32), (1e25, torch.float32), (1e-25, torch.float32), (1e-40, torch.float32),
+                         (1e-200, torch.float64), (1e200, torch.float64)):
+        W = conditioned((3, 16, 8), scale, dtype)
+        log_norm = linalg.log_frobenius_norm_or_inf(W)
+        exact = torch.linalg.matrix_norm(W.double()).log()
+        assert (log_norm >= exact - 1e-6).all()
+        if scale == 1.0:
+            assert torch.allclose(log_norm, exact, atol=1e-6)
+
+
 def test_the_stability_kappa_is_computed_in_logs():
     log_s_max = torch.tensor([math.log(1e15), -math.inf, math.log(1e-30)], dtype=torch.float64)
     kappa = linalg.stability_kappa(1e-3, 1e-50, log_s_max, 4)
