@@ -25,7 +25,7 @@ from ._checks import (
 )
 from .backends.base import BandSpec, DecayRequest
 from .coefficients import resolve_polar_coefficients
-from .linalg import compute_dtype, spectral_norm_bounds
+from .linalg import log_frobenius_norm_or_inf, log_spectral_norm_bounds, stability_kappa
 from .ops import band_spec, check_precision, sign_coefficients
 
 CONVENTIONS = ("decoupled", "independent")
@@ -146,20 +146,18 @@ def _guarded_scale(stack, p, scale, weight_decay, band, policy, capturable=False
     if not terms or policy == "ignore":
         return None
 
-    def worst_kappa(s_max):
-        kappas = [
-            scale * coefficient * (s_max.clamp(max=float(band.tau)) if capped else s_max) ** (power - 1)
-            for power, coefficient, capped in terms
-        ]
+    def worst_kappa(log_s_max):
+        # In logs: s_max^(p-1) alone leaves float32 at the extremes, where kappa may not.
+        kappas = [stability_kappa(scale, coefficient, log_s_max, power, cap=band.tau if capped else None)
+                  for power, coefficient, capped in terms]
         return torch.stack(kappas).amax(0)
 
-    work = stack.to(compute_dtype(stack.dtype))
     if capturable:
-        worst = worst_kappa(spectral_norm_bounds(work)[1])
+        worst = worst_kappa(log_spectral_norm_bounds(stack)[1])
         return torch.where(worst >= 1, CLAMP_SHRINK / worst, torch.ones_like(worst))[..., None, None]
-    if bool((worst_kappa(torch.linalg.matrix_norm(work)) < 1).all()):
+    if bool((worst_kappa(log_frobenius_norm_or_inf(stack)) < 1).all()):
         return None
-    worst = worst_kappa(spectral_norm_bounds(work)[1])
+    worst = worst_kappa(log_spectral_norm_bounds(stack)[1])
     violating = worst >= 1
     if not bool(violating.any()):
         return None
