@@ -1,0 +1,137 @@
+"""The workspace of one decay against the matrix size (issue #17), measured on CPU with
+torch.profiler's allocation events (bench/decay_memory.py), and bounded by the temporaries the
+algorithm holds at its peak. Each bound is tight to within ``SLACK``, far below one copy of a weight,
+so an extra full-size temporary fails it (the last tests check that it does)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+import spectral_ops
+import spectral_ops.decay
+import spectral_ops.plan
+
+_spec = importlib.util.spec_from_file_location("decay_memory", Path(__file__).parents[1] / "bench" / "decay_memory.py")
+decay_memory = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(decay_memory)
+
+# 0-d tensors (norms, scales, the finiteness flags): a few bytes each, whatever the matrix size.
+SLACK = 1024
+
+SHAPES = [(1, (48, 32)), (1, (32, 48)), (1, (40, 40)), (3, (24, 16))]  # tall, wide, square, a list
+
+
+def workspace_bound(count: int, shape, dtype: torch.dtype, p: int) -> int:
+    """The bytes the CPU (torch backend) decay holds at its peak, from the plan (spectral_ops/plan.py).
+
+    In the wide orientation ``X`` is ``r x N`` (``r = min(m, n)``); every temporary is an ``r x N`` or
+    an ``r x r``. Units: ``rN``/``rr``, one of them in the math dtype fp32; ``o`` the operand's share of
+    it (1 for fp32 weights, 1/2 for bf16, whose products run in bf16 under ``precision=None``).
+
+    * p = 1: no spectral direction. fp32 scales in place (nothing); bf16 multiplies out of place and
+      copies back (``decay.multiply_``: an in-place multi-tensor multiply would round the factor to
+      bf16 first), one bf16 copy of the weights.
+    * The decay is computed in a copy of the weights, their dtype (``decay.prepare_decay``: the stack
+      of a same-shape list, the clone of a lone weight), so that every new value can be checked
+      before any weight is written. Every shape group's copy stays alive until the commit: a list of
+      several shapes peaks at the largest group's workspace plus the copies of the others.
+    * The peak is where the epilogue ``W <- keep X + step D`` (``X`` the copy) runs (torch backend),
+      with the plan still alive: ``Xn = X / ||X||_F`` (rN); for bf16 the fp32 ``X`` (rN) and the bf16
+      operand ``Xo`` (o rN), which for fp32 are views of the copy and of ``Xn``; for even p (and 0)
+      the polar factor ``Q`` (o rN); the direction ``D`` (rN; for p = 0 it is ``Q`` itself unless Q
+      is bf16); and in the epilogue, the fp32 ``X`` again for bf16 (rN) and ``keep X``, ``step D`` and their sum (3 rN).
+      The Gram squares ``G^(2^j)`` the plan caches: one per binary digit of ``k = p // 2`` (``G``
+      alone for p = 0, where it starts the iteration), o rr each.
+    * For even p the Polar Express loop peaks on its own: ``Xn`` (and for bf16 ``X``, ``Xo``), two
+      iterates (2 o rN), and four r x r: ``G``, the first step's scaled copy of it (an argument that
+      lives through the loop), this step's ``A`` and ``b A + c A^2``. For a near-square fp32 matrix
+      (``rr`` close to ``rN``) with p = 0 this is the larger of the two.
+    """
+    m, n = shape
+    r, N = min(m, n), max(m, n)
+    rN, rr, weights = 4 * count * r * N, 4 * count * r * r, count * m * n * dtype.itemsize
+    low = dtype != torch.float32
+    o = dtype.itemsize / 4
+    if p == 1:
+        return weights if low else 0
+    k, even = p // 2, p % 2 == 0
+    plan = 1 + (1 + o if low else 0)  # Xn; X and Xo when they are copies
+    epilogue = (plan + (o if even else 0) + (1 if p >= 2 or low else 0) + (1 if low else 0) + 3) * rN \
+        + max(1, k.bit_length()) * o * rr
+    polar = (plan + 2 * o) * rN + 4 * o * rr if even else 0
+    return int(weights + max(epilogue, polar))
+
+
+def measured(count, shape, dtype, p) -> int:
+    return decay_memory.peak_bytes(decay_memory.decay_call(decay_memory.weights(count, shape, dtype), p), repeats=1)
+
+
+def test_the_measurement_sees_a_temporary_once_it_is_freed_and_counts_its_peak_not_its_total():
+    def two_temporaries_in_turn():
+        a = torch.empty(1000)
+        del a
+        b = torch.empty(500)
+        c = torch.empty(500)
+        del b, c
+
+    assert 4000 <= decay_memory.peak_bytes(two_temporaries_in_turn) <= 4000 + SLACK
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("count, shape", [(1, (256, 256)), (3, (64, 96))], ids=["one", "list"])
+def test_p1_allocates_no_copy_of_the_weights_in_fp32_and_one_in_bf16(count, shape, dtype):
+    assert measured(count, shape, dtype, 1) <= workspace_bound(count, shape, dtype, 1) + SLACK
+
+
+@pytest.mark.parametrize("p", [0, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("count, shape", SHAPES, ids=["tall", "wide", "square", "list"])
+def test_a_spectral_decay_stays_within_the_temporaries_of_the_plan(count, shape, dtype, p):
+    peak = measured(count, shape, dtype, p)
+    bound = workspace_bound(count, shape, dtype, p)
+    assert peak <= bound + SLACK, f"{peak} bytes, {peak / bound:.2f}x the plan's {bound}"
+    # The direction and the epilogue's result exist at once whatever the plan: at least 2 r x N in fp32.
+    assert peak >= 2 * 4 * count * min(shape) * max(shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_p1_spectral_adamw_step_allocates_what_torch_adamw_does(dtype):
+    shape = (64, 96)
+    ours = decay_memory.peak_bytes(decay_memory.optimizer_step(decay_memory.weights(2, shape, dtype), 1))
+    torchs = decay_memory.peak_bytes(decay_memory.optimizer_step(decay_memory.weights(2, shape, dtype), None))
+    assert ours <= torchs + SLACK
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("p", [1, 2])
+def test_one_extra_copy_of_the_weights_breaks_the_bound(monkeypatch, dtype, p):
+    # The bounds are only worth something if they are tighter than the regression they guard against.
+    count, shape = (1, (48, 32)) if p > 1 else (1, (256, 256))
+    target, name = (spectral_ops.plan, "decay_") if p > 1 else (spectral_ops.decay, "multiply_")
+    original = getattr(target, name)
+
+    def with_a_copy(*args, **kwargs):
+        weights = args[1] if p > 1 else args[0][0]
+        copy = weights.clone()  # noqa: F841 (held through the call)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, with_a_copy)
+    assert measured(count, shape, dtype, p) > workspace_bound(count, shape, dtype, p) + SLACK
+
+
+def test_the_generator_script_writes_its_table_and_json(tmp_path):
+    rows = decay_memory.main(["--shapes", "24x16", "2@16x24", "--powers", "1", "2", "--repeats", "1",
+                              "--out-md", str(tmp_path / "table.md"), "--out-json", str(tmp_path / "table.json")])
+    assert {row["case"] for row in rows} == {"spectral_decay_", "band top, tau 1", "torch AdamW step",
+                                             "SpectralAdamW step"}
+    assert "\n| case | shape | dtype | p |" in (tmp_path / "table.md").read_text()
+    import json
+
+    assert len(json.loads((tmp_path / "table.json").read_text())["rows"]) == len(rows)
+    for row in rows:
+        if row["case"] == "spectral_decay_":
+            count, shape = decay_memory.parse_shape(row["shape"])
+            dtype = decay_memory.DTYPES[row["dtype"]]
+            assert row["peak_bytes"] <= workspace_bound(count, shape, dtype, row["p"]) + SLACK
