@@ -77,15 +77,23 @@ def _as_list(W):
 
 
 def multiply_(tensors: list[torch.Tensor], factor) -> None:
-    """``t <- factor * t`` for every tensor, by multi-tensor ops, each product rounded once.
+    """``t <- factor * t`` in place for every tensor, each product rounded once.
 
     In place, torch's multi-tensor multiply rounds a Python ``factor`` to a bf16/fp16 tensor's dtype
-    first (0.97 becomes 0.96875 in bf16: a decay 4% too strong), so those are multiplied out of
-    place and copied back. ``factor``: one number or 0-d tensor, or a list with one per tensor."""
+    first (0.97 becomes 0.96875 in bf16: a decay 4% too strong), so those take ``Tensor.mul_`` one by
+    one (and a tensor factor, which a capturable step passes, multiplies out of place and copies
+    back). ``factor``: one number or 0-d tensor, or a list with one per tensor."""
     if not tensors:
         return
     if all(t.dtype in (torch.float32, torch.float64) for t in tensors):
         torch._foreach_mul_(tensors, factor)
+        return
+    factors = factor if isinstance(factor, (list, tuple)) else [factor] * len(tensors)
+    if all(isinstance(f, (int, float)) for f in factors):
+        # Tensor.mul_ keeps a Python factor in fp32 (opmath) and rounds each product once: the
+        # W.mul_ the README promises, in place, with no copy of the weights.
+        for t, f in zip(tensors, factors):
+            t.mul_(f)
     else:
         torch._foreach_copy_(tensors, torch._foreach_mul(tensors, factor))
 

@@ -99,7 +99,10 @@ def polar_iterations(kernels, X: torch.Tensor, coefficients, precision: str,
     """
     for step, (a, b, c) in enumerate(coefficients):
         A = first_gram if step == 0 and first_gram is not None else kernels.symmetric(X, X.mT, precision)
-        X = kernels.product(kernels.poly_step(A, b, c, precision), X, precision, Y=X, alpha=a)
+        first_gram = None  # the first step's A only: not held through the loop
+        P = kernels.poly_step(A, b, c, precision)
+        del A
+        X = kernels.product(P, X, precision, Y=X, alpha=a)
     return X
 
 
@@ -366,6 +369,7 @@ def decay_(kernels, W: torch.Tensor, request: DecayRequest, sync: bool = True) -
     step = scaled_step(step, log_factor).to(plan.X.dtype)
     if sync:
         check_update_fits(plan, keep, step, direction, W.dtype)
+    del plan  # Xn, Q and the Gram squares: the epilogue needs only the direction
     kernels.decay_epilogue_(target, direction, keep, step)
     return W
 

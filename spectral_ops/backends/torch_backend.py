@@ -46,7 +46,17 @@ class TorchBackend:
 
     def decay_epilogue_(self, W, D, keep, step):
         X = W.to(compute_dtype(W.dtype))
-        W.copy_(X * keep if D is None else X * keep + step * D)
+        if D is None:
+            W.copy_(X * keep)
+            return W
+        # keep X + step D with each product rounded once, as one expression would, in one temporary
+        # (two with a keep): the sum commutes, and a keep of 1 would multiply X by 1 exactly.
+        new = D * step
+        if isinstance(keep, (int, float)) and keep == 1.0:
+            new += X
+        else:
+            new += X.mul_(keep) if X is not W else X * keep
+        W.copy_(new)
         return W
 
 
