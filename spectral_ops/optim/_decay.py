@@ -197,43 +197,48 @@ def finite_limit(tensor: torch.Tensor) -> float:
     return torch.finfo(tensor.dtype).max
 
 
-def _within_limits(checks) -> list:
-    """One 0-d bool tensor per check, on its tensor's device: one multi-tensor reduction per device,
-    and no host value copied to the device (a captured graph could not replay that)."""
-    flags = [torch.ones((), dtype=torch.bool, device=tensor.device) if not tensor.numel() else None
-             for _, tensor, _ in checks]
+def real_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as two real ones, as torch's Adam treats it: the moments are those of the real
+    and the imaginary parts, never ``g * g`` of the complex values."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+
+
+def _largest_magnitudes(tensors) -> list:
+    """The largest magnitude of each tensor (NaN when it holds one), as 0-d tensors on its device."""
+    if tensors[0].device.type == "cpu":
+        # torch's multi-tensor infinity norm is not vectorised on a CPU: aminmax is ~10x faster.
+        pairs = [torch.aminmax(real_view(tensor)) for tensor in tensors]
+        return [torch.maximum(high, -low) for low, high in pairs]
+    return list(torch._foreach_norm(tensors, float("inf")))
+
+
+def _within_limits(checks, on_host: list) -> list:
+    """Whether each check's tensor is within its limit (NaN never is): a Python bool where ``on_host``
+    says so (one read per device for all of them), else a 0-d bool tensor on its device, computed
+    without copying a host value to the device (a captured graph could not replay that)."""
+    results = [True] * len(checks)
     by_device = defaultdict(list)
     for position, (_, tensor, _) in enumerate(checks):
         if tensor.numel():
             by_device[tensor.device].append(position)
     for positions in by_device.values():
-        # The largest magnitude over its limit: NaN propagates through both.
-        largest = torch._foreach_norm([checks[i][1] for i in positions], float("inf"))
-        ratios = torch._foreach_div(largest, [checks[i][2] for i in positions])
-        for position, flag in zip(positions, (torch.stack(ratios) <= 1).unbind(0)):
-            flags[position] = flag
-    return flags
+        largest = _largest_magnitudes([checks[i][1] for i in positions])
+        within = torch.stack(torch._foreach_div(largest, [checks[i][2] for i in positions])) <= 1
+        values = within.tolist() if any(on_host[i] for i in positions) else None
+        for index, (position, flag) in enumerate(zip(positions, within.unbind(0))):
+            results[position] = values[index] if on_host[position] else flag
+    return results
 
 
 def _all(flags: list):
-    """The conjunction of 0-d bool tensors, on their device (True when there is nothing to check)."""
+    """The conjunction of Python bools and 0-d bool tensors (True when there is nothing to check)."""
     result = True
     for flag in flags:
-        result = flag if result is True else result & flag
+        if flag is False:
+            return False
+        if flag is not True:
+            result = flag if result is True else result & flag
     return result
-
-
-def _read_on_host(flags: list) -> list[bool]:
-    """0-d bool tensors as Python bools: one read per device."""
-    by_device = defaultdict(list)
-    for position, flag in enumerate(flags):
-        by_device[flag.device if isinstance(flag, torch.Tensor) else None].append(position)
-    values = list(flags)
-    by_device.pop(None, None)
-    for positions in by_device.values():
-        for position, value in zip(positions, torch.stack([flags[i] for i in positions]).tolist()):
-            values[position] = value
-    return values
 
 
 class SpectralOptimizer(Optimizer):
@@ -348,28 +353,22 @@ class SpectralOptimizer(Optimizer):
         parameter, and raise instead with ``strict=True``, before anything is written. Capturable
         groups decide on the device, without a host read, and count on the device.
         """
-        flags = iter(_within_limits([check for step in prepared for check in step.checks]))
-        per_param = [[[] for _ in step.params] for step in prepared]
-        for step, flags_of in zip(prepared, per_param):
+        on_host = [not step.group["capturable"] for step in prepared for _ in step.checks]
+        flags = iter(_within_limits([check for step in prepared for check in step.checks], on_host))
+        keeps, skipped = [], []
+        for step in prepared:
+            flags_of = [[] for _ in step.params]
             for index, _, _ in step.checks:
                 flags_of[index].append(next(flags))
-        keeps, eager = [], []
-        for step, flags_of in zip(prepared, per_param):
             keep = [_all(f) for f in flags_of]
             keeps.append(keep)
             if not step.group["capturable"]:
-                eager.extend(keep)
-        read = iter(_read_on_host(eager))
-        skipped = []
-        for step, keep in zip(prepared, keeps):
-            if step.group["capturable"]:
-                checked = [(param, kept) for param, kept in zip(step.params, keep) if kept is not True]
-                if checked:
-                    torch._foreach_add_([self._skip_count(param) for param, _ in checked],
-                                        [torch.logical_not(kept).to(torch.int32) for _, kept in checked])
+                skipped.extend((step, param) for param, kept in zip(step.params, keep) if not kept)
                 continue
-            keep[:] = [next(read) for _ in keep]
-            skipped.extend((step, param) for param, kept in zip(step.params, keep) if not kept)
+            checked = [(param, kept) for param, kept in zip(step.params, keep) if kept is not True]
+            if checked:
+                torch._foreach_add_([self._skip_count(param) for param, _ in checked],
+                                    [torch.logical_not(kept).to(torch.int32) for _, kept in checked])
         strict = [self.parameter_name(step.group, param) for step, param in skipped if step.group["strict"]]
         if strict:
             raise FloatingPointError(f"{type(self).__name__}: the gradient or the update of {', '.join(strict)} "

@@ -5,13 +5,16 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_coefficient
-from ._decay import DECAY_DEFAULTS, PreparedStep, SpectralOptimizer, device_masks, finite_limit, kept, scalar
-
-
-def real_view(tensor: torch.Tensor) -> torch.Tensor:
-    """A complex tensor as two real ones, as torch's Adam treats it: the moments are those of the real
-    and the imaginary parts, never ``g * g`` of the complex values."""
-    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
+from ._decay import (
+    DECAY_DEFAULTS,
+    PreparedStep,
+    SpectralOptimizer,
+    device_masks,
+    finite_limit,
+    kept,
+    real_view,
+    scalar,
+)
 
 
 def adam_gradient_checks(params) -> list:
