@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from spectral_ops.coefficients import polar_express_coefficients
+from spectral_ops.plan import iteration_flops
 
 
 def _dims(shape):
@@ -39,12 +40,19 @@ def gram_power_products(k: int) -> int:
     return squarings + bin(k).count("1") - 1
 
 
-def spectral_power_flops(r: int, big: int, p: int, steps: int = 8) -> float:
-    """SPEC 1.2: the Gram (shared with the first polar step), its powers, one last product."""
+def spectral_power_flops(r: int, big: int, p: int, steps: int = 8, iteration: str = "rectangle") -> float:
+    """SPEC 1.2: the Gram (shared with the first polar step), its powers, one last product.
+
+    ``iteration="gram_space"`` (even ``p >= 2``): the Gram, the coupled square-root iteration on it,
+    ``G^(k-1)`` times the root, one last product by ``X``."""
     if p == 1:
         return 0.0
     if p == 0:
         return polar_flops(r, big, steps)
+    if iteration == "gram_space" and p % 2 == 0:
+        k = p // 2
+        powers = (gram_power_products(k - 1) + 1) * r**3 if k > 1 else 0.0
+        return gram_flops(r, big) + iteration_flops("gram_space", r, big, steps) + powers + 2 * r * r * big
     flops = gram_flops(r, big) + gram_power_products(p // 2) * r**3
     if p % 2 == 0:
         flops += polar_flops(r, big, steps) - gram_flops(r, big)  # the first A is the Gram itself

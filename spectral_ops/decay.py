@@ -26,7 +26,7 @@ from ._checks import (
 from .backends.base import BandSpec, DecayRequest
 from .coefficients import resolve_polar_coefficients
 from .linalg import log_frobenius_norm_or_inf, log_spectral_norm_bounds, stability_kappa
-from .ops import band_spec, check_precision, sign_coefficients
+from .ops import band_spec, check_iteration, check_precision, sign_coefficients
 
 CONVENTIONS = ("decoupled", "independent")
 P0_MODES = ("explicit", "prox")
@@ -196,11 +196,12 @@ class DecayOptions:
     precision: str | None
     p0_mode: str
     stability: str
+    iteration: str = "rectangle"
 
 
 def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, convention="decoupled", band=None,
                         p0_mode="explicit", steps=None, coefficients=None, stability="raise",
-                        precision=None, capturable=False, sync=True,
+                        precision=None, capturable=False, sync=True, iteration="rectangle",
                         names=("spectral_weight_decay", "ordinary_weight_decay")) -> DecayOptions:
     """Validate every decay hyper-parameter (optimizers call this at construction time).
 
@@ -210,6 +211,7 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
     what the caller calls the two coefficients, for the messages (``weight_decay`` in an optimizer).
     """
     p = check_power(p)
+    check_iteration(iteration, p)
     check_coefficient(spectral_weight_decay, names[0], sync=sync)
     check_coefficient(ordinary_weight_decay, names[1], sync=sync)
     check_choice(convention, "convention", CONVENTIONS)
@@ -243,6 +245,7 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
         precision=check_precision(precision),
         p0_mode=p0_mode,
         stability=stability,
+        iteration=iteration,
     )
 
 
@@ -279,6 +282,7 @@ def spectral_decay_(
     stability: str = "raise",
     precision: str | None = None,
     capturable: bool = False,
+    iteration: str = "rectangle",
     weight_decay=None,
 ):
     """Decay ``W`` in place: ``W <- W - s * (spectral_weight_decay * S_p(W) + ordinary_weight_decay * W)``.
@@ -302,6 +306,8 @@ def spectral_decay_(
     and dtype still), and ``stability`` must be ``"clamp"`` or ``"ignore"`` where the guard applies;
     the clamp is computed on the device, with the same factors.
 
+    ``iteration``: how an even ``p >= 2`` iterates (see :func:`spectral_ops.ops.check_iteration`).
+
     ``weight_decay`` is a deprecated alias of ``spectral_weight_decay`` (the name of ``lambda_1`` in
     every optimizer of the family).
     """
@@ -318,7 +324,7 @@ def spectral_decay_(
     options = check_decay_options(
         p, weight_decay, ordinary_weight_decay=ordinary_weight_decay, convention=convention, band=band,
         p0_mode=p0_mode, steps=steps, coefficients=coefficients, stability=stability, precision=precision,
-        capturable=capturable, sync=sync,
+        capturable=capturable, sync=sync, iteration=iteration,
     )
     if convention == "independent":
         if schedule is None:
@@ -410,6 +416,7 @@ def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, 
             polar_coefficients=options.polar_coefficients,
             sign_coefficients=options.sign_coefficients,
             precision=options.precision,
+            iteration=options.iteration,
         )
         requests.append((indices, stack, request))
 

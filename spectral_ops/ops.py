@@ -139,7 +139,8 @@ def _auto_method(W: torch.Tensor, p: int) -> str:
 
 @torch.no_grad()
 def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int | None = None,
-                   coefficients=None, precision: str | None = None, capturable: bool = False) -> torch.Tensor:
+                   coefficients=None, precision: str | None = None, capturable: bool = False,
+                   iteration: str = "rectangle") -> torch.Tensor:
     """``S_p(W) = U diag(s^p) V^T`` for an integer ``p >= 0`` (SPEC 1.1-1.2).
 
     ``method="gram"``: the SVD-free route (odd ``p``: ``W G^k``; even: ``Q G^k``; ``G`` the
@@ -149,10 +150,18 @@ def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int 
     ``"auto"``: the fastest accurate one for the device, dtype and shape. ``steps``/``coefficients``
     configure the polar factor as in :func:`polar`. ``capturable=True`` needs ``"gram"`` (``"auto"``
     means it then): the factorisations report errors to the host.
+
+    ``iteration`` (``"gram"`` only; another than ``"rectangle"`` makes ``"auto"`` mean ``"gram"``): how
+    an even ``p >= 2`` iterates, see :func:`check_iteration`.
     """
     _validated(W, capturable=capturable)
     p = check_power(p)
     check_choice(method, "method", POWER_METHODS)
+    check_iteration(iteration, p)
+    if iteration != "rectangle":
+        if method in ("svd", "eigh"):
+            raise ValueError(f"iteration={iteration!r} is an iteration of method='gram', not of {method!r}")
+        method = "gram"
     if capturable and method in ("svd", "eigh"):
         raise ValueError(f"method={method!r} synchronises with the host (LAPACK/cuSOLVER report to it); "
                          "capturable=True needs method='gram' or 'auto'")
@@ -169,7 +178,21 @@ def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int 
         result = route(W, p, factor_dtype).to(W.dtype)
         return plan.checked_finite(result, "spectral_power") if p > 1 else result
     return plan.spectral_power(dispatch.kernels_for("spectral_power", W), W, p, polar_c, precision,
-                               sync=not capturable)
+                               sync=not capturable, iteration=iteration)
+
+
+def check_iteration(iteration, p: int) -> str:
+    """How an even power ``p >= 2`` iterates: ``"rectangle"`` (Polar Express on the ``r x N`` matrix, then
+    ``G^k Q``; the default), ``"gram_space"`` (a coupled square-root iteration on the ``r x r`` Gram,
+    then ``G^(k-1/2) W``: fewer FLOPs for a tall or wide matrix, accurate in fp32/fp64 only) or
+    ``"auto"`` (Gram space where it is cheaper and accurate). Odd powers need no iteration, so the
+    choice does not change them; ``p = 0`` has no Gram-space form here (the polar factor needs the
+    small modes that squaring the condition number loses)."""
+    check_choice(iteration, "iteration", plan.ITERATIONS)
+    if iteration == "gram_space" and p == 0:
+        raise ValueError("iteration='gram_space' computes even powers p >= 2; the polar factor (p = 0) is "
+                         "iterated on the rectangle (in Gram space it loses the small modes)")
+    return iteration
 
 
 def _check_tau(tau, name: str = "tau", sync: bool = True):

@@ -70,6 +70,43 @@ def _float32_precision() -> str:
         return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "fp32"
 
 
+# How an even power's iteration runs: Polar Express on the r x N rectangle, then G^k Q; or a coupled
+# square-root iteration on the r x r Gram, then G^(k - 1/2) X (one product by X); "auto" chooses.
+ITERATIONS = ("rectangle", "gram_space", "auto")
+# Gram space iterates on G, whose condition number is the square of W's: accurate for p >= 2 in
+# fp32/fp64 (the modes it loses are weighted down by s^p), not in bf16/fp16 (NaN at kappa >= 1e3),
+# and not for p = 0 (the polar factor needs every mode).
+GRAM_SPACE_PRECISIONS = ("fp32", "fp64")
+GRAM_SPACE_SAVING = 0.25
+
+
+def iteration_flops(iteration: str, r: int, big: int, steps: int) -> float:
+    """Matrix FLOPs of an even power's iteration on an ``r x big`` matrix, after its Gram and before its
+    last product by ``X`` (the same for both), symmetric products at half cost (``bench/flops.py``).
+
+    Rectangle: per step ``A = X X^T`` (the first is the Gram), ``A^2``, ``B X``. Gram space: per step
+    ``M = Z Y``, ``M^2`` (symmetric), ``Y T``, ``T Z`` (full: see :meth:`GramPlan.gram_root`), the first
+    step without ``Z Y`` and ``T Z`` (``Z = I``)."""
+    if iteration == "rectangle":
+        return (steps - 1) * r * r * big + steps * (r**3 + 2 * r * r * big)
+    return max(steps - 1, 0) * 7 * r**3 + 3 * r**3
+
+
+def resolve_iteration(iteration: str, p: int, shape, precision: str, steps: int) -> str:
+    """``"auto"``: Gram space for even ``p >= 2`` at a precision where it is accurate, where it saves at
+    least :data:`GRAM_SPACE_SAVING` of the iteration's FLOPs (an aspect ratio of about 3 or more:
+    on a square matrix the two cost the same, and the squared condition number is not worth paying
+    for nothing); the rectangle otherwise."""
+    if iteration != "auto":
+        return iteration
+    if p < 2 or p % 2 or precision not in GRAM_SPACE_PRECISIONS:
+        return "rectangle"
+    r, big = min(shape[-2:]), max(shape[-2:])
+    cheaper = iteration_flops("gram_space", r, big, steps) <= (1 - GRAM_SPACE_SAVING) * iteration_flops(
+        "rectangle", r, big, steps)
+    return "gram_space" if cheaper else "rectangle"
+
+
 def math_dtype(dtype: torch.dtype, precision: str) -> torch.dtype:
     """The dtype of the normalisation, the scales and the decay arithmetic."""
     return torch.float64 if dtype == torch.float64 or precision == "fp64" else torch.float32
@@ -161,6 +198,7 @@ class GramPlan:
         self.Xo = self.Xn.to(OPERAND_DTYPES[precision])
         self._gram_squares: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._polar = None
+        self._root = None
 
     def symmetric(self, L, R):
         return self.kernels.symmetric(L, R, self.precision)
@@ -200,11 +238,44 @@ class GramPlan:
                                            self.gram * shrink**2)
         return self._polar
 
-    def scaled_power(self, p: int, coefficients):
+    def gram_root(self, coefficients) -> torch.Tensor:
+        """``Gn^(1/2)`` by the coupled Polar Express iteration on the Gram (operand dtype).
+
+        With ``X0 = Xn / 1.01`` and ``G0 = X0 X0^T``, Polar Express multiplies ``X`` by ``T = a I + b M +
+        c M^2`` with ``M = X X^T``. Writing ``X = Z X0`` (``Z`` a polynomial in ``G0``) and ``Y = Z G0``
+        gives ``M = Z Y`` and the updates ``Y <- Y T``, ``Z <- T Z``: products of commuting symmetric
+        matrices, with ``Z -> G0^(-1/2)`` and ``Y -> G0^(1/2) = Gn^(1/2) / 1.01``. ``Y`` and ``Z`` are
+        iterated together (coupled) because the uncoupled ``Z`` alone amplifies the Gram's rounding
+        by ``1 / s_min^2`` and diverges.
+
+        ``Z Y``, ``Y T`` and ``T Z`` are full products, not symmetric ones: a product that keeps one
+        triangle (the kernels' symmetric primitive) makes ``Y`` and ``Z`` stop commuting, and that
+        error grows about 8x per step (2e-3 in fp32 after 8 steps, measured); the rounding of full
+        products stays at its own level."""
+        if self._root is None:
+            shrink = 1.0 / NORMALIZATION_MARGIN
+            Y, Z = self.gram * shrink**2, None
+            identity = self.identity()
+            for a, b, c in coefficients:
+                M = Y if Z is None else self.product(Z, Y)
+                T = self.kernels.poly_step(M, b, c, self.precision) + a * identity.to(M.dtype)
+                Y = self.product(Y, T)
+                Z = T if Z is None else self.product(T, Z)
+            self._root = Y * NORMALIZATION_MARGIN
+        return self._root
+
+    def scaled_power(self, p: int, coefficients, iteration: str = "rectangle"):
         """``S_p`` (wide, math dtype) scaled, ``(D, ln f)``: ``D = M Q`` for ``p = 2k`` and ``M Xn`` for
-        ``2k + 1``, with ``Gn^k = g M`` and ``f = c^p g``; ``(X, 0)`` for ``p = 1``."""
+        ``2k + 1``, with ``Gn^k = g M`` and ``f = c^p g``; ``(X, 0)`` for ``p = 1``. With
+        ``iteration="gram_space"`` an even ``p >= 2`` is ``D = M Gn^(1/2) Xn`` with ``Gn^(k-1) = g M``."""
         if p == 1:
             return self.X, torch.zeros_like(self.log_scale)
+        if iteration == "gram_space" and p >= 2 and p % 2 == 0:
+            root, log_gram = self.gram_root(coefficients), torch.zeros_like(self.log_scale)
+            if p > 2:
+                M, log_gram = self.gram_power(p // 2 - 1)
+                root = self.symmetric(M, root)
+            return self.product(root, self.Xo).to(self.Xn.dtype), p * self.log_scale + log_gram
         base = self.polar(coefficients) if p % 2 == 0 else self.Xo
         if p == 0:
             return base.to(self.Xn.dtype), torch.zeros_like(self.log_scale)
@@ -296,15 +367,22 @@ def chained_power(kernels, plan: GramPlan, p: int, polar_coefficients):
 CHAIN_POWER_RANGE_BITS = 100
 
 
+def power_direction(kernels, plan: GramPlan, p: int, polar_coefficients, iteration: str):
+    """``S_p`` scaled, ``(D, ln f)``, by the iteration ``iteration`` resolves to (the rectangle takes a
+    backend's fused chain where one runs it)."""
+    iteration = resolve_iteration(iteration, p, plan.Xn.shape, plan.precision, len(polar_coefficients))
+    chained = chained_power(kernels, plan, p, polar_coefficients) if iteration == "rectangle" else None
+    return chained or plan.scaled_power(p, polar_coefficients, iteration)
+
+
 def spectral_power(kernels, W: torch.Tensor, p: int, polar_coefficients, precision: str | None = None,
-                   sync: bool = True):
+                   sync: bool = True, iteration: str = "rectangle"):
     """``sync``: check the result for overflow (OverflowError); the capturable path passes False and
-    gets Inf where the result exceeds the dtype."""
+    gets Inf where the result exceeds the dtype. ``iteration``: one of :data:`ITERATIONS`."""
     if p == 1:
         return W.clone()  # S_1(W) = W, and the result must never alias the input
     plan = GramPlan(W, kernels, resolve_precision(precision, W.dtype))
-    direction, log_factor = (chained_power(kernels, plan, p, polar_coefficients)
-                             or plan.scaled_power(p, polar_coefficients))
+    direction, log_factor = power_direction(kernels, plan, p, polar_coefficients, iteration)
     if p == 0:
         return plan.oriented(direction).to(W.dtype)
     result = plan.oriented(scaled_(direction, log_factor)).to(W.dtype)
@@ -364,8 +442,8 @@ def decay_(kernels, W: torch.Tensor, request: DecayRequest, sync: bool = True) -
             direction = plan.band(request.p, request.band, request.polar_coefficients, request.sign_coefficients)
             log_factor = torch.zeros_like(plan.log_scale)
         else:
-            direction, log_factor = (chained_power(kernels, plan, request.p, request.polar_coefficients)
-                                     or plan.scaled_power(request.p, request.polar_coefficients))
+            direction, log_factor = power_direction(kernels, plan, request.p, request.polar_coefficients,
+                                               request.iteration)
     step = scaled_step(step, log_factor).to(plan.X.dtype)
     if sync:
         check_update_fits(plan, keep, step, direction, W.dtype)
