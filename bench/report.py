@@ -98,6 +98,8 @@ AGAINST_TORCH = {
                       "torch.optim.Muon step"),
     "optimizer_step_vs_adamw": ("Optimizer step against torch.optim.AdamW(foreach=True) (interleaved, same run)",
                                 "optimizer", "AdamW step"),
+    "schedule_vs_rectangle": ("Gram-space iteration against the rectangle (interleaved, same run)", "schedule",
+                              "rectangle"),
 }
 
 
@@ -111,7 +113,10 @@ def against_torch_tables(entries) -> list[str]:
         lines += ["", f"### {title}", "", f"| case | {ours} | precision | our step | {theirs} | ratio |",
                   "|---|---|---|---|---|---|"]
         for info in sorted(rows, key=lambda info: (info["case"], info["implementation"])):
-            lines.append(f"| {info['case']} | {info['implementation']} | {info['precision']} | "
+            case = info["case"]
+            if "flops_r3" in info:  # FlopCounterMode's counts, as torch counts them
+                case += f" ({info['flops_r3']:.0f} r^3 FLOPs against {info['rectangle_flops_r3']:.0f})"
+            lines.append(f"| {case} | {info['implementation']} | {info['precision']} | "
                          f"{seconds(info['ours_median_s'])} | {seconds(info['torch_median_s'])} | {info['ratio']:.2f}x |")
     return lines
 
