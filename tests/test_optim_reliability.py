@@ -338,3 +338,17 @@ def test_a_complex_matrix_is_refused_the_spectral_decay_when_the_optimizer_is_bu
     with pytest.raises(TypeError, match="Muon's polar factor is implemented for real matrices only"):
         SpectralMuon([matrix])
     SpectralAdamW([matrix, vector], p=2, spectral_weight_decay=0.0, weight_decay=0.1)  # ordinary decay only
+
+
+def test_a_group_can_decay_in_gram_space():
+    """decay_iteration reaches the decay: the step equals spectral_decay_ with iteration='gram_space'
+    (SGD without momentum, so the update is the decay and lr * g)."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(64, 16) / 8)
+    expected = weight.detach().clone()
+    weight.grad = torch.zeros_like(weight)
+    SpectralSGD([weight], lr=0.1, momentum=0.0, p=2, spectral_weight_decay=0.5, decay_iteration="gram_space").step()
+    so.spectral_decay_(expected, 2, 0.1, 0.5, iteration="gram_space")
+    assert torch.equal(weight.detach(), expected)
+    with pytest.raises(ValueError, match="iteration='gram_space' computes even powers"):
+        SpectralSGD([weight], p=0, spectral_weight_decay=0.5, decay_iteration="gram_space")

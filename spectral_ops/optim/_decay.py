@@ -29,6 +29,7 @@ DECAY_DEFAULTS = {
     "stability": "raise",
     "polar_steps": None,
     "decay_precision": None,
+    "decay_iteration": "rectangle",
     "capturable": False,
     "strict": False,
 }
@@ -76,6 +77,7 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> DecayOpti
         stability=group["stability"],
         precision=group["decay_precision"],
         capturable=group["capturable"],
+        iteration=group["decay_iteration"],
         names=(spectral, ordinary),
     )
     spectral_direction = options.band is not None or (options.p != 1 and not is_zero(group[spectral]))

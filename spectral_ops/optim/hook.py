@@ -52,8 +52,8 @@ class SpectralDecay(SpectralOptimizer):
     lr_optional = True  # lr=None: attached use, where the host optimizer supplies the lr
 
     def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
-                 band=None, p0_mode="explicit", stability="raise", polar_steps=None, decay_precision=None, lr=None,
-                 capturable=False, strict=False, weight_decay=None):
+                 band=None, p0_mode="explicit", stability="raise", polar_steps=None, decay_precision=None,
+                 decay_iteration="rectangle", lr=None, capturable=False, strict=False, weight_decay=None):
         spectral_weight_decay = renamed_spectral_coefficient("SpectralDecay", spectral_weight_decay, weight_decay,
                                                              stacklevel=2)
         if not isinstance(params, torch.Tensor):  # torch's own check refuses a bare tensor
@@ -65,7 +65,8 @@ class SpectralDecay(SpectralOptimizer):
                     params[index] = _without_deprecated_key(group, stacklevel=2)
         defaults = dict(DECAY_DEFAULTS, p=p, ordinary_weight_decay=ordinary_weight_decay, convention=convention,
                         band=band, p0_mode=p0_mode, stability=stability, polar_steps=polar_steps,
-                        decay_precision=decay_precision, lr=lr, capturable=capturable, strict=strict)
+                        decay_precision=decay_precision, decay_iteration=decay_iteration, lr=lr,
+                        capturable=capturable, strict=strict)
         if spectral_weight_decay is not None:
             defaults["spectral_weight_decay"] = spectral_weight_decay
         super().__init__(params, defaults)

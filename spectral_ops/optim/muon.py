@@ -88,14 +88,15 @@ class SpectralMuon(SpectralOptimizer):
     def __init__(self, params, lr=1e-3, momentum=0.95, nesterov=True, ns_coefficients=None, ns_steps=None,
                  adjust_lr_fn="match_rms_adamw", weight_decay=0.1, p=1, spectral_weight_decay=0.0,
                  convention="decoupled", band=None, p0_mode="explicit", stability="raise", polar_steps=None,
-                 decay_precision=None, precision="bf16",
+                 decay_precision=None, decay_iteration="rectangle", precision="bf16",
                  heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8,
                  capturable=False, strict=False):
         defaults = dict(DECAY_DEFAULTS, lr=lr, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,
-                        polar_steps=polar_steps, decay_precision=decay_precision, precision=precision,
+                        polar_steps=polar_steps, decay_precision=decay_precision,
+                        decay_iteration=decay_iteration, precision=precision,
                         heads=heads, splits=splits, recipe=recipe,
                         algorithm=algorithm, betas=betas, eps=eps, capturable=capturable, strict=strict)
         super().__init__(params, defaults)
@@ -146,8 +147,8 @@ class SpectralMuon(SpectralOptimizer):
         if group["algorithm"] == "adamw":
             return prepare_adam_step(self, params, group)
         buffers = [self._next_momentum(param, group) for param in params]
-        directions = self._orthogonalize([self._nesterov(param, buffer, group) for param, buffer in zip(params, buffers)],
-                                         group)
+        updates = [self._nesterov(param, buffer, group) for param, buffer in zip(params, buffers)]
+        directions = self._orthogonalize(updates, group)
         blocks = [(i, block) for i, param in enumerate(params) for block in self._decay_blocks(param, group)]
         decay = self.prepare_decay([block for _, block in blocks], [i for i, _ in blocks], group)
 
