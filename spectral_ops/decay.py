@@ -211,7 +211,7 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
     what the caller calls the two coefficients, for the messages (``weight_decay`` in an optimizer).
     """
     p = check_power(p)
-    check_iteration(iteration, p)
+    check_iteration(iteration)
     check_coefficient(spectral_weight_decay, names[0], sync=sync)
     check_coefficient(ordinary_weight_decay, names[1], sync=sync)
     check_choice(convention, "convention", CONVENTIONS)

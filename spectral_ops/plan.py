@@ -85,7 +85,7 @@ def iteration_flops(iteration: str, r: int, big: int, steps: int) -> float:
     last product by ``X`` (the same for both), symmetric products at half cost (``bench/flops.py``).
 
     Rectangle: per step ``A = X X^T`` (the first is the Gram), ``A^2``, ``B X``. Gram space: per step
-    ``M = Z Y``, ``M^2`` (symmetric), ``Y T``, ``T Z`` (full: see :meth:`GramPlan.gram_root`), the first
+    ``M = Z Y``, ``M^2`` (symmetric), ``Y T``, ``T Z`` (full: see :meth:`GramPlan.gram_roots`), the first
     step without ``Z Y`` and ``T Z`` (``Z = I``)."""
     if iteration == "rectangle":
         return (steps - 1) * r * r * big + steps * (r**3 + 2 * r * r * big)
@@ -238,8 +238,9 @@ class GramPlan:
                                            self.gram * shrink**2)
         return self._polar
 
-    def gram_root(self, coefficients) -> torch.Tensor:
-        """``Gn^(1/2)`` by the coupled Polar Express iteration on the Gram (operand dtype).
+    def gram_roots(self, coefficients):
+        """``(Gn^(1/2), Gn^(-1/2) / 1.01)`` by the coupled Polar Express iteration on the Gram (operand
+        dtype); the second is ``Z``, so that ``Z X0 = Z Xn / 1.01`` is the polar factor.
 
         With ``X0 = Xn / 1.01`` and ``G0 = X0 X0^T``, Polar Express multiplies ``X`` by ``T = a I + b M +
         c M^2`` with ``M = X X^T``. Writing ``X = Z X0`` (``Z`` a polynomial in ``G0``) and ``Y = Z G0``
@@ -261,17 +262,22 @@ class GramPlan:
                 T = self.kernels.poly_step(M, b, c, self.precision) + a * identity.to(M.dtype)
                 Y = self.product(Y, T)
                 Z = T if Z is None else self.product(T, Z)
-            self._root = Y * NORMALIZATION_MARGIN
+            self._root = (Y * NORMALIZATION_MARGIN, Z)
         return self._root
 
     def scaled_power(self, p: int, coefficients, iteration: str = "rectangle"):
         """``S_p`` (wide, math dtype) scaled, ``(D, ln f)``: ``D = M Q`` for ``p = 2k`` and ``M Xn`` for
         ``2k + 1``, with ``Gn^k = g M`` and ``f = c^p g``; ``(X, 0)`` for ``p = 1``. With
-        ``iteration="gram_space"`` an even ``p >= 2`` is ``D = M Gn^(1/2) Xn`` with ``Gn^(k-1) = g M``."""
+        ``iteration="gram_space"`` an even ``p >= 2`` is ``D = M Gn^(1/2) Xn`` with ``Gn^(k-1) = g M``, and
+        ``p = 0`` is ``Q = Z X0`` (inaccurate on the small modes: see :func:`resolve_iteration`)."""
         if p == 1:
             return self.X, torch.zeros_like(self.log_scale)
-        if iteration == "gram_space" and p >= 2 and p % 2 == 0:
-            root, log_gram = self.gram_root(coefficients), torch.zeros_like(self.log_scale)
+        if iteration == "gram_space" and p == 0:
+            inverse_root = self.gram_roots(coefficients)[1]
+            return (self.product(inverse_root, self.Xo) / NORMALIZATION_MARGIN).to(self.Xn.dtype), \
+                torch.zeros_like(self.log_scale)
+        if iteration == "gram_space" and p % 2 == 0:
+            root, log_gram = self.gram_roots(coefficients)[0], torch.zeros_like(self.log_scale)
             if p > 2:
                 M, log_gram = self.gram_power(p // 2 - 1)
                 root = self.symmetric(M, root)
