@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 import spectral_ops as so
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum
@@ -27,6 +26,10 @@ CALLS = {
 
 
 def torch_flops(call) -> int:
+    # Imported here: it imports triton, which must wait until the Triton tests have set up the
+    # interpreter (tests/triton_env.py) when pytest collects tests and bench together.
+    from torch.utils.flop_counter import FlopCounterMode
+
     with FlopCounterMode(display=False) as counter:
         call()
     return counter.get_total_flops()
