@@ -43,20 +43,13 @@ def gram_power_products(k: int) -> int:
 def spectral_power_flops(r: int, big: int, p: int, steps: int = 8, iteration: str = "rectangle") -> float:
     """SPEC 1.2: the Gram (shared with the first polar step), its powers, one last product.
 
-    ``iteration="gram_space"`` (even ``p >= 2``): the Gram, the coupled square-root iteration on it,
-    ``G^(k-1)`` times the root, one last product by ``X``."""
+    ``iteration="gram_space"`` (even ``p``): the polar factor from restarted ``r x r`` blocks, as
+    :func:`spectral_ops.plan.iteration_flops` counts them (one model, in the plan)."""
     if p == 1:
         return 0.0
-    if p == 0:
-        return polar_flops(r, big, steps)
-    if iteration == "gram_space" and p % 2 == 0:
-        k = p // 2
-        powers = (gram_power_products(k - 1) + 1) * r**3 if k > 1 else 0.0
-        return gram_flops(r, big) + iteration_flops("gram_space", r, big, steps) + powers + 2 * r * r * big
-    flops = gram_flops(r, big) + gram_power_products(p // 2) * r**3
-    if p % 2 == 0:
-        flops += polar_flops(r, big, steps) - gram_flops(r, big)  # the first A is the Gram itself
-    return flops + 2 * r * r * big
+    if p % 2:
+        return gram_flops(r, big) + gram_power_products(p // 2) * r**3 + 2 * r * r * big
+    return gram_flops(r, big) + gram_power_products(p // 2) * r**3 + iteration_flops(iteration, p, r, big, steps)
 
 
 def msign_flops(r: int, steps: int) -> float:

@@ -196,12 +196,12 @@ class DecayOptions:
     precision: str | None
     p0_mode: str
     stability: str
-    iteration: str = "rectangle"
+    iteration: str = "auto"
 
 
 def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, convention="decoupled", band=None,
                         p0_mode="explicit", steps=None, coefficients=None, stability="raise",
-                        precision=None, capturable=False, sync=True, iteration="rectangle",
+                        precision=None, capturable=False, sync=True, iteration="auto",
                         names=("spectral_weight_decay", "ordinary_weight_decay")) -> DecayOptions:
     """Validate every decay hyper-parameter (optimizers call this at construction time).
 
@@ -282,7 +282,7 @@ def spectral_decay_(
     stability: str = "raise",
     precision: str | None = None,
     capturable: bool = False,
-    iteration: str = "rectangle",
+    iteration: str = "auto",
     weight_decay=None,
 ):
     """Decay ``W`` in place: ``W <- W - s * (spectral_weight_decay * S_p(W) + ordinary_weight_decay * W)``.

@@ -70,40 +70,65 @@ def _float32_precision() -> str:
         return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "fp32"
 
 
-# How an even power's iteration runs: Polar Express on the r x N rectangle, then G^k Q; or a coupled
-# square-root iteration on the r x r Gram, then G^(k - 1/2) X (one product by X); "auto" chooses.
+# How an even power's polar factor is iterated: Polar Express on the r x N rectangle; or a coupled
+# iteration on the r x r Gram, restarted from the rectangle every few steps (GramPlan.gram_polar);
+# "auto" chooses.
 ITERATIONS = ("rectangle", "gram_space", "auto")
-# Gram space iterates on G, whose condition number is the square of W's: accurate for p >= 2 in
-# fp32/fp64 (the modes it loses are weighted down by s^p), not in bf16/fp16 (NaN at kappa >= 1e3),
-# and not for p = 0 (the polar factor needs every mode).
+# Gram space works on G, whose condition number is the square of W's. With restarts it is as accurate as
+# the rectangle in fp32/fp64 (docs/results/schedules.md), but in bf16/fp16 a few times less (4e-2-6.5e-2
+# against 1e-2 at p = 2), so "auto" keeps those on the rectangle.
 GRAM_SPACE_PRECISIONS = ("fp32", "fp64")
 GRAM_SPACE_SAVING = 0.25
+# The longest run of Gram-space steps between two restarts. Without restarts the iterate Z (which tends
+# to G^(-1/2)) amplifies G's rounding by up to 1/s_min: 1.5e-4 at kappa = 1e6 in fp32, NaN in bf16 at
+# kappa >= 1e3. Blocks of at most 3 steps keep fp32 within 5e-6 at every kappa (docs/results/schedules.md).
+GRAM_SPACE_BLOCK = 3
 
 
-def iteration_flops(iteration: str, r: int, big: int, steps: int) -> float:
-    """Matrix FLOPs of an even power's iteration on an ``r x big`` matrix, after its Gram and before its
-    last product by ``X`` (the same for both), symmetric products at half cost (``bench/flops.py``).
+def restart_blocks(steps: int, longest: int = GRAM_SPACE_BLOCK) -> list[int]:
+    """Steps per Gram-space block: as even as blocks of at most ``longest`` steps allow, the shorter
+    first (8 steps: 2, 3, 3). The first steps lift the small modes most (their Z grows
+    fastest), so restarting soonest after them helps most."""
+    if steps <= 0:
+        return []
+    blocks = -(-steps // longest)
+    short, longer = divmod(steps, blocks)
+    return [short] * (blocks - longer) + [short + 1] * longer
 
-    Rectangle: per step ``A = X X^T`` (the first is the Gram), ``A^2``, ``B X``. Gram space: per step
-    ``M = Z Y``, ``M^2`` (symmetric), ``Y T``, ``T Z`` (full: see :meth:`GramPlan.gram_roots`), the first
-    step without ``Z Y`` and ``T Z`` (``Z = I``)."""
+
+def block_flops(steps: int, r: int) -> float:
+    """``r x r`` FLOPs of one coupled block (see :func:`coupled_inverse_root`), ``M^2`` at half cost: per
+    step ``M^2``, and ``Z Y``, ``T Z`` but in the first (``Z = I``), ``Y T`` but in the last."""
+    return sum(r**3 + (4 * r**3 if step else 0) + (2 * r**3 if step < steps - 1 else 0) for step in range(steps))
+
+
+def iteration_flops(iteration: str, p: int, r: int, big: int, steps: int) -> float:
+    """Matrix FLOPs of an even power's iteration on an ``r x big`` matrix after its Gram, up to and
+    including the product by the polar factor (``M Q``; for ``p = 0``, none on the rectangle), without
+    ``G^k`` itself (the same for both). Symmetric products count at half cost (``bench/flops.py``).
+
+    Rectangle: per step ``A = X X^T`` (the first is the Gram), ``A^2``, ``B X``. Gram space: the
+    blocks; per restart a Gram of the rectangle and ``Z X``; at the end ``Z X`` (``p = 0``) or
+    ``(M Z) X``."""
     if iteration == "rectangle":
-        return (steps - 1) * r * r * big + steps * (r**3 + 2 * r * r * big)
-    return max(steps - 1, 0) * 7 * r**3 + 3 * r**3
+        final = 2 * r * r * big if p else 0
+        return (steps - 1) * r * r * big + steps * (r**3 + 2 * r * r * big) + final
+    blocks = restart_blocks(steps)
+    final = 2 * r * r * big + (2 * r**3 if p else 0)
+    return sum(block_flops(b, r) for b in blocks) + (len(blocks) - 1) * 3 * r * r * big + final
 
 
 def resolve_iteration(iteration: str, p: int, shape, precision: str, steps: int) -> str:
-    """``"auto"``: Gram space for even ``p >= 2`` at a precision where it is accurate, where it saves at
-    least :data:`GRAM_SPACE_SAVING` of the iteration's FLOPs (an aspect ratio of about 3 or more:
-    on a square matrix the two cost the same, and the squared condition number is not worth paying
-    for nothing); the rectangle otherwise."""
+    """``"auto"``: Gram space for an even ``p`` at a precision where it is as accurate as the rectangle,
+    where it saves at least :data:`GRAM_SPACE_SAVING` of the iteration's FLOPs (an aspect ratio of
+    about 3.5 or more; on a square matrix it costs more); the rectangle otherwise."""
     if iteration != "auto":
         return iteration
-    if p < 2 or p % 2 or precision not in GRAM_SPACE_PRECISIONS:
+    if p % 2 or precision not in GRAM_SPACE_PRECISIONS:
         return "rectangle"
     r, big = min(shape[-2:]), max(shape[-2:])
-    cheaper = iteration_flops("gram_space", r, big, steps) <= (1 - GRAM_SPACE_SAVING) * iteration_flops(
-        "rectangle", r, big, steps)
+    cheaper = iteration_flops("gram_space", p, r, big, steps) <= (1 - GRAM_SPACE_SAVING) * iteration_flops(
+        "rectangle", p, r, big, steps)
     return "gram_space" if cheaper else "rectangle"
 
 
@@ -141,6 +166,29 @@ def polar_iterations(kernels, X: torch.Tensor, coefficients, precision: str,
         del A
         X = kernels.product(P, X, precision, Y=X, alpha=a)
     return X
+
+
+def coupled_inverse_root(kernels, G: torch.Tensor, coefficients, precision: str, identity: torch.Tensor):
+    """``Z``, the polynomial in ``G = X X^T`` with ``Z X`` what Polar Express's steps make of ``X``.
+
+    Polar Express multiplies ``X`` by ``T = a I + b M + c M^2`` with ``M = X X^T``. Writing ``X = Z X0``
+    (``Z`` a polynomial in ``G``) and ``Y = Z G`` gives ``M = Z Y`` and the updates ``Y <- Y T``,
+    ``Z <- T Z``: products of commuting symmetric matrices, with ``Z -> G^(-1/2)``. ``Y`` and ``Z`` are
+    iterated together (coupled) because ``Z`` alone (``M = Z G Z``) amplifies the Gram's rounding by
+    ``1 / s_min^2`` and diverges.
+
+    ``Z Y``, ``Y T`` and ``T Z`` are full products, not symmetric ones: a product that keeps one
+    triangle (the kernels' symmetric primitive) makes ``Y`` and ``Z`` stop commuting, and that error
+    grows about 8x per step (2e-3 in fp32 after 8 steps, measured)."""
+    Y, Z = G, None
+    for step, (a, b, c) in enumerate(coefficients):
+        M = Y if Z is None else kernels.product(Z, Y, precision)
+        T = kernels.poly_step(M, b, c, precision) + a * identity.to(M.dtype)
+        del M
+        if step < len(coefficients) - 1:  # the last Y is not needed
+            Y = kernels.product(Y, T, precision)
+        Z = T if Z is None else kernels.product(T, Z, precision)
+    return Z
 
 
 def matrix_sign(kernels, A: torch.Tensor, coefficients, precision: str) -> torch.Tensor:
@@ -189,8 +237,9 @@ class GramPlan:
     decay's step).
     """
 
-    def __init__(self, W: torch.Tensor, kernels, precision: str):
+    def __init__(self, W: torch.Tensor, kernels, precision: str, restart_every: int = GRAM_SPACE_BLOCK):
         self.kernels = kernels
+        self.restart_every = restart_every
         self.precision = precision
         self.transposed = is_tall(W)
         self.X = wide(W).to(math_dtype(W.dtype, precision))
@@ -198,7 +247,7 @@ class GramPlan:
         self.Xo = self.Xn.to(OPERAND_DTYPES[precision])
         self._gram_squares: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._polar = None
-        self._root = None
+        self._gram_polar = None
 
     def symmetric(self, L, R):
         return self.kernels.symmetric(L, R, self.precision)
@@ -238,50 +287,39 @@ class GramPlan:
                                            self.gram * shrink**2)
         return self._polar
 
-    def gram_roots(self, coefficients):
-        """``(Gn^(1/2), Gn^(-1/2) / 1.01)`` by the coupled Polar Express iteration on the Gram (operand
-        dtype); the second is ``Z``, so that ``Z X0 = Z Xn / 1.01`` is the polar factor.
+    def gram_polar(self, coefficients):
+        """The polar factor of ``X0 = Xn / 1.01`` as a pair ``(Z, Xj)`` with ``Q = Z Xj``, iterated on
+        ``r x r`` Grams: each block of :func:`restart_blocks` (at most ``restart_every`` steps) runs :func:`coupled_inverse_root` on the
+        Gram of ``Xj``, and the next block restarts from ``Xj <- Z Xj`` and its new Gram.
 
-        With ``X0 = Xn / 1.01`` and ``G0 = X0 X0^T``, Polar Express multiplies ``X`` by ``T = a I + b M +
-        c M^2`` with ``M = X X^T``. Writing ``X = Z X0`` (``Z`` a polynomial in ``G0``) and ``Y = Z G0``
-        gives ``M = Z Y`` and the updates ``Y <- Y T``, ``Z <- T Z``: products of commuting symmetric
-        matrices, with ``Z -> G0^(-1/2)`` and ``Y -> G0^(1/2) = Gn^(1/2) / 1.01``. ``Y`` and ``Z`` are
-        iterated together (coupled) because the uncoupled ``Z`` alone amplifies the Gram's rounding
-        by ``1 / s_min^2`` and diverges.
-
-        ``Z Y``, ``Y T`` and ``T Z`` are full products, not symmetric ones: a product that keeps one
-        triangle (the kernels' symmetric primitive) makes ``Y`` and ``Z`` stop commuting, and that
-        error grows about 8x per step (2e-3 in fp32 after 8 steps, measured); the rounding of full
-        products stays at its own level."""
-        if self._root is None:
+        A restart must recompute the Gram from the rectangle: ``Z G Z``, which carries the first Gram's
+        rounding, is no better than no restart (7.7e-5 at kappa = 1e6 in fp32, NaN in bf16, measured).
+        """
+        if self._gram_polar is None:
             shrink = 1.0 / NORMALIZATION_MARGIN
-            Y, Z = self.gram * shrink**2, None
-            identity = self.identity()
-            for a, b, c in coefficients:
-                M = Y if Z is None else self.product(Z, Y)
-                T = self.kernels.poly_step(M, b, c, self.precision) + a * identity.to(M.dtype)
-                Y = self.product(Y, T)
-                Z = T if Z is None else self.product(T, Z)
-            self._root = (Y * NORMALIZATION_MARGIN, Z)
-        return self._root
+            X, G, identity, done = self.Xo * shrink, self.gram * shrink**2, self.identity(), 0
+            for number, steps in enumerate(restart_blocks(len(coefficients), self.restart_every)):
+                if number:
+                    X = self.product(Z, X)
+                    G = self.symmetric(X, X.mT)
+                Z = coupled_inverse_root(self.kernels, G, coefficients[done:done + steps], self.precision, identity)
+                done += steps
+            self._gram_polar = (Z, X)
+        return self._gram_polar
 
     def scaled_power(self, p: int, coefficients, iteration: str = "rectangle"):
         """``S_p`` (wide, math dtype) scaled, ``(D, ln f)``: ``D = M Q`` for ``p = 2k`` and ``M Xn`` for
         ``2k + 1``, with ``Gn^k = g M`` and ``f = c^p g``; ``(X, 0)`` for ``p = 1``. With
-        ``iteration="gram_space"`` an even ``p >= 2`` is ``D = M Gn^(1/2) Xn`` with ``Gn^(k-1) = g M``, and
-        ``p = 0`` is ``Q = Z X0`` (inaccurate on the small modes: see :func:`resolve_iteration`)."""
+        ``iteration="gram_space"`` the polar factor of an even ``p`` comes from :meth:`gram_polar` as
+        ``Q = Z Xj``, and ``D = (M Z) Xj``: one product by the rectangle instead of two."""
         if p == 1:
             return self.X, torch.zeros_like(self.log_scale)
-        if iteration == "gram_space" and p == 0:
-            inverse_root = self.gram_roots(coefficients)[1]
-            return (self.product(inverse_root, self.Xo) / NORMALIZATION_MARGIN).to(self.Xn.dtype), \
-                torch.zeros_like(self.log_scale)
         if iteration == "gram_space" and p % 2 == 0:
-            root, log_gram = self.gram_roots(coefficients)[0], torch.zeros_like(self.log_scale)
-            if p > 2:
-                M, log_gram = self.gram_power(p // 2 - 1)
-                root = self.symmetric(M, root)
-            return self.product(root, self.Xo).to(self.Xn.dtype), p * self.log_scale + log_gram
+            Z, X = self.gram_polar(coefficients)
+            if p == 0:
+                return self.product(Z, X).to(self.Xn.dtype), torch.zeros_like(self.log_scale)
+            M, log_gram = self.gram_power(p // 2)
+            return self.product(self.product(M, Z), X).to(self.Xn.dtype), p * self.log_scale + log_gram
         base = self.polar(coefficients) if p % 2 == 0 else self.Xo
         if p == 0:
             return base.to(self.Xn.dtype), torch.zeros_like(self.log_scale)
@@ -374,15 +412,19 @@ CHAIN_POWER_RANGE_BITS = 100
 
 
 def power_direction(kernels, plan: GramPlan, p: int, polar_coefficients, iteration: str):
-    """``S_p`` scaled, ``(D, ln f)``, by the iteration ``iteration`` resolves to (the rectangle takes a
-    backend's fused chain where one runs it)."""
+    """``S_p`` scaled, ``(D, ln f)``, by the iteration ``iteration`` resolves to. A backend's fused chain
+    (the rectangle's steps in one kernel per matrix) comes first under ``"rectangle"`` and ``"auto"``:
+    it runs where launches, not FLOPs, bound the time, so Gram space's saving would not show."""
+    if iteration != "gram_space":
+        chained = chained_power(kernels, plan, p, polar_coefficients)
+        if chained is not None:
+            return chained
     iteration = resolve_iteration(iteration, p, plan.Xn.shape, plan.precision, len(polar_coefficients))
-    chained = chained_power(kernels, plan, p, polar_coefficients) if iteration == "rectangle" else None
-    return chained or plan.scaled_power(p, polar_coefficients, iteration)
+    return plan.scaled_power(p, polar_coefficients, iteration)
 
 
 def spectral_power(kernels, W: torch.Tensor, p: int, polar_coefficients, precision: str | None = None,
-                   sync: bool = True, iteration: str = "rectangle"):
+                   sync: bool = True, iteration: str = "auto"):
     """``sync``: check the result for overflow (OverflowError); the capturable path passes False and
     gets Inf where the result exceeds the dtype. ``iteration``: one of :data:`ITERATIONS`."""
     if p == 1:
@@ -396,7 +438,9 @@ def spectral_power(kernels, W: torch.Tensor, p: int, polar_coefficients, precisi
 
 
 def polar(kernels, W: torch.Tensor, polar_coefficients, precision: str | None = None) -> torch.Tensor:
-    return spectral_power(kernels, W, 0, polar_coefficients, precision)
+    """Always on the rectangle: this is Muon's orthogonalisation, which must be the iteration
+    torch.optim.Muon runs (``spectral_power(W, 0)`` follows ``iteration`` instead)."""
+    return spectral_power(kernels, W, 0, polar_coefficients, precision, iteration="rectangle")
 
 
 def msign(kernels, A: torch.Tensor, sign_coefficients, precision: str | None = None) -> torch.Tensor:

@@ -15,6 +15,7 @@ which the tolerances below absorb.
 The first run compiles the module (~40 s on 2 cores); it is cached in build/cuda-emulation/.
 """
 
+import functools
 import os
 import subprocess
 
@@ -290,6 +291,17 @@ def test_decay_with_tensor_scales(path, p, p0_mode, band):
     expected = plan.decay_(TORCH, W.clone(), request)
     got = on_cuda(plan.decay_, W.clone(), request, path=path)
     assert relative_error(got, expected) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("p", [0, 2, 4])
+def test_gram_space_iteration_over_the_kernels(p):
+    """The restarted Gram-space iteration (issue #15) composed from the CUDA gemm, syrk and poly_step
+    kernels (a 4:1 batch, r = 40: partial tiles everywhere), against the same plan on torch matmuls."""
+    W = spectral_weight((2, 160, 40), torch.float32, seed=5)
+    gram_space = functools.partial(plan.spectral_power, iteration="gram_space")
+    got = on_cuda(gram_space, W, p, COEFFICIENTS, path="composed", precision="ieee")
+    expected = gram_space(TORCH, W, p, COEFFICIENTS)
+    assert relative_error(got, expected) < 1e-5
 
 
 # --- no missing barrier -----------------------------------------------------------------------

@@ -92,10 +92,11 @@ def test_spectral_power_against_the_svd(forced, shape, dtype):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_gram_space_powers_against_the_svd(forced, shape):
-    """The Gram-space iteration is the plan's, over Triton's symmetric, poly_step and product kernels
-    (fp32 only: its accuracy needs it). Tolerance as tests/test_plan.py's for fp32 Gram space."""
+    """The restarted Gram-space iteration is the plan's, over Triton's symmetric, poly_step and product
+    kernels (fp32: in fp16 it is a few times less accurate than the rectangle, so nothing routes it
+    there). Tolerance as tests/test_plan.py's for fp32 Gram space."""
     W = sample(shape)
-    for p in (2, 4):
+    for p in (0, 2, 4):
         result = so.spectral_power(W, p, iteration="gram_space", precision="fp32")
         assert ran_on_triton("spectral_power")
         assert relative_error(result, reference.spectral_power_svd(W, p)) < 2e-5, p

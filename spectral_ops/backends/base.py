@@ -69,7 +69,7 @@ class DecayRequest:
     polar_coefficients: tuple
     sign_coefficients: tuple
     precision: str | None = None
-    iteration: str = "rectangle"
+    iteration: str = "auto"
 
 
 def number_and_per_matrix(value: Scale, batch_shape, device) -> tuple[float, torch.Tensor | None]:

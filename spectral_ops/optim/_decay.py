@@ -29,7 +29,7 @@ DECAY_DEFAULTS = {
     "stability": "raise",
     "polar_steps": None,
     "decay_precision": None,
-    "decay_iteration": "rectangle",
+    "decay_iteration": "auto",
     "capturable": False,
     "strict": False,
 }

@@ -53,7 +53,7 @@ class SpectralDecay(SpectralOptimizer):
 
     def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
                  band=None, p0_mode="explicit", stability="raise", polar_steps=None, decay_precision=None,
-                 decay_iteration="rectangle", lr=None, capturable=False, strict=False, weight_decay=None):
+                 decay_iteration="auto", lr=None, capturable=False, strict=False, weight_decay=None):
         spectral_weight_decay = renamed_spectral_coefficient("SpectralDecay", spectral_weight_decay, weight_decay,
                                                              stacklevel=2)
         if not isinstance(params, torch.Tensor):  # torch's own check refuses a bare tensor
