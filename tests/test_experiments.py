@@ -57,6 +57,24 @@ def test_polar_accuracy_errors(outputs):
     assert summary[1e6]["max_relative_error"]["0"] > 1e-2
 
 
+def test_schedules_study(outputs):
+    """The restarted Gram-space iteration meets the fp32 bound (2e-5, ten fp32 roundoffs) for p = 2, 4
+    at every kappa, as the rectangle does; without restarts it misses at kappa = 1e6 (its iterate
+    amplifies the Gram's rounding by up to 1/s_min) and breaks down in bf16; and "auto" never leaves
+    the bound where the rectangle meets it."""
+    _, results = outputs
+    data = results["schedules"][1]
+    usable = data["usable_kappas"]
+    for p in (2, 4):
+        assert usable[f"gram_space/fp32/p{p}"] == usable[f"rectangle/fp32/p{p}"] == [10.0, 1e3, 1e6]
+        assert 1e6 not in usable[f"gram_space_no_restarts/fp32/p{p}"]
+    assert any(row["outcome"] == "nan" for row in data["summary"]
+               if row["schedule"] == "gram_space_no_restarts" and row["precision"] == "bf16")
+    assert data["auto_regressions"] == 0
+    assert {a["choice"] for a in data["auto"] if a["precision"] == "fp32" and a["aspect"] == 4} == {"gram_space"}
+    assert {a["choice"] for a in data["auto"] if a["precision"] == "bf16"} == {"rectangle"}
+
+
 def test_linear_teacher_results(outputs):
     _, results = outputs
     data = results["linear-teacher"][1]

@@ -16,6 +16,7 @@ EXPERIMENTS = {
     "linear-teacher": "linear_teacher",
     "pure-decay": "pure_decay",
     "feedback-loop": "feedback_loop",
+    "schedules": "schedules",
 }
 
 
