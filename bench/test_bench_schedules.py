@@ -1,8 +1,9 @@
 """The Gram-space iteration against the rectangle (issue #15), interleaved in one run.
 
 An S_2 (and a p = 2 decay) of a 4:1 weight, both ways on the same backend: Polar Express on the
-``r x N`` rectangle (the default, the reference algorithm composed of plain torch matmuls on a CPU)
-and the coupled square-root iteration on the ``r x r`` Gram. Each round runs one of each, back to
+``r x N`` rectangle (the reference algorithm, composed of plain torch matmuls on a CPU)
+and the same steps on ``r x r`` Grams, restarted from the rectangle every 3 steps (``"gram_space"``,
+which ``"auto"``, the default, picks for these shapes). Each round runs one of each, back to
 back; the ratio of the medians and both FLOP counts (``FlopCounterMode``, as torch counts them) go
 into ``extra_info`` (goals: at most 0.75x the time, at most 100 r^3 FLOPs).
 """
