@@ -14,6 +14,8 @@ from spectral_ops.optim import (
     width_scaled_hyperparameters,
     width_transfer,
 )
+from spectral_ops.decay import Band
+from spectral_ops.optim.groups import width_decay_factor
 
 
 class Block(torch.nn.Module):
@@ -70,6 +72,21 @@ def test_width_scaled_hyperparameters():
     assert width_scaled_hyperparameters(1e-2, 0.1, 256, 1024, kind="vector") == (1e-2, 0.0)
     with pytest.raises(ValueError, match="kind must be"):
         width_scaled_hyperparameters(1e-2, 0.1, 256, 1024, kind="tensor")
+    lr, wd = width_scaled_hyperparameters(1e-2, 0.1, 256, 1024, convention="independent")
+    assert math.isclose(lr, 1e-2 / 4) and math.isclose(wd, 0.1 / 2)
+
+
+def test_width_decay_factor_keeps_the_per_step_shrink_at_d_to_the_minus_half():
+    # decoupled: shrink lr * lambda with lr ~ 1/d, so lambda ~ sqrt(d); independent: shrink lambda alone.
+    assert math.isclose(width_decay_factor(64, 256, "decoupled"), 2.0)
+    assert math.isclose(width_decay_factor(64, 256, "independent"), 0.5)
+    for convention in ("decoupled", "independent"):
+        lr_factor = 64 / 256 if convention == "decoupled" else 1.0  # the lr in the shrink, or none
+        assert math.isclose(lr_factor * width_decay_factor(64, 256, convention), (256 / 64) ** -0.5)
+    with pytest.raises(ValueError, match="convention must be"):
+        width_decay_factor(64, 256, "coupled")
+    with pytest.raises(ValueError, match="widths must be positive"):
+        width_decay_factor(0, 256)
 
 
 def test_width_transfer():
@@ -93,3 +110,63 @@ def test_an_override_for_an_unknown_role_is_refused():
         param_groups_by_module(model, {"atention": {"p": 0}})
     # A known role the model happens not to have is fine (e.g. no separate head).
     param_groups_by_module(model, {"head": {"p": 0}})
+
+
+def decayed_by_one_step(group: dict) -> torch.Tensor:
+    """The weight after one SpectralAdamW step with a zero gradient: Adam's direction is 0, so only the decay
+    (ordinary and spectral) moves it."""
+    weight = group["params"][0]
+    weight.grad = torch.zeros_like(weight)
+    SpectralAdamW([group], stability="raise").step()
+    return weight.detach()
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_both_conventions_transfer_to_the_same_step(p):
+    """Decoupled (lr 0.02, lambda 0.1) and independent (lambda 0.02 x 0.1) coefficients decay alike at the base
+    width; after the width rule they still do, at the decoupled rule's shrink lr lambda (base/width)^1/2."""
+    start = torch.linspace(-1, 1, 48, dtype=torch.float64).reshape(6, 8)
+    lr, lam, base, width = 0.02, 0.1, 8, 32
+    conventions = {"decoupled": lam, "independent": lr * lam}
+    steps = {}
+    for convention, coefficient in conventions.items():
+        group = {"params": [torch.nn.Parameter(start.clone())], "role": "mlp_in", "lr": lr, "convention": convention,
+                 "weight_decay": coefficient if p == 1 else 0.0, "p": p,
+                 "spectral_weight_decay": coefficient if p != 1 else 0.0}
+        steps[convention] = decayed_by_one_step(width_transfer([group], base, width)[0])
+    shrink = lr * lam * (base / width) ** 0.5
+    U, s, Vh = torch.linalg.svd(start, full_matrices=False)
+    expected = U @ torch.diag(s - shrink * s**p) @ Vh
+    # float64 throughout: only round-off of the polar iteration (p = 2) and of the SVD separates them.
+    for convention in conventions:
+        assert torch.allclose(steps[convention], expected, rtol=0, atol=1e-10), convention
+
+
+def test_width_transfer_scales_peak_lr_with_lr():
+    """Under the independent convention the decay is scaled by eta_t = lr / peak_lr: both move together, so
+    eta_t is unchanged (0.5 here) and the decay is lambda x eta_t x (base/width)^1/2."""
+    start = torch.eye(4, dtype=torch.float64)
+    group = {"params": [torch.nn.Parameter(start.clone())], "role": "matrix", "lr": 0.01, "peak_lr": 0.02,
+             "weight_decay": 0.2, "convention": "independent"}
+    wide = width_transfer([group], 4, 16)[0]
+    assert wide["lr"] / wide["peak_lr"] == pytest.approx(0.5)
+    assert torch.allclose(decayed_by_one_step(wide), start * (1 - 0.5 * 0.2 * 0.5), rtol=0, atol=1e-15)
+
+
+def test_width_transfer_scales_every_decay_coefficient_by_the_groups_convention():
+    band = Band(tau=0.5, mode="two_band", p_bot=0, weight_decay_bot=0.4)
+    options = {"lr": 0.02, "weight_decay": 0.1, "p": 2, "spectral_weight_decay": 0.3}
+    groups = param_groups_by_module(Block(), {"mlp": {**options, "convention": "independent", "band": band},
+                                              "attention": options, "matrix": options},
+                                    non_matrix={"lr": 0.003, "spectral_weight_decay": 0.05})
+    wide = roles(width_transfer(groups, base_width=16, width=64, convention="decoupled"))
+    assert wide["q"]["spectral_weight_decay"] == pytest.approx(0.3 * 2), "no convention in the group: the argument's"
+    assert wide["mlp_in"]["weight_decay"] == pytest.approx(0.1 / 2)
+    assert wide["mlp_in"]["spectral_weight_decay"] == pytest.approx(0.3 / 2)
+    assert wide["mlp_in"]["band"].weight_decay_bot == pytest.approx(0.4 / 2)
+    assert wide["mlp_in"]["band"].tau == 0.5, "tau is a singular value, which the rule keeps Theta(1)"
+    independent = roles(width_transfer(groups, 16, 64, convention="independent"))
+    assert independent["q"]["weight_decay"] == pytest.approx(0.1 / 2)
+    for role in ("embedding", "vector", "head"):  # vector-like: no decay, not even the optimizer's default
+        assert wide[role]["weight_decay"] == 0.0 and wide[role]["spectral_weight_decay"] == 0.0
+    SpectralAdamW(list(wide.values()))

@@ -7,10 +7,14 @@ Roles are recognised from parameter names by regular expressions (override any o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 
 import torch
+
+from .._checks import check_choice
+from ..decay import CONVENTIONS, Band
 
 ROLE_PATTERNS = {
     "q": r"(^|\.)(q_proj|wq|query|to_q|q)\.weight$",
@@ -92,37 +96,87 @@ def full_v_extra_decay(lambda_v, heads, ordinary_weight_decay=0.1) -> dict:
     }
 
 
-def width_scaled_hyperparameters(lr: float, weight_decay: float, base_width: int, width: int, kind: str = "matrix"):
+def width_decay_factor(base_width: int, width: int, convention: str = "decoupled") -> float:
+    """The factor on every decay coefficient (``lambda_1``, ``lambda_p``, a band's ``weight_decay_bot``)
+    of a matrix-like group moved from ``base_width`` to ``width`` with ``lr ~ 1/d``.
+
+    SPEC 4 keeps the steady state ``s_1 ~ sqrt(lr / lambda_1) d^0.75`` of AdamW fixed across widths with
+    ``lr ~ 1/d`` and ``lambda_1 ~ sqrt(d)`` under the ``"decoupled"`` convention, whose per-step shrink
+    is ``eta_t lr lambda_1 ~ d^-1/2``. Under ``"independent"`` the shrink is ``eta_t lambda_1``, with no
+    lr in it: the same steady state, and the same per-step shrink, need ``lambda_1 ~ d^-1/2``. (Scaling
+    it by ``sqrt(d)`` there would make the shrink grow like ``sqrt(d)`` and ``s_1`` fall like ``d^-1/2``.)
+
+    ``lambda_p`` takes the same factor for every ``p``. The balance heuristic ``s* ~ (lr / lambda_p)^(1/(p+1))``
+    (SPEC 4) is the energy balance of a random-walk update (``lr^2 ||D||_F^2`` in per step) against the
+    decay (``lr lambda_p sum_i s_i^(p+1)`` out); its width factor, calibrated by ``p = 1``, is
+    ``s*^(p+1) ~ (lr / lambda_p) d^1.5``, which stays constant across widths iff ``lambda_p ~ lr d^1.5 ~ sqrt(d)``.
+    Put otherwise: the rule keeps ``s = Theta(1)`` across widths, and there ``lambda_p S_p`` shrinks each
+    mode like an ordinary decay with coefficient ``lambda_p s^(p-1)``, which transfers like ``lambda_1``
+    exactly when ``lambda_p`` does. This is a heuristic: ``python -m spectral_ops.experiments
+    width-transfer`` measures it for ``p = 2``.
+    """
+    if base_width <= 0 or width <= 0:
+        raise ValueError(f"widths must be positive, got base_width={base_width}, width={width}")
+    check_choice(convention, "convention", CONVENTIONS)
+    ratio = width / base_width
+    return math.sqrt(ratio) if convention == "decoupled" else 1.0 / math.sqrt(ratio)
+
+
+def width_scaled_hyperparameters(lr: float, weight_decay: float, base_width: int, width: int, kind: str = "matrix",
+                                 convention: str = "decoupled"):
     """``(lr, weight_decay)`` transferred from ``base_width`` to ``width`` under muP-style scaling.
 
-    Matrix-like parameters: ``lr ~ 1/d`` and ordinary ``weight_decay ~ sqrt(d)`` (so their product,
-    the per-step shrink, goes as ``d^-1/2``). Vector-like parameters (gains, biases): ``lr = Theta(1)``
-    and no weight decay.
+    Matrix-like parameters: ``lr ~ 1/d``, and the decay coefficient times :func:`width_decay_factor`:
+    ``sqrt(d)`` under ``convention="decoupled"``, ``d^-1/2`` under ``"independent"`` (either way the
+    per-step shrink goes as ``d^-1/2``). Vector-like parameters (gains, biases): ``lr = Theta(1)`` and
+    no weight decay.
     """
-    ratio = width / base_width
     if kind == "matrix":
-        return lr / ratio, weight_decay * math.sqrt(ratio)
+        return lr * base_width / width, weight_decay * width_decay_factor(base_width, width, convention)
     if kind == "vector":
         return lr, 0.0
     raise ValueError(f"kind must be 'matrix' or 'vector', got {kind!r}")
 
 
-def width_transfer(groups, base_width: int, width: int) -> list[dict]:
-    """SPEC 4 width rule, from ``base_width`` to ``width``: matrix-like groups get ``lr * base/width``
-    and ordinary ``weight_decay * sqrt(width/base)``; vector-like groups (roles embedding, head,
-    vector, or ``algorithm="adamw"``) keep their lr and get no weight decay. Returns new groups."""
-    if base_width <= 0 or width <= 0:
-        raise ValueError(f"widths must be positive, got base_width={base_width}, width={width}")
+def scaled_decay(group: dict, factor: float) -> None:
+    """Multiply every decay coefficient ``group`` sets by ``factor``, in place."""
+    for key in ("weight_decay", "spectral_weight_decay"):
+        if key in group:
+            group[key] = group[key] * factor
+    if group.get("band") is not None:
+        band = Band.coerce(group["band"])
+        group["band"] = dataclasses.replace(band, weight_decay_bot=band.weight_decay_bot * factor)
+
+
+def width_transfer(groups, base_width: int, width: int, *, convention: str = "decoupled") -> list[dict]:
+    """SPEC 4 width rule, from ``base_width`` to ``width``; returns new groups.
+
+    Matrix-like groups get ``lr * base/width`` (and so do their ``peak_lr`` and a scheduler's
+    ``initial_lr``, which set ``eta_t = lr / peak_lr`` under the independent convention), and every
+    decay coefficient they set (``weight_decay``, ``spectral_weight_decay``, a band's
+    ``weight_decay_bot``) times :func:`width_decay_factor` of their convention: ``sqrt(width/base)``
+    when decoupled, ``sqrt(base/width)`` when independent, the same for every ``p`` (see there why).
+    ``convention`` is the one of groups that do not set theirs (the optimizer's default). A band's
+    ``tau`` is a singular value, which the rule keeps Theta(1), so it stays.
+
+    Vector-like groups (roles embedding, head, vector, or ``algorithm="adamw"``) keep their lr and
+    get no decay. A matrix group must set ``lr`` and ``weight_decay``: the optimizer's defaults would
+    apply to it unscaled. A coefficient left to the optimizer's defaults is not scaled.
+    """
+    ratio = base_width / width
     scaled = []
     for group in groups:
         group = dict(group)
-        kind = "vector" if group.get("role") in NON_MATRIX_ROLES or group.get("algorithm") == "adamw" else "matrix"
-        if kind == "matrix" and ("lr" not in group or "weight_decay" not in group):
-            raise ValueError(f"matrix group {group.get('role', '?')!r} needs explicit lr and weight_decay to scale")
-        lr, weight_decay = width_scaled_hyperparameters(group.get("lr"), group.get("weight_decay", 0.0),
-                                                        base_width, width, kind)
-        group["weight_decay"] = weight_decay
-        if kind == "matrix":
-            group["lr"] = lr
+        if group.get("role") in NON_MATRIX_ROLES or group.get("algorithm") == "adamw":
+            group.setdefault("weight_decay", 0.0)  # 0 rather than the optimizer's default
+            group.setdefault("spectral_weight_decay", 0.0)
+            scaled_decay(group, 0.0)
+        else:
+            if "lr" not in group or "weight_decay" not in group:
+                raise ValueError(f"matrix group {group.get('role', '?')!r} needs explicit lr and weight_decay to scale")
+            for key in ("lr", "peak_lr", "initial_lr"):
+                if key in group:
+                    group[key] = group[key] * ratio
+            scaled_decay(group, width_decay_factor(base_width, width, group.get("convention", convention)))
         scaled.append(group)
     return scaled
