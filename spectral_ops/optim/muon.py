@@ -30,17 +30,25 @@ from ._decay import (
 from .adamw import check_adam_options, prepare_adam_step
 
 ALGORITHMS = ("muon", "adamw")
-ADJUST_LR_FNS = ("original", "match_rms_adamw")
+ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral")
 
 
 def adjusted_lr(lr: float, adjust_lr_fn, shape) -> float:
-    """Muon's per-matrix lr: ``"original"`` ``sqrt(max(1, rows/cols))`` (torch's default), or
-    ``"match_rms_adamw"`` ``0.2 sqrt(max(rows, cols))`` (SPEC 4), or a callable ``(lr, shape)``."""
+    """Muon's per-matrix lr: ``"original"`` ``sqrt(max(1, rows/cols))`` (torch's default),
+    ``"match_rms_adamw"`` ``0.2 sqrt(max(rows, cols))`` (SPEC 4), ``"spectral"`` ``sqrt(rows/cols)``,
+    or a callable ``(lr, shape)``.
+
+    ``"spectral"`` is the modular norm's dual scale (SPEC 6): a linear layer's natural norm is
+    ``sqrt(fan_in/fan_out) ||W||_2``, with ``fan_out = rows`` and ``fan_in = cols`` of a torch weight,
+    so a polar factor (spectral norm 1) of unit natural norm is ``sqrt(fan_out/fan_in) U V^T``.
+    """
     rows, cols = shape
     if callable(adjust_lr_fn):
         return adjust_lr_fn(lr, shape)
     if adjust_lr_fn in (None, "original"):
         return lr * math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "spectral":
+        return lr * math.sqrt(rows / cols)
     return lr * 0.2 * math.sqrt(max(rows, cols))
 
 
