@@ -6,7 +6,8 @@
   (the penalty gradient is :func:`spectral_ops.spectral_power`; ``p = 0`` takes the proximal step
   :func:`spectral_ops.svt`).
 * The normalised-network feedback loop (SPEC 5): weight norm, effective lr and alignment under SGD with
-  weight decay on a scale-invariant loss, and a regime classifier over an ``(eta, lambda)`` grid.
+  weight decay on a scale-invariant loss, a regime classifier over an ``(eta, lambda)`` grid and its
+  boundary, and the loop's equilibrium norm ``n*`` with its linear stability (noisy and full batch).
 * Width-transfer diagnostics (SPEC 4). The width rule itself, ``width_scaled_hyperparameters``, lives
   in :mod:`spectral_ops.optim` with ``width_transfer``, which applies it; it is importable from here too.
 
@@ -268,6 +269,7 @@ class NormalisedTrajectory:
     norm: np.ndarray            # ||w_t||, before step t
     effective_lr: np.ndarray    # eta_t / ||w_t||^2, the step the scale-invariant loss actually feels
     alignment: np.ndarray       # cos(w_t, w*): the loss is 1 - alignment
+    gradient_norm: np.ndarray   # ||g_t||, noise included: ||w_t|| ||g_t|| is the c of equilibrium_norm
     final_norm: np.ndarray      # ||w_T||, after the last step
 
 
@@ -289,7 +291,8 @@ def simulate_normalised_network(eta, lam, schedule: np.ndarray, *, dim: int = 16
     start = rng.standard_normal(dim)
     w = np.tile(start / np.linalg.norm(start), (eta.size, 1))
     steps = len(schedule)
-    records = {name: np.empty((steps, eta.size)) for name in ("nominal_lr", "norm", "effective_lr", "alignment")}
+    records = {name: np.empty((steps, eta.size))
+               for name in ("nominal_lr", "norm", "effective_lr", "alignment", "gradient_norm")}
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for t in tqdm(range(steps), desc="normalised network", leave=False, disable=not progress):
             norm = np.linalg.norm(w, axis=1, keepdims=True)
@@ -305,6 +308,7 @@ def simulate_normalised_network(eta, lam, schedule: np.ndarray, *, dim: int = 16
             records["norm"][t] = norm[:, 0]
             records["effective_lr"][t] = lr / norm[:, 0] ** 2
             records["alignment"][t] = cosine
+            records["gradient_norm"][t] = np.linalg.norm(gradient, axis=1)
             w = w - lr[:, None] * (gradient + lam[:, None] * w)
         final_norm = np.linalg.norm(w, axis=1)
     return NormalisedTrajectory(**records, final_norm=final_norm)
@@ -347,6 +351,126 @@ def regime_map(etas, lams, steps: int, **simulation_options) -> np.ndarray:
     trajectory = simulate_normalised_network(eta_grid.ravel(), lam_grid.ravel(), constant_schedule(steps),
                                              **simulation_options)
     return classify_regime(trajectory, eta_grid.ravel(), lam_grid.ravel()).reshape(eta_grid.shape)
+
+
+def _decay_product(eta, lam) -> np.ndarray:
+    product = np.asarray(eta, float) * np.asarray(lam, float)
+    if bool(((product <= 0) | (product >= 2)).any()):
+        raise ValueError("the norm has an equilibrium only for 0 < eta lam < 2 (otherwise 1 - eta lam does "
+                         f"not shrink w); got eta lam = {product}")
+    return product
+
+
+def equilibrium_norm(eta, lam, gradient_constant) -> np.ndarray:
+    """Fixed point ``n*`` of ``||w+||^2 = (1 - eta lam)^2 ||w||^2 + eta^2 ||g||^2`` with ``||g|| = c / ||w||``.
+
+    With ``x = ||w||^2`` the map is ``x+ = (1 - eta lam)^2 x + eta^2 c^2 / x``. At a fixed point
+    ``x (1 - (1 - eta lam)^2) = eta^2 c^2 / x``, and ``1 - (1 - eta lam)^2 = eta lam (2 - eta lam)``, so::
+
+        n*^4 = eta c^2 / (lam (2 - eta lam)),    n*^2 = c sqrt(eta / (lam (2 - eta lam))).
+
+    ``sqrt(eta C / (lam (2 - eta lam)))`` is therefore ``n*^2`` when ``C = c^2 = ||w||^2 ||g||^2``
+    (not ``n*``). Under gradient noise ``c`` varies; ``c = sqrt(mean ||w||^2 ||g||^2)`` from a run
+    (:attr:`NormalisedTrajectory.gradient_norm`) gives its mean ``||w||^2`` to a fraction of a
+    percent. Arguments broadcast; ``0 < eta lam < 2``.
+    """
+    product = _decay_product(eta, lam)
+    return (product * np.asarray(gradient_constant, float) ** 2 / (np.asarray(lam, float) ** 2
+                                                                  * (2.0 - product))) ** 0.25
+
+
+def equilibrium_norm_slope(eta, lam) -> np.ndarray:
+    """``F'(n*)`` for the norm map ``n+ = F(n) = sqrt((1 - eta lam)^2 n^2 + eta^2 c^2 / n^2)``: ``2 (1 - eta lam)^2 - 1``.
+
+    With ``G(x) = a x + b / x`` (``a = (1 - eta lam)^2``, ``b = eta^2 c^2``), ``F(n) = sqrt(G(n^2))`` and
+    ``F'(n) = G'(n^2) n / F(n)``; at the fixed point ``F(n*) = n*`` and ``b / x*^2 = 1 - a``, so
+    ``F'(n*) = G'(x*) = a - (1 - a) = 2 a - 1``. It depends on ``eta lam`` alone (not on ``c``), and
+    ``|F'(n*)| < 1`` for every ``0 < eta lam < 2`` except ``eta lam = 1`` (``F' = -1``: ``x+ = b / x``
+    makes every orbit 2-periodic): with ``||g|| ||w||`` held at ``c``, as gradient noise does, the
+    equilibrium is *stable*, relaxing like ``(1 - 4 eta lam)^t`` for small ``eta lam``.
+    """
+    return 2.0 * (1.0 - _decay_product(eta, lam)) ** 2 - 1.0
+
+
+@dataclass(frozen=True)
+class FullBatchEquilibrium:
+    """The interior equilibrium of the full-batch loop: ``||w|| = norm`` and the direction flipping
+    between ``+angle`` and ``-angle`` from ``w*`` every step. ``jacobian`` is that of the map
+    ``(||w||^2, theta) -> (||w+||^2, -theta+)`` there."""
+
+    norm: float
+    angle: float
+    jacobian: np.ndarray
+
+    @property
+    def spectral_radius(self) -> float:
+        """Largest eigenvalue modulus: above 1, perturbations grow and the equilibrium is unstable."""
+        return float(np.abs(np.linalg.eigvals(self.jacobian)).max())
+
+
+def full_batch_equilibrium(eta: float, lam: float) -> FullBatchEquilibrium:
+    """The full-batch equilibrium of SPEC 5 and its linearisation, for ``0 < eta lam < 1``.
+
+    In full batch ``c = ||w|| ||g|| = sin theta`` is not a constant: ``theta`` is the angle between
+    ``w`` and ``w*``, and the run stays in their plane. With ``x = ||w||^2`` and ``s = 1 - eta lam``::
+
+        x+ = s^2 x + eta^2 sin^2 theta / x,    theta+ = theta - atan(eta sin theta / (s x)).
+
+    Every step turns ``w`` towards ``w*``, so no fixed point has ``theta != 0``; the interior
+    equilibrium is the 2-cycle ``theta+ = -theta``, ``x+ = x``. The norm balance gives
+    ``eta sin theta / x = sqrt(1 - s^2)``, so ``tan(2 theta*) = sqrt(1 - s^2) / s``::
+
+        2 theta* = arccos(1 - eta lam),    n*^2 = eta sin theta* / sin 2 theta* = eta / (2 cos theta*),
+
+    (:func:`equilibrium_norm` with ``c = sin theta*``). The reflection ``theta -> -theta`` commutes
+    with the map, so the cycle is stable iff ``(x, theta) -> (x+, -theta+)`` is, at its fixed point::
+
+        J = [[2 s^2 - 1,          eta^2 sin 2 theta* / x*],
+             [-s sin 2 theta* / x*,  s^2 + s - 1          ]],
+
+    and with ``eta^2 / x*^2 = 4 cos^2 theta* = 2 (1 + s)``, ``det J = 1 + eta lam (1 - eta lam) > 1``:
+    some eigenvalue has modulus above 1 (a complex pair of modulus ``sqrt(det J)`` at small
+    ``eta lam``, an outward spiral). The full-batch equilibrium is *unstable* for every
+    ``0 < eta lam < 1``; like :func:`equilibrium_norm_slope`, the eigenvalues depend on ``eta lam`` alone.
+    """
+    product = float(_decay_product(eta, lam))
+    if product >= 1:  # s <= 0 flips w through the origin every step; the angle map above assumes s > 0
+        raise ValueError(f"full_batch_equilibrium needs 0 < eta lam < 1, got {product}")
+    s = 1.0 - product
+    angle = 0.5 * math.acos(s)
+    x = eta / (2.0 * math.cos(angle))
+    sin_double = math.sin(2.0 * angle)
+    jacobian = np.array([[2 * s**2 - 1, eta**2 * sin_double / x], [-s * sin_double / x, s**2 + s - 1]])
+    return FullBatchEquilibrium(norm=math.sqrt(x), angle=angle, jacobian=jacobian)
+
+
+@dataclass(frozen=True)
+class RegimeBoundary:
+    """Where runs stop converging, per ``lambda`` column of a regime map, and the log-log slope of
+    that boundary: ``0`` if ``eta`` alone sets it, ``-1`` if ``eta lam`` does."""
+
+    lambdas: np.ndarray
+    etas: np.ndarray     # boundary eta per lambda (geometric mean of the two grid etas around it; nan if none)
+    slope: float         # fit of log eta_boundary against log lambda over the columns that have one
+
+
+def regime_boundary(etas, lams, labels) -> RegimeBoundary:
+    """The converge / not-converge boundary of a :func:`regime_map` (``labels[i, j]`` at ``etas[i]``, ``lams[j]``).
+
+    In column ``j`` it lies between the first ``eta`` (ascending) whose run does not converge and
+    the ``eta`` below it; a column that converges everywhere, or nowhere, has none (nan).
+    """
+    etas, lams = np.asarray(etas, float), np.asarray(lams, float)
+    order = np.argsort(etas)
+    etas, labels = etas[order], np.asarray(labels)[order]
+    boundary = np.full(len(lams), np.nan)
+    for j in range(len(lams)):
+        unsettled = np.flatnonzero(labels[:, j] != "converge")
+        if unsettled.size and unsettled[0] > 0:
+            boundary[j] = math.sqrt(etas[unsettled[0] - 1] * etas[unsettled[0]])
+    found = np.isfinite(boundary)
+    slope = float(np.polyfit(np.log(lams[found]), np.log(boundary[found]), 1)[0]) if found.sum() >= 2 else math.nan
+    return RegimeBoundary(lambdas=lams, etas=boundary, slope=slope)
 
 
 # ---------------------------------------------------------------------------------------------

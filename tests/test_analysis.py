@@ -201,7 +201,7 @@ def _trajectory(norms):
     norms = np.asarray(norms, float)[:, None]
     ones = np.ones((len(norms) - 1, 1))
     return analysis.NormalisedTrajectory(nominal_lr=ones, norm=norms[:-1], effective_lr=ones, alignment=ones,
-                                         final_norm=norms[-1])
+                                         gradient_norm=ones, final_norm=norms[-1])
 
 
 def test_classify_regime_on_known_trajectories():
@@ -221,6 +221,93 @@ def test_regime_map_facts():
     assert regimes[2, 2] == "diverge"  # 1 - eta lam = -3
     # SPEC 5: a constant lr with decay does not settle, once eta lam t is large enough.
     assert regimes[1, 1] == "oscillate"
+
+
+def _noisy_equilibrium_runs(steps=10_000):
+    """Second halves of noisy runs (noise 0.3, as in the feedback-loop experiment): x = ||w||^2, c^2."""
+    eta, lam = np.array([0.1, 1.0, 0.01]), np.array([0.02, 0.05, 0.5])
+    trajectory = analysis.simulate_normalised_network(eta, lam, analysis.constant_schedule(steps),
+                                                      gradient_noise=0.3, progress=False)
+    x = trajectory.norm[steps // 2:] ** 2
+    return eta, lam, x, (x * trajectory.gradient_norm[steps // 2:] ** 2).mean(0)
+
+
+def test_equilibrium_norm_is_the_fixed_point_and_matches_the_noisy_simulator():
+    eta, lam, x, c_sq = _noisy_equilibrium_runs()
+    n_star = analysis.equilibrium_norm(eta, lam, np.sqrt(c_sq))
+    # The closed form is the fixed point of the recursion (round-off) ...
+    fixed = (1 - eta * lam) ** 2 * n_star**2 + eta**2 * c_sq / n_star**2
+    assert np.allclose(fixed, n_star**2, rtol=1e-13)
+    # ... and the issue's sqrt(eta C / (lam (2 - eta lam))) is n*^2 with C = c^2, not n*.
+    assert np.allclose(np.sqrt(eta * c_sq / (lam * (2 - eta * lam))), n_star**2, rtol=1e-13)
+    # The noisy runs hover around it: mean(c^2 / x) is not c^2 / mean(x) (fluctuations of a few % in x,
+    # second order) and ~40+ relaxation times are averaged, so 1% (measured: <= 0.3%).
+    assert np.allclose(x.mean(0), n_star**2, rtol=0.01)
+    with pytest.raises(ValueError, match="eta lam"):
+        analysis.equilibrium_norm(1.0, 2.0, 1.0)
+
+
+def test_equilibrium_norm_slope_linearises_the_map_and_the_noisy_equilibrium_is_stable():
+    eta, lam, c = 0.3, 0.2, 0.7
+    n_star = float(analysis.equilibrium_norm(eta, lam, c))
+    F = lambda n: math.sqrt((1 - eta * lam) ** 2 * n**2 + eta**2 * c**2 / n**2)  # noqa: E731
+    h = 1e-5 * n_star  # central difference: truncation ~ h^2, round-off ~ 1e-16 / h
+    assert math.isclose((F(n_star + h) - F(n_star - h)) / (2 * h), analysis.equilibrium_norm_slope(eta, lam),
+                        rel_tol=1e-8)
+    slopes = analysis.equilibrium_norm_slope(np.linspace(0.01, 1.99, 199), 1.0)
+    assert (np.abs(slopes) <= 1).all() and math.isclose(analysis.equilibrium_norm_slope(1.0, 1.0), -1.0)
+    # Under noise the deviations of x = ||w||^2 follow x+ - x* ~ F'(n*) (x - x*) + noise, an AR(1)
+    # process whose lag-1 autocorrelation is F'. ~5000 correlated samples: std ~ 0.01, so 0.03.
+    eta, lam, x, _ = _noisy_equilibrium_runs()
+    deviation = x - x.mean(0)
+    lag1 = (deviation[1:] * deviation[:-1]).mean(0) / (deviation**2).mean(0)
+    assert np.allclose(lag1, analysis.equilibrium_norm_slope(eta, lam), atol=0.03)
+
+
+def _full_batch_step(norm_sq, angle, eta, lam):
+    """One SGD step on 1 - cos(w, w*) in the plane, from the vectors (not the angle formulas)."""
+    w = math.sqrt(norm_sq) * np.array([math.cos(angle), math.sin(angle)])
+    target = np.array([1.0, 0.0])
+    u = w / np.linalg.norm(w)
+    gradient = -(target - (u @ target) * u) / np.linalg.norm(w)
+    w = w - eta * (gradient + lam * w)
+    return np.array([w @ w, -math.atan2(w[1], w[0])])  # reflected: the 2-cycle is a fixed point
+
+
+@pytest.mark.parametrize("eta, lam", [(0.1, 0.02), (1.0, 0.05), (0.5, 0.5), (2.0, 0.4)])
+def test_full_batch_equilibrium_is_an_unstable_two_cycle(eta, lam):
+    equilibrium = analysis.full_batch_equilibrium(eta, lam)
+    start = np.array([equilibrium.norm**2, equilibrium.angle])
+    assert np.allclose(_full_batch_step(*start, eta, lam), start, rtol=1e-12)
+    # Its norm is equilibrium_norm with c = ||w|| ||g|| = sin(angle).
+    assert math.isclose(equilibrium.norm, analysis.equilibrium_norm(eta, lam, math.sin(equilibrium.angle)),
+                        rel_tol=1e-12)
+    # Central differences of the vector update, relative step 1e-6: truncation ~ 1e-12, round-off
+    # ~ 1e-16 / 1e-6 = 1e-10 relative to the entries; 1e-6 leaves room for both.
+    numeric = np.column_stack([
+        (_full_batch_step(*(start + dz), eta, lam) - _full_batch_step(*(start - dz), eta, lam)) / (2 * dz[i])
+        for i, dz in enumerate(np.diag(1e-6 * start))])
+    assert np.allclose(numeric, equilibrium.jacobian, rtol=1e-6, atol=1e-6 * np.abs(equilibrium.jacobian).max())
+    product = eta * lam
+    assert math.isclose(np.linalg.det(equilibrium.jacobian), 1 + product * (1 - product), rel_tol=1e-12)
+    assert equilibrium.spectral_radius > 1  # unstable, for every 0 < eta lam < 1
+    # Rescaling w maps (eta, lam) to (eta / k, lam k): the eigenvalues see eta lam only.
+    rescaled = analysis.full_batch_equilibrium(eta / 7.0, lam * 7.0)
+    assert np.allclose(np.sort_complex(np.linalg.eigvals(rescaled.jacobian)),
+                       np.sort_complex(np.linalg.eigvals(equilibrium.jacobian)), rtol=1e-12)
+    with pytest.raises(ValueError, match="eta lam < 1"):
+        analysis.full_batch_equilibrium(1.0, 1.5)
+
+
+def test_regime_boundary_slope():
+    etas, lams = np.logspace(-2, 1, 13), np.logspace(-3, 0, 13)
+    eta_grid, lam_grid = np.meshgrid(etas, lams, indexing="ij")
+    by_product = np.where(eta_grid * lam_grid > 3e-3, "oscillate", "converge")
+    by_eta = np.where(eta_grid > 0.3, "oscillate", "converge")
+    # Both axes step by 1/4 decade, so an eta lam = const boundary has a slope of exactly -1.
+    assert math.isclose(analysis.regime_boundary(etas, lams, by_product).slope, -1.0, abs_tol=1e-9)
+    assert abs(analysis.regime_boundary(etas, lams, by_eta).slope) < 1e-9
+    assert np.isnan(analysis.regime_boundary(etas, lams, np.full(eta_grid.shape, "converge")).etas).all()
 
 
 def test_width_rules():
