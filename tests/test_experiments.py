@@ -121,6 +121,15 @@ def test_feedback_loop_results(outputs):
         assert {label for row in labels for label in row} <= {"converge", "oscillate", "diverge"}
     # Decay shrinks the norm once the direction is learned: the effective lr rises above the nominal one.
     assert all(t["peak_effective_lr_over_initial"] > 1 for t in data["trajectories"].values())
+    # The closed form n* matches the noisy runs where the norm relaxes over several steps (quick: 2000
+    # samples, ~0.2% measured; 2% leaves room), the noisy equilibrium is stable and the full-batch one is not.
+    for row in data["equilibria"]:
+        if row["eta_lambda"] <= 0.1:
+            assert abs(row["relative_error_n_star_squared"]) < 0.02
+        assert abs(row["norm_map_slope"]) < 1 < row["full_batch_spectral_radius"]
+    # Both maps have a boundary in the grid, and its slope is that of eta lambda = const (-1), not eta (0).
+    for boundary in data["boundaries"]:
+        assert boundary["columns"] >= 3 and abs(boundary["slope"] + 1) < 0.3
 
 
 def test_command_line_decays_a_saved_checkpoint(tmp_path, capsys):
@@ -137,3 +146,43 @@ def test_command_line_decays_a_saved_checkpoint(tmp_path, capsys):
         main(["no-such-experiment", "--out", str(tmp_path)])
     with pytest.raises(SystemExit):
         main(["polar-accuracy", "--out", str(tmp_path), "--checkpoint", str(path)])
+
+
+def test_pure_decay_reads_the_training_loops_checkpoint(tmp_path, capsys):
+    from spectral_ops import analysis
+    from spectral_ops.train.config import preset
+    from spectral_ops.train.loop import save_checkpoint
+    from spectral_ops.train.model import Transformer
+    from spectral_ops.train.optimizers import build_optimizer
+
+    config = preset("tiny", n_layers=1, d_model=16, n_heads=2, seq_len=8)
+    model = Transformer(config.model_config())
+    save_checkpoint(tmp_path, model, build_optimizer(model, config), 7, [], config)
+    out = tmp_path / "results"
+    main(["pure-decay", "--out", str(out), "--quick", "--checkpoint", str(tmp_path),  # the run folder
+          "--horizon", "0.5", "--coefficients", "0.2", "2"])
+    assert "--horizon 0.5 --coefficients 0.2 2" in capsys.readouterr().out
+    checkpoint = json.loads((out / "pure-decay.json").read_text())["checkpoint"]
+    assert checkpoint["step"] == 7 and checkpoint["horizon"] == 0.5 and checkpoint["coefficients"] == [0.2, 2.0]
+    # The hidden matrices only: the embedding and the output head get no spectral decay in training either.
+    hidden = [f"layers.0.{name}.weight" for name in ("attention.q_proj", "attention.k_proj", "attention.v_proj",
+                                                     "attention.o_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                     "mlp.down_proj")]
+    assert sorted(checkpoint["matrices"]) == sorted(hidden)
+    assert [(row["p"], row["lambda"]) for row in checkpoint["results"]] == [(p, lam) for p in (0, 1, 2, 4)
+                                                                           for lam in (0.2, 2.0)]
+    # The numbers are those of the model's own weights under the exact flow (float32 storage: 1e-6).
+    state = model.state_dict()
+    row = next(row for row in checkpoint["results"] if row["p"] == 2 and row["lambda"] == 2.0)
+    ratios = [float(torch.linalg.matrix_norm(analysis.decay_matrix(state[name], 2.0, 0.5, 2).float())
+                    / torch.linalg.matrix_norm(state[name])) for name in hidden]
+    assert abs(row["frobenius_ratio"] - sum(ratios) / len(ratios)) < 1e-6
+
+
+def test_pure_decay_refuses_what_is_not_a_checkpoint(tmp_path):
+    path = tmp_path / "numbers.pt"
+    torch.save([1.0, 2.0], path)
+    with pytest.raises(ValueError, match="neither a training checkpoint"):
+        main(["pure-decay", "--out", str(tmp_path), "--quick", "--checkpoint", str(path)])
+    with pytest.raises(SystemExit):
+        main(["feedback-loop", "--out", str(tmp_path), "--horizon", "2"])

@@ -1,10 +1,12 @@
-"""``python -m spectral_ops.experiments NAME --out DIR [--quick]``."""
+"""``python -m spectral_ops.experiments NAME --out DIR [--quick] [pure-decay options]``."""
 
 from __future__ import annotations
 
 import argparse
 
 from . import EXPERIMENTS, run
+
+PURE_DECAY_OPTIONS = ("checkpoint", "horizon", "coefficients")
 
 
 def main(argv=None) -> None:
@@ -13,13 +15,20 @@ def main(argv=None) -> None:
     parser.add_argument("name", choices=list(EXPERIMENTS))
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--quick", action="store_true", help="reduced settings that run in seconds")
-    parser.add_argument("--checkpoint", help="pure-decay only: a state dict saved with torch.save to decay")
+    from .pure_decay import COEFFICIENTS, HORIZON
+
+    parser.add_argument("--checkpoint", help="pure-decay only: the checkpoint to decay: checkpoint.pt of "
+                        "python -m spectral_ops.train (or its run folder), or a state dict saved with torch.save "
+                        "(default: a synthetic one)")
+    parser.add_argument("--horizon", type=float, help=f"pure-decay only: the fixed horizon T of the checkpoint "
+                        f"decay ds/dt = -lambda s^p (default {HORIZON:g})")
+    parser.add_argument("--coefficients", type=float, nargs="+", metavar="LAMBDA",
+                        help="pure-decay only: the decay coefficients lambda applied to the checkpoint (default "
+                             f"{' '.join(f'{lam:g}' for lam in COEFFICIENTS)})")
     args = parser.parse_args(argv)
-    options = {}
-    if args.checkpoint is not None:
-        if args.name != "pure-decay":
-            parser.error("--checkpoint applies to pure-decay only")
-        options["checkpoint"] = args.checkpoint
+    options = {key: getattr(args, key) for key in PURE_DECAY_OPTIONS if getattr(args, key) is not None}
+    if options and args.name != "pure-decay":
+        parser.error(f"{', '.join(f'--{key}' for key in options)} applies to pure-decay only")
     print(run(args.name, args.out, quick=args.quick, **options))
 
 

@@ -1,13 +1,16 @@
 """SPEC 7.3: pure-decay spectra, analytically.
 
 Part 1: one heavy-tailed spectrum under the decay flow for p in {0, 1, 2}, at several accumulated
-decay amounts. Part 2: the fixed-horizon decay applied to every matrix of a checkpoint for p in
-{0, 1, 2, 4} and several coefficients: a state dict saved with ``torch.save`` (``--checkpoint``), or,
-as in the committed run since no trained checkpoint exists in this repository yet, a synthetic one
-with heavy-tailed spectra.
+decay amounts. Part 2: the fixed-horizon decay (``--horizon``, ``--coefficients``) applied to the
+matrix weights of a checkpoint for p in {0, 1, 2, 4}: a training checkpoint of
+``python -m spectral_ops.train`` or a state dict saved with ``torch.save`` (``--checkpoint``), or, as
+in the committed run since no trained checkpoint exists in this repository yet, a synthetic one with
+heavy-tailed spectra.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,6 +18,7 @@ import torch
 from ..analysis import decay_checkpoint, pure_decay, time_to_shrink
 from ..metrics import default_rank_tolerance, matrix_metrics, shape_distance, singular_values, spectrum_metrics
 from ..linalg import matrix_with_spectrum
+from ..optim.groups import NON_MATRIX_ROLES, parameter_role
 from .report import command_line, markdown_table, plt, write_outputs
 
 # Part 1
@@ -28,7 +32,6 @@ TOP_MODE_FACTORS = (1.0, 0.85, 0.7, 0.55, 0.4)
 CHECKPOINT_POWERS = (0, 1, 2, 4)
 HORIZON = 1.0
 COEFFICIENTS = (0.1, 0.3, 1.0)
-FIGURE_COEFFICIENT = 0.3
 INDEX_GRID = np.linspace(0.0, 1.0, 101)
 
 
@@ -72,16 +75,45 @@ def _normalised_curve(W: torch.Tensor) -> np.ndarray:
     return np.interp(INDEX_GRID, np.linspace(0.0, 1.0, len(r)), r)
 
 
-def load_checkpoint(path) -> dict:
-    """The tensors of a state dict saved with ``torch.save`` (loaded on the CPU, weights only)."""
+def load_checkpoint(path) -> tuple[dict, int | None]:
+    """The model tensors of a checkpoint, and its training step (None for a plain state dict).
+
+    ``path`` is a training checkpoint written by :func:`spectral_ops.train.loop.save_checkpoint`
+    (``{"model": state_dict, "optimizer": ..., "step": ...}``), the run folder that holds one, or a
+    state dict saved with ``torch.save``. Loaded on the CPU with ``weights_only`` (no code runs).
+    """
+    from ..train.loop import CHECKPOINT  # the training package is only needed here
+
+    path = Path(path)
+    if path.is_dir():
+        path = path / CHECKPOINT
     state = torch.load(path, map_location="cpu", weights_only=True)
-    if not isinstance(state, dict):
-        raise ValueError(f"{path} does not hold a state dict (got {type(state).__name__})")
-    return {name: tensor for name, tensor in state.items() if isinstance(tensor, torch.Tensor)}
+    step = None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state, step = state["model"], state.get("step")
+    if not isinstance(state, dict) or not any(isinstance(value, torch.Tensor) for value in state.values()):
+        raise ValueError(f"{path} holds neither a training checkpoint (a dict with a 'model' state dict) nor a "
+                         f"state dict of tensors (got {type(state).__name__})")
+    return {name: tensor for name, tensor in state.items() if isinstance(tensor, torch.Tensor)}, step
 
 
-def run(out_dir, quick: bool = False, checkpoint=None) -> str:
-    """``checkpoint``: path of a saved state dict; default a synthetic one (smaller with ``quick``)."""
+def matrix_weights(state: dict) -> dict:
+    """The floating 2-D tensors that spectral decay applies to: by :func:`spectral_ops.optim.parameter_role`,
+    not embeddings, output heads or vectors (the optimizers leave those without spectral decay)."""
+    return {name: tensor for name, tensor in state.items()
+            if tensor.dim() == 2 and tensor.is_floating_point() and parameter_role(name, tensor) not in NON_MATRIX_ROLES}
+
+
+def run(out_dir, quick: bool = False, checkpoint=None, horizon: float = HORIZON,
+        coefficients=COEFFICIENTS) -> str:
+    """``checkpoint``: a training checkpoint, its run folder or a saved state dict (see
+    :func:`load_checkpoint`); default a synthetic one (smaller with ``quick``). Its matrix weights
+    decay for ``horizon`` at each of ``coefficients``."""
+    coefficients = tuple(float(lam) for lam in coefficients)
+    if horizon <= 0 or not coefficients or min(coefficients) <= 0:
+        raise ValueError(f"need horizon > 0 and positive coefficients, got {horizon} and {coefficients}")
+    # The figure shows the middle coefficient (0.3 of the defaults).
+    figure_coefficient = sorted(coefficients)[len(coefficients) // 2]
     start = power_law_spectrum(SPECTRUM_MODES, SPECTRUM_EXPONENT)
     flow = {}
     flow_rows = []
@@ -95,24 +127,25 @@ def run(out_dir, quick: bool = False, checkpoint=None) -> str:
             flow_rows.append([p, factor, amount, row["stable_rank"], row["effective_rank"], row["surviving_modes"],
                               row["shape_distance_to_start"]])
 
-    source = checkpoint
+    source, step = checkpoint, None
     if source is None:
         checkpoint = synthetic_checkpoint(layers=2, width=32) if quick else synthetic_checkpoint()
     else:
-        checkpoint = load_checkpoint(source)
-    names = [name for name, tensor in checkpoint.items() if tensor.dim() == 2 and tensor.is_floating_point()]
-    if not names:
-        raise ValueError(f"checkpoint {source} holds no floating-point matrix")
-    before = [checkpoint[name] for name in names]
+        checkpoint, step = load_checkpoint(source)
+    matrices = matrix_weights(checkpoint)
+    if not matrices:
+        raise ValueError(f"checkpoint {source} holds no floating-point matrix weight")
+    names = list(matrices)
+    before = list(matrices.values())
     before_metrics = [matrix_metrics(W) for W in before]
     checkpoint_results, checkpoint_rows, curves = [], [], {}
     for p in CHECKPOINT_POWERS:
-        for lam in COEFFICIENTS:
-            decayed = decay_checkpoint(checkpoint, lam, HORIZON, p)
+        for lam in coefficients:
+            decayed = decay_checkpoint(matrices, lam, horizon, p)
             after = [decayed[name] for name in names]
             after_metrics = [matrix_metrics(W) for W in after]
             result = {
-                "p": p, "lambda": lam, "horizon": HORIZON,
+                "p": p, "lambda": lam, "horizon": horizon,
                 "stable_rank": _mean("stable_rank", after_metrics),
                 "stable_rank_change": _mean("stable_rank", after_metrics) - _mean("stable_rank", before_metrics),
                 "effective_rank": _mean("effective_rank", after_metrics),
@@ -126,7 +159,7 @@ def run(out_dir, quick: bool = False, checkpoint=None) -> str:
             checkpoint_rows.append([result[key] for key in ("p", "lambda", "stable_rank", "stable_rank_change",
                                                             "effective_rank", "frobenius_ratio",
                                                             "surviving_mode_fraction", "shape_distance")])
-            if lam == FIGURE_COEFFICIENT:
+            if lam == figure_coefficient:
                 curves[p] = np.stack([_normalised_curve(W) for W in after])
     curves["before"] = np.stack([_normalised_curve(W) for W in before])
 
@@ -143,10 +176,15 @@ def run(out_dir, quick: bool = False, checkpoint=None) -> str:
             f"{len(names)} float32 matrices ({shapes}) with power-law spectra (exponents 0.3-0.9, top singular "
             "values 1-3) and random singular vectors.")
     else:
-        checkpoint_description = f"Checkpoint `{source}`: {len(names)} matrices ({shapes})."
+        kind = "state dict" if step is None else f"training checkpoint at step {step}"
+        checkpoint_description = (f"Checkpoint `{source}` ({kind}): its {len(names)} matrix weights ({shapes}); "
+                                  "embeddings, output head and vectors are left out, as the optimizers' "
+                                  "spectral decay leaves them.")
+    defaults = horizon == HORIZON and coefficients == COEFFICIENTS
     markdown = f"""# Pure-decay spectra (SPEC 2, 7.3)
 
-`{command_line("pure-decay", out_dir, quick, checkpoint=source)}`
+`{command_line("pure-decay", out_dir, quick, checkpoint=source, horizon=None if defaults else horizon,
+                coefficients=None if defaults else " ".join(f"{lam:g}" for lam in coefficients))}`
 
 ## The decay flow on one spectrum
 
@@ -164,9 +202,10 @@ number of modes left: the decay first sharpens the surviving head, then kills it
 ## Fixed-horizon decay of a checkpoint
 
 {checkpoint_description}
-`analysis.decay_checkpoint(state_dict, lam, T, p)` applies the exact flow to every 2-D tensor of any
-state dict, here for T = {HORIZON}. Values are means over the matrices; D_shape compares each decayed
-matrix with its start.
+`analysis.decay_checkpoint(state_dict, lam, T, p)` applies the exact flow to every 2-D tensor of a
+state dict, here to the matrix weights for T = {horizon:g} (`--horizon`) and lambda in
+{{{", ".join(f"{lam:g}" for lam in coefficients)}}} (`--coefficients`). Values are means over the
+matrices; D_shape compares each decayed matrix with its start.
 
 {checkpoint_table}
 """
@@ -187,11 +226,12 @@ matrix with its start.
         ax.fill_between(INDEX_GRID, lo, hi, color=color, alpha=0.15)
     ax.set(xlabel="normalised index", ylabel="s_i / s_1 (median, 25-75% over matrices)", ylim=(1e-3, 1.5),
            title=f"{'synthetic checkpoint' if source is None else 'checkpoint'}, "
-                 f"lambda={FIGURE_COEFFICIENT}, T={HORIZON}")
+                 f"lambda={figure_coefficient:g}, T={horizon:g}")
     ax.legend(fontsize=7)
     figure.tight_layout()
     data = {"flow": {"start": {"exponent": SPECTRUM_EXPONENT, "modes": SPECTRUM_MODES, **start_metrics},
                      "results": {str(p): [row for row, _ in rows] for p, rows in flow.items()}},
-            "checkpoint": {"source": "synthetic" if source is None else str(source), "matrices": names, "horizon": HORIZON, "results": checkpoint_results}}
+            "checkpoint": {"source": "synthetic" if source is None else str(source), "step": step, "matrices": names,
+                           "horizon": horizon, "coefficients": list(coefficients), "results": checkpoint_results}}
     write_outputs(out_dir, "pure-decay", markdown, data, figure)
     return markdown
