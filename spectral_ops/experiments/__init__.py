@@ -1,9 +1,11 @@
-"""Reference experiments (SPEC 7.1-7.3 and the SPEC 5 feedback loop).
+"""Reference experiments (SPEC 7.1-7.3, the SPEC 5 feedback loop, the SPEC 4 width transfer, and the
+rectangle vs Gram-space iteration study).
 
 ``python -m spectral_ops.experiments NAME --out DIR [--quick]`` writes ``NAME.md`` (the table, also
 printed), ``NAME.json`` (the data) and ``NAME.png`` (the figure) into ``DIR``. ``--quick`` runs
-reduced settings in seconds (used by the tests); ``pure-decay --checkpoint PATH`` decays a saved
-state dict instead of the synthetic one. Each experiment is a module with
+reduced settings in seconds (used by the tests); ``pure-decay --checkpoint PATH`` decays the matrix
+weights of a training checkpoint (or its run folder, or a saved state dict) instead of the synthetic
+one, with ``--horizon`` and ``--coefficients``. Each experiment is a module with
 ``run(out_dir, quick=False, **options) -> markdown``.
 """
 
