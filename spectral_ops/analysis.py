@@ -101,15 +101,25 @@ def shape_step(s, step, p: int) -> torch.Tensor:
     """Normalised spectrum ``r+ = (r - kappa r^p) / (1 - kappa)`` after one decay step (SPEC 1.5).
 
     ``s`` holds singular values (last dimension), ``step = eta * lambda_p``, ``kappa = step * s_1^(p-1)``.
-    The map assumes no mode crosses zero; a step that would push one through zero (for ``p > 1``
-    the top mode first, for ``p < 1`` the smallest) raises instead of returning a reflected shape.
+    The map assumes that the step keeps the modes in order and positive, so that ``s_1`` stays the
+    largest: for ``p >= 1`` that is ``p * kappa < 1`` (``s -> s - step s^p`` is increasing on
+    ``[0, s_1]`` only while its slope at ``s_1``, ``1 - p kappa``, is positive: the order condition
+    of :func:`spectral_ops.spectral_decay_`'s guard), and for ``p = 0`` that the smallest mode does not
+    cross zero. Beyond either it raises instead of returning a shape with ``r > 1`` or ``r < 0``.
     """
     s = _float64(s)
     s1 = s.amax(-1, keepdim=True)
     r = s / s1
     kappa = _float64(step) * s1 ** (p - 1)
+    order = p * kappa
+    if bool((order >= 1).any()):
+        raise ValueError(
+            f"step={float(_float64(step).max()):.4g} with p={p} reorders the singular values: p * kappa = "
+            f"p * step * s_1^(p-1) reaches {float(order.max()):.4g} >= 1 (kappa = {float(kappa.max()):.4g}), "
+            "and the shape map needs p * kappa < 1"
+        )
     shrunk = r - kappa * power_weights(r, p, r.shape[-1])
-    if bool((kappa >= 1).any()) or bool((shrunk < 0).any()):
+    if bool((shrunk < 0).any()):
         raise ValueError(
             f"step={float(_float64(step).max()):.4g} with p={p} pushes a singular value through zero "
             f"(kappa = step * s_1^(p-1) reaches {float(kappa.max()):.4g}); the shape map needs no crossing"

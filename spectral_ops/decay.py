@@ -7,9 +7,10 @@ half-updated.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,12 +32,14 @@ from .ops import band_spec, check_iteration, check_precision, sign_coefficients
 CONVENTIONS = ("decoupled", "independent")
 P0_MODES = ("explicit", "prox")
 STABILITY_POLICIES = ("raise", "warn", "clamp", "ignore")
-# "clamp" limits the relative shrink of the largest mode to this fraction in one step.
-CLAMP_SHRINK = 0.5
+# "clamp" scales a violating matrix's spectral coefficient down to p * kappa = CLAMP_ORDER (see _guarded_scale).
+CLAMP_ORDER = 0.5
+
+logger = logging.getLogger(__name__)
 
 
 class SpectralStabilityError(ValueError):
-    """A p > 1 decay step would push the largest singular values through zero (SPEC 1.5)."""
+    """A p > 1 decay step would reorder the singular values, or push the largest through zero (SPEC 1.5)."""
 
 
 @dataclass(frozen=True)
@@ -139,49 +142,85 @@ def _stability_terms(p: int, weight_decay, band: Band | None):
 
 
 def _guarded_scale(stack, p, scale, weight_decay, band, policy, capturable=False):
-    """The per-matrix spectral scale after the stability guard (SPEC 1.5), before any write.
+    """The stability guard (SPEC 1.5) of a stack of matrices, before any write: ``(factor, clamped)``.
 
-    The per-mode map ``s -> s - eta lambda s^p`` is monotone only while
-    ``kappa = eta lambda s_max^(p-1) < 1``. ``||W||_F`` bounds ``s_max`` for free; only when that
-    is not enough are the Gram-squaring bounds computed. The guard therefore never misses a
-    violation and can only be conservative by the bounds' ratio.
+    ``factor`` (shape ``stack.shape[:-2]``, or None: nothing to change) multiplies each matrix's
+    spectral coefficient; ``clamped`` maps the flat batch position of each matrix the eager clamp
+    reduced to ``(factor, p * kappa)``, for the log.
+
+    The per-mode step is ``f(s) = s - k s^p`` with ``k = lr * coefficient``, so
+    ``f'(s) = 1 - p k s^(p-1)``, which for ``p > 1`` falls as ``s`` grows. ``f`` is therefore
+    increasing on ``[0, s_max]``, and keeps the order of the modes, exactly while
+    ``f'(s_max) = 1 - p * kappa > 0``, i.e. ``p * kappa < 1`` with ``kappa = k s_max^(p-1)``. That
+    also keeps every mode positive (``f(s) > f(0) = 0``), the weaker ``kappa < 1``: between the two
+    (``1/p <= kappa < 1``) ``f`` rises then falls, and a mode just below ``s_max`` ends above it.
+
+    ``||W||_F`` bounds ``s_max`` for free; only when that is not enough are the Gram-squaring bounds
+    computed. The guard therefore never misses a violation and can only be conservative by the
+    bounds' ratio.
+
+    ``"clamp"`` scales a violating matrix's coefficient to ``p * kappa = CLAMP_ORDER = 1/2`` rather
+    than to the boundary: ``f' >= 1/2`` on ``[0, s_max]`` then, so no gap between two modes more than
+    halves in the step (at the boundary the top two would merge), the top mode loses at most
+    ``1/(2p)`` of itself, and the next steps (``s_max`` no larger, a warm-up lr up to twice as large)
+    stay inside the condition instead of being clamped again. A matrix that satisfies the condition
+    is left exactly as asked, as ``"raise"`` would.
 
     ``capturable``: the policy is ``"clamp"`` (construction refuses the host-side ones) and is
     applied on the device, with the Gram-squaring bounds always computed (no host decision to skip
-    them): the same factors as the eager path, at the cost of the bounds on every step.
+    them): the same factors as the eager path, at the cost of the bounds on every step, and no log.
     """
     terms = _stability_terms(p, weight_decay, band)
     if not terms or policy == "ignore":
-        return None
+        return None, {}
 
-    def worst_kappa(log_s_max):
+    def kappas(log_s_max):
         # In logs: s_max^(p-1) alone leaves float32 at the extremes, where kappa may not.
-        kappas = [stability_kappa(scale, coefficient, log_s_max, power, cap=band.tau if capped else None)
-                  for power, coefficient, capped in terms]
-        return torch.stack(kappas).amax(0)
+        return torch.stack([stability_kappa(scale, coefficient, log_s_max, power, cap=band.tau if capped else None)
+                            for power, coefficient, capped in terms])
+
+    def order(kappa):
+        """``p * kappa`` of the term nearest its order condition (two-band terms have their own p)."""
+        powers = torch.tensor([power for power, _, _ in terms], dtype=kappa.dtype, device=kappa.device)
+        return (powers.reshape(-1, *[1] * (kappa.dim() - 1)) * kappa).amax(0)
+
+    def clamp_factor(worst):
+        return torch.where(worst >= 1, CLAMP_ORDER / worst, torch.ones_like(worst))
 
     if capturable:
-        worst = worst_kappa(log_spectral_norm_bounds(stack)[1])
-        return torch.where(worst >= 1, CLAMP_SHRINK / worst, torch.ones_like(worst))[..., None, None]
-    if bool((worst_kappa(log_frobenius_norm_or_inf(stack)) < 1).all()):
-        return None
-    worst = worst_kappa(log_spectral_norm_bounds(stack)[1])
+        return clamp_factor(order(kappas(log_spectral_norm_bounds(stack)[1]))), {}
+    if bool((order(kappas(log_frobenius_norm_or_inf(stack))) < 1).all()):
+        return None, {}
+    kappa = kappas(log_spectral_norm_bounds(stack)[1])
+    worst = order(kappa)
     violating = worst >= 1
     if not bool(violating.any()):
-        return None
+        return None, {}
+    largest_kappa = float(kappa.max())
     message = (
-        f"spectral decay with p={p} is unstable for {int(violating.sum())} of {violating.numel()} "
-        f"matrices: lr * coefficient * s_max^(p-1) reaches {float(worst.max()):.4g} >= 1, which would "
-        "push the largest singular values through zero and flip their sign. Lower the learning rate or "
-        "coefficient, or pass stability='clamp'."
+        f"spectral decay with p={p} is unstable for {int(violating.sum())} of {violating.numel()} matrices: "
+        f"p * kappa = p * lr * coefficient * s_max^(p-1) reaches {float(worst.max()):.4g} >= 1 "
+        f"(kappa = {largest_kappa:.4g}), and the per-mode step s -> s - lr * coefficient * s^p keeps the order "
+        "of the singular values only while p * kappa < 1: a smaller mode would overtake a larger one"
+        + (", and the largest would go through zero and flip sign (kappa >= 1)" if largest_kappa >= 1 else "")
+        + ". Lower the learning rate or coefficient, or pass stability='clamp'."
     )
     if policy == "raise":
         raise SpectralStabilityError(message)
     if policy == "warn":
         warnings.warn(message, RuntimeWarning, stacklevel=4)
-        return None
-    factor = torch.where(violating, CLAMP_SHRINK / worst, torch.ones_like(worst))
-    return factor[..., None, None]
+        return None, {}
+    factor = clamp_factor(worst)
+    indices = violating.reshape(-1).nonzero().reshape(-1).tolist()
+    factors, orders = factor.reshape(-1).tolist(), worst.reshape(-1).tolist()
+    return factor, {i: (factors[i], orders[i]) for i in indices}
+
+
+def log_clamp(name: str, factor: float, order: float) -> None:
+    """Report one eager clamp: which matrix, and by what factor its spectral coefficient was reduced."""
+    logger.warning("stability='clamp' reduced the spectral coefficient of %s by a factor %.4g: p * kappa was %.4g "
+                   ">= 1 (the step would reorder its singular values) and is %.4g", name, factor, order,
+                   factor * order)
 
 
 @dataclass(frozen=True)
@@ -283,6 +322,7 @@ def spectral_decay_(
     precision: str | None = None,
     capturable: bool = False,
     iteration: str = "auto",
+    clamp_factors: list | None = None,
     weight_decay=None,
 ):
     """Decay ``W`` in place: ``W <- W - s * (spectral_weight_decay * S_p(W) + ordinary_weight_decay * W)``.
@@ -294,9 +334,11 @@ def spectral_decay_(
     ``W`` is one tensor ``(..., m, n)`` or a list of them; same-shape tensors of a list are decayed
     as one batch. Returns ``W``. ``band`` (a :class:`Band` or dict) makes the decay band-selective;
     ``p0_mode="prox"`` replaces the explicit ``p = 0`` step by exact soft-thresholding. For
-    ``p > 1``, ``stability`` decides what happens if the step would flip the largest modes:
-    ``"raise"`` (:class:`SpectralStabilityError`, nothing written), ``"warn"``, ``"clamp"`` (shrink
-    those matrices' coefficient so the largest mode loses at most half) or ``"ignore"``.
+    ``p > 1``, ``stability`` decides what happens if the step would reorder the singular values
+    (``p * kappa >= 1``, ``kappa = scale * spectral_weight_decay * s_max^(p-1)``):
+    ``"raise"`` (:class:`SpectralStabilityError`, nothing written), ``"warn"``, ``"clamp"`` (scale
+    those matrices' coefficient down to ``p * kappa = 1/2``, logging each one with its factor on the
+    ``spectral_ops.decay`` logger) or ``"ignore"``.
     ``precision``: the operands of the iteration (see :func:`spectral_ops.polar`); the decay
     arithmetic itself is fp32 (fp64 for fp64 weights) whatever it is.
 
@@ -304,7 +346,12 @@ def spectral_decay_(
     torch.compile). It then does **not** check that ``W`` is finite (a NaN/Inf weight stays
     non-finite instead of being refused), nor the values of 0-d tensor coefficients (their shape
     and dtype still), and ``stability`` must be ``"clamp"`` or ``"ignore"`` where the guard applies;
-    the clamp is computed on the device, with the same factors.
+    the clamp is computed on the device, with the same factors, and not logged.
+
+    ``clamp_factors``: a list, to which the call appends one float64 tensor per weight of ``W``, of
+    its batch shape ``shape[:-2]`` (0-d for a matrix) and on its device: the factor by which the clamp
+    multiplied each matrix's spectral coefficient (1 where it did not). Under ``capturable`` this is
+    how a caller reads the clamps later, without a host sync.
 
     ``iteration``: how an even ``p >= 2`` iterates (see :func:`spectral_ops.ops.check_iteration`).
 
@@ -344,6 +391,14 @@ def spectral_decay_(
         check_finite(pending.new_values(), "W", reason="would not be finite after this decay (its exact value "
                      "exceeds the weights' dtype); nothing was written", error=OverflowError)
     pending.commit()
+    for i, position, factor, order in pending.clamped:
+        name = "W" if isinstance(W, torch.Tensor) else f"W[{i}]"
+        batch = tensors[i].shape[:-2]
+        where = f"{[int(k) for k in torch.unravel_index(torch.tensor(position), batch)]}" if batch else ""
+        log_clamp(f"{name}{where} {tuple(tensors[i].shape[-2:])}", factor, order)
+    if clamp_factors is not None:
+        clamp_factors.extend(pending.clamp_factors.get(i, torch.ones(t.shape[:-2], dtype=torch.float64,
+                                                                     device=t.device)) for i, t in enumerate(tensors))
     return W
 
 
@@ -362,6 +417,13 @@ class PendingDecay:
     factor: object
     # Weight index -> its decayed value.
     decayed: dict[int, torch.Tensor]
+    # Weight index -> the factors (float64, shape weight.shape[:-2], on its device) by which the
+    # stability clamp multiplied its matrices' spectral coefficient, for each weight of a batch the
+    # clamp could act on (1 where it did not).
+    clamp_factors: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Eager only: (weight index, flat position of the matrix in the weight's batch, factor, p * kappa)
+    # of each matrix the clamp reduced, for the log.
+    clamped: list[tuple[int, int, float, float]] = field(default_factory=list)
 
     def new_values(self) -> list[torch.Tensor]:
         """Each weight's value after the commit where it is computed already, else the weight itself
@@ -402,14 +464,19 @@ def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, 
     groups = defaultdict(list)
     for i in nonempty:
         groups[(tuple(tensors[i].shape), tensors[i].dtype)].append(i)
-    requests = []
+    requests, clamp_factors, clamped = [], {}, []
     for indices in groups.values():
         # The decay is computed in a copy: a stack of a same-shape batch, or a clone of a lone weight.
         stack = torch.stack([tensors[i] for i in indices]) if len(indices) > 1 else tensors[indices[0]].clone()
-        clamp = _guarded_scale(stack, p, scale, spectral_weight_decay, band, options.stability, capturable)
+        clamp, reduced = _guarded_scale(stack, p, scale, spectral_weight_decay, band, options.stability, capturable)
+        if clamp is not None:
+            clamp_factors.update(zip(indices, clamp.unbind(0) if len(indices) > 1 else [clamp]))
+            per_weight = tensors[indices[0]].shape[:-2].numel()
+            clamped.extend((indices[position // per_weight], position % per_weight, *report)
+                           for position, report in reduced.items())
         request = DecayRequest(
             p=p,
-            spectral_scale=spectral if clamp is None else spectral * clamp,
+            spectral_scale=spectral if clamp is None else spectral * clamp[..., None, None],
             ordinary_scale=scale * ordinary_weight_decay,
             band=spec,
             p0_mode=options.p0_mode,
@@ -425,4 +492,4 @@ def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, 
         # Not checked for overflow there: the caller checks the new values before any is written.
         plan.decay_(dispatch.kernels_for("decay_", stack), stack, request, sync=False)
         decayed.update(zip(indices, stack.unbind(0) if len(indices) > 1 else [stack]))
-    return PendingDecay(tensors, [], 1.0, decayed)
+    return PendingDecay(tensors, [], 1.0, decayed, clamp_factors, clamped)

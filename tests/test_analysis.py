@@ -108,10 +108,28 @@ def test_shape_step_matches_one_package_decay_step(p):
 
 
 def test_shape_step_refuses_a_crossing():
-    with pytest.raises(ValueError, match="through zero"):
+    with pytest.raises(ValueError, match=r"p \* kappa .* reaches 3 >= 1 \(kappa = 1\)"):
         analysis.shape_step(S0, 1.0 / 9.0, 3)  # kappa = s_1^2 / 9 = 1
     with pytest.raises(ValueError, match="through zero"):
         analysis.shape_step(S0, 0.1, 0)  # the 0.05 mode would go below zero
+
+
+def test_shape_step_refuses_a_step_that_reorders_the_modes():
+    """kappa = 0.8 < 1 but p * kappa = 1.6: s -> s - 0.8 s^2 sends (1, 0.7) to (0.2, 0.308), so the
+    second mode overtakes the first and its r would be 1.54 > 1. Just below, p * kappa = 0.99, the
+    shape stays a shape (r <= 1, the top mode still on top)."""
+    s = torch.tensor([1.0, 0.7, 0.3, 0.1], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"p \* kappa = p \* step \* s_1\^\(p-1\) reaches 1.6 >= 1 \(kappa = 0.8\)"):
+        analysis.shape_step(s, 0.8, 2)
+    with pytest.raises(ValueError, match=r"reaches 1 >= 1"):
+        analysis.shape_step(s, 0.5, 2)  # exactly on the condition: the slope at s_1 is 0
+    with pytest.raises(ValueError, match=r"reaches 1.2 >= 1 \(kappa = 0.3\)"):
+        analysis.shape_step(s, 0.3, 4)
+    r_plus = analysis.shape_step(s, 0.495, 2)
+    # float64 arithmetic on numbers of order 1: the exact map to ~1e-16.
+    mapped = s - 0.495 * s**2
+    assert torch.allclose(r_plus, mapped / mapped[0], rtol=0, atol=1e-15)
+    assert r_plus[0] == 1 and bool((r_plus[1:] < 1).all())
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 7])

@@ -121,30 +121,137 @@ def test_band_decay():
         so.spectral_decay_(W.clone(), 0, 0.1, 0.5, band=so.Band(1.0), p0_mode="prox")
 
 
+def _top_mode_order(W, lr, coefficient, p):
+    """``p * kappa`` at the exact ``s_max`` (SVD): what the guard bounds from above."""
+    return p * lr * coefficient * float(torch.linalg.matrix_norm(W, 2)) ** (p - 1)
+
+
 def test_stability_guard():
-    W = weights(scale=10.0)  # s_max = 10: lr * wd * s_max = 2 > 1 for p = 2
+    W = weights(scale=10.0)  # s_max = 10: kappa = lr * wd * s_max = 2, p * kappa = 4 for p = 2
     original = W.clone()
-    with pytest.raises(so.SpectralStabilityError, match="unstable"):
+    # The guard bounds s_max from above (here by 2e-4): 4.001, and kappa 2.000 (2 to 4 digits).
+    with pytest.raises(so.SpectralStabilityError, match=r"unstable .* p \* kappa .* reaches 4.00\d* >= 1 "
+                                                        r"\(kappa = 2[.\d]*\).*through zero"):
         so.spectral_decay_(W, 2, 0.1, 2.0)
     assert torch.equal(W, original)
-    with pytest.warns(RuntimeWarning, match="unstable"):
+    with pytest.warns(RuntimeWarning, match=r"p \* kappa < 1"):
         so.spectral_decay_(W.clone(), 2, 0.1, 2.0, stability="warn")
-    clamped = so.spectral_decay_(W.clone(), 2, 0.1, 2.0, stability="clamp")
-    s_before, s_after = torch.linalg.svdvals(original), torch.linalg.svdvals(clamped)
-    assert (s_after > 0).all() and (s_after <= s_before).all()
-    assert s_after[0] >= 0.5 * s_before[0] * (1 - 1e-12), "clamp shrinks the top mode by at most half"
     # Below the threshold nothing is reported; the Frobenius shortcut covers the common case.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         so.spectral_decay_(W.clone(), 2, 0.001, 2.0)
 
 
-def test_stability_guard_applies_per_matrix_in_a_batch():
+def test_clamp_keeps_the_order_with_margin_and_logs_its_factor(caplog):
+    W = weights(scale=10.0)
+    factors = []
+    with caplog.at_level("WARNING", logger="spectral_ops.decay"):
+        clamped = so.spectral_decay_(W.clone(), 2, 0.1, 2.0, stability="clamp", clamp_factors=factors)
+    (factor,) = factors
+    # The guard's s_max is an upper bound, above the true one by at most r^(1/16) (3 Gram squarings of
+    # r = 16 modes): p * kappa lands on 1/2 or below, never above.
+    order = _top_mode_order(W, 0.1, 2.0 * float(factor), 2)
+    assert 0.5 / 16 ** (1 / 16) <= order <= 0.5
+    # The clamp is a smaller coefficient, nothing else: the exact decay with wd * factor.
+    assert relative_error(clamped, reference.spectral_decay_svd(W, 2, 0.1, 2.0 * float(factor))) < 1e-12
+    (record,) = caplog.records
+    assert f"W (24, 16) by a factor {float(factor):.4g}" in record.getMessage()
+    assert "p * kappa was 4.00" in record.getMessage() and "and is 0.5" in record.getMessage()
+
+
+def test_stability_guard_applies_per_matrix_in_a_batch(caplog):
     small, large = weights(seed=1), weights(seed=2, scale=10.0)
     batch = torch.stack([small, large])
-    so.spectral_decay_(batch, 2, 0.1, 2.0, stability="clamp")
+    factors = []
+    with caplog.at_level("WARNING", logger="spectral_ops.decay"):
+        so.spectral_decay_([small.clone(), batch], 2, 0.1, 2.0, stability="clamp", clamp_factors=factors)
     assert relative_error(batch[0], reference.spectral_decay_svd(small, 2, 0.1, 2.0)) < 1e-12
     assert relative_error(batch[1], reference.spectral_decay_svd(large, 2, 0.1, 2.0)) > 1e-3
+    assert float(factors[0]) == 1.0 and factors[1].shape == (2,) and float(factors[1][0]) == 1.0
+    assert [r.getMessage().split(" by ")[0] for r in caplog.records] == [
+        "stability='clamp' reduced the spectral coefficient of W[1][1] (24, 16)"]
+
+
+ORDER_FLIP = torch.tensor([1.0, 0.7, 0.3, 0.1], dtype=torch.float64)
+
+
+def test_the_guard_checks_the_order_condition_not_only_positivity():
+    """kappa = 0.8 < 1 (the old guard's condition) but p * kappa = 1.6 >= 1: every mode stays positive
+    yet the top one falls to third place. f(s) = s - 0.8 s^2 maps (1, 0.7, 0.3, 0.1) to
+    (0.2, 0.308, 0.228, 0.092)."""
+    W = matrix_with_spectrum((6, 4), ORDER_FLIP, seed=5)
+    U, _, Vh = torch.linalg.svd(W, full_matrices=False)
+    flipped = so.spectral_decay_(W.clone(), 2, 1.0, 0.8, stability="ignore")
+    mapped = ORDER_FLIP - 0.8 * ORDER_FLIP**2
+    # float64 decay against the exact per-mode map: ~1e-13 (as the SVD oracle tests above).
+    assert torch.allclose(U.mT @ flipped @ Vh.mT, torch.diag(mapped), atol=1e-12)
+    assert torch.allclose(torch.linalg.svdvals(flipped), mapped.sort(descending=True).values, atol=1e-12)
+    assert float(U[:, 0] @ flipped @ Vh[0]) < float(torch.linalg.svdvals(flipped)[2]) + 1e-12  # third place
+    with pytest.raises(so.SpectralStabilityError, match=r"reaches 1.6 >= 1 \(kappa = 0.8\)"):
+        so.spectral_decay_(W.clone(), 2, 1.0, 0.8)
+    # Just below the condition (p * kappa = 0.99) the guard accepts, and the order is kept.
+    kept = so.spectral_decay_(W.clone(), 2, 1.0, 0.495)
+    assert torch.allclose(U.mT @ kept @ Vh.mT, torch.diag(ORDER_FLIP - 0.495 * ORDER_FLIP**2), atol=1e-12)
+    # At p = 4 the order condition is four times stricter than positivity: kappa = 0.3, p * kappa = 1.2.
+    with pytest.raises(so.SpectralStabilityError, match=r"reaches 1.2 >= 1 \(kappa = 0.3\)"):
+        so.spectral_decay_(W.clone(), 4, 1.0, 0.3)
+    so.spectral_decay_(W.clone(), 4, 1.0, 0.2475)  # p * kappa = 0.99
+
+
+def test_a_capturable_clamp_gives_the_eager_factors_without_a_host_read(caplog):
+    from test_optim_capturable import host_reads_forbidden
+
+    # p * kappa = 3 * 0.01 * 0.5 * s_max^2: 0.015 (kept), 1.5 (clamped), and a batched weight with one of each.
+    tensors = [weights(seed=1), weights(seed=2, scale=10.0),
+               torch.stack([weights((12, 8), seed=3), weights((12, 8), seed=4, scale=10.0)])]
+    eager, capturable = [], []
+    eager_result = so.spectral_decay_([t.clone() for t in tensors], 3, 0.01, 0.5, stability="clamp",
+                                      clamp_factors=eager)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="spectral_ops.decay"), host_reads_forbidden():
+        # float64 coefficients: the eager call's Python floats, exactly.
+        lr, coefficient = torch.tensor(0.01, dtype=torch.float64), torch.tensor(0.5, dtype=torch.float64)
+        captured = so.spectral_decay_([t.clone() for t in tensors], 3, lr, coefficient, stability="clamp",
+                                      capturable=True, clamp_factors=capturable)
+    assert not caplog.records  # nothing can be logged without reading the factors on the host
+    # The same float64 arithmetic on the same bounds: equal factors.
+    assert all(torch.equal(a, b) for a, b in zip(eager, capturable))
+    assert [(f < 1).tolist() for f in eager] == [False, True, [False, True]]
+    assert all(relative_error(a, b) < 1e-12 for a, b in zip(eager_result, captured))
+
+
+def test_the_optimizers_count_and_log_their_clamps(caplog):
+    from spectral_ops.optim import SpectralAdamW, SpectralMuon
+
+    big = matrix_with_spectrum((12, 8), log_spaced_spectrum(8, 10) * 10, torch.float64, seed=4)
+    counts = {}
+    for capturable in (False, True):
+        param = torch.nn.Parameter(big.clone())
+        param.grad = torch.zeros_like(big)
+        optimizer = SpectralAdamW([param], lr=0.1, p=2, spectral_weight_decay=2.0, weight_decay=0.0,
+                                  stability="clamp", capturable=capturable)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="spectral_ops.decay"):
+            optimizer.step()
+            optimizer.step()
+        counts[capturable] = optimizer.clamped["param_groups[0]['params'][0] (12, 8)"]
+        named = "of param_groups[0]['params'][0] (12, 8) by a factor"
+        assert [named in r.getMessage() for r in caplog.records] == ([] if capturable else [True, True])
+    assert int(counts[False].count) == int(counts[True].count) == 2
+    assert torch.equal(counts[False].smallest_factor, counts[True].smallest_factor)
+    assert float(counts[False].smallest_factor) < 1
+
+    # Muon's Q/K/V blocks are clamped one by one, and named by their rows.
+    fused = torch.nn.Parameter(torch.cat([big[:4], big[:4] * 0.01, big[:4] * 0.01]))
+    fused.grad = torch.zeros_like(fused)
+    muon = SpectralMuon([{"params": [fused], "splits": (4, 4, 4), "param_names": ["attn.qkv"]}], lr=0.1, p=2,
+                        spectral_weight_decay=2.0, stability="clamp")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="spectral_ops.decay"):
+        muon.step()
+    assert [r.getMessage().split(" by ")[0] for r in caplog.records] == [
+        "stability='clamp' reduced the spectral coefficient of attn.qkv (12, 8) rows 0:4"]
+    assert int(muon.clamped["attn.qkv (12, 8)"].count) == 1
 
 
 def test_weight_decay_is_a_deprecated_alias_of_spectral_weight_decay():

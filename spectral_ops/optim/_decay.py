@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch.optim import Optimizer
 
 from .._checks import check_coefficient, check_same_device
-from ..decay import Band, DecayOptions, PendingDecay, check_decay_options, prepare_decay
+from ..decay import Band, DecayOptions, PendingDecay, check_decay_options, log_clamp, prepare_decay
 
 # Decay keys every optimizer of the family accepts per parameter group, with their defaults.
 DECAY_DEFAULTS = {
@@ -184,6 +184,13 @@ class PreparedStep:
     commit: Callable[[list], None]
 
 
+class ClampRecord(NamedTuple):
+    """The stability clamps of one parameter, as 0-d tensors on its device (updated without a host read)."""
+
+    count: torch.Tensor  # int32: the matrices (blocks of a split parameter each) whose coefficient was reduced
+    smallest_factor: torch.Tensor  # float64: the smallest factor applied to its spectral coefficient (1: none)
+
+
 def kept(params, keep) -> list:
     """The parameters an eager step writes: those the host decided to keep."""
     return [param for param, kept in zip(params, keep) if kept is not False]
@@ -318,8 +325,8 @@ class SpectralOptimizer(Optimizer):
 
     def prepare_decay(self, tensors, owners, group: dict, *, lr=None, peak_lr=None) -> ParameterDecay:
         """The group's decay of ``tensors`` (see :func:`prepare_parameter_decay`), with the group's own
-        lr and peak lr unless given."""
-        return prepare_parameter_decay(
+        lr and peak lr unless given. :meth:`commit_steps` takes it back to count its clamps."""
+        decay = prepare_parameter_decay(
             tensors,
             owners,
             group,
@@ -329,6 +336,8 @@ class SpectralOptimizer(Optimizer):
             spectral=group[self.spectral_key],
             ordinary=group[self.ordinary_key],
         )
+        self.__dict__.setdefault("_step_decays", []).append((group, decay))
+        return decay
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -354,7 +363,11 @@ class SpectralOptimizer(Optimizer):
         Eager groups decide on the host (one read per device for the whole step), warn once per
         parameter, and raise instead with ``strict=True``, before anything is written. Capturable
         groups decide on the device, without a host read, and count on the device.
+
+        Then the stability clamps of the written parameters are counted in :attr:`clamped`, and each
+        eager one is logged with its factor (see :func:`spectral_ops.decay.log_clamp`).
         """
+        decays = self._take_step_decays(prepared)
         on_host = [not step.group["capturable"] for step in prepared for _ in step.checks]
         flags = iter(_within_limits([check for step in prepared for check in step.checks], on_host))
         keeps, skipped = [], []
@@ -380,6 +393,64 @@ class SpectralOptimizer(Optimizer):
             self._warn_skip(self.parameter_name(step.group, param))
         for step, keep in zip(prepared, keeps):
             step.commit(keep)
+        for step, decay, keep in zip(prepared, decays, keeps):
+            self._record_clamps(step, decay, keep)
+
+    def _take_step_decays(self, prepared: list[PreparedStep]) -> list[ParameterDecay]:
+        """The decay each prepared step computed: every step of the family computes its decay with one
+        :meth:`prepare_decay` call, in the order of the steps. A step that failed while being prepared
+        left its decays behind, so this step's are the last ones."""
+        pending = self.__dict__.get("_step_decays", [])
+        self.__dict__["_step_decays"] = []
+        decays = pending[len(pending) - len(prepared):]
+        if len(decays) != len(prepared) or any(group is not step.group for (group, _), step in zip(decays, prepared)):
+            raise RuntimeError(f"{type(self).__name__}: each prepared step must compute its decay with one "
+                               "prepare_decay call, in the order of the steps")
+        return [decay for _, decay in decays]
+
+    def _record_clamps(self, step: PreparedStep, decay: ParameterDecay, keep: list) -> None:
+        """Count the clamps of the parameters ``keep`` wrote (on the device), and log the eager ones."""
+        pending = decay.matrices
+        if pending is None:
+            return
+        for index, _, factor, order in pending.clamped:
+            owner = decay.matrix_owners[index]
+            if keep[owner] is True:
+                log_clamp(self.matrix_name(step.group, step.params[owner], pending.tensors[index]), factor, order)
+        counts = self.__dict__.setdefault("_clamp_records", {})
+        for index, factor in pending.clamp_factors.items():
+            owner = decay.matrix_owners[index]
+            if keep[owner] is False:
+                continue
+            param = step.params[owner]
+            if keep[owner] is not True:
+                factor = torch.where(keep[owner], factor, 1.0)
+            if param not in counts:
+                counts[param] = ClampRecord(torch.zeros((), dtype=torch.int32, device=param.device),
+                                            torch.ones((), dtype=torch.float64, device=param.device))
+            counts[param].count.add_((factor < 1).to(torch.int32))
+            counts[param].smallest_factor.copy_(torch.minimum(counts[param].smallest_factor, factor))
+
+    @property
+    def clamped(self) -> dict:
+        """The stability clamps per parameter name, as :class:`ClampRecord` (0-d tensors on the
+        parameters' devices, updated without a host read: under ``capturable`` this is where the
+        clamps are read, when convenient). Only parameters whose spectral coefficient a clamp could
+        have reduced appear (a capturable clamp group's matrices, or an eager group's that were
+        clamped at least once); a count of 0 means that it never was."""
+        records = self.__dict__.get("_clamp_records", {})
+        return {self.parameter_name(group, param): records[param] for group in self.param_groups
+                for param in group["params"] if param in records}
+
+    def matrix_name(self, group: dict, param: torch.Tensor, matrix: torch.Tensor) -> str:
+        """:meth:`parameter_name`, with the rows of ``matrix`` where it is a block of the parameter's
+        matrix view (Muon's Q/K/V splits)."""
+        name = self.parameter_name(group, param)
+        view = matrix_view(param)
+        if matrix.shape == view.shape:
+            return name
+        start = (matrix.storage_offset() - view.storage_offset()) // view.stride(0)
+        return f"{name} rows {start}:{start + matrix.shape[0]}"
 
     @property
     def skipped(self) -> dict:
