@@ -7,9 +7,9 @@ weight's dtype. With ``q = s / sum s`` and ``q2 = s^2 / sum s^2``, ``H(q) = -sum
 entropy and top-k energy are all 0.
 
 Model-level helpers: a per-module table of the matrix metrics, the QK-product stable rank per head,
-attention entropy and maximum probability from attention probabilities, and V-activation effective
-rank and cross-head linear CKA from outputs captured with forward hooks (optionally with one
-checkpoint's inputs replayed through another's weights).
+attention entropy and maximum probability from attention probabilities, and the V activation
+effective rank and cross-head linear CKA from V outputs captured with forward hooks, or from a
+checkpoint's V weights applied to a reference model's V inputs (fixed inputs).
 """
 
 from __future__ import annotations
@@ -176,6 +176,15 @@ def shape_distance(a, b, rtol: float | None = None) -> float:
     return float(torch.stack(per_layer).mean()) if per_layer else math.nan
 
 
+def stable_rank_change_percent(a, b) -> float:
+    """Mean over layers of ``100 (SR(b_l) / SR(a_l) - 1)``: how much each layer's stable rank moved
+    from ``a`` to ``b``, in percent (SPEC 7.4). ``a`` and ``b`` are matching lists of matrices."""
+    if len(a) != len(b) or not len(a):
+        raise ValueError(f"need the same non-zero number of layers, got {len(a)} and {len(b)}")
+    ratios = [stable_rank(W_b) / stable_rank(W_a) for W_a, W_b in zip(a, b)]
+    return float(100 * (torch.stack(ratios) - 1).mean())
+
+
 @dataclass(frozen=True)
 class EffectiveLR:
     """The SPEC 3 effective-lr proxy and, given the actual update, its split along and across ``W``.
@@ -285,26 +294,34 @@ def mean_max_attention(probs: torch.Tensor, causal: bool = False, mask: torch.Te
     return _per_query_mean(probs.amax(-1), key_counts)
 
 
-def _token_matrix(outputs: torch.Tensor) -> torch.Tensor:
-    """``(..., tokens, features)`` flattened to ``(N, features)`` in float64."""
-    return outputs.reshape(-1, outputs.shape[-1]).to(torch.float64)
+V_SAMPLE_TOKENS = 1024  # SPEC 7.5: tokens sampled per layer for the V activation metrics
 
 
-def v_activation_effective_rank(outputs: torch.Tensor, n_heads: int | None = None,
-                                center: bool = False) -> torch.Tensor:
-    """Effective rank ``exp H(s / sum s)`` of the token-by-feature matrix of captured V outputs.
+def sample_tokens(outputs: torch.Tensor, n_tokens: int | None = V_SAMPLE_TOKENS, seed: int = 0) -> torch.Tensor:
+    """``(..., tokens, features)`` flattened to ``(N, features)`` in float64, then ``n_tokens`` rows drawn.
 
-    ``outputs`` is ``(..., tokens, n_heads * head_dim)``; all leading dimensions are pooled as
-    tokens. With ``n_heads``, one value per head (shape ``(n_heads,)``); otherwise one for the whole
-    projection. ``center=True`` removes the per-feature mean first (the mean direction otherwise
-    counts as one dominant mode).
+    The rows are drawn without replacement by a generator seeded with ``seed``, so the draw depends
+    on ``N`` and ``seed`` alone: every layer, and every checkpoint measured on the same tokens, gets
+    the same token positions. ``n_tokens=None`` or ``N <= n_tokens`` keeps every row.
     """
-    Z = _token_matrix(outputs)
-    if center:
-        Z = Z - Z.mean(0)
-    if n_heads is not None:
-        Z = Z.reshape(Z.shape[0], n_heads, -1).transpose(0, 1)
-    return _exp_entropy(singular_values(Z))
+    Z = outputs.reshape(-1, outputs.shape[-1]).to(torch.float64)
+    if n_tokens is None or Z.shape[0] <= n_tokens:
+        return Z
+    rows = torch.randperm(Z.shape[0], generator=torch.Generator().manual_seed(seed))[:n_tokens]
+    return Z[rows.to(Z.device)]
+
+
+def v_activation_effective_rank(outputs: torch.Tensor, n_tokens: int | None = V_SAMPLE_TOKENS,
+                                seed: int = 0) -> torch.Tensor:
+    """SPEC 3/7.5 V activation eRank: ``exp H(s / sum s)`` of the whole projection's centred output.
+
+    ``outputs`` is ``(..., tokens, n_heads * head_dim)``, all heads together; leading dimensions are
+    pooled as tokens, ``n_tokens`` of them sampled (:func:`sample_tokens`), and the per-feature mean
+    over those tokens removed before the SVD (uncentred, the mean direction would count as one
+    dominant mode). A 0-d float64 tensor.
+    """
+    Z = sample_tokens(outputs, n_tokens, seed)
+    return _exp_entropy(singular_values(Z - Z.mean(0)))
 
 
 def linear_cka(Zi: torch.Tensor, Zj: torch.Tensor) -> torch.Tensor:
@@ -319,9 +336,39 @@ def mean_cross_head_cka(outputs: torch.Tensor, n_heads: int) -> float:
     """Mean linear CKA over all pairs of heads of ``(..., tokens, n_heads * head_dim)`` outputs."""
     if n_heads < 2:
         raise ValueError(f"cross-head CKA needs at least 2 heads, got {n_heads}")
-    heads = _token_matrix(outputs).reshape(-1, n_heads, outputs.shape[-1] // n_heads).transpose(0, 1)
+    heads = sample_tokens(outputs, None).reshape(-1, n_heads, outputs.shape[-1] // n_heads).transpose(0, 1)
     pairs = list(itertools.combinations(range(n_heads), 2))
     return float(torch.stack([linear_cka(heads[i], heads[j]) for i, j in pairs]).mean())
+
+
+def v_activation_metrics(v_outputs, n_heads: int, n_tokens: int | None = V_SAMPLE_TOKENS, seed: int = 0) -> dict:
+    """A model's V activation metrics (SPEC 7.5) from each layer's V-projection output.
+
+    ``activation_effective_rank``: :func:`v_activation_effective_rank`; ``cross_head_cka``:
+    :func:`mean_cross_head_cka` (NaN with one head). Both on the same ``n_tokens`` sampled tokens of
+    each layer, then averaged over layers.
+    """
+    samples = [sample_tokens(v, n_tokens, seed) for v in v_outputs]
+    rank = torch.stack([v_activation_effective_rank(Z, None) for Z in samples]).mean()
+    cka = sum(mean_cross_head_cka(Z, n_heads) for Z in samples) / len(samples) if n_heads > 1 else math.nan
+    return {"activation_effective_rank": float(rank), "cross_head_cka": cka}
+
+
+def fixed_input_v_metrics(v_inputs, v_weights, n_heads: int, n_tokens: int | None = V_SAMPLE_TOKENS,
+                          seed: int = 0) -> dict:
+    """:func:`v_activation_metrics` of a checkpoint's V weights applied to fixed inputs (SPEC 7.5).
+
+    ``v_inputs`` are what a reference model's V projections received, one ``(..., d_model)`` tensor
+    per layer (e.g. ``capture(reference, names, tokens)[name].args[0]``); ``v_weights`` the
+    checkpoint's ``(n_heads * head_dim, d_model)`` V weights, one per layer (``nn.Linear`` layout, no
+    bias). Every checkpoint is then measured on identical inputs, so a difference comes from its V
+    weights, not from what its earlier layers fed them. Sampling the inputs picks the same rows as
+    sampling the outputs would; the product is taken in float64.
+    """
+    if len(v_inputs) != len(v_weights):
+        raise ValueError(f"{len(v_inputs)} layers of inputs but {len(v_weights)} V weights")
+    outputs = [sample_tokens(x, n_tokens, seed) @ W.to(torch.float64).T for x, W in zip(v_inputs, v_weights)]
+    return v_activation_metrics(outputs, n_heads, None)
 
 
 @dataclass

@@ -202,12 +202,61 @@ def test_attention_entropy_and_max_probability():
     assert close(metrics.attention_entropy(cached, causal=True), 1.0)
 
 
-def test_v_activation_effective_rank():
-    Z = matrix_with_spectrum((64, 6), [3.0, 2.0, 1.0, 1.0, 0.5, 0.5], seed=5)
-    assert close(metrics.v_activation_effective_rank(Z.reshape(4, 16, 6)), metrics.effective_rank(Z))
-    per_head = metrics.v_activation_effective_rank(Z, n_heads=2)
-    for h in range(2):
-        assert close(per_head[h], metrics.effective_rank(Z[:, 3 * h: 3 * h + 3]))
+def _centred_with_spectrum(n_tokens, n_features, spectrum, mean, seed):
+    """``U diag(spectrum) V^T + mean`` with the columns of ``U`` orthogonal to the all-ones vector,
+    so that centring over tokens removes exactly ``mean`` and leaves the prescribed spectrum."""
+    generator = torch.Generator().manual_seed(seed)
+    raw = torch.cat([torch.ones(n_tokens, 1, dtype=torch.float64),
+                     torch.randn(n_tokens, len(spectrum), generator=generator, dtype=torch.float64)], dim=1)
+    U = torch.linalg.qr(raw)[0][:, 1:]
+    V = torch.linalg.qr(torch.randn(n_features, len(spectrum), generator=generator, dtype=torch.float64))[0]
+    return U @ torch.diag(torch.tensor(spectrum, dtype=torch.float64)) @ V.T + torch.tensor(mean, dtype=torch.float64)
+
+
+def test_v_activation_effective_rank_is_spec3_erank_of_the_centred_whole_projection():
+    # Centred output with singular values 3, 2, 1 over 4 features (2 heads of 2), plus a large mean.
+    Z = _centred_with_spectrum(8, 4, [3.0, 2.0, 1.0], [5.0, -4.0, 3.0, 2.0], seed=5)
+    q = [3 / 6, 2 / 6, 1 / 6]  # q = s / sum s
+    by_hand = math.exp(-sum(qi * math.log(qi) for qi in q))
+    assert close(metrics.v_activation_effective_rank(Z.reshape(2, 4, 4)), by_hand)
+    # Uncentred, the mean is one more (dominant) mode and the answer is a different number.
+    assert abs(float(metrics.effective_rank(Z)) - by_hand) > 0.1
+
+
+def test_sample_tokens_is_deterministic_and_shared_by_the_metrics():
+    Z = torch.randn(3, 50, 6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    sample = metrics.sample_tokens(Z, 40, seed=7)
+    rows = Z.reshape(150, 6)
+    picked = [int(torch.nonzero((rows == row).all(1))[0]) for row in sample]
+    assert sample.shape == (40, 6) and len(set(picked)) == 40  # 40 distinct rows of the input
+    assert torch.equal(metrics.sample_tokens(Z, 40, seed=7), sample)
+    assert not torch.equal(metrics.sample_tokens(Z, 40, seed=8), sample)
+    assert torch.equal(metrics.sample_tokens(Z, 500), rows)  # fewer tokens than asked: all of them
+    assert close(metrics.v_activation_effective_rank(Z, 40, seed=7), metrics.v_activation_effective_rank(sample, None))
+    assert metrics.sample_tokens(torch.randn(2000, 3)).shape == (metrics.V_SAMPLE_TOKENS, 3)
+
+
+def test_v_activation_metrics_average_the_layers():
+    layers = [_centred_with_spectrum(16, 4, spectrum, [1.0, 0.0, 2.0, 0.0], seed=seed)
+              for seed, spectrum in ((1, [1.0, 1.0, 1.0, 1.0]), (2, [1.0, 0.0, 0.0, 0.0]))]
+    summary = metrics.v_activation_metrics(layers, n_heads=2)
+    assert close(summary["activation_effective_rank"], (4.0 + 1.0) / 2)  # flat rank 4, and rank 1
+    expected_cka = sum(metrics.mean_cross_head_cka(Z, 2) for Z in layers) / 2
+    assert close(summary["cross_head_cka"], expected_cka)
+    assert math.isnan(metrics.v_activation_metrics(layers, n_heads=1)["cross_head_cka"])
+
+
+def test_fixed_input_v_metrics_apply_the_weights_to_the_given_inputs():
+    generator = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(2, 30, 5, generator=generator) for _ in range(2)]
+    weights = [torch.randn(4, 5, generator=generator) for _ in range(2)]
+    outputs = [x.double() @ W.double().T for x, W in zip(inputs, weights)]
+    for n_tokens in (None, 20):  # sampling the inputs picks the rows sampling the outputs would
+        fixed = metrics.fixed_input_v_metrics(inputs, weights, n_heads=2, n_tokens=n_tokens)
+        direct = metrics.v_activation_metrics(outputs, n_heads=2, n_tokens=n_tokens)
+        assert all(close(fixed[key], direct[key]) for key in direct)
+    with pytest.raises(ValueError, match="layers"):
+        metrics.fixed_input_v_metrics(inputs, weights[:1], n_heads=2)
 
 
 def test_linear_cka():
@@ -267,3 +316,12 @@ def test_module_metrics_table():
     assert rows[0]["shape"] == "6x4"
     expected = metrics.matrix_metrics(model[2].weight.detach(), top_k=2)
     assert all(close(rows[1][name], expected[name]) for name in expected)
+
+
+def test_stable_rank_change_percent_is_the_mean_relative_change_over_layers():
+    a = [torch.diag(torch.tensor([1.0, 1.0])), torch.diag(torch.tensor([2.0, 1.0]))]  # stable ranks 2, 1.25
+    b = [torch.diag(torch.tensor([1.0, 0.0])), torch.diag(torch.tensor([1.0, 1.0]))]  # 1, 2
+    assert close(metrics.stable_rank_change_percent(a, b), 100 * ((1 / 2 - 1) + (2 / 1.25 - 1)) / 2)
+    assert metrics.stable_rank_change_percent(a, a) == 0.0
+    with pytest.raises(ValueError, match="layers"):
+        metrics.stable_rank_change_percent(a, b[:1])

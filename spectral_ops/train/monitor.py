@@ -1,25 +1,49 @@
 """What a run logs besides its losses, computed with ``spectral_ops.metrics``.
 
-Weight metrics per module type (MLP expand and project, Q, K, V, O), averaged over layers: stable
-rank, effective rank, spectral and Frobenius norms, the effective-lr proxy ``lr / ||W||_F``. Then the
-QK-product stable rank, and on a fixed probe batch: normalised attention entropy, mean maximum
-attention probability, V-activation effective rank and mean cross-head linear CKA.
+Weight metrics per matrix family (MLP gate, up and down, Q, K, V, O; one matrix per layer each, gate
+and up kept apart), averaged over layers: stable rank, effective rank, spectral and Frobenius norms,
+the effective-lr proxy ``lr / ||W||_F``. Then the QK-product stable rank, and on a fixed probe batch:
+normalised attention entropy, mean maximum attention probability, and the V activation metrics of
+SPEC 3/7.5 (eRank of the whole V projection's centred output and mean cross-head linear CKA, on
+``metrics.V_SAMPLE_TOKENS`` sampled tokens per layer, averaged over layers).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .. import metrics
 
+# One family per projection: the SPEC 7.4 comparisons are per family (the 8 gate matrices of one
+# run against those of another), so no family pools two projections.
 MODULE_TYPES = {
-    "mlp_expand": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp_project": ("mlp.down_proj",),
-    "q": ("attention.q_proj",),
-    "k": ("attention.k_proj",),
-    "v": ("attention.v_proj",),
-    "o": ("attention.o_proj",),
+    "mlp_gate": "mlp.gate_proj",
+    "mlp_up": "mlp.up_proj",
+    "mlp_down": "mlp.down_proj",
+    "q": "attention.q_proj",
+    "k": "attention.k_proj",
+    "v": "attention.v_proj",
+    "o": "attention.o_proj",
 }
+PROBE_SEQUENCES = 4  # at least this many sequences, for the attention maps
+
+
+def family_weights(model, kind: str) -> list[torch.Tensor]:
+    """The family's weight in each layer, in layer order."""
+    return [layer.get_submodule(MODULE_TYPES[kind]).weight for layer in model.layers]
+
+
+def v_projection_names(model) -> list[str]:
+    return [f"layers.{i}.{MODULE_TYPES['v']}" for i in range(len(model.layers))]
+
+
+def probe_tokens(validation, n_tokens: int = metrics.V_SAMPLE_TOKENS) -> torch.Tensor:
+    """The probe batch: the first validation sequences, enough to hold ``n_tokens`` tokens (at least
+    ``PROBE_SEQUENCES``, at most all of them). ``validation`` is a list of ``(inputs, targets)``."""
+    inputs = torch.cat([batch_inputs for batch_inputs, _ in validation])
+    return inputs[: max(PROBE_SEQUENCES, math.ceil(n_tokens / inputs.shape[1]))]
 
 
 def _lr_of(optimizer) -> dict[int, float]:
@@ -30,10 +54,9 @@ def _lr_of(optimizer) -> dict[int, float]:
 def weight_metrics(model, optimizer) -> dict[str, float]:
     lr_of = _lr_of(optimizer)
     record = {}
-    for kind, suffixes in MODULE_TYPES.items():
-        weights = [layer.get_submodule(s).weight for layer in model.layers for s in suffixes]
-        stacked = torch.stack([w.detach() for w in weights])
-        summary = metrics.matrix_metrics(stacked)
+    for kind in MODULE_TYPES:
+        weights = family_weights(model, kind)
+        summary = metrics.matrix_metrics(torch.stack([w.detach() for w in weights]))
         for name in ("stable_rank", "effective_rank", "spectral_norm", "frobenius_norm"):
             record[f"{kind}/{name}"] = float(summary[name].mean())
         proxies = [metrics.effective_lr(w.detach(), lr_of[id(w)]).proxy for w in weights]
@@ -45,26 +68,25 @@ def weight_metrics(model, optimizer) -> dict[str, float]:
 
 
 @torch.no_grad()
-def activation_metrics(model, probe_tokens) -> dict[str, float]:
-    """One forward pass on ``probe_tokens`` with attention maps kept and V outputs captured."""
+def activation_metrics(model, tokens) -> dict[str, float]:
+    """One forward pass on ``tokens`` (the probe batch, :func:`probe_tokens`) with attention maps kept
+    and V outputs captured."""
     attentions = [layer.attention for layer in model.layers]
-    names = [f"layers.{i}.attention.v_proj" for i in range(len(attentions))]
+    names = v_projection_names(model)
     was_training = model.training
     model.eval()
     for attention in attentions:
         attention.keep_probabilities = True
     try:
-        captured = metrics.capture(model, names, probe_tokens)
+        captured = metrics.capture(model, names, tokens)
         probabilities = [attention.probabilities for attention in attentions]
     finally:
         for attention in attentions:
             attention.keep_probabilities, attention.probabilities = False, None
         model.train(was_training)
-    heads = attentions[0].n_heads
-    v_outputs = [captured[name].output for name in names]
+    v_metrics = metrics.v_activation_metrics([captured[name].output for name in names], attentions[0].n_heads)
     return {
         "attention/entropy": float(torch.stack([metrics.attention_entropy(p, causal=True).mean() for p in probabilities]).mean()),
         "attention/max_probability": float(torch.stack([metrics.mean_max_attention(p, causal=True).mean() for p in probabilities]).mean()),
-        "v/activation_effective_rank": float(torch.stack([metrics.v_activation_effective_rank(v, heads).mean() for v in v_outputs]).mean()),
-        "v/cross_head_cka": sum(metrics.mean_cross_head_cka(v, heads) for v in v_outputs) / len(v_outputs) if heads > 1 else float("nan"),
+        **{f"v/{key}": value for key, value in v_metrics.items()},
     }
