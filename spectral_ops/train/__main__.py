@@ -2,7 +2,9 @@
 
 * ``train``: one run (``--preset``, ``--config FILE.json``, any ``--field value``; ``--resume``).
 * ``sweep``: a grid, ``--powers 0 1 2 4 --coefficients 0.01 0.03`` or ``--recipes HHH HHF HHF+p2V``
-  (SPEC 7.5) / ``p1 pA0pM2`` (SPEC 7.6), optionally ``--lrs``; writes ``summary.{md,csv,json}``.
+  (SPEC 7.5, ``--coefficients`` = lambda_V) / ``p1 pA0pM2`` (SPEC 7.6, ``--attention-coefficients`` x
+  ``--mlp-coefficients``), optionally ``--lrs``; ``--protocol`` fills in a SPEC 7 protocol's grid;
+  writes ``summary.{md,csv,json}``.
 * ``report RUN_DIRS... --out DIR``: the plots and tables of ``report.py``.
 * ``demo``: the README's main job: the ``tiny`` preset with ``p`` = 1, 2 and 4 at one raw
   coefficient on the standard-library corpus, a comparison table and the report plots.
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from .config import add_config_arguments, config_from_arguments, preset
 from .loop import train
-from .sweep import RECIPES, run_sweep
+from .sweep import MODULE_WISE_COEFFICIENTS, PROTOCOLS, RECIPES, run_sweep
 
 COMMANDS = ("train", "sweep", "report", "demo")
 
@@ -36,13 +38,22 @@ def parser() -> argparse.ArgumentParser:
     add_config_arguments(sweep_parser)
     sweep_parser.add_argument("--out", type=Path, default=Path("runs/sweep"),
                               help="folder of the runs and of summary.{md,csv,json} (default: runs/sweep)")
-    sweep_parser.add_argument("--powers", type=int, nargs="+", default=[0, 1, 2, 4],
+    sweep_parser.add_argument("--protocol", choices=sorted(PROTOCOLS),
+                              help="a SPEC 7 protocol's grid: coefficient-response (7.4: p 0 1 2 4 x lambda_p "
+                                   "0.003 0.01 0.03) or module-wise (7.6: recipes p1 pA0pM2 x lr x lambda_A x "
+                                   "lambda_M, 3 values each, 7,268 steps); the flags below and --steps override it")
+    sweep_parser.add_argument("--powers", type=int, nargs="+",
                               help="spectral powers p to sweep (default: 0 1 2 4)")
-    sweep_parser.add_argument("--coefficients", type=float, nargs="+", default=[0.01],
-                              help="spectral coefficients lambda_p to sweep (default: 0.01)")
-    sweep_parser.add_argument("--recipes", nargs="+", choices=RECIPES, default=[],
+    sweep_parser.add_argument("--coefficients", type=float, nargs="+",
+                              help="spectral coefficients lambda_p to sweep, or lambda_V of HHF+p2V (default: 0.01)")
+    sweep_parser.add_argument("--recipes", nargs="+", choices=RECIPES,
                               help="SPEC 7.5/7.6 recipes to sweep instead of powers x coefficients")
-    sweep_parser.add_argument("--lrs", type=float, nargs="+", default=[],
+    sweep_parser.add_argument("--attention-coefficients", type=float, nargs="+",
+                              help="lambda_A of the module-wise recipes p1 and pA0pM2 "
+                                   f"(default: SPEC 7.6's {' '.join(f'{v:.7g}' for v in MODULE_WISE_COEFFICIENTS)})")
+    sweep_parser.add_argument("--mlp-coefficients", type=float, nargs="+",
+                              help="lambda_M of the module-wise recipes (default: as --attention-coefficients)")
+    sweep_parser.add_argument("--lrs", type=float, nargs="+",
                               help="peak lrs to sweep as well (default: the config's lr only)")
 
     report_parser = commands.add_parser("report", help="plots and tables from finished runs")
@@ -59,6 +70,19 @@ def parser() -> argparse.ArgumentParser:
     return main
 
 
+SWEEP_DEFAULTS = {"powers": (0, 1, 2, 4), "coefficients": (0.01,), "recipes": (), "lrs": (),
+                  "attention_coefficients": MODULE_WISE_COEFFICIENTS, "mlp_coefficients": MODULE_WISE_COEFFICIENTS}
+
+
+def sweep_plan(args: argparse.Namespace):
+    """The base config and grid axes of ``sweep``: each axis from its flag, else the protocol's, else
+    the default; the protocol's config fields (7.6's steps) sit under the config file and the flags."""
+    protocol = PROTOCOLS[args.protocol] if args.protocol else {"grid": {}, "config": {}}
+    axes = {name: next(v for v in (getattr(args, name), protocol["grid"].get(name), default) if v is not None)
+            for name, default in SWEEP_DEFAULTS.items()}
+    return config_from_arguments(args, protocol["config"]), axes
+
+
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
@@ -67,8 +91,8 @@ def main(argv=None) -> None:
     if args.command == "train":
         train(config_from_arguments(args), resume=args.resume, force=args.force)
     elif args.command == "sweep":
-        run_sweep(config_from_arguments(args), args.out, powers=args.powers, coefficients=args.coefficients,
-                  recipes=args.recipes, lrs=args.lrs)
+        base, axes = sweep_plan(args)
+        run_sweep(base, args.out, **axes)
     elif args.command == "report":
         from .report import report
 

@@ -1,8 +1,8 @@
 """Run configuration: presets, and overrides from a JSON file or the command line.
 
 Every field can be overridden: ``--config run.json`` sets any subset of fields, then
-``--FIELD VALUE`` flags (``--d-model 256``) win over it. The GPU presets follow SPEC 7.4-7.5
-(SwiGLU, Muon, peak lr 0.005, 256 warm-up steps, cosine to 0.1x, ordinary WD 0.1).
+``--FIELD VALUE`` flags (``--d-model 256``) win over it. ``tiny`` and ``small`` are CPU demos;
+``paper8`` and ``paper12`` are the protocols of SPEC 7.4 and 7.5 (see ``PROTOCOL_PRESETS``).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -28,6 +29,8 @@ class TrainConfig:
     tied_embeddings: bool = False
     # data
     data: str | None = None
+    vocab_size: int = 0
+    allow_stand_in_data: bool = False
     batch_size: int = 16
     grad_accum: int = 1
     val_batches: int = 8
@@ -65,13 +68,46 @@ class TrainConfig:
     device: str = "auto"
     notes: dict = field(default_factory=dict)
 
-    def model_config(self):
+    def model_config(self, vocab_size: int = 0):
+        """The model's shape; ``vocab_size`` is the corpus's (the loop passes it), else this config's,
+        else bytes'."""
+        from .data import BYTE_VOCAB
         from .model import ModelConfig
 
-        return ModelConfig(n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads,
-                           mlp_hidden=self.mlp_hidden, max_seq_len=self.seq_len,
+        return ModelConfig(vocab_size=vocab_size or self.vocab_size or BYTE_VOCAB, n_layers=self.n_layers,
+                           d_model=self.d_model, n_heads=self.n_heads, mlp_hidden=self.mlp_hidden,
+                           max_seq_len=self.seq_len,
                            tied_embeddings=self.tied_embeddings)
 
+
+def evaluation_steps(steps: int, log_every: int) -> list[int]:
+    """The steps after which the loop validates and logs: every ``log_every``-th, and the last."""
+    return sorted({*range(log_every, steps + 1, log_every), steps})
+
+
+def log_every_for(steps: int, evaluations: int) -> int:
+    """The cadence that validates exactly ``evaluations`` times in ``steps`` (the last step included)."""
+    log_every = math.ceil(steps / evaluations)
+    if len(evaluation_steps(steps, log_every)) != evaluations:
+        raise ValueError(f"no cadence validates exactly {evaluations} times in {steps} steps")
+    return log_every
+
+
+def batches_for(tokens: int, batch_size: int, seq_len: int) -> int:
+    """Micro-batches of ``batch_size`` sequences of ``seq_len`` holding exactly ``tokens`` tokens."""
+    batches, left = divmod(tokens, batch_size * seq_len)
+    if left:
+        raise ValueError(f"{tokens} tokens are not a whole number of {batch_size} x {seq_len} batches")
+    return batches
+
+
+# SPEC 7.5, in the units it states them: 524,288 tokens per step, validation on 10.49M tokens
+# (10,485,760 = 20 such steps, modded-nanogpt's val_tokens), 164 validations over the 16,204 steps.
+PAPER12_SEQ_LEN, PAPER12_BATCH_SIZE = 4096, 16
+PAPER12_STEP_TOKENS = 524_288
+PAPER12_VALIDATION_TOKENS = 10_485_760
+PAPER12_VALIDATIONS = 164
+PAPER12_STEPS = 16_204
 
 PRESETS = {
     # A CPU demo: a couple of minutes on 2 cores.
@@ -80,15 +116,29 @@ PRESETS = {
     # A CPU sweep point: ~10 minutes per run on 2 cores.
     "small": dict(n_layers=4, d_model=192, n_heads=3, seq_len=128, batch_size=16, steps=800,
                   warmup_steps=80, lr=3e-3, log_every=100),
-    # SPEC 7.4: 8 layers, width 512, on a GPU.
+    # SPEC 7.4 (coefficient response): 8 layers, width 512, and SPEC 1.5's base rule alone: every
+    # matrix decays by lambda_p S_p(W) with the fixed lambda_p = 0.01 scaled by the schedule eta_t only
+    # (the independent convention, the rule as 1.5 writes it), no ordinary decay under it. p = 1 here;
+    # the sweep sets p in {0, 1, 2, 4}. SPEC 7.4 does not state the optimizer, lr, schedule, sequence,
+    # batch or steps: they are 7.5's (Muon, 0.005, 256 warm-up steps, cosine to 0.1x, no clip, seed 42).
     "paper8": dict(n_layers=8, d_model=512, n_heads=4, seq_len=1024, batch_size=64, steps=5000,
-                   warmup_steps=256, optimizer="muon", lr=0.005, vector_lr=0.005, weight_decay=0.1,
-                   min_lr_ratio=0.1, log_every=250, checkpoint_every=1000, val_batches=16),
-    # SPEC 7.5: 12 layers, width 768, head dim 128, sequence 4096, 524,288 tokens per step.
-    "paper12": dict(n_layers=12, d_model=768, n_heads=6, seq_len=4096, batch_size=16, grad_accum=8,
-                    steps=16204, warmup_steps=256, optimizer="muon", lr=0.005, vector_lr=0.005,
-                    weight_decay=0.1, min_lr_ratio=0.1, log_every=500, checkpoint_every=2000, val_batches=16),
+                   warmup_steps=256, min_lr_ratio=0.1, optimizer="muon", lr=0.005, vector_lr=0.005,
+                   weight_decay=0.0, convention="independent", p=1, spectral_weight_decay=0.01,
+                   grad_clip=0.0, seed=42, log_every=250, checkpoint_every=1000, val_batches=16),
+    # SPEC 7.5 (head-wise vs full V): 12 layers, width 768, head dim 128, sequence 4096, 524,288 tokens
+    # per step, 16,204 steps, peak lr 0.005, 256 warm-up steps, cosine to 0.1x, ordinary WD 0.1 lr-coupled,
+    # Muon (scale 0.2 sqrt(max(d_in, d_out))), the HHH baseline (the sweep's recipes set HHF, HHF + p=2 V).
+    "paper12": dict(n_layers=12, d_model=768, n_heads=768 // 128, seq_len=PAPER12_SEQ_LEN,
+                    batch_size=PAPER12_BATCH_SIZE,
+                    grad_accum=PAPER12_STEP_TOKENS // (PAPER12_BATCH_SIZE * PAPER12_SEQ_LEN),
+                    steps=PAPER12_STEPS, warmup_steps=256, min_lr_ratio=0.1, optimizer="muon", lr=0.005,
+                    vector_lr=0.005, weight_decay=0.1, convention="decoupled", qkv_recipe="HHH", grad_clip=0.0,
+                    seed=42, val_batches=batches_for(PAPER12_VALIDATION_TOKENS, PAPER12_BATCH_SIZE, PAPER12_SEQ_LEN),
+                    log_every=log_every_for(PAPER12_STEPS, PAPER12_VALIDATIONS), checkpoint_every=2000),
 }
+# Presets that reproduce a SPEC 7 protocol: they refuse the default byte corpus, a stand-in for the
+# protocol's data, unless allow_stand_in_data says to use it anyway.
+PROTOCOL_PRESETS = {"paper8": "SPEC 7.4", "paper12": "SPEC 7.5"}
 
 
 def preset(name: str, **overrides) -> TrainConfig:
@@ -111,10 +161,13 @@ FIELD_HELP = {
     "mlp_hidden": "SwiGLU hidden width (0: 8/3 d_model rounded up to a multiple of 64)",
     "seq_len": "tokens per training sequence",
     "tied_embeddings": "share the input embedding and the output head",
-    "data": "a text file or folder to train on (none: the Python standard library's source)",
+    "data": "a text file or folder (bytes), or a modded-nanogpt .bin token shard or folder of them ('val' in "
+            "the name: validation) to train on (none: the Python standard library's source)",
+    "vocab_size": "vocabulary of token shards (0: GPT-2's 50257; their header has none); bytes use 256",
+    "allow_stand_in_data": "let paper8/paper12 run on the default byte corpus, a stand-in for their protocol's data",
     "batch_size": "sequences per micro-batch",
     "grad_accum": "micro-batches per optimizer step",
-    "val_batches": "batches per validation",
+    "val_batches": "micro-batches per validation",
     "optimizer": "adamw, muon or sgd",
     "lr": "peak lr of the matrices (and of everything under adamw/sgd)",
     "vector_lr": "peak lr of Muon's internal AdamW (embeddings, norms, head); 0: same as --lr",
@@ -137,7 +190,7 @@ FIELD_HELP = {
     "stability": "p > 1 stability guard: raise, warn, clamp or ignore. clamp here, unlike the library's "
                  "raise: an unattended run should shrink a too-large step, not stop at it",
     "muon_precision": "Muon's orthogonalisation precision (none: bf16 on a GPU, fp32 on a CPU)",
-    "log_every": "steps between log lines and metrics",
+    "log_every": "steps between validations, log lines and metrics (and the last step)",
     "checkpoint_every": "steps between checkpoints (0: only at the end)",
     "keep_checkpoints": "checkpoints kept (checkpoint.pt, checkpoint.1.pt, ...): --resume falls back to an "
                         "older one when the newest cannot be loaded",
@@ -168,18 +221,20 @@ def _field_help(f) -> str:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--preset``, ``--config FILE.json`` and one ``--field-name`` flag per config field."""
+    """``--preset``, ``--config FILE.json`` and one ``--field-name`` flag per config field (a
+    boolean one alone means true)."""
     parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS,
                         help="starting point (default: tiny)")
     parser.add_argument("--config", type=Path, help="JSON file with any subset of the fields")
     for f in CLI_FIELDS:
+        flag = {"nargs": "?", "const": True} if f.type == "bool" else {}
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_parser_for(f.type),
                             default=argparse.SUPPRESS, metavar=f.type.split(" ")[0].upper(),
-                            help=_field_help(f))
+                            help=_field_help(f), **flag)
 
 
-def config_from_arguments(args: argparse.Namespace) -> TrainConfig:
-    """Preset, then the JSON file, then the command-line flags."""
+def config_from_arguments(args: argparse.Namespace, defaults: dict | None = None) -> TrainConfig:
+    """Preset, then ``defaults`` (a sweep protocol's), then the JSON file, then the command-line flags."""
     overrides = json.loads(args.config.read_text()) if getattr(args, "config", None) else {}
     unknown = set(overrides) - {f.name for f in fields(TrainConfig)}
     if unknown:
@@ -187,7 +242,7 @@ def config_from_arguments(args: argparse.Namespace) -> TrainConfig:
     overrides.update({f.name: getattr(args, f.name) for f in CLI_FIELDS if hasattr(args, f.name)})
     name = getattr(args, "preset", None) or overrides.pop("preset", "tiny")
     overrides.pop("preset", None)
-    return preset(name, **overrides)
+    return preset(name, **{**(defaults or {}), **overrides})
 
 
 def to_dict(config: TrainConfig) -> dict:

@@ -16,13 +16,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import monitor
-from .config import TrainConfig, to_dict
-from .data import load_corpus, train_batch, validation_batches
+from .config import PROTOCOL_PRESETS, TrainConfig, evaluation_steps, to_dict
+from .data import Corpus, load_corpus, train_batch, validation_batches
 from .model import Transformer
 from .optimizers import build_optimizer
 from .schedule import lr_multiplier
 
 CHECKPOINT = "checkpoint.pt"
+# The validation loss's log key, by what a token is, and its conversion from nats: bits per byte on
+# bytes (SPEC 7.4's unit), nats per token on a tokeniser's tokens (the write-ups' NLL).
+VALIDATION_KEYS = {"byte": ("val_bpb", 1 / math.log(2)), "token": ("val_nats_per_token", 1.0)}
 
 
 def pick_device(name: str) -> torch.device:
@@ -36,9 +39,14 @@ def autocast(device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
+def validation_key(record: dict) -> str:
+    """The validation-loss key a logged record holds."""
+    return next(key for key, _ in VALIDATION_KEYS.values() if key in record)
+
+
 @torch.no_grad()
-def validation_bits_per_byte(model, batches, device) -> float:
-    """Mean cross-entropy over the fixed validation windows, in bits per byte (tokens are bytes)."""
+def validation_nats(model, batches, device) -> float:
+    """Mean cross-entropy over the fixed validation windows, in nats per token."""
     was_training = model.training
     model.eval()
     losses = []
@@ -47,7 +55,7 @@ def validation_bits_per_byte(model, batches, device) -> float:
             logits = model(inputs.to(device))
         losses.append(F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten()).item())
     model.train(was_training)
-    return sum(losses) / len(losses) / math.log(2)
+    return sum(losses) / len(losses)
 
 
 def checkpoint_paths(out: Path, keep: int) -> list[Path]:
@@ -126,9 +134,26 @@ def write_logs(out: Path, history: list) -> None:
         writer.writerows(history)
 
 
+def check_protocol_data(config: TrainConfig, corpus: Corpus) -> None:
+    """A SPEC 7 preset on the default byte corpus reproduces nothing: refuse, or with
+    ``allow_stand_in_data`` warn, saying how many epochs of it the run would read."""
+    if config.preset not in PROTOCOL_PRESETS or config.data is not None:
+        return
+    epochs = config.steps * config.grad_accum * config.batch_size * config.seq_len / len(corpus.train)
+    message = (f"preset {config.preset} follows {PROTOCOL_PRESETS[config.preset]}, but no --data was given: the "
+               f"default corpus, {corpus.description}, is a stand-in ({len(corpus.train) / 1e6:.1f}M training bytes; "
+               f"this run would read it {epochs:.0f} times)")
+    if not config.allow_stand_in_data:
+        raise ValueError(f"{message}. Pass --data (token shards or text), or --allow-stand-in-data to run on it anyway")
+    warnings.warn(f"{message}: its results do not reproduce the protocol", RuntimeWarning, stacklevel=3)
+
+
 def summary_line(record: dict) -> str:
-    return (f"step {record['step']}: val {record['val_bpb']:.4f} bits/byte, "
-            f"MLP stable rank {record['mlp_expand/stable_rank']:.2f}/{record['mlp_project/stable_rank']:.2f}, "
+    key = validation_key(record)
+    unit = "bits/byte" if key == "val_bpb" else "nats/token"
+    return (f"step {record['step']}: val {record[key]:.4f} {unit}, "
+            f"MLP gate/up/down stable rank {record['mlp_gate/stable_rank']:.2f}/{record['mlp_up/stable_rank']:.2f}/"
+            f"{record['mlp_down/stable_rank']:.2f}, "
             f"QK stable rank {record['qk/stable_rank']:.2f}, attention entropy {record['attention/entropy']:.3f}")
 
 
@@ -137,6 +162,8 @@ def train(config: TrainConfig, *, resume: bool = False, force: bool = False, pro
     the newest loadable checkpoint there (``force``: even with a changed config)."""
     if config.keep_checkpoints < 1:
         raise ValueError(f"keep_checkpoints must be >= 1, got {config.keep_checkpoints}")
+    corpus = load_corpus(config.data, vocab_size=config.vocab_size)
+    check_protocol_data(config, corpus)  # before anything is written: a refused run leaves no trace
     out = Path(config.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if resume:
@@ -145,8 +172,7 @@ def train(config: TrainConfig, *, resume: bool = False, force: bool = False, pro
     device = pick_device(config.device)
 
     torch.manual_seed(config.seed)
-    corpus = load_corpus(config.data)
-    model = Transformer(config.model_config()).to(device)
+    model = Transformer(config.model_config(corpus.vocab_size)).to(device)
     optimizer = build_optimizer(model, config)
     start, history = 0, []
     state = load_checkpoint(out, config.keep_checkpoints, device) if resume else None
@@ -158,6 +184,8 @@ def train(config: TrainConfig, *, resume: bool = False, force: bool = False, pro
         print(f"{out}: nothing to resume (no checkpoint); starting from step 0", file=sys.stderr)
 
     validation = validation_batches(corpus, config.val_batches, config.batch_size, config.seq_len)
+    loss_key, from_nats = VALIDATION_KEYS[corpus.unit]
+    evaluations = set(evaluation_steps(config.steps, config.log_every))
     probe = validation[0][0][:4].to(device)  # fixed tokens for the attention and V metrics
     bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc=out.name,
                disable=not progress, dynamic_ncols=True)
@@ -192,11 +220,11 @@ def train(config: TrainConfig, *, resume: bool = False, force: bool = False, pro
         bar.set_postfix(loss=f"{train_loss:.3f}")
 
         done = step + 1
-        if done % config.log_every == 0 or done == config.steps:
+        if done in evaluations:
             check_finite_weights(model, done, out)
             record = {"step": done, "train_loss": train_loss, "lr_multiplier": multiplier,
                       "skipped_updates": skipped_updates(optimizer),
-                      "val_bpb": validation_bits_per_byte(model, validation, device)}
+                      loss_key: validation_nats(model, validation, device) * from_nats}
             record.update(monitor.weight_metrics(model, optimizer))
             record.update(monitor.activation_metrics(model, probe))
             history.append(record)
