@@ -150,7 +150,7 @@ def test_the_independent_peak_survives_the_host_state_dict():
     def fresh():
         model = tiny_model()
         host = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0, foreach=False)
-        SpectralDecay([p for p in model.parameters() if p.ndim == 2], p=2, spectral_weight_decay=0.5,
+        SpectralDecay([p for p in model.parameters() if p.ndim == 2], p=2, spectral_weight_decay=0.2,
                       convention="independent").attach(host)
         return model, host
 

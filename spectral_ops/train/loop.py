@@ -186,7 +186,7 @@ def train(config: TrainConfig, *, resume: bool = False, force: bool = False, pro
     validation = validation_batches(corpus, config.val_batches, config.batch_size, config.seq_len)
     loss_key, from_nats = VALIDATION_KEYS[corpus.unit]
     evaluations = set(evaluation_steps(config.steps, config.log_every))
-    probe = validation[0][0][:4].to(device)  # fixed tokens for the attention and V metrics
+    probe = monitor.probe_tokens(validation).to(device)  # fixed tokens for the attention and V metrics
     bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc=out.name,
                disable=not progress, dynamic_ncols=True)
     skipping = 0  # steps in a row with a skipped update
