@@ -148,3 +148,24 @@ def test_adamw_groups_inside_muon_match_torch_adamw():
 def test_bad_groups_raise_at_construction(group, match):
     with pytest.raises(ValueError, match=match):
         SpectralMuon([group])
+
+
+@pytest.mark.parametrize("shape", [(32, 8), (8, 32)])
+def test_spectral_scale_is_the_modular_dual_scale(shape):
+    """SPEC 6: a linear layer's natural norm is sqrt(fan_in/fan_out) ||W||_2, so the dual step is the polar
+    factor times sqrt(fan_out/fan_in); fan_out = rows, fan_in = cols of a torch weight."""
+    rows, cols = shape
+    weight = torch.nn.Parameter(torch.zeros(shape))
+    weight.grad = matrix_with_spectrum(shape, torch.ones(min(shape)), torch.float32, seed=2)
+    SpectralMuon([weight], lr=0.1, weight_decay=0.0, momentum=0.0, nesterov=False, adjust_lr_fn="spectral",
+                 precision="fp32").step()
+    # One step from zero momentum, and polar(G) = G (unit singular values): the update is -lr sqrt(rows/cols) G.
+    # fp32 round-off of the polar iteration bounds the error (as in the match_rms_adamw test).
+    expected = -0.1 * (rows / cols) ** 0.5 * weight.grad
+    assert relative_error(weight.detach(), expected) < 1e-5
+
+
+def test_spectral_scale_is_accepted_per_group_and_by_add_param_group():
+    optimizer = SpectralMuon([{"params": [torch.nn.Parameter(torch.zeros(12, 4))], "adjust_lr_fn": "spectral"}])
+    optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4, 12))], "adjust_lr_fn": "spectral"})
+    assert [group["adjust_lr_fn"] for group in optimizer.param_groups] == ["spectral", "spectral"]

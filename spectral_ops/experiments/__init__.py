@@ -19,6 +19,7 @@ EXPERIMENTS = {
     "pure-decay": "pure_decay",
     "feedback-loop": "feedback_loop",
     "schedules": "schedules",
+    "width-transfer": "width_transfer",
 }
 
 
