@@ -68,6 +68,12 @@ def skipped_updates(optimizer) -> int:
     return sum(int(count) for count in getattr(optimizer, "skipped", {}).values())
 
 
+def clamped_updates(optimizer) -> int:
+    """The matrices whose spectral coefficient the stability clamp reduced so far (each is also logged
+    with its factor on the ``spectral_ops.decay`` logger)."""
+    return sum(int(record.count) for record in getattr(optimizer, "clamped", {}).values())
+
+
 def check_finite_weights(model, step: int, out: Path) -> None:
     """Stop a run whose weights went non-finite before it measures or checkpoints them."""
     if not all(torch.isfinite(p).all() for p in model.parameters()):
@@ -224,6 +230,7 @@ def train(config: TrainConfig, *, resume: bool = False, force: bool = False, pro
             check_finite_weights(model, done, out)
             record = {"step": done, "train_loss": train_loss, "lr_multiplier": multiplier,
                       "skipped_updates": skipped_updates(optimizer),
+                      "clamped_updates": clamped_updates(optimizer),
                       loss_key: validation_nats(model, validation, device) * from_nats}
             record.update(monitor.weight_metrics(model, optimizer))
             record.update(monitor.activation_metrics(model, probe))
