@@ -47,9 +47,8 @@ def spectral_power_flops(r: int, big: int, p: int, steps: int = 8, iteration: st
     :func:`spectral_ops.plan.iteration_flops` counts them (one model, in the plan)."""
     if p == 1:
         return 0.0
-    if p % 2:
-        return gram_flops(r, big) + gram_power_products(p // 2) * r**3 + 2 * r * r * big
-    return gram_flops(r, big) + gram_power_products(p // 2) * r**3 + iteration_flops(iteration, p, r, big, steps)
+    final = 2 * r * r * big if p % 2 else iteration_flops(iteration, p, r, big, steps)
+    return gram_flops(r, big) + gram_power_products(p // 2) * r**3 + final
 
 
 def msign_flops(r: int, steps: int) -> float:

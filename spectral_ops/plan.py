@@ -289,8 +289,9 @@ class GramPlan:
 
     def gram_polar(self, coefficients):
         """The polar factor of ``X0 = Xn / 1.01`` as a pair ``(Z, Xj)`` with ``Q = Z Xj``, iterated on
-        ``r x r`` Grams: each block of :func:`restart_blocks` (at most ``restart_every`` steps) runs :func:`coupled_inverse_root` on the
-        Gram of ``Xj``, and the next block restarts from ``Xj <- Z Xj`` and its new Gram.
+        ``r x r`` Grams: each block of :func:`restart_blocks` (at most ``restart_every`` steps) runs
+        :func:`coupled_inverse_root` on the Gram of ``Xj``, and the next block restarts from
+        ``Xj <- Z Xj`` and its new Gram.
 
         A restart must recompute the Gram from the rectangle: ``Z G Z``, which carries the first Gram's
         rounding, is no better than no restart (7.7e-5 at kappa = 1e6 in fp32, NaN in bf16, measured).
@@ -302,7 +303,8 @@ class GramPlan:
                 if number:
                     X = self.product(Z, X)
                     G = self.symmetric(X, X.mT)
-                Z = coupled_inverse_root(self.kernels, G, coefficients[done:done + steps], self.precision, identity)
+                Z = coupled_inverse_root(self.kernels, G, coefficients[done:done + steps], self.precision,
+                                         identity)
                 done += steps
             self._gram_polar = (Z, X)
         return self._gram_polar
