@@ -170,3 +170,10 @@ def test_width_transfer_scales_every_decay_coefficient_by_the_groups_convention(
     for role in ("embedding", "vector", "head"):  # vector-like: no decay, not even the optimizer's default
         assert wide[role]["weight_decay"] == 0.0 and wide[role]["spectral_weight_decay"] == 0.0
     SpectralAdamW(list(wide.values()))
+
+
+@pytest.mark.parametrize("base_width, width", [(8, 0), (0, 8), (-8, 8)])
+def test_width_transfer_refuses_widths_that_are_not_positive(base_width, width):
+    """Checked before any group is touched, vector-like groups included (which need no factor)."""
+    with pytest.raises(ValueError, match="widths must be positive"):
+        width_transfer([{"params": [], "role": "vector", "lr": 1e-3}], base_width, width)

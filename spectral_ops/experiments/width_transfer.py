@@ -109,6 +109,7 @@ def run(out_dir, quick: bool = False) -> str:
     corpus = load_corpus(None)
     cases = [(arm, p, rule, width) for arm, p, rule in ARMS for width in widths]
     by_arm: dict[str, list[dict]] = {arm: [] for arm, _, _ in ARMS}
+    rule_of = {arm: rule for arm, _, rule in ARMS}
     for arm, p, rule, width in tqdm(cases, desc="width-transfer", unit="run"):
         by_arm[arm].append(train_width(corpus, run_config(width, p, settings), base_width, rule))
 
@@ -118,7 +119,7 @@ def run(out_dir, quick: bool = False) -> str:
     table = markdown_table(["arm", "d", "matrix lr", "lambda_1 or lambda_p", "predicted scale", "sigma_1 (MLP)",
                             "sigma_1 / smallest d", "final train loss"], rows)
     summary = {arm: {"slope": width_slope(records), "spread": records[-1]["sigma_1"] / records[0]["sigma_1"],
-                     "predicted_slope": 0.0 if arm.startswith("rule") else 0.75}
+                     "predicted_slope": 0.0 if rule_of[arm] else 0.75}
                for arm, records in by_arm.items()}
     summary_rows = [[arm, s["predicted_slope"], s["slope"], s["spread"]] for arm, s in summary.items()]
     summary_table = markdown_table(["arm", "predicted slope", "measured slope", f"sigma_1({widths[-1]}) / "

@@ -113,7 +113,7 @@ def width_decay_factor(base_width: int, width: int, convention: str = "decoupled
     Put otherwise: the rule keeps ``s = Theta(1)`` across widths, and there ``lambda_p S_p`` shrinks each
     mode like an ordinary decay with coefficient ``lambda_p s^(p-1)``, which transfers like ``lambda_1``
     exactly when ``lambda_p`` does. This is a heuristic: ``python -m spectral_ops.experiments
-    width-transfer`` measures it for ``p = 2``.
+    width-transfer`` measures it for ``p = 3``.
     """
     if base_width <= 0 or width <= 0:
         raise ValueError(f"widths must be positive, got base_width={base_width}, width={width}")
@@ -163,6 +163,7 @@ def width_transfer(groups, base_width: int, width: int, *, convention: str = "de
     get no decay. A matrix group must set ``lr`` and ``weight_decay``: the optimizer's defaults would
     apply to it unscaled. A coefficient left to the optimizer's defaults is not scaled.
     """
+    width_decay_factor(base_width, width, convention)  # checks the widths and the default convention
     ratio = base_width / width
     scaled = []
     for group in groups:
