@@ -196,18 +196,18 @@ def _guarded_scale(stack, p, scale, weight_decay, band, policy, capturable=False
     violating = worst >= 1
     if not bool(violating.any()):
         return None, {}
-    largest_kappa = float(kappa.max())
-    message = (
-        f"spectral decay with p={p} is unstable for {int(violating.sum())} of {violating.numel()} matrices: "
-        f"p * kappa = p * lr * coefficient * s_max^(p-1) reaches {float(worst.max()):.4g} >= 1 "
-        f"(kappa = {largest_kappa:.4g}), and the per-mode step s -> s - lr * coefficient * s^p keeps the order "
-        "of the singular values only while p * kappa < 1: a smaller mode would overtake a larger one"
-        + (", and the largest would go through zero and flip sign (kappa >= 1)" if largest_kappa >= 1 else "")
-        + ". Lower the learning rate or coefficient, or pass stability='clamp'."
-    )
-    if policy == "raise":
-        raise SpectralStabilityError(message)
-    if policy == "warn":
+    if policy in ("raise", "warn"):  # the message's three host reads only where it is shown
+        largest_kappa = float(kappa.max())
+        message = (
+            f"spectral decay with p={p} is unstable for {int(violating.sum())} of {violating.numel()} matrices: "
+            f"p * kappa = p * lr * coefficient * s_max^(p-1) reaches {float(worst.max()):.4g} >= 1 "
+            f"(kappa = {largest_kappa:.4g}), and the per-mode step s -> s - lr * coefficient * s^p keeps the "
+            "order of the singular values only while p * kappa < 1: a smaller mode would overtake a larger one"
+            + (", and the largest would go through zero and flip sign (kappa >= 1)" if largest_kappa >= 1 else "")
+            + ". Lower the learning rate or coefficient, or pass stability='clamp'."
+        )
+        if policy == "raise":
+            raise SpectralStabilityError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=4)
         return None, {}
     factor = clamp_factor(worst)

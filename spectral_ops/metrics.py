@@ -304,11 +304,11 @@ def sample_tokens(outputs: torch.Tensor, n_tokens: int | None = V_SAMPLE_TOKENS,
     on ``N`` and ``seed`` alone: every layer, and every checkpoint measured on the same tokens, gets
     the same token positions. ``n_tokens=None`` or ``N <= n_tokens`` keeps every row.
     """
-    Z = outputs.reshape(-1, outputs.shape[-1]).to(torch.float64)
-    if n_tokens is None or Z.shape[0] <= n_tokens:
-        return Z
-    rows = torch.randperm(Z.shape[0], generator=torch.Generator().manual_seed(seed))[:n_tokens]
-    return Z[rows.to(Z.device)]
+    Z = outputs.reshape(-1, outputs.shape[-1])
+    if n_tokens is not None and Z.shape[0] > n_tokens:  # pick the rows first: only they are widened
+        rows = torch.randperm(Z.shape[0], generator=torch.Generator().manual_seed(seed))[:n_tokens]
+        Z = Z[rows.to(Z.device)]
+    return Z.to(torch.float64)
 
 
 def v_activation_effective_rank(outputs: torch.Tensor, n_tokens: int | None = V_SAMPLE_TOKENS,

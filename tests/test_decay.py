@@ -215,6 +215,7 @@ def test_a_capturable_clamp_gives_the_eager_factors_without_a_host_read(caplog):
                                       capturable=True, clamp_factors=capturable)
     assert not caplog.records  # nothing can be logged without reading the factors on the host
     # The same float64 arithmetic on the same bounds: equal factors.
+    assert len(eager) == len(capturable) == len(tensors)
     assert all(torch.equal(a, b) for a, b in zip(eager, capturable))
     assert [(f < 1).tolist() for f in eager] == [False, True, [False, True]]
     assert all(relative_error(a, b) < 1e-12 for a, b in zip(eager_result, captured))

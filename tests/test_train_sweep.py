@@ -11,7 +11,7 @@ from spectral_ops.optim import SpectralMuon
 from spectral_ops.train import Transformer, preset
 from spectral_ops.train.__main__ import main, parser, sweep_plan
 from spectral_ops.train.optimizers import param_groups
-from spectral_ops.train.sweep import MODULE_WISE_STEPS, closest_loss_pair, geometric_points, grid
+from spectral_ops.train.sweep import MODULE_WISE_STEPS, closest_loss_pair, grid
 
 # SPEC 7.6 as printed (7 significant digits).
 SPEC_LRS = (8e-4, 2.529822e-3, 8e-3)
@@ -22,11 +22,6 @@ PRINTED = 0.5e-6 / 2.529822
 
 def plan(*flags):
     return sweep_plan(parser().parse_args(["sweep", *flags]))
-
-
-def test_the_midpoints_are_geometric():
-    assert geometric_points(8e-4, 8e-3)[1] == pytest.approx(math.sqrt(8e-4 * 8e-3), rel=1e-15)
-    assert geometric_points(1.0, 16.0, 5) == pytest.approx((1.0, 2.0, 4.0, 8.0, 16.0), rel=1e-15)
 
 
 def test_module_wise_protocol_is_27_distinct_spec_configurations_per_recipe():

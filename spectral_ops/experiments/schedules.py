@@ -5,6 +5,8 @@ Gram space also runs without its restarts (one block of every step), to show wha
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import torch
 from tqdm import tqdm
 
@@ -86,11 +88,10 @@ def run(out_dir, quick: bool = False) -> str:
                                     "aspect": aspect, "shape": list(shape), "seed": seed,
                                     **measure(W, p, schedule, precision, exact[p], coefficients)})
 
-    keys = [(s, prec, p, k, a) for s in SCHEDULES for prec in PRECISIONS for p in POWERS
-            for k in CONDITION_NUMBERS for a in ASPECTS]
-    grid = {key: worst([c for c in records
-                        if (c["schedule"], c["precision"], c["p"], c["kappa"], c["aspect"]) == key])
-            for key in keys}
+    by_case = defaultdict(list)  # the seeds of each (schedule, precision, p, kappa, aspect)
+    for c in records:
+        by_case[c["schedule"], c["precision"], c["p"], c["kappa"], c["aspect"]].append(c)
+    grid = {key: worst(outcomes) for key, outcomes in by_case.items()}
 
     rows = [[schedule, precision, p, f"{aspect}:1", *[cell(grid[schedule, precision, p, k, aspect])
                                                        for k in CONDITION_NUMBERS]]

@@ -184,13 +184,14 @@ def v_activation_rows(runs, tokens) -> list[dict]:
     """SPEC 7.5 per run: V weight eRank and stable rank (mean over layers), and the V activation eRank
     and cross-head CKA on ``tokens``, with the run's own V inputs and with the first run's (fixed
     inputs). A run whose V weights do not fit the first run's inputs gets NaN for the latter."""
-    reference_inputs = _v_inputs(run_model(runs[0]), tokens)
-    rows = []
+    rows, reference_inputs = [], None
     for run in runs:
         model = run_model(run)
         weights = [w.detach() for w in family_weights(model, "v")]
         n_heads = model.config.n_heads
-        own = metrics.fixed_input_v_metrics(_v_inputs(model, tokens), weights, n_heads)
+        inputs = _v_inputs(model, tokens)
+        reference_inputs = inputs if reference_inputs is None else reference_inputs
+        own = metrics.fixed_input_v_metrics(inputs, weights, n_heads)
         fits = len(weights) == len(reference_inputs) and all(
             W.shape[1] == x.shape[-1] for W, x in zip(weights, reference_inputs))
         fixed = (metrics.fixed_input_v_metrics(reference_inputs, weights, n_heads) if fits

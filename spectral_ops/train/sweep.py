@@ -16,22 +16,17 @@ import itertools
 import json
 from pathlib import Path
 
+import numpy as np
+
 from .config import TrainConfig
 from .loop import train, validation_key
-
-
-def geometric_points(low: float, high: float, count: int = 3) -> tuple[float, ...]:
-    """``count`` points from ``low`` to ``high`` at a constant ratio (of three, the middle one is
-    ``sqrt(low * high)``); the ends are exactly ``low`` and ``high``."""
-    ratio = high / low
-    return (low, *(low * ratio ** (i / (count - 1)) for i in range(1, count - 1)), high)
 
 
 # SPEC 7.6: alpha in {8e-4, 2.529822e-3, 8e-3} and lambda_A, lambda_M in {8e-5, 2.529822e-4, 8e-4}. The
 # middle values are the geometric midpoints sqrt(8e-4 * 8e-3) and sqrt(8e-5 * 8e-4), which the SPEC
 # prints to 7 digits: computed here, not pasted.
-MODULE_WISE_LRS = geometric_points(8e-4, 8e-3)
-MODULE_WISE_COEFFICIENTS = geometric_points(8e-5, 8e-4)
+MODULE_WISE_LRS = tuple(np.geomspace(8e-4, 8e-3, 3).tolist())
+MODULE_WISE_COEFFICIENTS = tuple(np.geomspace(8e-5, 8e-4, 3).tolist())
 MODULE_WISE_STEPS = 7268
 # SPEC 7.6 recipes: (p_A, p_M) under Muon, independent convention, no ordinary WD. p = 1 "spectral"
 # decay is the ordinary decay (S_1(W) = W), here with separate attention and MLP coefficients.
