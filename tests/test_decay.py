@@ -351,3 +351,24 @@ def _offsets(W: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """The flat positions in ``base`` of ``W``'s elements (``W`` is a view of the contiguous ``base``)."""
     index = torch.arange(base.numel()).view(base.shape)
     return torch.as_strided(index, W.shape, W.stride(), W.storage_offset() - base.storage_offset())
+
+
+def test_clamp_counts_are_saved_and_loaded(tmp_path):
+    """A resumed run keeps counting its clamps (the training loop's clamped_updates is "so far"): the
+    records go into state_dict by parameter position, and survive torch.save/load(weights_only=True)."""
+    from spectral_ops.optim import SpectralAdamW
+
+    param = torch.nn.Parameter(matrix_with_spectrum((12, 8), log_spaced_spectrum(8, 10) * 10, torch.float64, seed=4))
+    param.grad = torch.zeros_like(param)
+    optimizer = SpectralAdamW([param], lr=0.1, p=2, spectral_weight_decay=2.0, weight_decay=0.0, stability="clamp")
+    optimizer.step()
+    optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "state.pt")
+    fresh = SpectralAdamW([param], lr=0.1, p=2, spectral_weight_decay=2.0, weight_decay=0.0, stability="clamp")
+    fresh.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    (name, saved), = optimizer.clamped.items()
+    loaded = fresh.clamped[name]
+    assert int(saved.count) == int(loaded.count) == 2 and loaded.count.dtype == torch.int32
+    assert torch.equal(saved.smallest_factor, loaded.smallest_factor)
+    fresh.step()
+    assert int(fresh.clamped[name].count) == 3

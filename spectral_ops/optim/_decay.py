@@ -486,11 +486,16 @@ class SpectralOptimizer(Optimizer):
                           stacklevel=4)
 
     def state_dict(self) -> dict:
+        """torch's state, plus the skip and clamp counts, by parameter position as torch numbers the
+        state, so that a resumed run keeps counting from where it stopped."""
         state = super().state_dict()
-        counts = self.__dict__.get("_skip_counts", {})
-        if counts:  # by parameter position, as torch numbers the state
-            params = [param for group in self.param_groups for param in group["params"]]
+        params = [param for group in self.param_groups for param in group["params"]]
+        counts, clamps = self.__dict__.get("_skip_counts", {}), self.__dict__.get("_clamp_records", {})
+        if counts:
             state["skipped"] = {i: counts[param].clone() for i, param in enumerate(params) if param in counts}
+        if clamps:
+            state["clamped"] = {i: [t.clone() for t in clamps[param]] for i, param in enumerate(params)
+                                if param in clamps}
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -498,6 +503,10 @@ class SpectralOptimizer(Optimizer):
         params = [param for group in self.param_groups for param in group["params"]]
         self.__dict__["_skip_counts"] = {params[int(i)]: count.to(device=params[int(i)].device, dtype=torch.int32)
                                          for i, count in state_dict.get("skipped", {}).items()}
+        self.__dict__["_clamp_records"] = {
+            params[int(i)]: ClampRecord(count.to(device=params[int(i)].device, dtype=torch.int32),
+                                        smallest.to(device=params[int(i)].device, dtype=torch.float64))
+            for i, (count, smallest) in state_dict.get("clamped", {}).items()}
 
     def prepare_group(self, params, group: dict) -> PreparedStep:
         """Compute the group's step for ``params`` (those with a gradient) without writing anything."""
