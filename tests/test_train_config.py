@@ -6,7 +6,7 @@ import pytest
 from spectral_ops.train import data as data_module
 from spectral_ops.train import loop, preset, train
 from spectral_ops.train.__main__ import parser
-from spectral_ops.train.config import PRESETS, config_from_arguments, evaluation_steps, log_every_for
+from spectral_ops.train.config import config_from_arguments, evaluation_steps, log_every_for
 from spectral_ops.train.model import Transformer
 from spectral_ops.train.optimizers import param_groups
 
@@ -50,7 +50,8 @@ def test_paper8_groups_carry_only_the_base_rule_on_every_matrix():
 
 def test_the_loop_validates_at_the_cadence_steps():
     assert evaluation_steps(5, 2) == [2, 4, 5]
-    assert evaluation_steps(16_204, log_every_for(16_204, 164))[-2:] == [16_137, 16_204]
+    paper12 = evaluation_steps(16_204, log_every_for(16_204, 164))
+    assert len(paper12) == 164 and paper12[-1] == 16_204
     with pytest.raises(ValueError, match="exactly 7 times in 10 steps"):
         log_every_for(10, 7)  # cadence 2 validates 5 times, cadence 1 ten times
 
@@ -59,7 +60,6 @@ def test_cpu_presets_keep_their_settings():
     for name in ("tiny", "small"):
         config = preset(name)
         assert (config.seed, config.grad_clip, config.weight_decay, config.data) == (0, 1.0, 0.0, None)
-    assert PRESETS["tiny"]["steps"] == 300 and PRESETS["small"]["steps"] == 800
 
 
 @pytest.fixture

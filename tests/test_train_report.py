@@ -146,7 +146,7 @@ def test_spectra_have_one_panel_per_family_and_histograms_one_unit_of_mass_per_r
     report_module.plt.close("all")
 
 
-def test_report_help_names_every_option(capsys):
+def test_report_has_help_and_parses_its_runs(capsys):
     with pytest.raises(SystemExit):
         main(["report", "--help"])
     assert "--out" in capsys.readouterr().out
