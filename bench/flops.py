@@ -11,49 +11,20 @@ from __future__ import annotations
 import math
 
 from spectral_ops.coefficients import polar_express_coefficients
-from spectral_ops.plan import iteration_flops
+# The per-matrix model lives in the plan, which the distributed optimizers balance their work with.
+from spectral_ops.plan import (  # noqa: F401  (re-exported: this file is the benchmarks' one FLOP model)
+    gram_flops,
+    gram_power_products,
+    msign_flops,
+    polar_flops,
+    polar_step_flops,
+    spectral_power_flops,
+)
 
 
 def _dims(shape):
     *batch, m, n = shape
     return math.prod(batch), min(m, n), max(m, n)
-
-
-def gram_flops(r: int, big: int) -> float:
-    return r * r * big  # 2 r^2 big, halved: symmetric
-
-
-def polar_step_flops(r: int, big: int) -> float:
-    """``A = X X^T`` (symmetric), ``A A`` (symmetric), ``B X`` (dense)."""
-    return gram_flops(r, big) + r**3 + 2 * r * r * big
-
-
-def polar_flops(r: int, big: int, steps: int = 8) -> float:
-    return steps * polar_step_flops(r, big)
-
-
-def gram_power_products(k: int) -> int:
-    """Symmetric ``r x r`` products repeated squaring needs for ``G^k``."""
-    if k <= 1:
-        return 0
-    squarings = k.bit_length() - 1
-    return squarings + bin(k).count("1") - 1
-
-
-def spectral_power_flops(r: int, big: int, p: int, steps: int = 8, iteration: str = "rectangle") -> float:
-    """SPEC 1.2: the Gram (shared with the first polar step), its powers, one last product.
-
-    ``iteration="gram_space"`` (even ``p``): the polar factor from restarted ``r x r`` blocks, as
-    :func:`spectral_ops.plan.iteration_flops` counts them (one model, in the plan)."""
-    if p == 1:
-        return 0.0
-    final = 2 * r * r * big if p % 2 else iteration_flops(iteration, p, r, big, steps)
-    return gram_flops(r, big) + gram_power_products(p // 2) * r**3 + final
-
-
-def msign_flops(r: int, steps: int) -> float:
-    """Per step ``Z^2``, ``C^2`` and ``B Z``: all symmetric (they commute with Z)."""
-    return steps * 3 * r**3
 
 
 def op_flops(op: str, shape, steps: int = 8) -> float:

@@ -105,7 +105,8 @@ def block_flops(steps: int, r: int) -> float:
 def iteration_flops(iteration: str, p: int, r: int, big: int, steps: int) -> float:
     """Matrix FLOPs of an even power's iteration on an ``r x big`` matrix after its Gram, up to and
     including the product by the polar factor (``M Q``; for ``p = 0``, none on the rectangle), without
-    ``G^k`` itself (the same for both). Symmetric products count at half cost (``bench/flops.py``).
+    ``G^k`` itself (the same for both). Symmetric products count at half cost, as in the
+    rest of this FLOP model (``bench/flops.py`` uses it per op).
 
     Rectangle: per step ``A = X X^T`` (the first is the Gram), ``A^2``, ``B X``. Gram space: the
     blocks; per restart a Gram of the rectangle and ``Z X``; at the end ``Z X`` (``p = 0``) or
@@ -116,6 +117,43 @@ def iteration_flops(iteration: str, p: int, r: int, big: int, steps: int) -> flo
     blocks = restart_blocks(steps)
     final = 2 * r * r * big + (2 * r**3 if p else 0)
     return sum(block_flops(b, r) for b in blocks) + (len(blocks) - 1) * 3 * r * r * big + final
+
+
+def gram_flops(r: int, big: int) -> float:
+    return r * r * big  # 2 r^2 big, halved: symmetric
+
+
+def polar_step_flops(r: int, big: int) -> float:
+    """``A = X X^T`` (symmetric), ``A A`` (symmetric), ``B X`` (dense)."""
+    return gram_flops(r, big) + r**3 + 2 * r * r * big
+
+
+def polar_flops(r: int, big: int, steps: int = 8) -> float:
+    return steps * polar_step_flops(r, big)
+
+
+def gram_power_products(k: int) -> int:
+    """Symmetric ``r x r`` products repeated squaring needs for ``G^k``."""
+    if k <= 1:
+        return 0
+    squarings = k.bit_length() - 1
+    return squarings + bin(k).count("1") - 1
+
+
+def spectral_power_flops(r: int, big: int, p: int, steps: int = 8, iteration: str = "rectangle") -> float:
+    """SPEC 1.2: the Gram (shared with the first polar step), its powers, one last product.
+
+    ``iteration="gram_space"`` (even ``p``): the polar factor from restarted ``r x r`` blocks, as
+    :func:`spectral_ops.plan.iteration_flops` counts them (one model, in the plan)."""
+    if p == 1:
+        return 0.0
+    final = 2 * r * r * big if p % 2 else iteration_flops(iteration, p, r, big, steps)
+    return gram_flops(r, big) + gram_power_products(p // 2) * r**3 + final
+
+
+def msign_flops(r: int, steps: int) -> float:
+    """Per step ``Z^2``, ``C^2`` and ``B Z``: all symmetric (they commute with Z)."""
+    return steps * 3 * r**3
 
 
 def resolve_iteration(iteration: str, p: int, shape, precision: str, steps: int) -> str:

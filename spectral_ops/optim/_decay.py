@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from .._checks import check_coefficient, check_same_device
 from ..decay import Band, DecayOptions, PendingDecay, check_decay_options, log_clamp, prepare_decay
+from .distributed import Exchange, decay_flops, layout_of, local, local_slice
 
 # Decay keys every optimizer of the family accepts per parameter group, with their defaults.
 DECAY_DEFAULTS = {
@@ -123,49 +124,117 @@ def matrix_view(param: torch.Tensor) -> torch.Tensor:
 
 
 @dataclasses.dataclass
-class ParameterDecay:
-    """A group's decay computed but not written (see :class:`spectral_ops.decay.PendingDecay`): its
-    matrices (parameters or views of them, such as the Q/K/V blocks of a fused projection) and its
-    vectors, each with the index of the parameter it belongs to."""
+class DecayPart:
+    """Some of a group's decay: ``pending`` holds matrices or vectors (parameters, blocks of their
+    matrix views, or the rows of those on this rank), ``owners[i]`` the index of the parameter
+    ``pending.tensors[i]`` belongs to, and ``rows[i]`` the block ``(start, stop)`` of that parameter's
+    matrix view that entry decays as a matrix (None: the whole parameter)."""
 
-    matrices: PendingDecay | None = None
-    matrix_owners: tuple = ()
-    vectors: PendingDecay | None = None
-    vector_owners: tuple = ()
+    pending: PendingDecay
+    owners: tuple
+    rows: tuple
+
+
+@dataclasses.dataclass
+class ParameterDecay:
+    """A group's decay computed but not written (see :class:`spectral_ops.decay.PendingDecay`)."""
+
+    parts: list = dataclasses.field(default_factory=list)
 
     def checks(self):
         """``(parameter index, decayed value)`` for every value computed before the commit."""
-        if self.matrices is not None:
-            for index, value in self.matrices.decayed.items():
-                yield self.matrix_owners[index], value
+        for part in self.parts:
+            for index, value in part.pending.decayed.items():
+                yield part.owners[index], value
 
     def commit(self, keep: list) -> None:
         """Write the decay of the parameters ``keep`` keeps (one entry per parameter, as in
         :meth:`PendingDecay.commit`)."""
-        for pending, owners in ((self.matrices, self.matrix_owners), (self.vectors, self.vector_owners)):
-            if pending is not None:
-                pending.commit([keep[owner] for owner in owners])
+        for part in self.parts:
+            part.pending.commit([keep[owner] for owner in part.owners])
+
+
+def row_blocks_of(param: torch.Tensor, blocks) -> list:
+    """The ``(start, stop)`` rows of each matrix the decay sees in ``param``'s matrix view: ``blocks``
+    (a function of the parameter giving ``(start, size)`` pairs, or None) splits it, as Muon's fused
+    projections are; else the whole view (None)."""
+    splits = blocks(param) if blocks is not None else None
+    return [None] if not splits else [(start, start + size) for start, size in splits]
 
 
 @torch.no_grad()
-def prepare_parameter_decay(tensors, owners, group: dict, options: DecayOptions, *, lr, peak_lr, spectral,
-                            ordinary) -> ParameterDecay:
-    """The group's decay of ``tensors`` (parameters or views of them; ``owners[i]`` is the index of the
-    parameter ``tensors[i]`` belongs to), computed from their current values but not written, with the
-    group's ``options`` validated beforehand."""
+def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, lr, peak_lr, spectral, ordinary,
+                            blocks=None, layouts=None, exchange=None) -> ParameterDecay:
+    """The group's decay of ``params``, computed from their current values but not written, with the
+    group's ``options`` validated beforehand. ``blocks``: see :func:`row_blocks_of`. ``layouts``: each
+    parameter's :class:`~spectral_ops.optim.distributed.Layout` (None: computed here alone); the
+    spectral direction of a spread matrix is computed on its owner through ``exchange``."""
     schedule = schedule_multiplier(lr, peak_lr) if group["convention"] == "independent" else None
     scale = lr if schedule is None else schedule
+    layouts = layouts or [None] * len(params)
     decay = ParameterDecay()
-    matrices = [(owner, matrix_view(t)) for owner, t in zip(owners, tensors) if t.ndim >= 2]
+    matrices = [i for i, param in enumerate(params) if param.ndim >= 2]
     if matrices and not (is_zero(spectral) and is_zero(ordinary) and group["band"] is None):
-        decay.matrix_owners = tuple(owner for owner, _ in matrices)
-        decay.matrices = prepare_decay([m for _, m in matrices], options, scale=scale, spectral_weight_decay=spectral,
-                                       ordinary_weight_decay=ordinary, capturable=group["capturable"])
-    vectors = [(owner, t) for owner, t in zip(owners, tensors) if t.ndim < 2]
+        arguments = dict(scale=scale, spectral_weight_decay=spectral, ordinary_weight_decay=ordinary,
+                         capturable=group["capturable"])
+        spread = [i for i in matrices if layouts[i] is not None]
+        if spread and (options.band is not None or (options.p != 1 and not is_zero(spectral))):
+            decay.parts.append(_owner_computed_decay([params[i] for i in spread], spread, [layouts[i] for i in spread],
+                                                     group, options, arguments, blocks, exchange))
+            matrices = [i for i in matrices if layouts[i] is None]
+        entries = [(i, rows) for i in matrices for rows in row_blocks_of(params[i], blocks)]
+        if entries:
+            views = [matrix_view(local(params[i])) for i, _ in entries]
+            tensors = [view if rows is None else view[rows[0]:rows[1]] for view, (_, rows) in zip(views, entries)]
+            decay.parts.append(DecayPart(prepare_decay(tensors, options, **arguments),
+                                         tuple(i for i, _ in entries), tuple(rows for _, rows in entries)))
+    vectors = [i for i, param in enumerate(params) if param.ndim < 2]
     if vectors and not is_zero(ordinary):
-        decay.vector_owners = tuple(owner for owner, _ in vectors)
-        decay.vectors = PendingDecay([t for _, t in vectors], list(range(len(vectors))), 1 - scale * ordinary, {})
+        pending = PendingDecay([local(params[i]) for i in vectors], list(range(len(vectors))), 1 - scale * ordinary, {})
+        decay.parts.append(DecayPart(pending, tuple(vectors), (None,) * len(vectors)))
     return decay
+
+
+def _owner_computed_decay(params, owners, layouts, group, options, arguments, blocks, exchange) -> DecayPart:
+    """The decay of spread matrices: each whole matrix decayed on its owner (its blocks as matrices of
+    their own), and this rank's rows of the result kept to commit."""
+    entries = [(k, rows) for k, param in enumerate(params) for rows in row_blocks_of(param, blocks)]
+    views = [matrix_view(local(param)) for param in params]
+    full_rows = [sum(layout.row_counts) if layout.row_counts is not None else view.shape[0]
+                 for view, layout in zip(views, layouts)]
+    spans = [layout.local_rows(rows) for rows, layout in zip(full_rows, layouts)]
+    entry_rows = [rows if rows is not None else (0, full_rows[k]) for k, rows in entries]
+    # This rank's rows of each entry (maybe none of them).
+    pieces = [local_slice(start, stop, spans[k]) for (k, _), (start, stop) in zip(entries, entry_rows)]
+    tensors = [views[k][piece] for (k, _), piece in zip(entries, pieces)]
+    pending = PendingDecay(tensors, [], 1.0, {})
+    eager = not group["capturable"]
+    slots = ([exchange.clamp_slot(layouts[k].group, pending, index, eager, views[k].device)
+              for index, (k, _) in enumerate(entries)] if options.stability == "clamp" else None)
+    entries_of = defaultdict(list)
+    for index, (k, _) in enumerate(entries):
+        entries_of[k].append(index)
+
+    def decay_whole(positions, matrices):
+        indices = [index for k in positions for index in entries_of[k]]
+        blocks_of = {index: matrix[slice(*entry_rows[index])] for k, matrix in zip(positions, matrices)
+                     for index in entries_of[k]}
+        whole = prepare_decay([blocks_of[index] for index in indices], options, **arguments)
+        values = whole.new_values()
+        for position, index in enumerate(indices):
+            if slots is not None and position in whole.clamp_factors:
+                slots[index].copy_(whole.clamp_factors[position])
+        pending.clamped.extend((indices[position], *report) for position, *report in whole.clamped)
+        value_of = dict(zip(indices, values))
+        return [torch.cat([value_of[index] for index in entries_of[k]]) for k in positions]
+
+    costs = [0.0] * len(params)
+    for (k, _), (start, stop) in zip(entries, entry_rows):
+        costs[k] += decay_flops((stop - start, views[k].shape[1]), options)
+    results = exchange.map(decay_whole, views, layouts, costs)
+    for index, ((k, _), piece) in enumerate(zip(entries, pieces)):
+        pending.decayed[index] = results[k][piece]
+    return DecayPart(pending, tuple(owners[k] for k, _ in entries), tuple(rows for _, rows in entries))
 
 
 @dataclasses.dataclass
@@ -263,6 +332,15 @@ class SpectralOptimizer(Optimizer):
     # SpectralDecay attached to another optimizer takes that one's lr.
     lr_optional = False
 
+    def __init__(self, params, defaults: dict, process_group=None):
+        # Not a group option: a process group cannot be saved in a state dict.
+        self.process_group = process_group
+        super().__init__(params, defaults)
+
+    def layout(self, param: torch.Tensor):
+        """How ``param`` is spread over the ranks (see :mod:`spectral_ops.optim.distributed`), or None."""
+        return layout_of(param, self.process_group)
+
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -323,18 +401,20 @@ class SpectralOptimizer(Optimizer):
                                                                             ordinary=self.ordinary_key))
         return cached[2]
 
-    def prepare_decay(self, tensors, owners, group: dict, *, lr=None, peak_lr=None) -> ParameterDecay:
-        """The group's decay of ``tensors`` (see :func:`prepare_parameter_decay`), with the group's own
+    def prepare_decay(self, params, group: dict, *, lr=None, peak_lr=None, blocks=None) -> ParameterDecay:
+        """The group's decay of ``params`` (see :func:`prepare_parameter_decay`), with the group's own
         lr and peak lr unless given. :meth:`commit_steps` takes it back to count its clamps."""
         decay = prepare_parameter_decay(
-            tensors,
-            owners,
+            params,
             group,
             self.decay_options(group),
             lr=group["lr"] if lr is None else lr,
             peak_lr=group.get("initial_lr", group["peak_lr"]) if peak_lr is None else peak_lr,
             spectral=group[self.spectral_key],
             ordinary=group[self.ordinary_key],
+            blocks=blocks,
+            layouts=[self.layout(param) for param in params],
+            exchange=self.exchange,
         )
         self.__dict__.setdefault("_step_decays", []).append((group, decay))
         return decay
@@ -347,6 +427,7 @@ class SpectralOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.__dict__.pop("_exchange", None)  # what a failed step left
         prepared = []
         for group in self.param_groups:
             params = list(self.params_with_grad(group))
@@ -370,13 +451,15 @@ class SpectralOptimizer(Optimizer):
         decays = self._take_step_decays(prepared)
         on_host = [not step.group["capturable"] for step in prepared for _ in step.checks]
         flags = iter(_within_limits([check for step in prepared for check in step.checks], on_host))
-        keeps, skipped = [], []
+        keeps = []
         for step in prepared:
             flags_of = [[] for _ in step.params]
             for index, _, _ in step.checks:
                 flags_of[index].append(next(flags))
-            keep = [_all(f) for f in flags_of]
-            keeps.append(keep)
+            keeps.append([_all(f) for f in flags_of])
+        self._agree(prepared, keeps)
+        skipped = []
+        for step, keep in zip(prepared, keeps):
             if not step.group["capturable"]:
                 skipped.extend((step, param) for param, kept in zip(step.params, keep) if not kept)
                 continue
@@ -396,6 +479,29 @@ class SpectralOptimizer(Optimizer):
         for step, decay, keep in zip(prepared, decays, keeps):
             self._record_clamps(step, decay, keep)
 
+    def _agree(self, prepared: list[PreparedStep], keeps: list) -> None:
+        """Make the decisions about spread parameters those of every rank (see :meth:`Exchange.agree`),
+        in place; raise, on every rank, what an owner raised."""
+        exchange = self.__dict__.pop("_exchange", None)
+        spread = []
+        for k, step in enumerate(prepared):
+            for i, param in enumerate(step.params):
+                layout = self.layout(param)
+                if layout is not None:
+                    spread.append((k, i, layout))
+        if not spread:
+            if exchange is not None and exchange.error is not None:
+                raise exchange.error
+            return
+        decisions = (exchange or Exchange()).agree([(layout, keeps[k][i]) for k, i, layout in spread])
+        for (k, i, _), decision in zip(spread, decisions):
+            keeps[k][i] = decision
+
+    @property
+    def exchange(self) -> Exchange:
+        """This step's :class:`~spectral_ops.optim.distributed.Exchange` (owners, errors, clamps)."""
+        return self.__dict__.setdefault("_exchange", Exchange())
+
     def _take_step_decays(self, prepared: list[PreparedStep]) -> list[ParameterDecay]:
         """The decay each prepared step computed: every step of the family computes its decay with one
         :meth:`prepare_decay` call, in the order of the steps. A step that failed while being prepared
@@ -410,26 +516,24 @@ class SpectralOptimizer(Optimizer):
 
     def _record_clamps(self, step: PreparedStep, decay: ParameterDecay, keep: list) -> None:
         """Count the clamps of the parameters ``keep`` wrote (on the device), and log the eager ones."""
-        pending = decay.matrices
-        if pending is None:
-            return
-        for index, _, factor, order in pending.clamped:
-            owner = decay.matrix_owners[index]
-            if keep[owner] is True:
-                log_clamp(self.matrix_name(step.group, step.params[owner], pending.tensors[index]), factor, order)
         counts = self.__dict__.setdefault("_clamp_records", {})
-        for index, factor in pending.clamp_factors.items():
-            owner = decay.matrix_owners[index]
-            if keep[owner] is False:
-                continue
-            param = step.params[owner]
-            if keep[owner] is not True:
-                factor = torch.where(keep[owner], factor, 1.0)
-            if param not in counts:
-                counts[param] = ClampRecord(torch.zeros((), dtype=torch.int32, device=param.device),
-                                            torch.ones((), dtype=torch.float64, device=param.device))
-            counts[param].count.add_((factor < 1).to(torch.int32))
-            counts[param].smallest_factor.copy_(torch.minimum(counts[param].smallest_factor, factor))
+        for part in decay.parts:
+            for index, _, factor, order in part.pending.clamped:
+                owner = part.owners[index]
+                if keep[owner] is True:
+                    log_clamp(self.matrix_name(step.group, step.params[owner], part.rows[index]), factor, order)
+            for index, factor in part.pending.clamp_factors.items():
+                owner = part.owners[index]
+                if keep[owner] is False:
+                    continue
+                param = step.params[owner]
+                if keep[owner] is not True:
+                    factor = torch.where(keep[owner], factor, 1.0)
+                if param not in counts:
+                    counts[param] = ClampRecord(torch.zeros((), dtype=torch.int32, device=param.device),
+                                                torch.ones((), dtype=torch.float64, device=param.device))
+                counts[param].count.add_((factor < 1).to(torch.int32))
+                counts[param].smallest_factor.copy_(torch.minimum(counts[param].smallest_factor, factor))
 
     @property
     def clamped(self) -> dict:
@@ -442,15 +546,11 @@ class SpectralOptimizer(Optimizer):
         return {self.parameter_name(group, param): records[param] for group in self.param_groups
                 for param in group["params"] if param in records}
 
-    def matrix_name(self, group: dict, param: torch.Tensor, matrix: torch.Tensor) -> str:
-        """:meth:`parameter_name`, with the rows of ``matrix`` where it is a block of the parameter's
-        matrix view (Muon's Q/K/V splits)."""
+    def matrix_name(self, group: dict, param: torch.Tensor, rows) -> str:
+        """:meth:`parameter_name`, with the ``rows = (start, stop)`` of the block of the parameter's
+        matrix view that was decayed as a matrix (Muon's Q/K/V splits; None: the whole parameter)."""
         name = self.parameter_name(group, param)
-        view = matrix_view(param)
-        if matrix.shape == view.shape:
-            return name
-        start = (matrix.storage_offset() - view.storage_offset()) // view.stride(0)
-        return f"{name} rows {start}:{start + matrix.shape[0]}"
+        return name if rows is None else f"{name} rows {rows[0]}:{rows[1]}"
 
     @property
     def skipped(self) -> dict:
@@ -514,7 +614,7 @@ class SpectralOptimizer(Optimizer):
 
     def gradient_checks(self, params) -> list:
         """A parameter is skipped when its gradient is not finite."""
-        return [(i, param.grad, finite_limit(param.grad)) for i, param in enumerate(params)]
+        return [(i, local(param.grad), finite_limit(param.grad)) for i, param in enumerate(params)]
 
     @staticmethod
     def params_with_grad(group: dict):

@@ -15,12 +15,13 @@ from ._decay import (
     real_view,
     scalar,
 )
+from .distributed import local
 
 
 def adam_gradient_checks(params) -> list:
     """Adam skips a parameter whose gradient is not finite or whose square overflows the second moment's
     dtype (which would make it Inf for good and freeze the parameter)."""
-    return [(i, param.grad, torch.finfo(param.dtype).max ** 0.5) for i, param in enumerate(params)]
+    return [(i, local(param.grad), torch.finfo(param.dtype).max ** 0.5) for i, param in enumerate(params)]
 
 
 @torch.no_grad()
@@ -45,11 +46,13 @@ def adam_update_(params, group: dict, state, masks=None) -> None:
             param_state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         elif capturable and param_state["step"].device != param.device:  # capturable switched on later
             param_state["step"] = param_state["step"].to(param.device)
+    # A DTensor's moments are DTensors sharded like it (for torch.distributed.checkpoint); the update
+    # is element-wise, so each rank runs it on its own shards.
     steps = [state[param]["step"] for param in params]
-    grads = [real_view(param.grad) for param in params]
-    exp_avgs = [real_view(state[param]["exp_avg"]) for param in params]
-    exp_avg_sqs = [real_view(state[param]["exp_avg_sq"]) for param in params]
-    params = [real_view(param) for param in params]
+    grads = [real_view(local(param.grad)) for param in params]
+    exp_avgs = [real_view(local(state[param]["exp_avg"])) for param in params]
+    exp_avg_sqs = [real_view(local(state[param]["exp_avg_sq"])) for param in params]
+    params = [real_view(local(param)) for param in params]
     if masks is not None:
         # Each operation is an exact identity on a masked-out parameter, whose gradient is replaced by
         # zeros: the step count adds 0, the first moment lerps with weight 0, the second is multiplied
@@ -116,13 +119,13 @@ class SpectralAdamW(SpectralOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, p=1,
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
                  stability="raise", polar_steps=None, decay_precision=None, decay_iteration="auto",
-                 capturable=False, strict=False):
+                 capturable=False, strict=False, process_group=None):
         defaults = dict(DECAY_DEFAULTS, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, p=p,
                         spectral_weight_decay=spectral_weight_decay, convention=convention, band=band,
                         p0_mode=p0_mode, stability=stability, polar_steps=polar_steps,
                         decay_precision=decay_precision, decay_iteration=decay_iteration, capturable=capturable,
                         strict=strict)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, process_group=process_group)
 
     def check_group(self, group: dict) -> None:
         super().check_group(group)
@@ -134,7 +137,7 @@ class SpectralAdamW(SpectralOptimizer):
 
 def prepare_adam_step(optimizer: SpectralOptimizer, params, group: dict) -> PreparedStep:
     """The decay (computed now) and the Adam update (element-wise, at commit) of an Adam group."""
-    decay = optimizer.prepare_decay(params, range(len(params)), group)
+    decay = optimizer.prepare_decay(params, group)
 
     def commit(keep):
         decay.commit(keep)

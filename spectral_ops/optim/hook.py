@@ -53,7 +53,7 @@ class SpectralDecay(SpectralOptimizer):
 
     def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
                  band=None, p0_mode="explicit", stability="raise", polar_steps=None, decay_precision=None,
-                 decay_iteration="auto", lr=None, capturable=False, strict=False, weight_decay=None):
+                 decay_iteration="auto", lr=None, capturable=False, strict=False, weight_decay=None, process_group=None):
         spectral_weight_decay = renamed_spectral_coefficient("SpectralDecay", spectral_weight_decay, weight_decay,
                                                              stacklevel=2)
         if not isinstance(params, torch.Tensor):  # torch's own check refuses a bare tensor
@@ -69,7 +69,7 @@ class SpectralDecay(SpectralOptimizer):
                         capturable=capturable, strict=strict)
         if spectral_weight_decay is not None:
             defaults["spectral_weight_decay"] = spectral_weight_decay
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, process_group=process_group)
         self._hook = None
 
     def add_param_group(self, param_group: dict) -> None:
@@ -123,6 +123,6 @@ class SpectralDecay(SpectralOptimizer):
     def _prepare_decay_step(self, params, group: dict, **lrs) -> PreparedStep:
         """The decay alone: a weight is skipped when its decayed value is not finite (the gradient
         belongs to whichever optimizer uses it)."""
-        decay = self.prepare_decay(params, range(len(params)), group, **lrs)
+        decay = self.prepare_decay(params, group, **lrs)
         return PreparedStep(group, params, [(i, value, finite_limit(value)) for i, value in decay.checks()],
                             decay.commit)

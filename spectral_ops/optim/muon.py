@@ -28,6 +28,7 @@ from ._decay import (
     step_scalar,
 )
 from .adamw import check_adam_options, prepare_adam_step
+from .distributed import local, local_slice, polar_blocks_flops, state_like
 
 ALGORITHMS = ("muon", "adamw")
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral")
@@ -98,7 +99,7 @@ class SpectralMuon(SpectralOptimizer):
                  convention="decoupled", band=None, p0_mode="explicit", stability="raise", polar_steps=None,
                  decay_precision=None, decay_iteration="auto", precision="bf16",
                  heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8,
-                 capturable=False, strict=False):
+                 capturable=False, strict=False, process_group=None):
         defaults = dict(DECAY_DEFAULTS, lr=lr, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
@@ -107,7 +108,7 @@ class SpectralMuon(SpectralOptimizer):
                         decay_iteration=decay_iteration, precision=precision,
                         heads=heads, splits=splits, recipe=recipe,
                         algorithm=algorithm, betas=betas, eps=eps, capturable=capturable, strict=strict)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, process_group=process_group)
 
     def check_group(self, group: dict) -> None:
         super().check_group(group)
@@ -133,7 +134,7 @@ class SpectralMuon(SpectralOptimizer):
             if param.is_complex():
                 raise TypeError(f"Muon's polar factor is implemented for real matrices only; put the complex "
                                 f"{tuple(param.shape)} parameter in a group with algorithm='adamw'")
-            self._check_blocks(matrix_view(param).shape, group)
+            self._check_blocks(param.shape, group)
 
     @staticmethod
     def _check_blocks(shape, group) -> None:
@@ -156,9 +157,8 @@ class SpectralMuon(SpectralOptimizer):
             return prepare_adam_step(self, params, group)
         buffers = [self._next_momentum(param, group) for param in params]
         updates = [self._nesterov(param, buffer, group) for param, buffer in zip(params, buffers)]
-        directions = self._orthogonalize(updates, group)
-        blocks = [(i, block) for i, param in enumerate(params) for block in self._decay_blocks(param, group)]
-        decay = self.prepare_decay([block for _, block in blocks], [i for i, _ in blocks], group)
+        directions = self._directions(params, updates, group)
+        decay = self.prepare_decay(params, group, blocks=self._decay_blocks(group))
 
         def commit(keep):
             masks = device_masks(keep) if group["capturable"] else None
@@ -166,12 +166,13 @@ class SpectralMuon(SpectralOptimizer):
                 if keep[index] is False:
                     continue
                 state = self.state[param]
+                if masks is not None:
+                    previous = local(state["momentum_buffer"]) if "momentum_buffer" in state else 0
+                    buffer = torch.where(masks[index], buffer, previous)
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = buffer if masks is None else torch.where(masks[index], buffer, 0)
-                elif masks is None:
-                    state["momentum_buffer"].copy_(buffer)
+                    state["momentum_buffer"] = state_like(param, buffer)
                 else:
-                    state["momentum_buffer"].copy_(torch.where(masks[index], buffer, state["momentum_buffer"]))
+                    local(state["momentum_buffer"]).copy_(buffer)
             decay.commit(keep)
             lr = step_scalar(group["lr"], group)
             for index, (param, direction) in enumerate(zip(params, directions)):
@@ -179,35 +180,65 @@ class SpectralMuon(SpectralOptimizer):
                     continue
                 if masks is not None:
                     direction = torch.where(masks[index], direction, 0)
-                target = matrix_view(param)
-                for start, size, _ in row_blocks(target.shape[0], group):
+                target = matrix_view(local(param))
+                rows = param.shape[0]  # the matrix view's, whole (a DTensor's shape is the global one)
+                span = self._local_rows(param, rows)
+                for start, size, _ in row_blocks(rows, group):
                     scale = adjusted_lr(lr, group["adjust_lr_fn"], (size, target.shape[1]))
-                    add_scaled_(target[start:start + size], direction[start:start + size], scale)
+                    piece = local_slice(start, start + size, span)
+                    add_scaled_(target[piece], direction[piece], scale)
 
         checks = self.gradient_checks(params) + [(i, d, finite_limit(d)) for i, d in enumerate(directions)]
         checks += [(i, value, finite_limit(value)) for i, value in decay.checks()]
         return PreparedStep(group, params, checks, commit)
 
+    def _local_rows(self, param, rows: int) -> tuple[int, int]:
+        """The rows of ``param``'s matrix view this rank holds."""
+        layout = self.layout(param)
+        return (0, rows) if layout is None else layout.local_rows(rows)
+
     def _next_momentum(self, param, group) -> torch.Tensor:
-        """The momentum buffer after this step, not yet stored: an EMA of the gradients, as
-        torch.optim.Muon keeps it."""
+        """The momentum buffer after this step (this rank's shard), not yet stored: an EMA of the
+        gradients, as torch.optim.Muon keeps it."""
+        grad = local(param.grad)
         buffer = self.state.get(param, {}).get("momentum_buffer")  # state is a defaultdict: no entry made
-        if buffer is None:
-            buffer = torch.zeros_like(param.grad, memory_format=torch.preserve_format)
-        return buffer.lerp(param.grad, 1 - group["momentum"])
+        buffer = torch.zeros_like(grad, memory_format=torch.preserve_format) if buffer is None else local(buffer)
+        return buffer.lerp(grad, 1 - group["momentum"])
 
     @staticmethod
     def _nesterov(param, buffer, group) -> torch.Tensor:
         """Muon's update from the new buffer: Nesterov's lerp, or the buffer itself."""
-        update = param.grad.lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+        update = local(param.grad).lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
         return matrix_view(update.contiguous())
 
     @staticmethod
-    def _decay_blocks(param, group):
-        target = matrix_view(param)
+    def _decay_blocks(group):
+        """The rows the decay takes as matrices of their own: each block of a fused projection."""
         if not group["splits"]:
-            return [target]
-        return [target[start:start + size] for start, size, _ in row_blocks(target.shape[0], group)]
+            return None
+        return lambda param: [(start, size) for start, size, _ in row_blocks(param.shape[0], group)]
+
+    def _directions(self, params, updates, group) -> list[torch.Tensor]:
+        """Each update's polar factors (this rank's rows of them): computed here, or on the owner of a
+        spread matrix (see :mod:`spectral_ops.optim.distributed`)."""
+        layouts = [self.layout(param) for param in params]
+        spread = [i for i, layout in enumerate(layouts) if layout is not None]
+        directions = [None] * len(params)
+        alone = [i for i in range(len(params)) if layouts[i] is None]
+        for i, direction in zip(alone, self._orthogonalize([updates[i] for i in alone], group)):
+            directions[i] = direction
+        if spread:
+            steps = len(orthogonalization_coefficients(group))
+            costs = []
+            for i in spread:
+                rows, cols = params[i].shape[0], updates[i].shape[1]
+                costs.append(sum(polar_blocks_flops((size // count, cols), count, steps) for _, size, letter
+                                 in row_blocks(rows, group) for count in [group["heads"] if letter == "H" else 1]))
+            results = self.exchange.map(lambda positions, matrices: self._orthogonalize(matrices, group),
+                                        [updates[i] for i in spread], [layouts[i] for i in spread], costs)
+            for i, direction in zip(spread, results):
+                directions[i] = direction
+        return directions
 
     @staticmethod
     def _orthogonalize(updates, group):

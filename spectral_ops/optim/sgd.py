@@ -15,6 +15,7 @@ from ._decay import (
     scalar,
     step_scalar,
 )
+from .distributed import local, state_like
 
 
 class SpectralSGD(SpectralOptimizer):
@@ -28,13 +29,13 @@ class SpectralSGD(SpectralOptimizer):
     def __init__(self, params, lr=1e-3, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0, p=1,
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
                  stability="raise", polar_steps=None, decay_precision=None, decay_iteration="auto",
-                 capturable=False, strict=False):
+                 capturable=False, strict=False, process_group=None):
         defaults = dict(DECAY_DEFAULTS, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,
                         polar_steps=polar_steps, decay_precision=decay_precision, decay_iteration=decay_iteration,
                         capturable=capturable, strict=strict)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, process_group=process_group)
 
     def check_group(self, group: dict) -> None:
         super().check_group(group)
@@ -44,7 +45,7 @@ class SpectralSGD(SpectralOptimizer):
             raise ValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
 
     def prepare_group(self, params, group: dict) -> PreparedStep:
-        decay = self.prepare_decay(params, range(len(params)), group)
+        decay = self.prepare_decay(params, group)
 
         def commit(keep):
             decay.commit(keep)
@@ -61,19 +62,19 @@ class SpectralSGD(SpectralOptimizer):
         exact identity on its parameter (a buffer created then starts at zero rather than at the gradient)."""
         momentum, lr = group["momentum"], step_scalar(group["lr"], group)
         for index, param in enumerate(params):
-            direction = param.grad
+            direction = local(param.grad)
             mask = None if masks is None else masks[index]
             if mask is not None:
                 direction = torch.where(mask, direction, 0)
             if momentum != 0:
                 state = self.state[param]
                 if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = direction.detach().clone()
+                    state["momentum_buffer"] = state_like(param, direction.detach().clone())
                 else:
                     factor = momentum if mask is None else torch.where(mask, momentum, 1.0)
-                    state["momentum_buffer"].mul_(factor).add_(direction, alpha=1 - group["dampening"])
-                buffer = state["momentum_buffer"]
+                    local(state["momentum_buffer"]).mul_(factor).add_(direction, alpha=1 - group["dampening"])
+                buffer = local(state["momentum_buffer"])
                 direction = direction.add(buffer, alpha=momentum) if group["nesterov"] else buffer
                 if mask is not None:
                     direction = torch.where(mask, direction, 0)
-            add_scaled_(param, direction, lr)
+            add_scaled_(local(param), direction, lr)

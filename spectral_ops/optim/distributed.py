@@ -1,0 +1,346 @@
+"""Owner compute for parameters spread over processes (SPEC 10).
+
+``S_p(W)`` and Muon's polar factor need the whole matrix, but FSDP2 (``fully_shard``) leaves each rank
+a ``Shard(0)`` slice of it (a ``DTensor``), and DDP repeats the whole matrix on every rank. Each
+matrix of a step is therefore given an *owner* rank: the least loaded one so far in the step, largest
+matrices first, by the plan's FLOP model (:func:`assign_owners`).
+
+* A sharded matrix is gathered on its owner with one ``all_to_all_single`` per round (every rank
+  sends each owner its rows of the matrices that owner holds), computed there with the single-device
+  path, and its rows go back with a second ``all_to_all_single``.
+* A replicated matrix (a ``Replicate()`` DTensor, or a plain parameter of an optimizer given
+  ``process_group``, as under DDP) is already whole everywhere: its owner computes it, and one
+  ``all_gather_single`` per round hands every rank the results of every owner.
+
+Matrices of one shape and dtype travel together, in :data:`ROUNDS_PER_SHAPE` rounds: the next
+round's collective is started (asynchronously) before this round is computed, and an owner batches
+what it holds of a round into one call. Element-wise work (Adam's moments, momentum, the ordinary
+decay) never leaves a rank: it runs on the local shard, and the optimizer state stays a DTensor
+sharded like its parameter, so that ``torch.distributed.checkpoint`` saves and loads it.
+
+Before anything is written, the ranks agree (:meth:`Exchange.agree`, one ``all_reduce``): a
+parameter is skipped on every rank if one rank finds its gradient or update not finite, the clamp
+factors the owners computed reach every rank, and an error raised on an owner (a stability error,
+an overflow) is raised on every rank, so that no rank writes a step another refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .. import plan
+
+# Each set of same-shape matrices is exchanged in this many rounds (fewer when there are fewer
+# matrices than ranks): one round's collective then runs while the previous round is computed, and
+# each owner still batches half of what it holds of the set into one call.
+ROUNDS_PER_SHAPE = 2
+
+
+class Layout:
+    """How one parameter is spread over the ranks of ``group``: ``row_counts[k]`` rows of its matrix
+    view on rank ``k`` (sharded, in ``torch.chunk``'s split, as ``Shard(0)`` places them), or every row
+    everywhere (``row_counts`` None: replicated)."""
+
+    def __init__(self, group, row_counts=None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.row_counts = row_counts
+
+    def rows_of(self, rank: int, rows: int) -> tuple[int, int]:
+        """The rows ``[start, stop)`` of a ``rows``-row matrix that ``rank`` holds."""
+        if self.row_counts is None:
+            return 0, rows
+        start = sum(self.row_counts[:rank])
+        return start, start + self.row_counts[rank]
+
+    def local_rows(self, rows: int) -> tuple[int, int]:
+        return self.rows_of(self.rank, rows)
+
+
+def shard_row_counts(rows: int, world_size: int) -> tuple:
+    """Rows per rank of ``Shard(0)``: ``torch.chunk``'s split, ``ceil(rows / world_size)`` each until
+    they run out (the last ranks may hold fewer, or none)."""
+    chunk = -(-rows // world_size)
+    return tuple(max(0, min(chunk, rows - rank * chunk)) for rank in range(world_size))
+
+
+def layout_of(param: torch.Tensor, process_group=None) -> Layout | None:
+    """The parameter's :class:`Layout`, or None for a parameter this process computes alone: a plain
+    tensor when ``process_group`` is None, or anything on a single rank."""
+    if isinstance(param, DTensor):
+        mesh, placements = param.device_mesh, tuple(param.placements)
+        placement = placements[0] if len(placements) == 1 else None
+        if mesh.ndim != 1 or not (isinstance(placement, Replicate) or (isinstance(placement, Shard)
+                                                                       and placement.dim == 0)):
+            raise NotImplementedError(
+                f"a {tuple(param.shape)} DTensor placed {placements} on a {mesh.ndim}-d mesh: spectral_ops optimizers "
+                "take DTensors sharded Shard(0) (FSDP2's fully_shard) or Replicate() on a 1-d mesh")
+        if mesh.size() == 1:
+            return None
+        if isinstance(placement, Replicate):
+            return Layout(mesh.get_group())
+        counts = shard_row_counts(param.shape[0], mesh.size())
+        layout = Layout(mesh.get_group(), counts)
+        if param.to_local().shape[0] != counts[layout.rank]:
+            raise NotImplementedError(
+                f"a {tuple(param.shape)} DTensor holds {param.to_local().shape[0]} rows on rank {layout.rank}, "
+                f"not the {counts[layout.rank]} of Shard(0)'s even split {counts}")
+        return layout
+    if process_group is None or dist.get_world_size(process_group) == 1:
+        return None
+    return Layout(process_group)
+
+
+def local_slice(start: int, stop: int, span) -> slice:
+    """Rows ``[start, stop)`` of a matrix as a slice of this rank's rows ``span = (first, end)`` of it
+    (an empty slice where this rank holds none of them)."""
+    first, end = span
+    low = min(max(start, first), end)
+    return slice(low - first, max(low, min(stop, end)) - first)
+
+
+def local(tensor):
+    """A DTensor's shard on this rank (its storage: writing it writes the DTensor), else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def state_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Optimizer state computed on ``param``'s shard, held like the parameter (a DTensor with its
+    placements, as torch's optimizers keep the state of a DTensor parameter)."""
+    if not isinstance(param, DTensor):
+        return value
+    return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+
+
+def assign_owners(costs, world_size: int, loads=None) -> tuple[list[int], list[float]]:
+    """``(owners, loads)``: each job to the least loaded rank (the lowest on a tie), most costly jobs
+    first (the longest-processing-time rule: the largest load is at most 4/3 of the optimum), starting
+    from ``loads`` (per rank; zeros by default). Every rank computes the same assignment."""
+    loads = [0.0] * world_size if loads is None else list(loads)
+    owners = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        owner = min(range(world_size), key=loads.__getitem__)
+        owners[index] = owner
+        loads[owner] += costs[index]
+    return owners, loads
+
+
+def decay_flops(shape, options) -> float:
+    """The plan's FLOPs of one matrix's decay direction (a band adds its matrix sign)."""
+    r, big = min(shape), max(shape)
+    steps = len(options.polar_coefficients)
+    iteration = plan.resolve_iteration(options.iteration, options.p, shape, options.precision or "fp32", steps)
+    flops = plan.spectral_power_flops(r, big, options.p, steps, iteration)
+    if options.band is not None:
+        flops += plan.msign_flops(r, len(options.sign_coefficients))
+    return flops + r * big  # the element-wise update, so that no matrix is free
+
+
+def polar_blocks_flops(shape, count: int, steps: int) -> float:
+    """The plan's FLOPs of ``count`` polar factors of ``shape`` blocks (Muon's heads)."""
+    return count * plan.polar_flops(min(shape), max(shape), steps)
+
+
+class Exchange:
+    """One step's owner compute: the load each rank took so far (owners are balanced over the whole
+    step), the error an owner met, and the clamp factors the ranks must agree on."""
+
+    def __init__(self):
+        self.loads = {}
+        self.error = None
+        self.clamp_slots = defaultdict(list)  # group -> [(PendingDecay, entry index, 0-d float64 slot, eager)]
+
+    def owners(self, group, world_size: int, costs) -> list[int]:
+        owners, self.loads[group] = assign_owners(costs, world_size, self.loads.get(group))
+        return owners
+
+    def clamp_slot(self, group, pending, index: int, eager: bool, device) -> torch.Tensor:
+        """A factor that the owner of ``pending.tensors[index]`` sets and :meth:`agree` hands to every
+        rank, as ``pending.clamp_factors[index]``."""
+        slot = torch.ones((), dtype=torch.float64, device=device)
+        self.clamp_slots[group].append((pending, index, slot, eager))
+        return slot
+
+    def map(self, fn, sources, layouts, costs) -> list[torch.Tensor]:
+        """Each matrix's ``fn`` result, on its rows here: ``fn(positions, matrices)`` takes whole
+        matrices (positions into ``sources``) and returns one result of the same shape and dtype each,
+        and runs on each matrix's owner; ``sources`` are the local matrices (shards or whole)."""
+        results = [None] * len(sources)
+        by_group = defaultdict(list)
+        for position, layout in enumerate(layouts):
+            by_group[layout.group].append(position)
+        for group, positions in by_group.items():
+            layout = layouts[positions[0]]
+            owners = dict(zip(positions, self.owners(group, layout.world_size, [costs[i] for i in positions])))
+            rounds = []
+            by_kind = defaultdict(list)
+            for position in positions:
+                source, sharded = sources[position], layouts[position].row_counts is not None
+                rows = source.shape[0] if not sharded else sum(layouts[position].row_counts)
+                by_kind[(rows, *source.shape[1:], source.dtype, sharded)].append(position)
+            for members in by_kind.values():
+                count = min(ROUNDS_PER_SHAPE, max(1, len(members) // layout.world_size))
+                size = -(-len(members) // count)
+                rounds += [_Round(self, fn, members[i:i + size], owners, sources, layouts)
+                           for i in range(0, len(members), size)]
+            _pipeline(rounds, results)
+        return results
+
+    def agree(self, checked) -> list:
+        """Every rank's decision for each ``(layout, keep)`` of ``checked`` (``keep``: a Python bool or
+        a 0-d bool tensor): kept only if kept on every rank of its group. Raises, on every rank, the
+        error an owner met; fills in the clamp factors. One ``all_reduce`` per process group."""
+        decisions = [keep for _, keep in checked]
+        by_group = defaultdict(list)
+        for index, (layout, _) in enumerate(checked):
+            by_group[layout.group].append(index)
+        for group in by_group.keys() | self.clamp_slots.keys():
+            indices, slots = by_group.get(group, []), self.clamp_slots.get(group, [])
+            keeps = [checked[i][1] for i in indices]
+            eager = any(not isinstance(keep, torch.Tensor) for keep in keeps) or any(e for *_, e in slots)
+            device = next((s.device for *_, s, _ in slots), None) or next(
+                (k.device for k in keeps if isinstance(k, torch.Tensor)), None) or _collective_device(group)
+            values = [torch.ones((), dtype=torch.float64, device=device) if self.error is None else
+                      torch.zeros((), dtype=torch.float64, device=device)]
+            values += [torch.as_tensor(keep, device=device).to(torch.float64) for keep in keeps]
+            values += [slot for *_, slot, _ in slots]
+            reduced = torch.stack(values)
+            dist.all_reduce(reduced, op=dist.ReduceOp.MIN, group=group)
+            if not eager and self.error is not None:
+                raise self.error  # capturable: no host read of the others' state; they wait on this rank
+            on_host = reduced.tolist() if eager else None
+            if on_host is not None and on_host[0] < 1:
+                self._raise_agreed_error(group)
+            for position, index in enumerate(indices, start=1):
+                decisions[index] = on_host[position] >= 1 if on_host is not None else reduced[position] > 0
+            for offset, (pending, index, slot, eager_entry) in enumerate(slots, start=1 + len(indices)):
+                slot.copy_(reduced[offset])
+                if not eager_entry or on_host[offset] < 1:
+                    pending.clamp_factors[index] = slot
+        return decisions
+
+    def _raise_agreed_error(self, group):
+        errors = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, self.error, group=group)
+        if self.error is not None:
+            raise self.error
+        rank, error = next((rank, error) for rank, error in enumerate(errors) if error is not None)
+        if not isinstance(error, BaseException):  # it did not survive pickling
+            error = RuntimeError(str(error))
+        error.add_note(f"raised on rank {rank}, which computed that matrix; nothing was written on any rank")
+        raise error
+
+
+def _collective_device(group) -> torch.device:
+    """Where ``group``'s collectives take their tensors: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _Round:
+    """One collective's worth of same-shape matrices: gathered on their owners, computed there, and
+    returned (rows to the ranks that hold them, or whole to every rank)."""
+
+    def __init__(self, exchange, fn, positions, owners, sources, layouts):
+        self.exchange, self.fn, self.positions = exchange, fn, positions
+        self.sources = [sources[i] for i in positions]
+        self.owner = [owners[i] for i in positions]
+        self.layout = layouts[positions[0]]
+        first = self.sources[0]
+        self.rows = sum(self.layout.row_counts) if self.layout.row_counts is not None else first.shape[0]
+        self.shape, self.dtype, self.device = (self.rows, *first.shape[1:]), first.dtype, first.device
+        self.row_size = math.prod(first.shape[1:])
+        world, rank = self.layout.world_size, self.layout.rank
+        self.held = [[k for k, owner in enumerate(self.owner) if owner == r] for r in range(world)]
+        self.mine = self.held[rank]
+
+    def _rows(self, rank: int) -> int:
+        start, stop = self.layout.rows_of(rank, self.rows)
+        return stop - start
+
+    def start_gather(self) -> None:
+        """Send each owner this rank's rows of the matrices it holds (a sharded round)."""
+        self.work = None
+        if self.layout.row_counts is None:
+            return
+        world = self.layout.world_size
+        send = [self.sources[k].reshape(-1) for owner in range(world) for k in self.held[owner]]
+        send_sizes = [len(self.held[owner]) * self._rows(self.layout.rank) * self.row_size for owner in range(world)]
+        receive_sizes = [len(self.mine) * self._rows(source) * self.row_size for source in range(world)]
+        self.send = torch.cat(send) if send else self.sources[0].new_empty(0)
+        self.received = self.sources[0].new_empty(sum(receive_sizes))
+        self.receive_sizes = receive_sizes
+        self.work = dist.all_to_all_single(self.received, self.send, receive_sizes, send_sizes,
+                                           group=self.layout.group, async_op=True)
+
+    def matrices(self) -> list[torch.Tensor]:
+        """The whole matrices this rank owns, once they have arrived."""
+        if self.layout.row_counts is None:
+            return [self.sources[k] for k in self.mine]
+        self.work.wait()
+        pieces = self.received.split(self.receive_sizes)
+        blocks = [piece.view(len(self.mine), self._rows(source) * self.row_size) for source, piece in enumerate(pieces)]
+        return [torch.cat([block[index] for block in blocks]).view(self.shape) for index in range(len(self.mine))]
+
+    def compute(self, matrices) -> list[torch.Tensor]:
+        """``fn`` on what this rank owns. After a failure nothing more is computed (the step raises at
+        the agreement), but this rank still sends its share, since the other ranks wait for it."""
+        if self.mine and self.exchange.error is None:
+            try:
+                results = self.fn([self.positions[k] for k in self.mine], matrices)
+                return [result.to(self.dtype).reshape(self.shape) for result in results]
+            except Exception as error:  # any failure: raised on every rank by Exchange.agree, not here
+                self.exchange.error = error
+        return [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in self.mine]
+
+    def start_return(self, results) -> None:
+        """Send the results back: each rank its rows (sharded), or every result to every rank."""
+        world, rank = self.layout.world_size, self.layout.rank
+        if self.layout.row_counts is None:
+            most = max(len(held) for held in self.held) * self.rows * self.row_size
+            send = torch.zeros(most, dtype=self.dtype, device=self.device)
+            if results:
+                flat = torch.cat([result.reshape(-1) for result in results])
+                send[:flat.numel()] = flat
+            self.returned = send.new_empty(world * most)
+            self.return_sizes = [most] * world
+            self.return_work = dist.all_gather_single(self.returned, send, group=self.layout.group, async_op=True)
+            return
+        send = [result[slice(*self.layout.rows_of(target, self.rows))].reshape(-1)
+                for target in range(world) for result in results]
+        send_sizes = [len(self.mine) * self._rows(target) * self.row_size for target in range(world)]
+        self.return_sizes = [len(self.held[owner]) * self._rows(rank) * self.row_size for owner in range(world)]
+        self.send_back = torch.cat(send) if send else self.sources[0].new_empty(0)
+        self.returned = self.sources[0].new_empty(sum(self.return_sizes))
+        self.return_work = dist.all_to_all_single(self.returned, self.send_back, self.return_sizes, send_sizes,
+                                                  group=self.layout.group, async_op=True)
+
+    def finish(self, results: list) -> None:
+        """Each matrix's result on this rank's rows, into ``results`` (by position)."""
+        self.return_work.wait()
+        replicated = self.layout.row_counts is None
+        local_shape = self.shape if replicated else (self._rows(self.layout.rank), *self.shape[1:])
+        for owner, piece in enumerate(self.returned.split(self.return_sizes)):
+            size = math.prod(local_shape)
+            for slot, k in enumerate(self.held[owner]):
+                results[self.positions[k]] = piece[slot * size:(slot + 1) * size].view(local_shape)
+
+
+def _pipeline(rounds: list[_Round], results: list) -> None:
+    """Gather round ``i + 1`` while round ``i`` is computed; return every round's results."""
+    if not rounds:
+        return
+    rounds[0].start_gather()
+    for index, current in enumerate(rounds):
+        if index + 1 < len(rounds):
+            rounds[index + 1].start_gather()
+        current.start_return(current.compute(current.matrices()))
+    for current in rounds:
+        current.finish(results)
