@@ -1,0 +1,176 @@
+"""The owner compute's traffic and load balance (bench/dist_traffic.py, issue #18's goals): the balance
+goal on paper12 with 8 ranks, the byte counts against a count by hand, and the reproduction of the
+optimizer's owners and sends against a real step whose collectives are recorded (a fake process group:
+every rank's view of the step in one process, no communication)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from spectral_ops.optim import SpectralAdamW, SpectralMuon
+from spectral_ops.optim.distributed import Exchange, shard_row_counts
+from spectral_ops.train.config import preset
+from spectral_ops.train.model import Transformer
+from spectral_ops.train.optimizers import build_optimizer
+
+_spec = importlib.util.spec_from_file_location("dist_traffic", Path(__file__).parents[1] / "bench" / "dist_traffic.py")
+dist_traffic = importlib.util.module_from_spec(_spec)
+sys.modules["dist_traffic"] = dist_traffic  # its dataclass looks its module up there
+_spec.loader.exec_module(dist_traffic)
+
+
+@pytest.mark.parametrize("setting", list(dist_traffic.SETTINGS["paper12"]))
+def test_paper12_owner_balance_goal_on_8_ranks(setting):
+    row = dist_traffic.traffic_row("paper12", setting, 8)
+    assert row["owner_matrices"] > 8  # the goal is about sharing work, not about one matrix per rank
+    assert row["balance"] <= dist_traffic.BALANCE_GOAL
+
+
+def meta_matrices(shapes):
+    with torch.device("meta"):
+        return [torch.nn.Parameter(torch.empty(shape)) for shape in shapes]
+
+
+def test_sharded_and_replicated_bytes_match_a_count_by_hand():
+    # A 7x3 and a 5x2 matrix with p = 2 decay on 3 ranks. Shard(0) rows: 7 -> (3, 3, 1), 5 -> (2, 2, 1).
+    # The 7x3 costs more, so it goes to rank 0 and the 5x2 to rank 1 (each the least loaded so far).
+    optimizer = SpectralAdamW(meta_matrices([(7, 3), (5, 2)]), p=2, spectral_weight_decay=0.1)
+    maps = dist_traffic.owner_maps(optimizer)
+    dist_traffic.assign_step(maps, 3)
+    assert [m.owners for m in maps] == [[0, 1]]
+    # Rank 0 sends its 2 rows of the 5x2 to rank 1 (4) and returns the 7x3's rows 3 + 1 (12);
+    # rank 1 sends its 3 rows of the 7x3 (9) and returns 2 + 1 rows of the 5x2 (6);
+    # rank 2 sends 1 row of each (3 + 2).
+    assert dist_traffic.sharded_sends(maps, 3) == [4 + 12, 9 + 6, 3 + 2]
+    # Replicated: one round per shape, owned by one rank, so each rank's part is the whole matrix
+    # (padding for the two others) and a ring all-gather sends (W - 1) parts per rank.
+    sent, padding, rounds = dist_traffic.replicated_sends(maps, 3)
+    assert (sent, rounds) == (2 * 21 + 2 * 10, 2)
+    assert padding == pytest.approx(2 * (21 - 21 / 3) + 2 * (10 - 10 / 3))
+
+
+def test_muon_with_spectral_decay_sends_update_and_weight():
+    # p = 1: only the update travels; p = 2: the weight too, so every count doubles.
+    shapes = [(8, 4)] * 4
+    sends = {}
+    for p in (1, 2):
+        optimizer = SpectralMuon(meta_matrices(shapes), p=p, spectral_weight_decay=0.1)
+        maps = dist_traffic.owner_maps(optimizer)
+        dist_traffic.assign_step(maps, 4)
+        sends[p] = dist_traffic.sharded_sends(maps, 4)
+    # Four 8x4 matrices on 4 ranks, one each: a rank sends 3 x 2 rows out and returns 3 x 2 rows.
+    assert sends[1] == [2 * 3 * 2 * 4] * 4
+    assert sends[2] == [2 * value for value in sends[1]]
+
+
+@pytest.fixture
+def fake_ranks():
+    """``start(rank, world_size)``: this process plays ``rank`` of a fake group (collectives do nothing)."""
+
+    def start(rank, world_size):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        return init_device_mesh("cpu", (world_size,))
+
+    yield start
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class Recorder:
+    """What a real step does: the owners of each ``Exchange.owners`` call and the elements this rank
+    sends to the others (all-to-all: its sizes for the other ranks; all-gather: its part, W - 1 times).
+    The received buffers are filled with finite values, as the other ranks would fill them."""
+
+    def __init__(self, monkeypatch):
+        self.owner_calls, self.sent = [], 0
+        owners = Exchange.owners
+
+        def record_owners(exchange, group, world_size, costs):
+            result = owners(exchange, group, world_size, costs)
+            self.owner_calls.append((list(costs), list(result)))
+            return result
+
+        def all_to_all_single(output, source, output_sizes, input_sizes, group=None, async_op=False):
+            self.sent += sum(input_sizes) - input_sizes[dist.get_rank(group)]
+            output.copy_(torch.randn(output.shape))
+            return Done()
+
+        def all_gather_single(output, source, group=None, async_op=False):
+            self.sent += (dist.get_world_size(group) - 1) * source.numel()
+            output.copy_(torch.randn(output.shape))
+            return Done()
+
+        monkeypatch.setattr(Exchange, "owners", record_owners)
+        monkeypatch.setattr(dist, "all_to_all_single", all_to_all_single)
+        monkeypatch.setattr(dist, "all_gather_single", all_gather_single)
+
+
+class Done:
+    def wait(self):
+        pass
+
+
+def spread_copy(optimizer, mesh, rank, sharded):
+    """The optimizer's groups over new parameters holding this rank's part (a Shard(0) DTensor, or the
+    whole tensor under DDP), each with a gradient."""
+    torch.manual_seed(rank)
+
+    def spread(param):
+        value = torch.randn(param.shape)
+        if sharded:
+            start = sum(shard_row_counts(param.shape[0], mesh.size())[:rank])
+            rows = shard_row_counts(param.shape[0], mesh.size())[rank]
+            value = DTensor.from_local(value[start:start + rows], mesh, [Shard(0)], run_check=False,
+                                       shape=param.shape, stride=param.stride())
+        copy = torch.nn.Parameter(value)
+        copy.grad = torch.randn_like(value) if not sharded else DTensor.from_local(
+            torch.randn_like(value.to_local()), mesh, [Shard(0)], run_check=False, shape=param.shape,
+            stride=param.stride())
+        return copy
+
+    groups = [{**group, "params": [spread(param) for param in group["params"]]} for group in optimizer.param_groups]
+    return type(optimizer)(groups, process_group=None if sharded else dist.group.WORLD)
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["fsdp", "ddp"])
+@pytest.mark.parametrize("overrides", [
+    dict(optimizer="muon", qkv_recipe="HHF", p=2, spectral_weight_decay=0.01, p_v=0, lambda_v=0.01),
+    dict(optimizer="adamw", p=2, spectral_weight_decay=0.01),
+], ids=["muon-hhf", "adamw"])
+def test_reproduces_the_owners_and_sends_of_a_real_step(fake_ranks, monkeypatch, overrides, sharded):
+    # The loop's groups on a 1-layer model of width 64 with 4 heads: 3 ranks split its 64 rows unevenly.
+    config = preset("tiny", n_layers=1, d_model=64, seq_len=16, muon_precision="fp32", **overrides)
+    optimizer = build_optimizer(Transformer(config.model_config(256)), config)
+    world_size = 3
+    maps = dist_traffic.owner_maps(optimizer)
+    # q, k, v, o, mlp_in, mlp_out: Muon's directions and the p != 1 decay of each (AdamW: the decay).
+    assert len(maps) == (12 if overrides["optimizer"] == "muon" else 6)
+    dist_traffic.assign_step(maps, world_size)
+    expected = dist_traffic.sharded_sends(maps, world_size) if sharded else None
+    for rank in range(world_size):
+        mesh = fake_ranks(rank, world_size)
+        recorder = Recorder(monkeypatch)
+        spread_copy(optimizer, mesh, rank, sharded).step()
+        assert recorder.owner_calls == [(m.costs, m.owners) for m in maps]
+        if sharded:
+            assert recorder.sent == expected[rank]
+        else:
+            assert recorder.sent == dist_traffic.replicated_sends(maps, world_size)[0]
+
+
+def test_cli_writes_markdown_json_and_csv(tmp_path):
+    rows = dist_traffic.main(["--out", str(tmp_path), "--presets", "paper8", "--world-sizes", "2"])
+    assert len(rows) == len(dist_traffic.SETTINGS["paper8"])
+    for suffix in ("md", "json", "csv"):
+        assert (tmp_path / f"dist-traffic.{suffix}").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        dist_traffic.main(["--out", str(tmp_path), "--world-sizes", "1"])
