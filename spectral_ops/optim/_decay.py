@@ -586,11 +586,22 @@ class SpectralOptimizer(Optimizer):
                           stacklevel=4)
 
     def state_dict(self) -> dict:
-        """torch's state, plus the skip and clamp counts, by parameter position as torch numbers the
-        state, so that a resumed run keeps counting from where it stopped."""
-        state = super().state_dict()
+        """torch's state, plus the skip and clamp counts (:meth:`count_state`), so that a resumed run
+        keeps counting from where it stopped."""
+        return {**super().state_dict(), **self.count_state()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.load_count_state(state_dict)
+
+    def count_state(self) -> dict:
+        """The skip and clamp counts, ``{"skipped": ..., "clamped": ...}`` (keys with no count left out),
+        by parameter position as torch numbers the state. Part of :meth:`state_dict`; saved on its own
+        where a checkpoint keeps only torch's keys (``torch.distributed.checkpoint``'s
+        ``get_optimizer_state_dict`` does): the counts are the same on every rank."""
         params = [param for group in self.param_groups for param in group["params"]]
         counts, clamps = self.__dict__.get("_skip_counts", {}), self.__dict__.get("_clamp_records", {})
+        state = {}
         if counts:
             state["skipped"] = {i: counts[param].clone() for i, param in enumerate(params) if param in counts}
         if clamps:
@@ -598,15 +609,15 @@ class SpectralOptimizer(Optimizer):
                                 if param in clamps}
         return state
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
+    def load_count_state(self, state: dict) -> None:
+        """Restore the counts of :meth:`count_state` (or of a whole :meth:`state_dict`)."""
         params = [param for group in self.param_groups for param in group["params"]]
         self.__dict__["_skip_counts"] = {params[int(i)]: count.to(device=params[int(i)].device, dtype=torch.int32)
-                                         for i, count in state_dict.get("skipped", {}).items()}
+                                         for i, count in state.get("skipped", {}).items()}
         self.__dict__["_clamp_records"] = {
             params[int(i)]: ClampRecord(count.to(device=params[int(i)].device, dtype=torch.int32),
                                         smallest.to(device=params[int(i)].device, dtype=torch.float64))
-            for i, (count, smallest) in state_dict.get("clamped", {}).items()}
+            for i, (count, smallest) in state.get("clamped", {}).items()}
 
     def prepare_group(self, params, group: dict) -> PreparedStep:
         """Compute the group's step for ``params`` (those with a gradient) without writing anything."""

@@ -1,0 +1,393 @@
+"""The optimizers on parameters spread over processes (SPEC 10): FSDP2's Shard(0) DTensors, replicated
+DTensors and DDP's plain parameters, on CPU with gloo, against the same optimizer in one process.
+
+Each world size (2 and 4 processes) is started once, by a module fixture; every process runs all the
+scenarios below and writes, per scenario, "ok" or the failure, which the tests then read. Every
+process holds the single-process reference itself (the same seeds), so each one checks its own rows.
+
+Tolerance: the owner computes each matrix with the single-device path on the same whole matrix (the
+gathered rows are the exact bits), but batched with whatever else it owns rather than with every
+matrix of that shape, which may change the blocking of the batched products: a few fp32 ulps of
+values of order 1, hence ``rtol=1e-5, atol=1e-6`` (on this CPU the results come out bitwise equal).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from spectral_ops.decay import SpectralStabilityError
+from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD
+from spectral_ops.optim.distributed import assign_owners, local_slice, shard_row_counts
+
+# Uneven on purpose: 41 rows split 21/20 on 2 ranks and 11/11/11/8 on 4; (5, 3) leaves a rank of 4
+# without a row; the (16, 41) and (41, 16) pair share a Gram size but not a shape.
+SHAPES = [(41, 16), (16, 41), (41, 16), (8, 8), (48, 16), (5, 3), (41,)]
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- the worker side
+
+
+def _tensors(seed: int, shapes=SHAPES, steps: int = 2, scale: float = 0.2):
+    """Weights (singular values up to about ``12 scale``) and ``steps`` gradients, the same on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = [scale * torch.randn(shape, generator=generator) for shape in shapes]
+    grads = [[torch.randn(shape, generator=generator) for shape in shapes] for _ in range(steps)]
+    return weights, grads
+
+
+def _spread(tensor, mesh, placement):
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(tensor.clone(), mesh, [placement])
+
+
+def _whole(tensor):
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _compare(make, mesh, *, seed=0, shapes=SHAPES, placement=None, ddp=False, steps=2, scale=0.2):
+    """``make(params, **options)`` on spread parameters against the same in one process: weights and
+    state after ``steps`` steps. Returns both optimizers and both parameter lists."""
+    from torch.distributed.tensor import Shard
+
+    placement = placement or Shard(0)
+    weights, grads = _tensors(seed, shapes, steps, scale)
+    reference = [torch.nn.Parameter(w.clone()) for w in weights]
+    spread = [torch.nn.Parameter(w.clone() if ddp else _spread(w, mesh, placement)) for w in weights]
+    expected = make(reference)
+    actual = make(spread, process_group=dist.group.WORLD) if ddp else make(spread)
+    for step_grads in grads:
+        for param, grad in zip(reference, step_grads):
+            param.grad = grad.clone()
+        for param, grad in zip(spread, step_grads):
+            param.grad = grad.clone() if ddp else _spread(grad, mesh, placement)
+        expected.step()
+        actual.step()
+    for a, b in zip(spread, reference):
+        torch.testing.assert_close(_whole(a.detach()), b.detach(), **TOLERANCE)
+    for a, b in zip(spread, reference):
+        for key, value in expected.state[b].items():
+            torch.testing.assert_close(_whole(actual.state[a][key]), value, **TOLERANCE)
+    return expected, actual, reference, spread
+
+
+def _muon(params, **options):
+    matrices = [p for p in params if p.ndim == 2]
+    fused = [p for p in matrices if p.shape[0] == 48]
+    others = [p for p in matrices if p.shape[0] != 48]
+    vectors = [p for p in params if p.ndim < 2]
+    return SpectralMuon([{"params": fused, "heads": 2, "splits": (16, 16, 16), "recipe": "HHF"},
+                         {"params": others},
+                         {"params": vectors, "algorithm": "adamw", "weight_decay": 0.0}],
+                        lr=2e-2, p=2, spectral_weight_decay=0.5, precision="fp32", **options)
+
+
+def _adamw(p, **more):
+    return lambda params, **o: SpectralAdamW(params, lr=1e-2, p=p, spectral_weight_decay=0.5, **more, **o)
+
+
+def _band(mode):
+    return lambda params, **o: SpectralDecay(params, p=2, spectral_weight_decay=0.3, lr=0.1,
+                                             band={"tau": 1.0, "mode": mode, "weight_decay_bot": 0.2}, **o)
+
+
+def _scenario_skip(mesh, rank, world):
+    """A NaN in one rank's rows of one gradient: every rank skips that parameter, as one process does."""
+    from torch.distributed.tensor import Shard
+
+    weights, grads = _tensors(3, steps=1)
+    grads[0][0][0, 0] = float("nan")  # row 0: on rank 0 only
+    spread = [torch.nn.Parameter(_spread(w, mesh, Shard(0))) for w in weights]
+    optimizer = SpectralAdamW(spread, lr=1e-2, p=2, spectral_weight_decay=0.5)
+    for param, grad in zip(spread, grads[0]):
+        param.grad = _spread(grad, mesh, Shard(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        optimizer.step()
+    assert torch.equal(_whole(spread[0].detach()), weights[0]), "the skipped weight changed"
+    assert not optimizer.state[spread[0]], "the skipped parameter's state was created"
+    assert int(next(iter(optimizer.skipped.values()))) == 1
+    assert not torch.equal(_whole(spread[1].detach()), weights[1]), "a finite parameter was not updated"
+
+
+def _scenario_error(mesh, rank, world):
+    """An owner's stability error is raised on every rank, and no rank writes anything."""
+    from torch.distributed.tensor import Shard
+
+    weights, grads = _tensors(4, steps=1, scale=1.0)
+    spread = [torch.nn.Parameter(_spread(w, mesh, Shard(0))) for w in weights]
+    optimizer = SpectralAdamW(spread, lr=1.0, p=4, spectral_weight_decay=50.0, stability="raise")
+    for param, grad in zip(spread, grads[0]):
+        param.grad = _spread(grad, mesh, Shard(0))
+    try:
+        optimizer.step()
+    except SpectralStabilityError:
+        pass
+    else:
+        raise AssertionError("no SpectralStabilityError on this rank")
+    for param, weight in zip(spread, weights):
+        assert torch.equal(_whole(param.detach()), weight), "a weight changed in a refused step"
+    assert not any(optimizer.state.values()), "state was written in a refused step"
+
+
+def _scenario_clamp(mesh, rank, world):
+    """Clamp factors computed on the owners are counted on every rank, as in one process."""
+    expected, actual, reference, spread = _compare(_adamw(4, stability="clamp"), mesh, seed=5, scale=1.0)
+    counts = {name: int(record.count) for name, record in expected.clamped.items()}
+    assert counts and any(counts.values()), "the scenario does not clamp"
+    assert {name: int(record.count) for name, record in actual.clamped.items()} == counts
+
+
+def _scenario_ddp_splits_the_work(mesh, rank, world):
+    """DDP: the results equal one process's, and this rank decayed only its share of the matrices."""
+    import spectral_ops.optim._decay as family
+
+    computed = []
+    original = family.prepare_decay
+
+    def counting(tensors, *args, **kwargs):
+        computed.extend(t.shape for t in tensors)
+        return original(tensors, *args, **kwargs)
+
+    family.prepare_decay = counting
+    try:
+        _compare(_adamw(2), mesh, seed=6, ddp=True)
+    finally:
+        family.prepare_decay = original
+    # The one-process reference decays every matrix at each of the 2 steps; the rest is this rank's share.
+    total = 2 * sum(len(shape) == 2 for shape in SHAPES)
+    share = torch.tensor(len(computed) - total)
+    assert 0 < share < total, f"rank {rank} decayed {share} of the {total} matrices"
+    dist.all_reduce(share)
+    assert share == total, f"the ranks decayed {share} matrices, not {total}"
+
+
+def _scenario_fsdp_model(mesh, rank, world):
+    """fully_shard on a module, gradients from its backward (every rank the same batch, so FSDP's
+    average is exact), SpectralMuon and SpectralAdamW as a user sets them up."""
+    from torch.distributed.fsdp import fully_shard
+
+    def model():
+        torch.manual_seed(7)
+        return torch.nn.Sequential(torch.nn.Linear(16, 41), torch.nn.ReLU(), torch.nn.Linear(41, 8))
+
+    inputs = torch.randn(6, 16, generator=torch.Generator().manual_seed(8))
+    for make in (_adamw(2), lambda params, **o: SpectralMuon(
+            [{"params": [p for p in params if p.ndim == 2]},
+             {"params": [p for p in params if p.ndim < 2], "algorithm": "adamw"}],
+            lr=1e-2, p=2, spectral_weight_decay=0.5, precision="fp32", **o)):
+        reference, sharded = model(), fully_shard(model(), mesh=mesh)
+        expected, actual = make(list(reference.parameters())), make(list(sharded.parameters()))
+        for _ in range(2):
+            for net, optimizer in ((reference, expected), (sharded, actual)):
+                net(inputs).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        for a, b in zip(sharded.parameters(), reference.parameters()):
+            torch.testing.assert_close(_whole(a.detach()), b.detach(), **TOLERANCE)
+
+
+def _scenario_checkpoint(mesh, rank, world, folder: Path):
+    """torch.distributed.checkpoint saves the sharded state, and a fresh optimizer resumes from it
+    (here, or at another world size: the folder the 2-process run wrote, loaded by the 4-process one)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    def setup():
+        torch.manual_seed(9)
+        net = fully_shard(torch.nn.Sequential(torch.nn.Linear(16, 41), torch.nn.ReLU(), torch.nn.Linear(41, 8)),
+                          mesh=mesh)
+        return net, SpectralAdamW(net.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5)
+
+    inputs = torch.randn(6, 16, generator=torch.Generator().manual_seed(10))
+
+    def train(net, optimizer, steps, skipped=False):
+        for _ in range(steps):
+            net(inputs).square().mean().backward()
+            if skipped:  # a non-finite gradient: the step only counts the skip
+                from spectral_ops.optim.distributed import local
+
+                local(next(net.parameters()).grad).fill_(float("nan"))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                optimizer.step()
+            optimizer.zero_grad()
+
+    saved = folder / "saved"
+    if world == 2:
+        net, optimizer = setup()
+        train(net, optimizer, 2)
+        train(net, optimizer, 1, skipped=True)
+        # get_optimizer_state_dict keeps torch's keys only: the skip counts go next to it.
+        dcp.save({"model": net.state_dict(), "optimizer": get_optimizer_state_dict(net, optimizer),
+                  "counts": optimizer.count_state()}, checkpoint_id=saved)
+    net, optimizer = setup()
+    train(net, optimizer, 2)  # the state to replace (and the weights, loaded below)
+    state = {"model": net.state_dict(), "optimizer": get_optimizer_state_dict(net, optimizer),
+             "counts": {"skipped": {0: torch.zeros((), dtype=torch.int32)}}}
+    dcp.load(state, checkpoint_id=saved)
+    net.load_state_dict(state["model"])
+    set_optimizer_state_dict(net, optimizer, state["optimizer"])
+    optimizer.load_count_state(state["counts"])
+    train(net, optimizer, 1)
+
+    torch.manual_seed(9)
+    reference = torch.nn.Sequential(torch.nn.Linear(16, 41), torch.nn.ReLU(), torch.nn.Linear(41, 8))
+    expected = SpectralAdamW(reference.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5)
+    train(reference, expected, 2)
+    train(reference, expected, 1, skipped=True)
+    train(reference, expected, 1)
+    for a, b in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(_whole(a.detach()), b.detach(), **TOLERANCE)
+    assert [int(count) for count in optimizer.skipped.values()] == [1]
+
+
+def _scenario_two_dimensional_mesh(mesh, rank, world):
+    """HSDP's 2-d mesh is refused with a message that says what is supported."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh2 = init_device_mesh("cpu", (2, world // 2))
+    param = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh2, [Replicate(), Shard(0)]))
+    param.grad = distribute_tensor(torch.randn(8, 4), mesh2, [Replicate(), Shard(0)])
+    optimizer = SpectralAdamW([param], lr=1e-2, p=2, spectral_weight_decay=0.5)
+    try:
+        optimizer.step()
+    except NotImplementedError as error:
+        assert "Shard(0)" in str(error) and "1-d mesh" in str(error), str(error)
+    else:
+        raise AssertionError("a 2-d mesh was accepted")
+
+
+def _scenarios(folder: Path, world: int) -> dict:
+    from torch.distributed.tensor import Replicate
+
+    scenarios = {
+        **{f"decay p={p}": (lambda p: lambda mesh, rank, world: _compare(_adamw(p), mesh, seed=p))(p)
+           for p in (0, 1, 2, 4)},
+        "muon head-wise and fused QKV": lambda mesh, rank, world: _compare(_muon, mesh, seed=11),
+        "sgd": lambda mesh, rank, world: _compare(lambda params, **o: SpectralSGD(
+            params, lr=5e-2, momentum=0.9, nesterov=True, p=2, spectral_weight_decay=0.5, **o), mesh, seed=12),
+        **{f"band {mode}": (lambda mode: lambda mesh, rank, world: _compare(_band(mode), mesh, seed=13))(mode)
+           for mode in ("top", "two_band")},
+        "capturable": lambda mesh, rank, world: _compare(_adamw(2, capturable=True, stability="clamp"), mesh, seed=14),
+        "fewer matrices than ranks": lambda mesh, rank, world: _compare(_adamw(2), mesh, seed=15, shapes=[(5, 3)]),
+        "more matrices than ranks": lambda mesh, rank, world: _compare(_adamw(2), mesh, seed=16,
+                                                                       shapes=[(9, 6)] * 7 + [(6, 9)] * 3),
+        "replicated dtensor": lambda mesh, rank, world: _compare(_adamw(2), mesh, seed=17, placement=Replicate()),
+        "muon replicated by ddp": lambda mesh, rank, world: _compare(_muon, mesh, seed=18, ddp=True),
+        "ddp splits the work": _scenario_ddp_splits_the_work,
+        "skip agreed": _scenario_skip,
+        "error raised everywhere": _scenario_error,
+        "clamps agreed": _scenario_clamp,
+        "fsdp model": _scenario_fsdp_model,
+        "checkpoint": lambda mesh, rank, world: _scenario_checkpoint(mesh, rank, world, folder),
+    }
+    if world == 4:
+        scenarios["2-d mesh refused"] = _scenario_two_dimensional_mesh
+    return scenarios
+
+
+def _worker(rank: int, world: int, port: int, folder: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    results = {}
+    for name, scenario in _scenarios(Path(folder), world).items():
+        try:
+            scenario(mesh, rank, world)
+            results[name] = "ok"
+        except Exception:  # reported per scenario by the tests below
+            results[name] = traceback.format_exc()
+        dist.barrier()
+    (Path(folder) / f"results-{world}-{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- the test side
+
+SCENARIOS = list(_scenarios(Path(), 2))
+
+
+@pytest.fixture(scope="module")
+def shared_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("distributed")
+
+
+@pytest.fixture(scope="module")
+def results(shared_folder):
+    """Per world size, per rank, each scenario's outcome (the 2-process run first: the 4-process one
+    loads its checkpoint)."""
+    outcomes = {}
+    for world in (2, 4):
+        mp.start_processes(_worker, args=(world, _free_port(), str(shared_folder)), nprocs=world,
+                           start_method="spawn")
+        outcomes[world] = [json.loads((shared_folder / f"results-{world}-{rank}.json").read_text())
+                           for rank in range(world)]
+    return outcomes
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_spread_parameters_match_one_process(results, world, scenario):
+    failures = [f"rank {rank}:\n{outcome[scenario]}" for rank, outcome in enumerate(results[world])
+                if outcome[scenario] != "ok"]
+    assert not failures, "\n".join(failures)
+
+
+def test_a_two_dimensional_mesh_is_refused(results):
+    failures = [outcome["2-d mesh refused"] for outcome in results[4] if outcome["2-d mesh refused"] != "ok"]
+    assert not failures, "\n".join(failures)
+
+
+def test_shard_row_counts_follow_torch_chunk():
+    for rows in (1, 5, 8, 41, 64):
+        for world in (1, 2, 3, 4, 8):
+            chunks = [len(chunk) for chunk in torch.arange(rows).chunk(world)]
+            assert shard_row_counts(rows, world) == tuple(chunks + [0] * (world - len(chunks)))
+
+
+def test_local_slice_is_the_intersection_with_this_ranks_rows():
+    rows = torch.arange(41)
+    for start, stop in ((0, 41), (10, 25), (16, 32), (40, 41)):
+        for span in ((0, 21), (21, 41), (33, 41), (41, 41)):
+            assert rows[span[0]:span[1]][local_slice(start, stop, span)].tolist() == \
+                [r for r in range(start, stop) if span[0] <= r < span[1]]
+
+
+def test_owners_follow_the_longest_processing_time_rule():
+    """Each job (largest first) goes to the least loaded rank, so the largest load is within the
+    rule's bound of the optimum: at most the mean plus the largest job, and 4/3 of the optimum."""
+    generator = torch.Generator().manual_seed(0)
+    costs = (torch.rand(37, generator=generator) * 10 + 1).tolist()
+    owners, loads = assign_owners(costs, 8)
+    assert [sum(c for c, o in zip(costs, owners) if o == r) for r in range(8)] == pytest.approx(loads)
+    assert max(loads) <= sum(costs) / 8 + max(costs)
+    # Same costs, same owners: every rank computes the assignment alone.
+    assert assign_owners(costs, 8) == (owners, loads)
+    # Starting loads count: a rank that took more earlier in the step gets less now.
+    owners, loads = assign_owners([1.0] * 4, 2, loads=[10.0, 0.0])
+    assert owners == [1, 1, 1, 1]
