@@ -11,7 +11,7 @@ What the optimizer sends, per step (``spectral_ops/optim/distributed.py``):
   ``map``. The optimizer calls ``map`` once per parameter group and purpose, in group order (a Muon
   group: its directions, then its decay), and each call assigns owners by the longest-processing-time
   rule starting from the loads of the earlier calls of the step (``Exchange.owners``): reproduced here
-  with the package's own ``Exchange``, ``decay_flops`` and ``polar_blocks_flops``.
+  with the package's own ``Exchange``, ``decay_flops`` and ``direction_flops``.
 * FSDP2 (``Shard(0)``): every rank sends the owner its rows of the matrix (``all_to_all_single``), and
   the owner sends every rank its rows of the result (a second one). The rows a rank holds of a matrix
   it owns do not cross the network and are not counted.
@@ -38,22 +38,21 @@ import argparse
 import csv
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from spectral_ops.optim import SpectralMuon
-from spectral_ops.optim._decay import is_zero, row_blocks_of
+from spectral_ops.optim._decay import needs_spectral_direction, row_blocks_of
 from spectral_ops.optim.distributed import (
     ROUNDS_PER_SHAPE,
     Exchange,
     assign_owners,
     decay_flops,
-    polar_blocks_flops,
     shard_row_counts,
 )
-from spectral_ops.optim.muon import orthogonalization_coefficients, row_blocks
+from spectral_ops.optim.muon import direction_flops
 from spectral_ops.train.config import preset
 from spectral_ops.train.data import GPT2_VOCAB
 from spectral_ops.train.model import Transformer
@@ -106,21 +105,6 @@ def meta_optimizer(preset_name: str, overrides: dict):
     return config, model, build_optimizer(model, config)
 
 
-def direction_flops(shape, group: dict) -> float:
-    """The FLOPs ``SpectralMuon._directions`` assigns one matrix: a polar factor per head or full block."""
-    rows, cols = shape
-    steps = len(orthogonalization_coefficients(group))
-    return sum(polar_blocks_flops((size // count, cols), count, steps) for _, size, letter in row_blocks(rows, group)
-               for count in [group["heads"] if letter == "H" else 1])
-
-
-def needs_owner_decay(optimizer, group: dict) -> bool:
-    """Whether ``prepare_parameter_decay`` sends the group's matrices to their owners: a band, or
-    ``p != 1`` with ``lambda_p != 0`` (``p = 1`` and the ordinary decay are element-wise, on each shard)."""
-    options = optimizer.decay_options(group)
-    return options.band is not None or (options.p != 1 and not is_zero(group[optimizer.spectral_key]))
-
-
 def owner_maps(optimizer) -> list[OwnerMap]:
     """The step's ``map`` calls, in the optimizer's order, without owners (see :func:`assign_step`)."""
     maps = []
@@ -132,7 +116,7 @@ def owner_maps(optimizer) -> list[OwnerMap]:
         role = group.get("role", "matrix")  # param_groups_by_module's tag, when the groups come from it
         if isinstance(optimizer, SpectralMuon) and group["algorithm"] == "muon":
             maps.append(OwnerMap(role, "direction", shapes, [direction_flops(shape, group) for shape in shapes]))
-        if needs_owner_decay(optimizer, group):
+        if needs_spectral_direction(optimizer.decay_options(group), group[optimizer.spectral_key]):
             options = optimizer.decay_options(group)
             costs = [sum(decay_flops((stop - start, cols), options)
                          for start, stop in decay_blocks(optimizer, group, param))
@@ -217,7 +201,7 @@ def flag_count(optimizer) -> int:
     flags = 1
     for group in optimizer.param_groups:
         flags += len(group["params"])
-        if needs_owner_decay(optimizer, group) and optimizer.decay_options(group).stability == "clamp":
+        if needs_spectral_direction(optimizer.decay_options(group), group[optimizer.spectral_key]) and optimizer.decay_options(group).stability == "clamp":
             flags += sum(len(decay_blocks(optimizer, group, param)) for param in group["params"] if param.ndim >= 2)
     return flags
 

@@ -154,6 +154,12 @@ class ParameterDecay:
             part.pending.commit([keep[owner] for owner in part.owners])
 
 
+def needs_spectral_direction(options: DecayOptions, spectral) -> bool:
+    """Whether the decay computes ``S_p`` (or a band's direction), which needs each whole matrix: not
+    for ``p = 1`` or a zero ``lambda_p``, which decay element-wise."""
+    return options.band is not None or (options.p != 1 and not is_zero(spectral))
+
+
 def row_blocks_of(param: torch.Tensor, blocks) -> list:
     """The ``(start, stop)`` rows of each matrix the decay sees in ``param``'s matrix view: ``blocks``
     (a function of the parameter giving ``(start, size)`` pairs, or None) splits it, as Muon's fused
@@ -178,7 +184,7 @@ def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, lr, p
         arguments = dict(scale=scale, spectral_weight_decay=spectral, ordinary_weight_decay=ordinary,
                          capturable=group["capturable"])
         spread = [i for i in matrices if layouts[i] is not None]
-        if spread and (options.band is not None or (options.p != 1 and not is_zero(spectral))):
+        if spread and needs_spectral_direction(options, spectral):
             decay.parts.append(_owner_computed_decay([params[i] for i in spread], spread, [layouts[i] for i in spread],
                                                      group, options, arguments, blocks, exchange))
             matrices = [i for i in matrices if layouts[i] is None]

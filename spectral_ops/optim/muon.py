@@ -72,6 +72,14 @@ def row_blocks(rows: int, group: dict):
     return list(zip(starts, sizes, recipe))
 
 
+def direction_flops(shape, group: dict) -> float:
+    """The plan's FLOPs of one matrix's Muon direction: a polar factor per head or full block."""
+    rows, cols = shape
+    steps = len(orthogonalization_coefficients(group))
+    return sum(polar_blocks_flops((size // count, cols), count, steps) for _, size, letter in row_blocks(rows, group)
+               for count in [group["heads"] if letter == "H" else 1])
+
+
 class SpectralMuon(SpectralOptimizer):
     """Muon plus the spectral term of SPEC 1.5, with AdamW for non-matrix parameters.
 
@@ -228,12 +236,7 @@ class SpectralMuon(SpectralOptimizer):
         for i, direction in zip(alone, self._orthogonalize([updates[i] for i in alone], group)):
             directions[i] = direction
         if spread:
-            steps = len(orthogonalization_coefficients(group))
-            costs = []
-            for i in spread:
-                rows, cols = params[i].shape[0], updates[i].shape[1]
-                costs.append(sum(polar_blocks_flops((size // count, cols), count, steps) for _, size, letter
-                                 in row_blocks(rows, group) for count in [group["heads"] if letter == "H" else 1]))
+            costs = [direction_flops((params[i].shape[0], updates[i].shape[1]), group) for i in spread]
             results = self.exchange.map(lambda positions, matrices: self._orthogonalize(matrices, group),
                                         [updates[i] for i in spread], [layouts[i] for i in spread], costs)
             for i, direction in zip(spread, results):
