@@ -183,15 +183,21 @@ def _scenario_ddp_splits_the_work(mesh, rank, world):
 
 def _scenario_fsdp_model(mesh, rank, world):
     """fully_shard on a module, gradients from its backward (every rank the same batch, so FSDP's
-    average is exact), SpectralMuon and SpectralAdamW as a user sets them up."""
+    average is exact): SpectralAdamW, SpectralDecay attached to torch's AdamW, and SpectralMuon, as a
+    user sets them up."""
     from torch.distributed.fsdp import fully_shard
 
     def model():
         torch.manual_seed(7)
         return torch.nn.Sequential(torch.nn.Linear(16, 41), torch.nn.ReLU(), torch.nn.Linear(41, 8))
 
+    def attached(params):
+        host = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+        SpectralDecay([p for p in params if p.ndim == 2], p=2, spectral_weight_decay=0.5).attach(host)
+        return host
+
     inputs = torch.randn(6, 16, generator=torch.Generator().manual_seed(8))
-    for make in (_adamw(2), lambda params, **o: SpectralMuon(
+    for make in (_adamw(2), attached, lambda params, **o: SpectralMuon(
             [{"params": [p for p in params if p.ndim == 2]},
              {"params": [p for p in params if p.ndim < 2], "algorithm": "adamw"}],
             lr=1e-2, p=2, spectral_weight_decay=0.5, precision="fp32", **o)):

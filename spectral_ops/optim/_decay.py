@@ -433,7 +433,7 @@ class SpectralOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.__dict__.pop("_exchange", None)  # what a failed step left
+        self.begin_step()
         prepared = []
         for group in self.param_groups:
             params = list(self.params_with_grad(group))
@@ -508,13 +508,17 @@ class SpectralOptimizer(Optimizer):
         """This step's :class:`~spectral_ops.optim.distributed.Exchange` (owners, errors, clamps)."""
         return self.__dict__.setdefault("_exchange", Exchange())
 
+    def begin_step(self) -> None:
+        """Forget what a step that failed while being prepared left behind (its decays, its exchange):
+        called before the groups of a step are prepared."""
+        self.__dict__["_step_decays"] = []
+        self.__dict__.pop("_exchange", None)
+
     def _take_step_decays(self, prepared: list[PreparedStep]) -> list[ParameterDecay]:
         """The decay each prepared step computed: every step of the family computes its decay with one
-        :meth:`prepare_decay` call, in the order of the steps. A step that failed while being prepared
-        left its decays behind, so this step's are the last ones."""
-        pending = self.__dict__.get("_step_decays", [])
+        :meth:`prepare_decay` call, in the order of the steps."""
+        decays = self.__dict__.get("_step_decays", [])
         self.__dict__["_step_decays"] = []
-        decays = pending[len(pending) - len(prepared):]
         if len(decays) != len(prepared) or any(group is not step.group for (group, _), step in zip(decays, prepared)):
             raise RuntimeError(f"{type(self).__name__}: each prepared step must compute its decay with one "
                                "prepare_decay call, in the order of the steps")

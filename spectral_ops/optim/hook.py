@@ -101,6 +101,7 @@ class SpectralDecay(SpectralOptimizer):
         """Decay every group before the host's step: all computed first, then written, so a failure
         leaves every weight unchanged (and the host's step does not run)."""
         host_group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        self.begin_step()
         prepared = []
         for group in self.param_groups:
             by_host = {}
