@@ -66,6 +66,9 @@ class TrainConfig:
     out_dir: str = "runs/run"
     seed: int = 0
     device: str = "auto"
+    # several processes, one per GPU, started by torchrun: FSDP2 shards the model, DDP replicates it
+    fsdp: bool = False
+    ddp: bool = False
     notes: dict = field(default_factory=dict)
 
     def model_config(self, vocab_size: int = 0):
@@ -200,6 +203,10 @@ FIELD_HELP = {
     "out_dir": "run folder: config, metrics, checkpoint",
     "seed": "random seed",
     "device": "auto (cuda if available), cpu or cuda",
+    "fsdp": "shard parameters, gradients and optimizer state over the processes torchrun starts (FSDP2's "
+            "fully_shard, one unit per block); each process takes batch_size / processes rows of every batch",
+    "ddp": "replicate the model on each process torchrun starts (DistributedDataParallel); the spectral work "
+           "is split over the processes; each takes batch_size / processes rows of every batch",
 }
 
 _PARSERS = {"int": int, "float": float, "str": str, "bool": _parse_bool}

@@ -1,4 +1,10 @@
-"""The training loop: data, model, optimizer, schedule, logging, checkpoints. Read top to bottom."""
+"""The training loop: data, model, optimizer, schedule, logging, checkpoints. Read top to bottom.
+
+Under ``--fsdp`` or ``--ddp`` it runs as one of the processes ``torchrun`` starts, one per GPU (or a few
+on a CPU, with Gloo): each takes its share of the rows of every batch, so that together they train on
+the single-process run's batches; losses are averaged over the processes, the metrics see whole
+weights, only rank 0 writes files, and checkpoints are ``torch.distributed.checkpoint`` folders.
+"""
 
 from __future__ import annotations
 
@@ -7,22 +13,41 @@ import csv
 import json
 import math
 import os
+import shutil
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from ..optim.distributed import local
 from . import monitor
 from .config import PROTOCOL_PRESETS, TrainConfig, evaluation_steps, to_dict
 from .data import Corpus, load_corpus, train_batch, validation_batches
-from .model import Transformer
+from .model import Transformer, fully_shard_blocks
 from .optimizers import build_optimizer
 from .schedule import lr_multiplier
 
 CHECKPOINT = "checkpoint.pt"
+# Under --fsdp/--ddp: torch.distributed.checkpoint folders (checkpoint.dcp, checkpoint.1.dcp, ...), each
+# with every process's shards and rank 0's RUN_STATE (step, history, config, optimizer counts).
+SHARDED = ".dcp"
+RUN_STATE = "run.pt"
+# torch.distributed.checkpoint's optimizer state dict keeps torch's "state" and "param_groups" only:
+# the skip and clamp counts our optimizers add next to them travel in RUN_STATE instead.
+OPTIMIZER_COUNTS = ("skipped", "clamped")
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # The validation loss's log key, by what a token is, and its conversion from nats: bits per byte on
 # bytes (SPEC 7.4's unit), nats per token on a tokeniser's tokens (the write-ups' NLL).
 VALIDATION_KEYS = {"byte": ("val_bpb", 1 / math.log(2)), "token": ("val_nats_per_token", 1.0)}
@@ -44,23 +69,153 @@ def validation_key(record: dict) -> str:
     return next(key for key, _ in VALIDATION_KEYS.values() if key in record)
 
 
+@dataclass(frozen=True)
+class Processes:
+    """This process's place in the run: rank ``rank`` of the ``world_size`` processes of an ``--fsdp``
+    or ``--ddp`` run (``mode``), or the only process (``mode`` None), on ``device``."""
+
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    mode: str | None = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.mode is not None
+
+    @property
+    def main(self) -> bool:
+        """Rank 0, the one process that writes the run's files and shows its progress."""
+        return self.rank == 0
+
+    def rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """This process's rows of a batch: consecutive equal shares, so that the processes together
+        take the single-process run's batch, and the mean of their mean losses is its mean loss."""
+        share = batch.shape[0] // self.world_size
+        return batch[self.rank * share:(self.rank + 1) * share]
+
+    def mean(self, value: float) -> float:
+        """The mean over the processes (a collective: every process calls it)."""
+        if not self.distributed:
+            return value
+        total = torch.tensor(value, dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)
+        return total.item() / self.world_size
+
+    def every(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every process, so that all take the same branch (a collective)."""
+        if not self.distributed:
+            return flag
+        value = torch.tensor(float(flag), device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value.item())
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def parallel_mode(config: TrainConfig) -> str | None:
+    if config.fsdp and config.ddp:
+        raise ValueError("--fsdp and --ddp exclude each other (FSDP shards the model, DDP replicates it); pass one")
+    return "fsdp" if config.fsdp else "ddp" if config.ddp else None
+
+
+@contextlib.contextmanager
+def launched(config: TrainConfig):
+    """The run's :class:`Processes`: the single process, or under ``--fsdp``/``--ddp`` the one of
+    torchrun's that this is, with the process group started (NCCL on its GPU ``cuda:LOCAL_RANK``, Gloo
+    on CPUs) for the duration and destroyed after."""
+    mode = parallel_mode(config)
+    started = all(name in os.environ for name in TORCHRUN_VARIABLES)
+    if mode is None:
+        if started and int(os.environ["WORLD_SIZE"]) > 1:
+            raise RuntimeError(f"started by torchrun as {os.environ['WORLD_SIZE']} processes without --fsdp or --ddp: "
+                               "each would train the whole single-process run into the same folder; pass --fsdp or --ddp")
+        yield Processes(pick_device(config.device))
+        return
+    if not started:
+        raise RuntimeError(f"--{mode} trains with one process per GPU, started by torchrun, which sets "
+                           f"{', '.join(TORCHRUN_VARIABLES)} (unset here). Launch it as: torchrun --standalone "
+                           f"--nproc_per_node NUMBER_OF_GPUS -m spectral_ops.train --{mode} ...")
+    rank, world_size, local_rank = (int(os.environ[name]) for name in TORCHRUN_VARIABLES)
+    if config.batch_size % world_size:
+        raise ValueError(f"--{mode}: batch_size {config.batch_size} does not split over {world_size} processes (each "
+                         f"takes batch_size / {world_size} rows of every batch); pass a multiple of {world_size}")
+    device = pick_device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        yield Processes(device, rank, world_size, mode)
+    finally:
+        dist.destroy_process_group()
+
+
+def parallelise(model: Transformer, processes: Processes) -> torch.nn.Module:
+    """What a training step runs: under FSDP the model itself, sharded in place (each block, then the
+    root, on a 1-d mesh over the processes), under DDP its wrapper, else the model."""
+    if processes.mode == "fsdp":
+        return fully_shard_blocks(model, init_device_mesh(processes.device.type, (processes.world_size,)))
+    if processes.mode == "ddp":
+        return DistributedDataParallel(model, device_ids=[processes.device] if processes.device.type == "cuda" else None)
+    return model
+
+
+def load_corpus_once(config: TrainConfig, processes: Processes) -> Corpus:
+    """The corpus, its token cache built by rank 0 before the others read it (two processes writing
+    one cache file would tear it)."""
+    if not processes.main:
+        processes.barrier()
+    corpus = load_corpus(config.data, vocab_size=config.vocab_size)
+    if processes.main:
+        processes.barrier()
+    return corpus
+
+
 @torch.no_grad()
-def validation_nats(model, batches, device) -> float:
-    """Mean cross-entropy over the fixed validation windows, in nats per token."""
+def validation_nats(model, batches, processes: Processes) -> float:
+    """Mean cross-entropy over the fixed validation windows, in nats per token (each process
+    evaluates its rows of every window: a collective under ``--fsdp``/``--ddp``)."""
+    device = processes.device
     was_training = model.training
     model.eval()
     losses = []
     for inputs, targets in batches:
         with autocast(device):
-            logits = model(inputs.to(device))
-        losses.append(F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten()).item())
+            logits = model(processes.rows(inputs).to(device))
+        losses.append(F.cross_entropy(logits.flatten(0, 1).float(), processes.rows(targets).to(device).flatten()).item())
     model.train(was_training)
-    return sum(losses) / len(losses)
+    return processes.mean(sum(losses) / len(losses))
 
 
-def checkpoint_paths(out: Path, keep: int) -> list[Path]:
-    """Newest first: ``checkpoint.pt``, then ``checkpoint.1.pt``, ... (``keep`` in all)."""
-    return [out / CHECKPOINT] + [out / f"checkpoint.{index}.pt" for index in range(1, keep)]
+@contextlib.contextmanager
+def whole_weights(model, optimizer):
+    """What :func:`monitor.weight_metrics` measures: the model and the optimizer, except under FSDP,
+    where every unit's shards are all-gathered for the duration (a collective) and the optimizer's
+    groups are mirrored onto the gathered weights (the metrics look a weight's lr up by identity)."""
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    if not units:
+        yield optimizer
+        return
+    for unit in units:
+        unit.unshard()
+    try:
+        yield SimpleNamespace(param_groups=[
+            {"lr": group["lr"], "params": [model.get_parameter(name) for name in group["param_names"]]}
+            for group in optimizer.param_groups])
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
+def checkpoint_paths(out: Path, keep: int, suffix: str = ".pt") -> list[Path]:
+    """Newest first: ``checkpoint.pt``, then ``checkpoint.1.pt``, ... (``keep`` in all; ``suffix``
+    ``SHARDED``: the folders of ``--fsdp``/``--ddp`` runs)."""
+    stem = Path(CHECKPOINT).stem
+    return [out / f"{stem}{suffix}"] + [out / f"{stem}.{index}{suffix}" for index in range(1, keep)]
 
 
 def skipped_updates(optimizer) -> int:
@@ -74,9 +229,11 @@ def clamped_updates(optimizer) -> int:
     return sum(int(record.count) for record in getattr(optimizer, "clamped", {}).values())
 
 
-def check_finite_weights(model, step: int, out: Path) -> None:
-    """Stop a run whose weights went non-finite before it measures or checkpoints them."""
-    if not all(torch.isfinite(p).all() for p in model.parameters()):
+def check_finite_weights(model, step: int, out: Path, processes: Processes | None = None) -> None:
+    """Stop a run whose weights went non-finite before it measures or checkpoints them (on every
+    process, when one of them holds a non-finite shard)."""
+    finite = all(torch.isfinite(local(p)).all() for p in model.parameters())
+    if not (processes.every(finite) if processes else finite):
         raise FloatingPointError(f"step {step}: the weights are not finite (lower the lr?); stopping before "
                                  f"measuring or checkpointing them (the last checkpoint in {out} is kept)")
 
@@ -90,10 +247,78 @@ def save_checkpoint(out: Path, model, optimizer, step: int, history: list, confi
     temporary = paths[0].with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                 "history": history, "config": to_dict(config)}, temporary)
+    install_checkpoint(temporary, paths)
+
+
+def install_checkpoint(temporary: Path, paths: list[Path]) -> None:
+    """Shift the checkpoints at ``paths`` down (the oldest drops out), then rename ``temporary`` to the
+    newest. A folder cannot be renamed over, so the oldest is removed first: with two or more kept,
+    some complete checkpoint is under a checkpoint's name at every instant."""
+    if paths[-1].is_dir():
+        shutil.rmtree(paths[-1])
     for older, newer in reversed(list(zip(paths[1:], paths[:-1]))):
         if newer.exists():
             os.replace(newer, older)
     os.replace(temporary, paths[0])
+
+
+def sharded_state(model, optimizer) -> dict:
+    """The model's and the optimizer's state as ``torch.distributed.checkpoint`` saves and loads it:
+    by parameter name, each process's shards (the same names under FSDP and DDP)."""
+    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+def save_sharded_checkpoint(out: Path, model, optimizer, step: int, history: list, config: TrainConfig,
+                            processes: Processes) -> None:
+    """:func:`save_checkpoint` for ``--fsdp``/``--ddp`` (a collective): every process writes its shards
+    into a temporary folder, rank 0 adds the run state, and once all are done rank 0 moves the folder
+    into place, so a folder under a checkpoint's name is complete."""
+    check_finite_weights(model, step, out, processes)
+    paths = checkpoint_paths(out, config.keep_checkpoints, SHARDED)
+    temporary = paths[0].with_suffix(".tmp")
+    if processes.main and temporary.exists():
+        shutil.rmtree(temporary)  # an interrupted save's
+    processes.barrier()
+    dcp.save(sharded_state(model, optimizer), checkpoint_id=temporary)
+    if processes.main:
+        # The counts agree on every process (the optimizer agrees on each skip and clamp).
+        counts = {key: value for key, value in optimizer.state_dict().items() if key in OPTIMIZER_COUNTS}
+        torch.save({"step": step, "history": history, "config": to_dict(config), **counts}, temporary / RUN_STATE)
+    processes.barrier()
+    if processes.main:
+        install_checkpoint(temporary, paths)
+    processes.barrier()
+
+
+def load_sharded_checkpoint(out: Path, keep: int, model, optimizer, processes: Processes) -> dict | None:
+    """:func:`load_checkpoint` for ``--fsdp``/``--ddp`` (a collective): the newest checkpoint folder that
+    loads on every process, loaded into ``model`` and ``optimizer``; returns its run state."""
+    found = [path for path in checkpoint_paths(out, keep, SHARDED) if path.is_dir()]
+    for path in found:
+        state, error = sharded_state(model, optimizer), None
+        try:
+            dcp.load(state, checkpoint_id=path)  # raises on every process when it fails on one
+            run = torch.load(path / RUN_STATE, map_location="cpu", weights_only=False)
+            missing = {"step", "history"} - set(run)
+            if missing:
+                raise KeyError(f"no {sorted(missing)} in {RUN_STATE}")
+        # A torn or corrupt folder: fall back to the previous one.
+        except dcp.CheckpointException as caught:  # every process's error (not an Exception): the first
+            error = min(caught.failures.items())[1][0]
+        except Exception as caught:
+            error = caught
+        if processes.every(error is None):
+            set_model_state_dict(model, state["model"])
+            set_optimizer_state_dict(model, optimizer, state["optimizer"])
+            optimizer.load_state_dict({**optimizer.state_dict(), **{key: run.get(key, {}) for key in OPTIMIZER_COUNTS}})
+            return run
+        if processes.main:
+            reason = f"{type(error).__name__}: {error}" if error else "it does not load on another process"
+            warnings.warn(f"cannot resume from {path} ({reason}); trying an older checkpoint", RuntimeWarning,
+                          stacklevel=2)
+    if found:
+        raise RuntimeError(f"no checkpoint in {out} can be loaded: {', '.join(map(str, found))}")
+    return None
 
 
 def load_checkpoint(out: Path, keep: int, device) -> dict | None:
@@ -165,28 +390,41 @@ def summary_line(record: dict) -> str:
 
 def train(config: TrainConfig, *, resume: bool = False, force: bool = False, progress: bool = True) -> list[dict]:
     """Train one run into ``config.out_dir``; returns the logged records. ``resume`` continues from
-    the newest loadable checkpoint there (``force``: even with a changed config)."""
+    the newest loadable checkpoint there (``force``: even with a changed config). Under ``--fsdp`` or
+    ``--ddp``, every process torchrun started calls this."""
     if config.keep_checkpoints < 1:
         raise ValueError(f"keep_checkpoints must be >= 1, got {config.keep_checkpoints}")
-    corpus = load_corpus(config.data, vocab_size=config.vocab_size)
-    check_protocol_data(config, corpus)  # before anything is written: a refused run leaves no trace
-    out = Path(config.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if resume:
-        check_resumable(out, config, force)
-    (out / "config.json").write_text(json.dumps(to_dict(config), indent=2) + "\n")
-    device = pick_device(config.device)
+    with launched(config) as processes:
+        corpus = load_corpus_once(config, processes)
+        check_protocol_data(config, corpus)  # before anything is written: a refused run leaves no trace
+        out = Path(config.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if resume:
+            check_resumable(out, config, force)
+        processes.barrier()  # every process has read the old config.json before rank 0 replaces it
+        if processes.main:
+            (out / "config.json").write_text(json.dumps(to_dict(config), indent=2) + "\n")
+        return run_steps(config, corpus, out, processes, resume, progress)
 
-    torch.manual_seed(config.seed)
+
+def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Processes, resume: bool,
+              progress: bool) -> list[dict]:
+    device = processes.device
+    torch.manual_seed(config.seed)  # the same initial weights on every process
     model = Transformer(config.model_config(corpus.vocab_size)).to(device)
-    optimizer = build_optimizer(model, config)
+    network = parallelise(model, processes)
+    optimizer = build_optimizer(model, config, process_group=dist.group.WORLD if processes.mode == "ddp" else None)
     start, history = 0, []
-    state = load_checkpoint(out, config.keep_checkpoints, device) if resume else None
+    if processes.distributed:
+        state = load_sharded_checkpoint(out, config.keep_checkpoints, model, optimizer, processes) if resume else None
+    else:
+        state = load_checkpoint(out, config.keep_checkpoints, device) if resume else None
+        if state is not None:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
     if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
         start, history = state["step"], state["history"]
-    elif resume:
+    elif resume and processes.main:
         print(f"{out}: nothing to resume (no checkpoint); starting from step 0", file=sys.stderr)
 
     validation = validation_batches(corpus, config.val_batches, config.batch_size, config.seq_len)
@@ -194,7 +432,7 @@ def train(config: TrainConfig, *, resume: bool = False, force: bool = False, pro
     evaluations = set(evaluation_steps(config.steps, config.log_every))
     probe = monitor.probe_tokens(validation).to(device)  # fixed tokens for the attention and V metrics
     bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc=out.name,
-               disable=not progress, dynamic_ncols=True)
+               disable=not (progress and processes.main), dynamic_ncols=True)
     skipping = 0  # steps in a row with a skipped update
     for step in bar:
         multiplier = lr_multiplier(step, config.steps, config.warmup_steps, config.min_lr_ratio)
@@ -203,13 +441,17 @@ def train(config: TrainConfig, *, resume: bool = False, force: bool = False, pro
 
         train_loss = 0.0
         for micro in range(config.grad_accum):
-            inputs, targets = train_batch(corpus, step * config.grad_accum + micro, config.batch_size,
-                                          config.seq_len, config.seed)
-            with autocast(device):
-                logits = model(inputs.to(device))
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten())
-            (loss / config.grad_accum).backward()
+            inputs, targets = (processes.rows(rows) for rows in train_batch(
+                corpus, step * config.grad_accum + micro, config.batch_size, config.seq_len, config.seed))
+            # DDP averages the gradients over the processes once, at the last micro-batch.
+            last = micro == config.grad_accum - 1
+            with network.no_sync() if processes.mode == "ddp" and not last else contextlib.nullcontext():
+                with autocast(device):
+                    logits = network(inputs.to(device))
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.to(device).flatten())
+                (loss / config.grad_accum).backward()
             train_loss += loss.item() / config.grad_accum
+        train_loss = processes.mean(train_loss)
         if config.grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         if not math.isfinite(train_loss):  # stop before anything trained on it is checkpointed
@@ -227,17 +469,22 @@ def train(config: TrainConfig, *, resume: bool = False, force: bool = False, pro
 
         done = step + 1
         if done in evaluations:
-            check_finite_weights(model, done, out)
+            check_finite_weights(model, done, out, processes)
             record = {"step": done, "train_loss": train_loss, "lr_multiplier": multiplier,
                       "skipped_updates": skipped_updates(optimizer),
                       "clamped_updates": clamped_updates(optimizer),
-                      loss_key: validation_nats(model, validation, device) * from_nats}
-            record.update(monitor.weight_metrics(model, optimizer))
+                      loss_key: validation_nats(model, validation, processes) * from_nats}
+            with whole_weights(model, optimizer) as measured:
+                record.update(monitor.weight_metrics(model, measured))
             record.update(monitor.activation_metrics(model, probe))
             history.append(record)
-            write_logs(out, history)
+            if processes.main:
+                write_logs(out, history)
         if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
-            save_checkpoint(out, model, optimizer, done, history, config)
-    if history and progress:
+            if processes.distributed:
+                save_sharded_checkpoint(out, model, optimizer, done, history, config, processes)
+            else:
+                save_checkpoint(out, model, optimizer, done, history, config)
+    if history and progress and processes.main:
         print(f"{out}: {summary_line(history[-1])}")
     return history

@@ -145,3 +145,13 @@ class Transformer(nn.Module):
             x = layer(x, self.rope_cos, self.rope_sin)
         x = self.norm(x)
         return x @ self.embed.weight.T if self.lm_head is None else self.lm_head(x)
+
+
+def fully_shard_blocks(model: Transformer, mesh) -> Transformer:
+    """FSDP2 over ``mesh``: each block is its own unit (its weights are whole only for its forward and
+    backward), then the root takes the rest (embedding, final norm, head). Shards in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)

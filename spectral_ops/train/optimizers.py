@@ -41,10 +41,12 @@ def param_groups(model, config) -> list[dict]:
     return param_groups_by_module(model, overrides, non_matrix=non_matrix)
 
 
-def build_optimizer(model, config):
+def build_optimizer(model, config, process_group=None):
+    """``process_group``: the group over which ``model``'s plain parameters are replicated (DDP's), so
+    that the spectral work is split over its ranks; FSDP2's sharded parameters carry their own."""
     if config.optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {config.optimizer!r}")
-    options = {}
+    options = {"process_group": process_group}
     if config.optimizer == "muon":
         on_gpu = next(model.parameters()).device.type == "cuda"
         options["precision"] = config.muon_precision or ("bf16" if on_gpu else "fp32")

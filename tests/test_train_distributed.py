@@ -1,0 +1,157 @@
+"""The training loop under ``--fsdp`` and ``--ddp``: torchrun runs of the tiny preset on 2 CPU processes
+(Gloo) against the single-process run of the same config, a resume from a sharded checkpoint, and the
+refusals of a run that cannot be distributed as asked."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import spectral_ops
+from spectral_ops.train import data as data_module
+from spectral_ops.train import preset, train
+
+PROCESSES = 2
+# A small tiny-preset run that logs every step and checkpoints at its middle. The coefficient is far
+# past the stability guard's order condition (p kappa >> 1), so every step clamps it: the clamp counts
+# that a sharded checkpoint must carry over are not all zero.
+OPTIONS = dict(n_layers=2, d_model=32, n_heads=2, seq_len=32, batch_size=4, steps=8, warmup_steps=2, log_every=1,
+               val_batches=2, p=4, spectral_weight_decay=1e4, lr=1e-2, checkpoint_every=4)
+# The processes see the single-process run's batches, split by rows, and every other quantity is
+# averaged over them: their runs differ from it only in the fp32 rounding of sums taken in another
+# order (each process's loss over half the tokens, then the mean of the two; gradients summed per
+# half, then averaged by the collective), a few ulp (2^-24 = 6e-8 relative) per step, which the eight
+# steps carry forward without amplifying (measured: below 5e-7). A real fault (a process training on
+# the other's rows, or on all of them; a gradient summed instead of averaged; a metric measured on a
+# shard) moves these numbers by 1e-3 or more.
+RELATIVE_TOLERANCE = 1e-5
+TIMEOUT = 300  # a healthy launch takes ~15 s on 2 loaded cores; only a hung one gets near this
+
+
+def flags(**options) -> list[str]:
+    return [text for name, value in options.items() for text in ("--" + name.replace("_", "-"), str(value))]
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The single-process run (in this process) and its ``--fsdp`` and ``--ddp`` twins (torchrun, at the
+    same time), their logged records; then the ``--fsdp`` run resumed past its torn newest checkpoint,
+    in its folder, and the resume's log."""
+    root = tmp_path_factory.mktemp("distributed")
+    generator = torch.Generator().manual_seed(0)
+    words = ["alpha", "beta", "gamma", "delta", "spectral", "decay", "matrix", "power"]
+    corpus = root / "corpus.txt"
+    corpus.write_text(" ".join(words[i] for i in torch.randint(0, len(words), (20_000,), generator=generator)))
+    cache = root / "cache"
+    # The token cache exists before the runs start: runs building it at the same time would tear it.
+    data_module.load_corpus(str(corpus), cache_dir=cache)
+    # One thread per process: 2 processes per launch on 2 cores. The checkout under test, and the
+    # private cache, reach the processes through the environment.
+    package_root = str(Path(spectral_ops.__file__).resolve().parents[1])
+    env = {**os.environ, "SPECTRAL_OPS_CACHE": str(cache), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    options = {**OPTIONS, "data": str(corpus)}
+
+    def launch(name, *extra):
+        log = open(root / f"{name}.log", "w+")  # a file, not a pipe: nobody reads a pipe until the end
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(PROCESSES),
+                   "-m", "spectral_ops.train", "--preset", "tiny", *flags(**options), "--out-dir", str(root / name),
+                   *extra]
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log
+
+    def finish(process, log) -> str:
+        try:
+            code = process.wait(timeout=TIMEOUT)
+        finally:  # a failed or hung launch must not stay behind, training on
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        log.seek(0)
+        text = log.read()
+        assert code == 0, text[-5000:]
+        return text
+
+    launches = [launch("fsdp", "--fsdp"), launch("ddp", "--ddp")]
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(data_module, "DEFAULT_CACHE", cache)
+            train(preset("tiny", **options, out_dir=str(root / "single")), progress=False)
+    finally:
+        for process, log in launches:
+            finish(process, log)
+
+    logged = {name: records(root / name) for name in ("single", "fsdp", "ddp")}
+    metadata = root / "fsdp" / "checkpoint.dcp" / ".metadata"  # the newest checkpoint, after step 8
+    metadata.write_bytes(metadata.read_bytes()[: metadata.stat().st_size // 2])
+    resume_log = finish(*launch("fsdp", "--fsdp", "--resume"))
+    return SimpleNamespace(root=root, logged=logged, resume_log=resume_log)
+
+
+def assert_close(got: list[dict], expected: list[dict]) -> None:
+    assert [record.keys() for record in got] == [record.keys() for record in expected]
+    for mine, reference in zip(got, expected):
+        assert mine == pytest.approx(reference, rel=RELATIVE_TOLERANCE), mine["step"]
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_two_processes_log_what_the_single_process_run_logs(runs, mode):
+    """Losses, validation and every spectral metric (whole weights, also under FSDP), step by step."""
+    expected = runs.logged["single"]
+    assert [record["step"] for record in expected] == list(range(1, OPTIONS["steps"] + 1))
+    assert expected[-1]["clamped_updates"] > expected[0]["clamped_updates"] > 0
+    assert_close(runs.logged[mode], expected)
+
+
+def test_sharded_checkpoints_are_folders_of_every_process_and_the_run_state(runs):
+    """The resumed run's final checkpoint (the folder it resumed from is kept, one below it)."""
+    out = runs.root / "fsdp"
+    assert sorted(path.name for path in out.glob("checkpoint*")) == ["checkpoint.1.dcp", "checkpoint.dcp"]
+    newest = out / "checkpoint.dcp"
+    assert sorted(path.name for path in newest.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "run.pt"]
+    run_state = torch.load(newest / "run.pt", weights_only=False)
+    assert run_state["step"] == OPTIONS["steps"] and run_state["history"] == records(out)
+    assert run_state["config"]["fsdp"] and not run_state["config"]["ddp"]
+    assert sum(int(count) for count, _ in run_state["clamped"].values()) == records(out)[-1]["clamped_updates"]
+
+
+def test_fsdp_resumes_past_a_torn_checkpoint_to_the_uninterrupted_run_bitwise(runs):
+    """The same 2 processes resume from the step-4 checkpoint: the same reductions in the same order, so
+    the logs equal the uninterrupted run's exactly, clamp counts included (they travel in run.pt)."""
+    assert f"cannot resume from {runs.root / 'fsdp' / 'checkpoint.dcp'}" in runs.resume_log
+    # tqdm's first bar shows where the loop started: the older checkpoint's step, not 0 (the logs alone
+    # would match from 0 as well).
+    assert f" {OPTIONS['checkpoint_every']}/{OPTIONS['steps']} [" in runs.resume_log
+    assert records(runs.root / "fsdp") == runs.logged["fsdp"]
+
+
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+
+
+@pytest.mark.parametrize("options, environment, message", [
+    ({"fsdp": True}, {}, r"--fsdp trains with one process per GPU, started by torchrun.*torchrun --standalone "
+                         r"--nproc_per_node NUMBER_OF_GPUS -m spectral_ops.train --fsdp"),
+    ({"ddp": True}, {}, r"torchrun --standalone --nproc_per_node NUMBER_OF_GPUS -m spectral_ops.train --ddp"),
+    ({"fsdp": True, "ddp": True}, TORCHRUN, r"--fsdp and --ddp exclude each other"),
+    ({"fsdp": True, "batch_size": 5}, TORCHRUN, r"batch_size 5 does not split over 2 processes.*multiple of 2"),
+    ({}, TORCHRUN, r"started by torchrun as 2 processes without --fsdp or --ddp"),
+])
+def test_a_run_that_cannot_be_distributed_as_asked_is_refused_before_it_starts(tmp_path, monkeypatch, options,
+                                                                              environment, message):
+    for name in TORCHRUN:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    config = dataclasses.replace(preset("tiny", out_dir=str(tmp_path / "run")), **options)
+    with pytest.raises((RuntimeError, ValueError), match=message):
+        train(config, progress=False)
+    assert not (tmp_path / "run").exists()
