@@ -392,6 +392,8 @@ class SpectralOptimizer(Optimizer):
         if group["lr"] is not None or not self.lr_optional:
             check_coefficient(group["lr"], "lr")
         self.decay_options(group)
+        for param in group["params"]:
+            self.layout(param)  # refuses a DTensor layout the owner compute does not handle
         if group["capturable"]:
             check_on_parameter_device(group, ("lr", self.spectral_key, self.ordinary_key, "peak_lr"))
 

@@ -78,7 +78,7 @@ def layout_of(param: torch.Tensor, process_group=None) -> Layout | None:
         placement = placements[0] if len(placements) == 1 else None
         if mesh.ndim != 1 or not (isinstance(placement, Replicate) or (isinstance(placement, Shard)
                                                                        and placement.dim == 0)):
-            raise NotImplementedError(
+            raise ValueError(
                 f"a {tuple(param.shape)} DTensor placed {placements} on a {mesh.ndim}-d mesh: spectral_ops optimizers "
                 "take DTensors sharded Shard(0) (FSDP2's fully_shard) or Replicate() on a 1-d mesh")
         if mesh.size() == 1:
@@ -88,7 +88,7 @@ def layout_of(param: torch.Tensor, process_group=None) -> Layout | None:
         counts = shard_row_counts(param.shape[0], mesh.size())
         layout = Layout(mesh.get_group(), counts)
         if param.to_local().shape[0] != counts[layout.rank]:
-            raise NotImplementedError(
+            raise ValueError(
                 f"a {tuple(param.shape)} DTensor holds {param.to_local().shape[0]} rows on rank {layout.rank}, "
                 f"not the {counts[layout.rank]} of Shard(0)'s even split {counts}")
         return layout
