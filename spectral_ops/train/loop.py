@@ -41,12 +41,10 @@ from .schedule import lr_multiplier
 
 CHECKPOINT = "checkpoint.pt"
 # Under --fsdp/--ddp: torch.distributed.checkpoint folders (checkpoint.dcp, checkpoint.1.dcp, ...), each
-# with every process's shards and rank 0's RUN_STATE (step, history, config, optimizer counts).
+# with every process's shards and rank 0's RUN_STATE: step, history, config, and the optimizer's skip
+# and clamp counts (its count_state), which DCP's optimizer state dict, torch's keys only, leaves out.
 SHARDED = ".dcp"
 RUN_STATE = "run.pt"
-# torch.distributed.checkpoint's optimizer state dict keeps torch's "state" and "param_groups" only:
-# the skip and clamp counts our optimizers add next to them travel in RUN_STATE instead.
-OPTIMIZER_COUNTS = ("skipped", "clamped")
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # The validation loss's log key, by what a token is, and its conversion from nats: bits per byte on
 # bytes (SPEC 7.4's unit), nats per token on a tokeniser's tokens (the write-ups' NLL).
@@ -282,8 +280,8 @@ def save_sharded_checkpoint(out: Path, model, optimizer, step: int, history: lis
     dcp.save(sharded_state(model, optimizer), checkpoint_id=temporary)
     if processes.main:
         # The counts agree on every process (the optimizer agrees on each skip and clamp).
-        counts = {key: value for key, value in optimizer.state_dict().items() if key in OPTIMIZER_COUNTS}
-        torch.save({"step": step, "history": history, "config": to_dict(config), **counts}, temporary / RUN_STATE)
+        torch.save({"step": step, "history": history, "config": to_dict(config), **optimizer.count_state()},
+                   temporary / RUN_STATE)
     processes.barrier()
     if processes.main:
         install_checkpoint(temporary, paths)
@@ -310,7 +308,7 @@ def load_sharded_checkpoint(out: Path, keep: int, model, optimizer, processes: P
         if processes.every(error is None):
             set_model_state_dict(model, state["model"])
             set_optimizer_state_dict(model, optimizer, state["optimizer"])
-            optimizer.load_state_dict({**optimizer.state_dict(), **{key: run.get(key, {}) for key in OPTIMIZER_COUNTS}})
+            optimizer.load_count_state(run)
             return run
         if processes.main:
             reason = f"{type(error).__name__}: {error}" if error else "it does not load on another process"
