@@ -128,8 +128,9 @@ def launched(config: TrainConfig):
     started = all(name in os.environ for name in TORCHRUN_VARIABLES)
     if mode is None:
         if started and int(os.environ["WORLD_SIZE"]) > 1:
-            raise RuntimeError(f"started by torchrun as {os.environ['WORLD_SIZE']} processes without --fsdp or --ddp: "
-                               "each would train the whole single-process run into the same folder; pass --fsdp or --ddp")
+            raise RuntimeError(f"started by torchrun as {os.environ['WORLD_SIZE']} processes without --fsdp or "
+                               "--ddp: each would train the whole single-process run into the same folder; pass "
+                               "--fsdp or --ddp")
         yield Processes(pick_device(config.device))
         return
     if not started:
@@ -158,7 +159,8 @@ def parallelise(model: Transformer, processes: Processes) -> torch.nn.Module:
     if processes.mode == "fsdp":
         return fully_shard_blocks(model, init_device_mesh(processes.device.type, (processes.world_size,)))
     if processes.mode == "ddp":
-        return DistributedDataParallel(model, device_ids=[processes.device] if processes.device.type == "cuda" else None)
+        on_gpu = processes.device.type == "cuda"
+        return DistributedDataParallel(model, device_ids=[processes.device] if on_gpu else None)
     return model
 
 
@@ -184,7 +186,8 @@ def validation_nats(model, batches, processes: Processes) -> float:
     for inputs, targets in batches:
         with autocast(device):
             logits = model(processes.rows(inputs).to(device))
-        losses.append(F.cross_entropy(logits.flatten(0, 1).float(), processes.rows(targets).to(device).flatten()).item())
+        targets = processes.rows(targets).to(device)
+        losses.append(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).item())
     model.train(was_training)
     return processes.mean(sum(losses) / len(losses))
 
