@@ -203,7 +203,7 @@ def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, lr, p
 
 def _owner_computed_decay(params, owners, layouts, group, options, arguments, blocks, exchange) -> DecayPart:
     """The decay of spread matrices: each whole matrix decayed on its owner (its blocks as matrices of
-    their own), and this rank's rows of the result kept to commit."""
+    their own) when the step's exchange runs, and this rank's rows of the result kept to commit."""
     entries = [(k, rows) for k, param in enumerate(params) for rows in row_blocks_of(param, blocks)]
     views = [matrix_view(local(param)) for param in params]
     full_rows = [sum(layout.row_counts) if layout.row_counts is not None else view.shape[0]
@@ -237,9 +237,12 @@ def _owner_computed_decay(params, owners, layouts, group, options, arguments, bl
     costs = [0.0] * len(params)
     for (k, _), (start, stop) in zip(entries, entry_rows):
         costs[k] += decay_flops((stop - start, views[k].shape[1]), options)
-    results = exchange.map(decay_whole, views, layouts, costs)
-    for index, ((k, _), piece) in enumerate(zip(entries, pieces)):
-        pending.decayed[index] = results[k][piece]
+
+    def keep_rows(results):
+        for index, ((k, _), piece) in enumerate(zip(entries, pieces)):
+            pending.decayed[index] = results[k][piece]
+
+    exchange.map(decay_whole, views, layouts, costs, keep_rows)
     return DecayPart(pending, tuple(owners[k] for k, _ in entries), tuple(rows for _, rows in entries))
 
 
@@ -247,16 +250,25 @@ def _owner_computed_decay(params, owners, layouts, group, options, arguments, bl
 class PreparedStep:
     """One group's step, computed but not written.
 
-    ``checks`` holds ``(parameter index, tensor, limit)``: the parameter is updated only if every
-    entry of each of its tensors is at most ``limit`` in magnitude (NaN never is). ``commit(keep)``
-    writes the step of the parameters ``keep`` keeps: one entry per parameter, ``True``/``False``
-    decided on the host, or a 0-d bool tensor decided on the device (capturable steps).
+    The parameter ``params[i]`` is updated only if every entry of each tensor checked for it is at
+    most its limit in magnitude (NaN never is): ``checks`` holds ``(i, tensor, limit)`` triples known
+    when the step is prepared (the gradients), and the values of ``decay`` and ``directions[i]`` (Muon's
+    update directions) are checked too, once the step's whole-matrix work is done (see
+    :meth:`Exchange.run <spectral_ops.optim.distributed.Exchange.run>`). ``commit(keep)`` writes the
+    step of the parameters ``keep`` keeps: one entry per parameter, ``True``/``False`` decided on the
+    host, or a 0-d bool tensor decided on the device (capturable steps).
     """
 
     group: dict
     params: list
     checks: list
     commit: Callable[[list], None]
+    decay: ParameterDecay
+    directions: list = ()
+
+    def all_checks(self) -> list:
+        return (self.checks + [(i, d, finite_limit(d)) for i, d in enumerate(self.directions)]
+                + [(i, value, finite_limit(value)) for i, value in self.decay.checks()])
 
 
 class ClampRecord(NamedTuple):
@@ -411,8 +423,8 @@ class SpectralOptimizer(Optimizer):
 
     def prepare_decay(self, params, group: dict, *, lr=None, peak_lr=None, blocks=None) -> ParameterDecay:
         """The group's decay of ``params`` (see :func:`prepare_parameter_decay`), with the group's own
-        lr and peak lr unless given. :meth:`commit_steps` takes it back to count its clamps."""
-        decay = prepare_parameter_decay(
+        lr and peak lr unless given."""
+        return prepare_parameter_decay(
             params,
             group,
             self.decay_options(group),
@@ -424,8 +436,6 @@ class SpectralOptimizer(Optimizer):
             layouts=[self.layout(param) for param in params],
             exchange=self.exchange,
         )
-        self.__dict__.setdefault("_step_decays", []).append((group, decay))
-        return decay
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -456,13 +466,16 @@ class SpectralOptimizer(Optimizer):
         Then the stability clamps of the written parameters are counted in :attr:`clamped`, and each
         eager one is logged with its factor (see :func:`spectral_ops.decay.log_clamp`).
         """
-        decays = self._take_step_decays(prepared)
-        on_host = [not step.group["capturable"] for step in prepared for _ in step.checks]
-        flags = iter(_within_limits([check for step in prepared for check in step.checks], on_host))
+        exchange = self.__dict__.get("_exchange")
+        if exchange is not None:
+            exchange.run()
+        checks = [step.all_checks() for step in prepared]
+        on_host = [not step.group["capturable"] for step, step_checks in zip(prepared, checks) for _ in step_checks]
+        flags = iter(_within_limits([check for step_checks in checks for check in step_checks], on_host))
         keeps = []
-        for step in prepared:
+        for step, step_checks in zip(prepared, checks):
             flags_of = [[] for _ in step.params]
-            for index, _, _ in step.checks:
+            for index, _, _ in step_checks:
                 flags_of[index].append(next(flags))
             keeps.append([_all(f) for f in flags_of])
         self._agree(prepared, keeps)
@@ -484,8 +497,8 @@ class SpectralOptimizer(Optimizer):
             self._warn_skip(self.parameter_name(step.group, param))
         for step, keep in zip(prepared, keeps):
             step.commit(keep)
-        for step, decay, keep in zip(prepared, decays, keeps):
-            self._record_clamps(step, decay, keep)
+        for step, keep in zip(prepared, keeps):
+            self._record_clamps(step, step.decay, keep)
 
     def _agree(self, prepared: list[PreparedStep], keeps: list) -> None:
         """Make the decisions about spread parameters those of every rank (see :meth:`Exchange.agree`),
@@ -511,20 +524,9 @@ class SpectralOptimizer(Optimizer):
         return self.__dict__.setdefault("_exchange", Exchange())
 
     def begin_step(self) -> None:
-        """Forget what a step that failed while being prepared left behind (its decays, its exchange):
-        called before the groups of a step are prepared."""
-        self.__dict__["_step_decays"] = []
+        """Forget the exchange of a step that failed while being prepared: called before the groups of
+        a step are prepared."""
         self.__dict__.pop("_exchange", None)
-
-    def _take_step_decays(self, prepared: list[PreparedStep]) -> list[ParameterDecay]:
-        """The decay each prepared step computed: every step of the family computes its decay with one
-        :meth:`prepare_decay` call, in the order of the steps."""
-        decays = self.__dict__.get("_step_decays", [])
-        self.__dict__["_step_decays"] = []
-        if len(decays) != len(prepared) or any(group is not step.group for (group, _), step in zip(decays, prepared)):
-            raise RuntimeError(f"{type(self).__name__}: each prepared step must compute its decay with one "
-                               "prepare_decay call, in the order of the steps")
-        return [decay for _, decay in decays]
 
     def _record_clamps(self, step: PreparedStep, decay: ParameterDecay, keep: list) -> None:
         """Count the clamps of the parameters ``keep`` wrote (on the device), and log the eager ones."""

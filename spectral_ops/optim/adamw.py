@@ -10,7 +10,6 @@ from ._decay import (
     PreparedStep,
     SpectralOptimizer,
     device_masks,
-    finite_limit,
     kept,
     real_view,
     scalar,
@@ -146,5 +145,4 @@ def prepare_adam_step(optimizer: SpectralOptimizer, params, group: dict) -> Prep
         else:
             adam_update_(kept(params, keep), group, optimizer.state)
 
-    return PreparedStep(group, params, adam_gradient_checks(params) + [(i, value, finite_limit(value))
-                                                                         for i, value in decay.checks()], commit)
+    return PreparedStep(group, params, adam_gradient_checks(params), commit, decay)

@@ -2,8 +2,10 @@
 
 ``S_p(W)`` and Muon's polar factor need the whole matrix, but FSDP2 (``fully_shard``) leaves each rank
 a ``Shard(0)`` slice of it (a ``DTensor``), and DDP repeats the whole matrix on every rank. Each
-matrix of a step is therefore given an *owner* rank: the least loaded one so far in the step, largest
-matrices first, by the plan's FLOP model (:func:`assign_owners`).
+matrix of a step is therefore given an *owner* rank. The step's groups ask for their whole-matrix work
+(:meth:`Exchange.map`), and once every group is prepared it runs together (:meth:`Exchange.run`):
+the owners are balanced over the whole step, largest matrices first, by the plan's FLOP model
+(:func:`assign_owners`), and every job's collectives form one pipeline.
 
 * A sharded matrix is gathered on its owner with one ``all_to_all_single`` per round (every rank
   sends each owner its rows of the matrices that owner holds), computed there with the single-device
@@ -12,9 +14,9 @@ matrices first, by the plan's FLOP model (:func:`assign_owners`).
   ``process_group``, as under DDP) is already whole everywhere: its owner computes it, and one
   ``all_gather_single`` per round hands every rank the results of every owner.
 
-Matrices of one shape and dtype travel together, in :data:`ROUNDS_PER_SHAPE` rounds: the next
-round's collective is started (asynchronously) before this round is computed, and an owner batches
-what it holds of a round into one call. Element-wise work (Adam's moments, momentum, the ordinary
+A job's matrices of one shape and dtype travel together, in :data:`ROUNDS_PER_SHAPE` rounds: the
+next round's collective (of this job or the next) is started, asynchronously, before this round is
+computed, and an owner batches what it holds of a round into one call. Element-wise work (Adam's moments, momentum, the ordinary
 decay) never leaves a rank: it runs on the local shard, and the optimizer state stays a DTensor
 sharded like its parameter, so that ``torch.distributed.checkpoint`` saves and loads it.
 
@@ -148,17 +150,21 @@ def polar_blocks_flops(shape, count: int, steps: int) -> float:
 
 
 class Exchange:
-    """One step's owner compute: the load each rank took so far (owners are balanced over the whole
-    step), the error an owner met, and the clamp factors the ranks must agree on."""
+    """One step's owner compute: the whole-matrix jobs the step's groups ask for (:meth:`map`), run
+    together once every group is prepared (:meth:`run`: owners balanced over the whole step, one
+    pipeline of rounds), then what the ranks agree on before anything is written (:meth:`agree`)."""
 
     def __init__(self):
-        self.loads = {}
+        self.jobs = []
         self.error = None
         self.clamp_slots = defaultdict(list)  # group -> [(PendingDecay, entry index, 0-d float64 slot, eager)]
 
-    def owners(self, group, world_size: int, costs) -> list[int]:
-        owners, self.loads[group] = assign_owners(costs, world_size, self.loads.get(group))
-        return owners
+    def map(self, fn, sources, layouts, costs, then) -> None:
+        """Ask for ``fn`` of whole matrices: ``fn(positions, matrices)`` takes the whole matrices
+        (positions into ``sources``, this rank's matrices: shards or whole) and returns one result of
+        the same shape and dtype each, and runs on each matrix's owner. At :meth:`run`, ``then`` gets
+        the results, each on this rank's rows, by position; ``costs`` are the matrices' FLOPs."""
+        self.jobs.append((fn, sources, layouts, costs, then))
 
     def clamp_slot(self, group, pending, index: int, eager: bool, device) -> torch.Tensor:
         """A factor that the owner of ``pending.tensors[index]`` sets and :meth:`agree` hands to every
@@ -167,30 +173,35 @@ class Exchange:
         self.clamp_slots[group].append((pending, index, slot, eager))
         return slot
 
-    def map(self, fn, sources, layouts, costs) -> list[torch.Tensor]:
-        """Each matrix's ``fn`` result, on its rows here: ``fn(positions, matrices)`` takes whole
-        matrices (positions into ``sources``) and returns one result of the same shape and dtype each,
-        and runs on each matrix's owner; ``sources`` are the local matrices (shards or whole)."""
-        results = [None] * len(sources)
-        by_group = defaultdict(list)
-        for position, layout in enumerate(layouts):
-            by_group[layout.group].append(position)
-        for group, positions in by_group.items():
-            layout = layouts[positions[0]]
-            owners = dict(zip(positions, self.owners(group, layout.world_size, [costs[i] for i in positions])))
-            rounds = []
+    def run(self) -> None:
+        """Every job of the step: owners per process group over all the step's matrices, then the
+        rounds of every job in one pipeline (every rank issues the same collectives in the same order)."""
+        jobs, self.jobs = self.jobs, []
+        matrices = defaultdict(list)  # group -> [(job, position)]
+        for job, (_, sources, layouts, costs, _) in enumerate(jobs):
+            for position, layout in enumerate(layouts):
+                matrices[layout.group].append((job, position))
+        owners = {}
+        for group, members in matrices.items():
+            world_size = jobs[members[0][0]][2][members[0][1]].world_size
+            assigned, _ = assign_owners([jobs[job][3][position] for job, position in members], world_size)
+            owners.update(zip(members, assigned))
+        rounds, results = [], [[None] * len(sources) for _, sources, *_ in jobs]
+        for job, (fn, sources, layouts, _, _) in enumerate(jobs):
             by_kind = defaultdict(list)
-            for position in positions:
-                source, sharded = sources[position], layouts[position].row_counts is not None
-                rows = source.shape[0] if not sharded else sum(layouts[position].row_counts)
-                by_kind[(rows, *source.shape[1:], source.dtype, sharded)].append(position)
+            for position, (source, layout) in enumerate(zip(sources, layouts)):
+                rows = source.shape[0] if layout.row_counts is None else sum(layout.row_counts)
+                by_kind[(layout.group, rows, *source.shape[1:], source.dtype, layout.row_counts is None)].append(position)
             for members in by_kind.values():
-                count = min(ROUNDS_PER_SHAPE, max(1, len(members) // layout.world_size))
+                count = min(ROUNDS_PER_SHAPE, max(1, len(members) // layouts[members[0]].world_size))
                 size = -(-len(members) // count)
-                rounds += [_Round(self, fn, members[i:i + size], owners, sources, layouts)
-                           for i in range(0, len(members), size)]
-            _pipeline(rounds, results)
-        return results
+                for start in range(0, len(members), size):
+                    positions = members[start:start + size]
+                    rounds.append(_Round(self, fn, positions, [owners[job, i] for i in positions], sources, layouts,
+                                         results[job]))
+        _pipeline(rounds)
+        for (*_, then), job_results in zip(jobs, results):
+            then(job_results)
 
     def agree(self, checked) -> list:
         """Every rank's decision for each ``(layout, keep)`` of ``checked`` (``keep``: a Python bool or
@@ -248,10 +259,10 @@ class _Round:
     """One collective's worth of same-shape matrices: gathered on their owners, computed there, and
     returned (rows to the ranks that hold them, or whole to every rank)."""
 
-    def __init__(self, exchange, fn, positions, owners, sources, layouts):
-        self.exchange, self.fn, self.positions = exchange, fn, positions
+    def __init__(self, exchange, fn, positions, owners, sources, layouts, results):
+        self.exchange, self.fn, self.positions, self.results = exchange, fn, positions, results
         self.sources = [sources[i] for i in positions]
-        self.owner = [owners[i] for i in positions]
+        self.owner = owners
         self.layout = layouts[positions[0]]
         first = self.sources[0]
         self.rows = sum(self.layout.row_counts) if self.layout.row_counts is not None else first.shape[0]
@@ -322,18 +333,18 @@ class _Round:
         self.return_work = dist.all_to_all_single(self.returned, self.send_back, self.return_sizes, send_sizes,
                                                   group=self.layout.group, async_op=True)
 
-    def finish(self, results: list) -> None:
-        """Each matrix's result on this rank's rows, into ``results`` (by position)."""
+    def finish(self) -> None:
+        """Each matrix's result on this rank's rows, into the job's results (by position)."""
         self.return_work.wait()
         replicated = self.layout.row_counts is None
         local_shape = self.shape if replicated else (self._rows(self.layout.rank), *self.shape[1:])
         for owner, piece in enumerate(self.returned.split(self.return_sizes)):
             size = math.prod(local_shape)
             for slot, k in enumerate(self.held[owner]):
-                results[self.positions[k]] = piece[slot * size:(slot + 1) * size].view(local_shape)
+                self.results[self.positions[k]] = piece[slot * size:(slot + 1) * size].view(local_shape)
 
 
-def _pipeline(rounds: list[_Round], results: list) -> None:
+def _pipeline(rounds: list[_Round]) -> None:
     """Gather round ``i + 1`` while round ``i`` is computed; return every round's results."""
     if not rounds:
         return
@@ -343,4 +354,4 @@ def _pipeline(rounds: list[_Round], results: list) -> None:
             rounds[index + 1].start_gather()
         current.start_return(current.compute(current.matrices()))
     for current in rounds:
-        current.finish(results)
+        current.finish()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..decay import renamed_spectral_coefficient
-from ._decay import DECAY_DEFAULTS, PreparedStep, SpectralOptimizer, detached_peak, finite_limit
+from ._decay import DECAY_DEFAULTS, PreparedStep, SpectralOptimizer, detached_peak
 
 # The host group key holding its starting lr, the peak of the independent convention (unless an LR
 # scheduler records initial_lr). In the group, like initial_lr, it is saved and loaded with the host's
@@ -125,5 +125,4 @@ class SpectralDecay(SpectralOptimizer):
         """The decay alone: a weight is skipped when its decayed value is not finite (the gradient
         belongs to whichever optimizer uses it)."""
         decay = self.prepare_decay(params, group, **lrs)
-        return PreparedStep(group, params, [(i, value, finite_limit(value)) for i, value in decay.checks()],
-                            decay.commit)
+        return PreparedStep(group, params, [], decay.commit, decay)

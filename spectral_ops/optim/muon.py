@@ -22,7 +22,6 @@ from ._decay import (
     SpectralOptimizer,
     add_scaled_,
     device_masks,
-    finite_limit,
     matrix_view,
     scalar,
     step_scalar,
@@ -196,9 +195,7 @@ class SpectralMuon(SpectralOptimizer):
                     piece = local_slice(start, start + size, span)
                     add_scaled_(target[piece], direction[piece], scale)
 
-        checks = self.gradient_checks(params) + [(i, d, finite_limit(d)) for i, d in enumerate(directions)]
-        checks += [(i, value, finite_limit(value)) for i, value in decay.checks()]
-        return PreparedStep(group, params, checks, commit)
+        return PreparedStep(group, params, self.gradient_checks(params), commit, decay, directions)
 
     def _local_rows(self, param, rows: int) -> tuple[int, int]:
         """The rows of ``param``'s matrix view this rank holds."""
@@ -227,8 +224,8 @@ class SpectralMuon(SpectralOptimizer):
         return lambda param: [(start, size) for start, size, _ in row_blocks(param.shape[0], group)]
 
     def _directions(self, params, updates, group) -> list[torch.Tensor]:
-        """Each update's polar factors (this rank's rows of them): computed here, or on the owner of a
-        spread matrix (see :mod:`spectral_ops.optim.distributed`)."""
+        """Each update's polar factors (this rank's rows of them): computed here, or, for a spread
+        matrix, on its owner when the step's exchange runs (see :mod:`spectral_ops.optim.distributed`)."""
         layouts = [self.layout(param) for param in params]
         spread = [i for i, layout in enumerate(layouts) if layout is not None]
         directions = [None] * len(params)
@@ -237,10 +234,13 @@ class SpectralMuon(SpectralOptimizer):
             directions[i] = direction
         if spread:
             costs = [direction_flops((params[i].shape[0], updates[i].shape[1]), group) for i in spread]
-            results = self.exchange.map(lambda positions, matrices: self._orthogonalize(matrices, group),
-                                        [updates[i] for i in spread], [layouts[i] for i in spread], costs)
-            for i, direction in zip(spread, results):
-                directions[i] = direction
+
+            def keep_rows(results):
+                for i, direction in zip(spread, results):
+                    directions[i] = direction
+
+            self.exchange.map(lambda positions, matrices: self._orthogonalize(matrices, group),
+                              [updates[i] for i in spread], [layouts[i] for i in spread], costs, keep_rows)
         return directions
 
     @staticmethod

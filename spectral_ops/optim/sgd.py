@@ -10,7 +10,6 @@ from ._decay import (
     SpectralOptimizer,
     add_scaled_,
     device_masks,
-    finite_limit,
     kept,
     scalar,
     step_scalar,
@@ -54,8 +53,7 @@ class SpectralSGD(SpectralOptimizer):
             else:
                 self._momentum_step(kept(params, keep), group)
 
-        checks = self.gradient_checks(params) + [(i, value, finite_limit(value)) for i, value in decay.checks()]
-        return PreparedStep(group, params, checks, commit)
+        return PreparedStep(group, params, self.gradient_checks(params), commit, decay)
 
     def _momentum_step(self, params, group: dict, masks=None) -> None:
         """torch.optim.SGD's update. ``masks`` (capturable only): a False one makes every operation an
