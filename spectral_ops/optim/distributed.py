@@ -211,7 +211,8 @@ class Exchange:
         by_group = defaultdict(list)
         for index, (layout, _) in enumerate(checked):
             by_group[layout.group].append(index)
-        for group in by_group.keys() | self.clamp_slots.keys():
+        # In the order the step met them: every rank must reduce its groups in the same order.
+        for group in list(by_group) + [group for group in self.clamp_slots if group not in by_group]:
             indices, slots = by_group.get(group, []), self.clamp_slots.get(group, [])
             keeps = [checked[i][1] for i in indices]
             eager = any(not isinstance(keep, torch.Tensor) for keep in keeps) or any(e for *_, e in slots)
