@@ -64,22 +64,24 @@ def _whole(tensor):
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _compare(make, mesh, *, seed=0, shapes=SHAPES, placement=None, ddp=False, steps=2, scale=0.2):
+def _compare(make, mesh, *, seed=0, shapes=SHAPES, place=None, process_group=None, steps=2, scale=0.2):
     """``make(params, **options)`` on spread parameters against the same in one process: weights and
-    state after ``steps`` steps. Returns both optimizers and both parameter lists."""
+    state after ``steps`` steps. ``place(index, tensor)`` spreads a weight or gradient (by default
+    ``Shard(0)`` on ``mesh``); ``process_group`` is the optimizer's, for plain (DDP) parameters.
+    Returns both optimizers and both parameter lists."""
     from torch.distributed.tensor import Shard
 
-    placement = placement or Shard(0)
+    place = place or (lambda index, tensor: _spread(tensor, mesh, Shard(0)))
     weights, grads = _tensors(seed, shapes, steps, scale)
     reference = [torch.nn.Parameter(w.clone()) for w in weights]
-    spread = [torch.nn.Parameter(w.clone() if ddp else _spread(w, mesh, placement)) for w in weights]
+    spread = [torch.nn.Parameter(place(i, w)) for i, w in enumerate(weights)]
     expected = make(reference)
-    actual = make(spread, process_group=dist.group.WORLD) if ddp else make(spread)
+    actual = make(spread, process_group=process_group)
     for step_grads in grads:
         for param, grad in zip(reference, step_grads):
             param.grad = grad.clone()
-        for param, grad in zip(spread, step_grads):
-            param.grad = grad.clone() if ddp else _spread(grad, mesh, placement)
+        for i, (param, grad) in enumerate(zip(spread, step_grads)):
+            param.grad = place(i, grad)
         expected.step()
         actual.step()
     for a, b in zip(spread, reference):
@@ -88,6 +90,21 @@ def _compare(make, mesh, *, seed=0, shapes=SHAPES, placement=None, ddp=False, st
         for key, value in expected.state[b].items():
             torch.testing.assert_close(_whole(actual.state[a][key]), value, **TOLERANCE)
     return expected, actual, reference, spread
+
+
+def _replicated(index, tensor):
+    """A plain copy: under DDP every rank holds the whole parameter and the averaged gradient."""
+    return tensor.clone()
+
+
+def _scenario_two_groups(mesh, rank, world):
+    """Sharded DTensors (the mesh's group) next to plain parameters replicated over another group: the
+    two groups' collectives and agreements interleave in the same order on every rank."""
+    from torch.distributed.tensor import Shard
+
+    group = dist.new_group(list(range(world)))
+    _compare(_muon, mesh, seed=19, process_group=group,
+             place=lambda i, t: _spread(t, mesh, Shard(0)) if i % 2 else t.clone())
 
 
 def _muon(params, **options):
@@ -170,7 +187,7 @@ def _scenario_ddp_splits_the_work(mesh, rank, world):
 
     family.prepare_decay = counting
     try:
-        _compare(_adamw(2), mesh, seed=6, ddp=True)
+        _compare(_adamw(2), mesh, seed=6, place=_replicated, process_group=dist.group.WORLD)
     finally:
         family.prepare_decay = original
     # The one-process reference decays every matrix at each of the 2 steps; the rest is this rank's share.
@@ -298,8 +315,11 @@ def _scenarios(folder: Path, world: int) -> dict:
         "fewer matrices than ranks": lambda mesh, rank, world: _compare(_adamw(2), mesh, seed=15, shapes=[(5, 3)]),
         "more matrices than ranks": lambda mesh, rank, world: _compare(_adamw(2), mesh, seed=16,
                                                                        shapes=[(9, 6)] * 7 + [(6, 9)] * 3),
-        "replicated dtensor": lambda mesh, rank, world: _compare(_adamw(2), mesh, seed=17, placement=Replicate()),
-        "muon replicated by ddp": lambda mesh, rank, world: _compare(_muon, mesh, seed=18, ddp=True),
+        "replicated dtensor": lambda mesh, rank, world: _compare(
+            _adamw(2), mesh, seed=17, place=lambda i, t: _spread(t, mesh, Replicate())),
+        "muon replicated by ddp": lambda mesh, rank, world: _compare(
+            _muon, mesh, seed=18, place=_replicated, process_group=dist.group.WORLD),
+        "two process groups": _scenario_two_groups,
         "ddp splits the work": _scenario_ddp_splits_the_work,
         "skip agreed": _scenario_skip,
         "error raised everywhere": _scenario_error,
