@@ -7,11 +7,12 @@ meta device: nothing is allocated, nothing is run), next to FSDP2's and DDP's ow
 What the optimizer sends, per step (``spectral_ops/optim/distributed.py``):
 
 * A matrix that needs a spectral direction (Muon's polar factor of its update; a decay with ``p != 1``
-  and ``lambda_p != 0``, or a band) is one job of an :class:`~spectral_ops.optim.distributed.Exchange`
-  ``map``. The optimizer calls ``map`` once per parameter group and purpose, in group order (a Muon
-  group: its directions, then its decay), and each call assigns owners by the longest-processing-time
-  rule starting from the loads of the earlier calls of the step (``Exchange.owners``): reproduced here
-  with the package's own ``Exchange``, ``decay_flops`` and ``direction_flops``.
+  and ``lambda_p != 0``, or a band) is one matrix of an :class:`~spectral_ops.optim.distributed.Exchange`
+  ``map`` call (a job). The optimizer asks for one job per parameter group and purpose, in group order
+  (a Muon group: its directions, then its decay), and ``Exchange.run`` assigns the owners of all the
+  step's matrices at once, by the longest-processing-time rule over their FLOPs (``assign_owners``),
+  then exchanges each job's matrices of one shape in ``ROUNDS_PER_SHAPE`` rounds: reproduced here with
+  the package's own ``assign_owners``, ``decay_flops`` and ``direction_flops``.
 * FSDP2 (``Shard(0)``): every rank sends the owner its rows of the matrix (``all_to_all_single``), and
   the owner sends every rank its rows of the result (a second one). The rows a rank holds of a matrix
   it owns do not cross the network and are not counted.
@@ -47,7 +48,6 @@ from spectral_ops.optim import SpectralMuon
 from spectral_ops.optim._decay import needs_spectral_direction, row_blocks_of
 from spectral_ops.optim.distributed import (
     ROUNDS_PER_SHAPE,
-    Exchange,
     assign_owners,
     decay_flops,
     shard_row_counts,
@@ -86,8 +86,8 @@ SETTINGS = {
 
 @dataclass
 class OwnerMap:
-    """One ``Exchange.map`` call of a step: a parameter group's Muon directions or its decay; the
-    matrices' shapes (the parameters' matrix views), FLOP costs and owners."""
+    """One ``Exchange.map`` call of a step (a job): a parameter group's Muon directions or its decay;
+    the matrices' shapes (the parameters' matrix views), FLOP costs and owners."""
 
     role: str
     purpose: str  # "direction" or "decay"
@@ -133,17 +133,14 @@ def decay_blocks(optimizer, group: dict, param) -> list[tuple[int, int]]:
 
 
 def assign_step(maps: list[OwnerMap], world_size: int) -> list[float]:
-    """Owners as the optimizer assigns them, one ``map`` call after another on one ``Exchange`` (each
-    call balanced on top of the earlier calls' loads); fills each map's ``owners``, returns the loads."""
-    exchange, group = Exchange(), "world"
+    """Owners as ``Exchange.run`` assigns them: one ``assign_owners`` over the costs of every job's
+    matrices, in job order; fills each map's ``owners``, returns the ranks' loads."""
+    owners, loads = assign_owners([cost for owner_map in maps for cost in owner_map.costs], world_size)
+    start = 0
     for owner_map in maps:
-        owner_map.owners = exchange.owners(group, world_size, owner_map.costs)
-    return exchange.loads.get(group, [0.0] * world_size)
-
-
-def assign_whole_step(maps: list[OwnerMap], world_size: int) -> list[float]:
-    """The loads of one assignment over every job of the step at once (the proposed fix)."""
-    return assign_owners([cost for owner_map in maps for cost in owner_map.costs], world_size)[1]
+        owner_map.owners = owners[start:start + len(owner_map.costs)]
+        start += len(owner_map.costs)
+    return loads
 
 
 def imbalance(loads) -> float:
@@ -167,7 +164,7 @@ def sharded_sends(maps: list[OwnerMap], world_size: int) -> list[int]:
 
 
 def rounds_of(owner_map: OwnerMap, world_size: int) -> list[list[int]]:
-    """The matrices (indices) of each collective round of a ``map`` call: same-shape matrices split
+    """The matrices (indices) of each collective round of a job: its same-shape matrices split
     into ``ROUNDS_PER_SHAPE`` rounds, fewer when there are fewer matrices than ranks."""
     by_shape = {}
     for index, shape in enumerate(owner_map.shapes):
@@ -201,7 +198,8 @@ def flag_count(optimizer) -> int:
     flags = 1
     for group in optimizer.param_groups:
         flags += len(group["params"])
-        if needs_spectral_direction(optimizer.decay_options(group), group[optimizer.spectral_key]) and optimizer.decay_options(group).stability == "clamp":
+        options = optimizer.decay_options(group)
+        if needs_spectral_direction(options, group[optimizer.spectral_key]) and options.stability == "clamp":
             flags += sum(len(decay_blocks(optimizer, group, param)) for param in group["params"] if param.ndim >= 2)
     return flags
 
@@ -249,7 +247,6 @@ def traffic_row(preset_name: str, setting: str, world_size: int, dtype: str = "f
         "fsdp_reduce_scatter_bytes": micro_batches * forward * element,
         "ddp_all_reduce_bytes": 2 * (world_size - 1) / world_size * parameters * element,
         "balance": imbalance(loads),
-        "balance_whole_step": imbalance(assign_whole_step(maps, world_size)),
         "max_owner_gflop": max(loads) / 1e9,
         "mean_owner_gflop": sum(loads) / world_size / 1e9,
     }
@@ -278,12 +275,11 @@ def markdown(rows: list[dict]) -> str:
         "ceil(grad_accum / W) micro-batches per rank); DDP: "
         "one gradient all-reduce. Ring volumes: (W-1)/W of the gathered bytes per all-gather or reduce-scatter, "
         "2(W-1)/W per all-reduce. Balance: the largest owner's FLOPs over the mean (plan FLOP model), as the "
-        "optimizer assigns owners (one group after another); \"whole step\": one assignment over all the step's "
-        "matrices.",
+        "optimizer assigns owners: one assignment over all the step's matrices, largest first.",
         "",
         "| preset | setting | W | matrices | FSDP owner mean / max | micro-batches | FSDP all-gather "
-        "| FSDP reduce-scatter | owner / FSDP grad | DDP owner (padding) | DDP all-reduce | balance | whole step |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| FSDP reduce-scatter | owner / FSDP grad | DDP owner (padding) | DDP all-reduce | balance |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         ratio = row["fsdp_owner_bytes_mean"] / row["fsdp_reduce_scatter_bytes"]
@@ -293,7 +289,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {mib(row['fsdp_all_gather_bytes'])} | {mib(row['fsdp_reduce_scatter_bytes'])} | {ratio:.2f} "
             f"| {mib(row['ddp_owner_bytes'])} ({mib(row['ddp_owner_padding_bytes'])}) "
             f"| {mib(row['ddp_all_reduce_bytes'])} "
-            f"| {row['balance']:.3f} | {row['balance_whole_step']:.3f} |")
+            f"| {row['balance']:.3f} |")
     goal = [row for row in rows if row["preset"] == "paper12" and row["world_size"] == 8]
     if goal:
         worst = max(goal, key=lambda row: row["balance"])

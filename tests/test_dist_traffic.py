@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from spectral_ops.optim import SpectralAdamW, SpectralMuon
-from spectral_ops.optim.distributed import Exchange, shard_row_counts
+from spectral_ops.optim import SpectralAdamW, SpectralMuon, distributed
+from spectral_ops.optim.distributed import shard_row_counts
 from spectral_ops.train.config import preset
 from spectral_ops.train.model import Transformer
 from spectral_ops.train.optimizers import build_optimizer
@@ -86,18 +86,19 @@ def fake_ranks():
 
 
 class Recorder:
-    """What a real step does: the owners of each ``Exchange.owners`` call and the elements this rank
-    sends to the others (all-to-all: its sizes for the other ranks; all-gather: its part, W - 1 times).
-    The received buffers are filled with finite values, as the other ranks would fill them."""
+    """What a real step does: the costs and owners of each ``assign_owners`` call of ``Exchange.run``
+    and the elements this rank sends to the others (all-to-all: its sizes for the other ranks;
+    all-gather: its part, W - 1 times). The received buffers are filled with finite values, as the
+    other ranks would fill them."""
 
     def __init__(self, monkeypatch):
         self.owner_calls, self.sent = [], 0
-        owners = Exchange.owners
+        assign_owners = distributed.assign_owners
 
-        def record_owners(exchange, group, world_size, costs):
-            result = owners(exchange, group, world_size, costs)
-            self.owner_calls.append((list(costs), list(result)))
-            return result
+        def record_owners(costs, world_size, loads=None):
+            owners, new_loads = assign_owners(costs, world_size, loads)
+            self.owner_calls.append((list(costs), list(owners)))
+            return owners, new_loads
 
         def all_to_all_single(output, source, output_sizes, input_sizes, group=None, async_op=False):
             self.sent += sum(input_sizes) - input_sizes[dist.get_rank(group)]
@@ -109,7 +110,7 @@ class Recorder:
             output.copy_(torch.randn(output.shape))
             return Done()
 
-        monkeypatch.setattr(Exchange, "owners", record_owners)
+        monkeypatch.setattr(distributed, "assign_owners", record_owners)
         monkeypatch.setattr(dist, "all_to_all_single", all_to_all_single)
         monkeypatch.setattr(dist, "all_gather_single", all_gather_single)
 
@@ -160,7 +161,8 @@ def test_reproduces_the_owners_and_sends_of_a_real_step(fake_ranks, monkeypatch,
         mesh = fake_ranks(rank, world_size)
         recorder = Recorder(monkeypatch)
         spread_copy(optimizer, mesh, rank, sharded).step()
-        assert recorder.owner_calls == [(m.costs, m.owners) for m in maps]
+        # One assignment for the whole step (one process group), over every job's matrices in job order.
+        assert recorder.owner_calls == [([c for m in maps for c in m.costs], [o for m in maps for o in m.owners])]
         if sharded:
             assert recorder.sent == expected[rank]
         else:
