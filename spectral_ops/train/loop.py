@@ -18,7 +18,6 @@ import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,6 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
@@ -190,26 +188,6 @@ def validation_nats(model, batches, processes: Processes) -> float:
         losses.append(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).item())
     model.train(was_training)
     return processes.mean(sum(losses) / len(losses))
-
-
-@contextlib.contextmanager
-def whole_weights(model, optimizer):
-    """What :func:`monitor.weight_metrics` measures: the model and the optimizer, except under FSDP,
-    where every unit's shards are all-gathered for the duration (a collective) and the optimizer's
-    groups are mirrored onto the gathered weights (the metrics look a weight's lr up by identity)."""
-    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
-    if not units:
-        yield optimizer
-        return
-    for unit in units:
-        unit.unshard()
-    try:
-        yield SimpleNamespace(param_groups=[
-            {"lr": group["lr"], "params": [model.get_parameter(name) for name in group["param_names"]]}
-            for group in optimizer.param_groups])
-    finally:
-        for unit in units:
-            unit.reshard()
 
 
 def checkpoint_paths(out: Path, keep: int, suffix: str = ".pt") -> list[Path]:
@@ -475,8 +453,7 @@ def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Process
                       "skipped_updates": skipped_updates(optimizer),
                       "clamped_updates": clamped_updates(optimizer),
                       loss_key: validation_nats(model, validation, processes) * from_nats}
-            with whole_weights(model, optimizer) as measured:
-                record.update(monitor.weight_metrics(model, measured))
+            record.update(monitor.weight_metrics(model, optimizer))
             record.update(monitor.activation_metrics(model, probe))
             history.append(record)
             if processes.main:

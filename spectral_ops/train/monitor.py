@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .. import metrics
 
@@ -50,18 +51,27 @@ def _lr_of(optimizer) -> dict[int, float]:
     return {id(p): float(group["lr"]) for group in optimizer.param_groups for p in group["params"]}
 
 
+def whole(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as one tensor: an FSDP2 shard is all-gathered (a collective: every rank calls this)."""
+    weight = weight.detach()
+    return weight.full_tensor() if isinstance(weight, DTensor) else weight
+
+
 @torch.no_grad()
 def weight_metrics(model, optimizer) -> dict[str, float]:
+    """The weight metrics of the module docstring (under FSDP a collective: each weight is gathered,
+    one at a time, on every rank)."""
     lr_of = _lr_of(optimizer)
     record = {}
     for kind in MODULE_TYPES:
         weights = family_weights(model, kind)
-        summary = metrics.matrix_metrics(torch.stack([w.detach() for w in weights]))
+        gathered = [whole(w) for w in weights]
+        summary = metrics.matrix_metrics(torch.stack(gathered))
         for name in ("stable_rank", "effective_rank", "spectral_norm", "frobenius_norm"):
             record[f"{kind}/{name}"] = float(summary[name].mean())
-        proxies = [metrics.effective_lr(w.detach(), lr_of[id(w)]).proxy for w in weights]
+        proxies = [metrics.effective_lr(w, lr_of[id(p)]).proxy for p, w in zip(weights, gathered)]
         record[f"{kind}/effective_lr"] = float(torch.stack(proxies).mean())
-    qk = [metrics.qk_stable_rank(layer.attention.q_proj.weight, layer.attention.k_proj.weight,
+    qk = [metrics.qk_stable_rank(whole(layer.attention.q_proj.weight), whole(layer.attention.k_proj.weight),
                                  layer.attention.n_heads).mean() for layer in model.layers]
     record["qk/stable_rank"] = float(torch.stack(qk).mean())
     return record
