@@ -216,11 +216,12 @@ def _guarded_scale(stack, p, scale, weight_decay, band, policy, capturable=False
     return factor, {i: (factors[i], orders[i]) for i in indices}
 
 
-def log_clamp(name: str, factor: float, order: float) -> None:
-    """Report one eager clamp: which matrix, and by what factor its spectral coefficient was reduced."""
-    logger.warning("stability='clamp' reduced the spectral coefficient of %s by a factor %.4g: p * kappa was %.4g "
-                   ">= 1 (the step would reorder its singular values) and is %.4g", name, factor, order,
-                   factor * order)
+def log_clamp(name: str, factor: float, order: float, level: int = logging.WARNING, remark: str = "") -> None:
+    """Report one eager clamp: which matrix, and by what factor its spectral coefficient was reduced
+    (at ``level``, with ``remark`` appended)."""
+    logger.log(level, "stability='clamp' reduced the spectral coefficient of %s by a factor %.4g: p * kappa was %.4g "
+               ">= 1 (the step would reorder its singular values) and is %.4g%s", name, factor, order, factor * order,
+               remark)
 
 
 @dataclass(frozen=True)

@@ -232,12 +232,16 @@ def test_the_optimizers_count_and_log_their_clamps(caplog):
         optimizer = SpectralAdamW([param], lr=0.1, p=2, spectral_weight_decay=2.0, weight_decay=0.0,
                                   stability="clamp", capturable=capturable)
         caplog.clear()
-        with caplog.at_level("WARNING", logger="spectral_ops.decay"):
+        with caplog.at_level("DEBUG", logger="spectral_ops.decay"):
             optimizer.step()
             optimizer.step()
         counts[capturable] = optimizer.clamped["param_groups[0]['params'][0] (12, 8)"]
         named = "of param_groups[0]['params'][0] (12, 8) by a factor"
-        assert [named in r.getMessage() for r in caplog.records] == ([] if capturable else [True, True])
+        # The first clamp of a matrix warns (and says where the later ones go); a run would otherwise
+        # repeat the warning for every matrix at every step.
+        logged = [(r.levelname, named in r.getMessage(), "later clamps are logged at DEBUG" in r.getMessage())
+                  for r in caplog.records]
+        assert logged == ([] if capturable else [("WARNING", True, True), ("DEBUG", True, False)])
     assert int(counts[False].count) == int(counts[True].count) == 2
     assert torch.equal(counts[False].smallest_factor, counts[True].smallest_factor)
     assert float(counts[False].smallest_factor) < 1

@@ -9,6 +9,7 @@ batched :func:`spectral_ops.spectral_decay_` call per group (same shapes share a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import warnings
 from collections import defaultdict
 from typing import Callable, NamedTuple
@@ -464,7 +465,8 @@ class SpectralOptimizer(Optimizer):
         groups decide on the device, without a host read, and count on the device.
 
         Then the stability clamps of the written parameters are counted in :attr:`clamped`, and each
-        eager one is logged with its factor (see :func:`spectral_ops.decay.log_clamp`).
+        eager one is logged with its factor (see :func:`spectral_ops.decay.log_clamp`): a matrix's
+        first clamp as a warning, its later ones at DEBUG.
         """
         exchange = self.__dict__.get("_exchange")
         if exchange is not None:
@@ -531,11 +533,18 @@ class SpectralOptimizer(Optimizer):
     def _record_clamps(self, step: PreparedStep, decay: ParameterDecay, keep: list) -> None:
         """Count the clamps of the parameters ``keep`` wrote (on the device), and log the eager ones."""
         counts = self.__dict__.setdefault("_clamp_records", {})
+        logged = self.__dict__.setdefault("_logged_clamps", set())
         for part in decay.parts:
             for index, _, factor, order in part.pending.clamped:
                 owner = part.owners[index]
                 if keep[owner] is True:
-                    log_clamp(self.matrix_name(step.group, step.params[owner], part.rows[index]), factor, order)
+                    # A run clamps the same matrices step after step: each one's first clamp is a
+                    # warning, the later ones are debug records (their count is in `clamped`).
+                    name = self.matrix_name(step.group, step.params[owner], part.rows[index])
+                    first = name not in logged
+                    logged.add(name)
+                    log_clamp(name, factor, order, logging.WARNING if first else logging.DEBUG,
+                              "; its later clamps are logged at DEBUG and counted in optimizer.clamped" if first else "")
             for index, factor in part.pending.clamp_factors.items():
                 owner = part.owners[index]
                 if keep[owner] is False:
