@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .config import add_config_arguments, config_from_arguments, preset
 from .loop import train
-from .sweep import MODULE_WISE_COEFFICIENTS, PROTOCOLS, RECIPES, run_sweep
+from .sweep import GRID_DEFAULTS, MODULE_WISE_COEFFICIENTS, PROTOCOLS, RECIPES, run_sweep
 
 COMMANDS = ("train", "sweep", "report", "demo")
 
@@ -43,9 +43,11 @@ def parser() -> argparse.ArgumentParser:
                                    "0.003 0.01 0.03) or module-wise (7.6: recipes p1 pA0pM2 x lr x lambda_A x "
                                    "lambda_M, 3 values each, 7,268 steps); the flags below and --steps override it")
     sweep_parser.add_argument("--powers", type=int, nargs="+",
-                              help="spectral powers p to sweep (default: 0 1 2 4)")
+                              help="spectral powers p to sweep (default: "
+                                   f"{' '.join(map(str, GRID_DEFAULTS['powers']))})")
     sweep_parser.add_argument("--coefficients", type=float, nargs="+",
-                              help="spectral coefficients lambda_p to sweep, or lambda_V of HHF+p2V (default: 0.01)")
+                              help="spectral coefficients lambda_p to sweep, or lambda_V of HHF+p2V "
+                                   f"(default: {' '.join(f'{v:g}' for v in GRID_DEFAULTS['coefficients'])})")
     sweep_parser.add_argument("--recipes", nargs="+", choices=RECIPES,
                               help="SPEC 7.5/7.6 recipes to sweep instead of powers x coefficients")
     sweep_parser.add_argument("--attention-coefficients", type=float, nargs="+",
@@ -70,16 +72,12 @@ def parser() -> argparse.ArgumentParser:
     return main
 
 
-SWEEP_DEFAULTS = {"powers": (0, 1, 2, 4), "coefficients": (0.01,), "recipes": (), "lrs": (),
-                  "attention_coefficients": MODULE_WISE_COEFFICIENTS, "mlp_coefficients": MODULE_WISE_COEFFICIENTS}
-
-
 def sweep_plan(args: argparse.Namespace):
     """The base config and grid axes of ``sweep``: each axis from its flag, else the protocol's, else
     the default; the protocol's config fields (7.6's steps) sit under the config file and the flags."""
     protocol = PROTOCOLS[args.protocol] if args.protocol else {"grid": {}, "config": {}}
     axes = {name: next(v for v in (getattr(args, name), protocol["grid"].get(name), default) if v is not None)
-            for name, default in SWEEP_DEFAULTS.items()}
+            for name, default in GRID_DEFAULTS.items()}
     return config_from_arguments(args, protocol["config"]), axes
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..experiments.report import markdown_table
 from .config import TrainConfig
 from .loop import train, validation_key
 
@@ -75,8 +76,13 @@ def _recipe_points(name: str, coefficients, attention_coefficients, mlp_coeffici
         yield name, {"recipe": name}, V_RECIPES[name]
 
 
-def grid(base: TrainConfig, out: Path, *, powers=(), coefficients=(0.0,), recipes=(), lrs=(),
-         attention_coefficients=MODULE_WISE_COEFFICIENTS,
+# The grid's axes where neither the caller nor a protocol sets them (the CLI's defaults too).
+GRID_DEFAULTS = {"powers": (0, 1, 2, 4), "coefficients": (0.01,), "recipes": (), "lrs": (),
+                 "attention_coefficients": MODULE_WISE_COEFFICIENTS, "mlp_coefficients": MODULE_WISE_COEFFICIENTS}
+
+
+def grid(base: TrainConfig, out: Path, *, powers=GRID_DEFAULTS["powers"], coefficients=GRID_DEFAULTS["coefficients"],
+         recipes=(), lrs=(), attention_coefficients=MODULE_WISE_COEFFICIENTS,
          mlp_coefficients=MODULE_WISE_COEFFICIENTS) -> list[TrainConfig]:
     if recipes:
         points = [point for name in recipes
@@ -125,14 +131,10 @@ def _columns(rows) -> list[str]:
     return list(dict.fromkeys(key for row in rows for key in row))
 
 
-def markdown_table(rows) -> str:
+def summary_table(rows) -> str:
+    """The runs as a markdown table: a column per key any row has (blank where a row lacks it)."""
     keys = _columns(rows)
-    header = [COLUMN_NAMES.get(k, k) for k in keys]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(keys)]
-    for row in rows:
-        values = (row.get(key, "") for key in keys)
-        lines.append("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in values) + " |")
-    return "\n".join(lines)
+    return markdown_table([COLUMN_NAMES.get(k, k) for k in keys], [[row.get(k, "") for k in keys] for row in rows])
 
 
 def closest_loss_pair(rows) -> tuple[dict, dict] | None:
@@ -145,7 +147,7 @@ def closest_loss_pair(rows) -> tuple[dict, dict] | None:
 
 def write_summary(rows, out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(rows)
+    table = summary_table(rows)
     (out / "summary.md").write_text(table + "\n")
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     with open(out / "summary.csv", "w", newline="") as handle:
@@ -159,7 +161,7 @@ def write_summary(rows, out: Path) -> str:
     gap = abs(pair[0][loss] - pair[1][loss])
     matched = (f"# Matched loss\n\nThe closest-loss pair across recipes ({COLUMN_NAMES[loss]} {gap:.4g} apart), "
                f"its geometry side by side; `python -m spectral_ops.train report {out / pair[0]['run']} "
-               f"{out / pair[1]['run']}` plots its spectra.\n\n{markdown_table(list(pair))}\n")
+               f"{out / pair[1]['run']}` plots its spectra.\n\n{summary_table(list(pair))}\n")
     (out / "matched_loss.md").write_text(matched)
     (out / "matched_loss.json").write_text(json.dumps({"loss_key": loss, "gap": gap, "runs": list(pair)},
                                                       indent=2) + "\n")
