@@ -33,9 +33,16 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import plan
+
+if dist.is_available():
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+else:  # a torch built without torch.distributed: every parameter is a plain tensor
+    DTensor = Replicate = Shard = ()
+
+# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name, with a warning per call).
+_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 
 # Each set of same-shape matrices is exchanged in this many rounds (fewer when there are fewer
 # matrices than ranks): one round's collective then runs while the previous round is computed, and
@@ -110,6 +117,11 @@ def local_slice(start: int, stop: int, span) -> slice:
 def local(tensor):
     """A DTensor's shard on this rank (its storage: writing it writes the DTensor), else the tensor."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor as one tensor on every rank (a collective: every rank calls it), else the tensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def state_like(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -323,7 +335,7 @@ class _Round:
                 send[:flat.numel()] = flat
             self.returned = send.new_empty(world * most)
             self.return_sizes = [most] * world
-            self.return_work = dist.all_gather_single(self.returned, send, group=self.layout.group, async_op=True)
+            self.return_work = _all_gather_single(self.returned, send, group=self.layout.group, async_op=True)
             return
         send = [result[slice(*self.layout.rows_of(target, self.rows))].reshape(-1)
                 for target in range(world) for result in results]

@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .. import metrics
+from ..optim.distributed import whole
 
 # One family per projection: the SPEC 7.4 comparisons are per family (the 8 gate matrices of one
 # run against those of another), so no family pools two projections.
@@ -49,12 +49,6 @@ def probe_tokens(validation, n_tokens: int = metrics.V_SAMPLE_TOKENS) -> torch.T
 
 def _lr_of(optimizer) -> dict[int, float]:
     return {id(p): float(group["lr"]) for group in optimizer.param_groups for p in group["params"]}
-
-
-def whole(weight: torch.Tensor) -> torch.Tensor:
-    """A weight as one tensor: an FSDP2 shard is all-gathered (a collective: every rank calls this)."""
-    weight = weight.detach()
-    return weight.full_tensor() if isinstance(weight, DTensor) else weight
 
 
 @torch.no_grad()
