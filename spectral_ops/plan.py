@@ -112,11 +112,11 @@ def iteration_flops(iteration: str, p: int, r: int, big: int, steps: int) -> flo
     blocks; per restart a Gram of the rectangle and ``Z X``; at the end ``Z X`` (``p = 0``) or
     ``(M Z) X``."""
     if iteration == "rectangle":
-        final = 2 * r * r * big if p else 0
-        return (steps - 1) * r * r * big + steps * (r**3 + 2 * r * r * big) + final
+        return polar_flops(r, big, steps) - gram_flops(r, big) + (2 * r * r * big if p else 0)
     blocks = restart_blocks(steps)
+    restarts = (len(blocks) - 1) * (2 * r * r * big + gram_flops(r, big))
     final = 2 * r * r * big + (2 * r**3 if p else 0)
-    return sum(block_flops(b, r) for b in blocks) + (len(blocks) - 1) * 3 * r * r * big + final
+    return sum(block_flops(b, r) for b in blocks) + restarts + final
 
 
 def gram_flops(r: int, big: int) -> float:
