@@ -472,13 +472,10 @@ def regime_boundary(etas, lams, labels) -> RegimeBoundary:
     """
     etas, lams = np.asarray(etas, float), np.asarray(lams, float)
     order = np.argsort(etas)
-    etas, labels = etas[order], np.asarray(labels)[order]
-    boundary = np.full(len(lams), np.nan)
-    for j in range(len(lams)):
-        unsettled = np.flatnonzero(labels[:, j] != "converge")
-        if unsettled.size and unsettled[0] > 0:
-            boundary[j] = math.sqrt(etas[unsettled[0] - 1] * etas[unsettled[0]])
-    found = np.isfinite(boundary)
+    etas, unsettled = etas[order], np.asarray(labels)[order] != "converge"
+    first = unsettled.argmax(0)  # per column, the first eta whose run does not converge (0 if none)
+    found = unsettled.any(0) & (first > 0)
+    boundary = np.where(found, np.sqrt(etas[np.maximum(first - 1, 0)] * etas[first]), np.nan)
     slope = float(np.polyfit(np.log(lams[found]), np.log(boundary[found]), 1)[0]) if found.sum() >= 2 else math.nan
     return RegimeBoundary(lambdas=lams, etas=boundary, slope=slope)
 

@@ -325,6 +325,14 @@ def test_regime_boundary_slope():
     # Both axes step by 1/4 decade, so an eta lam = const boundary has a slope of exactly -1.
     assert math.isclose(analysis.regime_boundary(etas, lams, by_product).slope, -1.0, abs_tol=1e-9)
     assert abs(analysis.regime_boundary(etas, lams, by_eta).slope) < 1e-9
+    # The boundary sits between the last converging eta (10^-0.75) and the first that does not
+    # (10^-0.5 > 0.3), at their geometric mean; the order of the rows does not matter.
+    shuffled = np.random.default_rng(0).permutation(len(etas))
+    boundary = analysis.regime_boundary(etas[shuffled], lams, by_eta[shuffled])
+    assert np.allclose(boundary.etas, 10**-0.625, rtol=1e-12)
+    # A column that converges everywhere, or nowhere, has no boundary.
+    by_eta[:, 0], by_eta[:, 1] = "converge", "diverge"
+    assert np.isnan(analysis.regime_boundary(etas, lams, by_eta).etas[:2]).all()
     assert np.isnan(analysis.regime_boundary(etas, lams, np.full(eta_grid.shape, "converge")).etas).all()
 
 
