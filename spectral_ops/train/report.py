@@ -130,13 +130,18 @@ def _validation(axis, runs):
     axis.legend(fontsize=7)
 
 
-def _coefficient_panels(axes, runs):
+def runs_by_power(runs) -> dict[int, list[dict]]:
+    """The runs grouped by ``p`` (ascending), each group in ascending coefficient order."""
     by_power = {}
-    for run in runs:
+    for run in sorted(runs, key=lambda r: r["config"]["spectral_weight_decay"]):
         by_power.setdefault(run["config"]["p"], []).append(run)
+    return dict(sorted(by_power.items()))
+
+
+def _coefficient_panels(axes, runs):
+    by_power = runs_by_power(runs)
     for axis, key in zip(axes, (validation_key(runs[0]["history"][-1]), *COEFFICIENT_PANELS)):
-        for p, group in sorted(by_power.items()):
-            group = sorted(group, key=lambda r: r["config"]["spectral_weight_decay"])
+        for p, group in by_power.items():
             axis.plot([r["config"]["spectral_weight_decay"] for r in group], [_final(r, key) for r in group],
                       marker="o", label=f"p={p}")
         axis.set(title=key, xlabel="spectral coefficient lambda_p")
@@ -145,15 +150,8 @@ def _coefficient_panels(axes, runs):
 
 def sweep_end_pairs(runs) -> list[tuple[dict, dict]]:
     """At each ``p`` with at least two coefficients: the runs at the smallest and the largest one."""
-    by_power = {}
-    for run in runs:
-        by_power.setdefault(run["config"]["p"], []).append(run)
-    pairs = []
-    for p, group in sorted(by_power.items()):
-        group = sorted(group, key=lambda r: r["config"]["spectral_weight_decay"])
-        if group[0]["config"]["spectral_weight_decay"] != group[-1]["config"]["spectral_weight_decay"]:
-            pairs.append((group[0], group[-1]))
-    return pairs
+    return [(group[0], group[-1]) for group in runs_by_power(runs).values()
+            if group[0]["config"]["spectral_weight_decay"] != group[-1]["config"]["spectral_weight_decay"]]
 
 
 def expand_comparison(state_a: dict, state_b: dict) -> dict[str, dict]:
