@@ -218,10 +218,10 @@ def coupled_inverse_root(kernels, G: torch.Tensor, coefficients, precision: str,
     ``Z Y``, ``Y T`` and ``T Z`` are full products, not symmetric ones: a product that keeps one
     triangle (the kernels' symmetric primitive) makes ``Y`` and ``Z`` stop commuting, and that error
     grows about 8x per step (2e-3 in fp32 after 8 steps, measured)."""
-    Y, Z = G, None
+    Y, Z, identity = G, None, identity.to(G.dtype)  # every iterate is in G's (the operand) dtype
     for step, (a, b, c) in enumerate(coefficients):
         M = Y if Z is None else kernels.product(Z, Y, precision)
-        T = kernels.poly_step(M, b, c, precision) + a * identity.to(M.dtype)
+        T = kernels.poly_step(M, b, c, precision) + a * identity
         del M
         if step < len(coefficients) - 1:  # the last Y is not needed
             Y = kernels.product(Y, T, precision)
