@@ -82,8 +82,9 @@ GRID_DEFAULTS = {"powers": (0, 1, 2, 4), "coefficients": (0.01,), "recipes": (),
 
 
 def grid(base: TrainConfig, out: Path, *, powers=GRID_DEFAULTS["powers"], coefficients=GRID_DEFAULTS["coefficients"],
-         recipes=(), lrs=(), attention_coefficients=MODULE_WISE_COEFFICIENTS,
-         mlp_coefficients=MODULE_WISE_COEFFICIENTS) -> list[TrainConfig]:
+         recipes=GRID_DEFAULTS["recipes"], lrs=GRID_DEFAULTS["lrs"],
+         attention_coefficients=GRID_DEFAULTS["attention_coefficients"],
+         mlp_coefficients=GRID_DEFAULTS["mlp_coefficients"]) -> list[TrainConfig]:
     if recipes:
         points = [point for name in recipes
                   for point in _recipe_points(name, coefficients, attention_coefficients, mlp_coefficients)]
@@ -99,7 +100,9 @@ def grid(base: TrainConfig, out: Path, *, powers=GRID_DEFAULTS["powers"], coeffi
     return configs
 
 
-SUMMARY_COLUMNS = {
+# Every column a summary may show: the validation loss comes in nats per token or bits per byte.
+COLUMN_NAMES = {
+    "val_nats_per_token": "val nats/token",
     "val_bpb": "val bits/byte",
     "mlp_gate/stable_rank": "MLP gate SR",
     "mlp_up/stable_rank": "MLP up SR",
@@ -113,8 +116,6 @@ SUMMARY_COLUMNS = {
     "v/cross_head_cka": "cross-head CKA",
     "mlp_up/frobenius_norm": "MLP up ||W||_F",
 }
-# Every column a summary may show: the validation loss comes in bits per byte or nats per token.
-COLUMN_NAMES = {"val_nats_per_token": "val nats/token", **SUMMARY_COLUMNS}
 
 
 def summarise(configs, histories) -> list[dict]:
