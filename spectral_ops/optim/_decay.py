@@ -207,33 +207,37 @@ def _owner_computed_decay(params, owners, layouts, group, options, arguments, bl
     their own) when the step's exchange runs, and this rank's rows of the result kept to commit."""
     entries = [(k, rows) for k, param in enumerate(params) for rows in row_blocks_of(param, blocks)]
     views = [matrix_view(local(param)) for param in params]
-    full_rows = [sum(layout.row_counts) if layout.row_counts is not None else view.shape[0]
-                 for view, layout in zip(views, layouts)]
-    spans = [layout.local_rows(rows) for rows, layout in zip(full_rows, layouts)]
-    entry_rows = [rows if rows is not None else (0, full_rows[k]) for k, rows in entries]
+    spans = [layout.local_rows for layout in layouts]
+    entry_rows = [rows if rows is not None else (0, layouts[k].rows) for k, rows in entries]
     # This rank's rows of each entry (maybe none of them).
     pieces = [local_slice(start, stop, spans[k]) for (k, _), (start, stop) in zip(entries, entry_rows)]
     tensors = [views[k][piece] for (k, _), piece in zip(entries, pieces)]
     pending = PendingDecay(tensors, [], 1.0, {})
     eager = not group["capturable"]
-    slots = ([exchange.clamp_slot(layouts[k].group, pending, index, eager, views[k].device)
-              for index, (k, _) in enumerate(entries)] if options.stability == "clamp" else None)
+    slot_of = {}  # entry index -> (its group's clamp factors, its position there)
+    if options.stability == "clamp":
+        by_group = defaultdict(list)
+        for index, (k, _) in enumerate(entries):
+            by_group[layouts[k].group].append(index)
+        for group_of_ranks, members in by_group.items():
+            factors = exchange.clamp_slots(group_of_ranks, pending, members, eager, views[0].device)
+            slot_of.update((index, (factors, position)) for position, index in enumerate(members))
     entries_of = defaultdict(list)
     for index, (k, _) in enumerate(entries):
         entries_of[k].append(index)
 
     def decay_whole(positions, matrices):
         indices = [index for k in positions for index in entries_of[k]]
-        blocks_of = {index: matrix[slice(*entry_rows[index])] for k, matrix in zip(positions, matrices)
-                     for index in entries_of[k]}
-        whole = prepare_decay([blocks_of[index] for index in indices], options, **arguments)
+        whole = prepare_decay([matrix[slice(*entry_rows[index])] for k, matrix in zip(positions, matrices)
+                               for index in entries_of[k]], options, **arguments)
         values = whole.new_values()
-        for position, index in enumerate(indices):
-            if slots is not None and position in whole.clamp_factors:
-                slots[index].copy_(whole.clamp_factors[position])
+        for position, factor in whole.clamp_factors.items():
+            factors, slot = slot_of[indices[position]]
+            factors[slot] = factor
         pending.clamped.extend((indices[position], *report) for position, *report in whole.clamped)
         value_of = dict(zip(indices, values))
-        return [torch.cat([value_of[index] for index in entries_of[k]]) for k in positions]
+        blocks = [[value_of[index] for index in entries_of[k]] for k in positions]
+        return [block[0] if len(block) == 1 else torch.cat(block) for block in blocks]
 
     costs = [0.0] * len(params)
     for (k, _), (start, stop) in zip(entries, entry_rows):
@@ -357,8 +361,12 @@ class SpectralOptimizer(Optimizer):
         super().__init__(params, defaults)
 
     def layout(self, param: torch.Tensor):
-        """How ``param`` is spread over the ranks (see :mod:`spectral_ops.optim.distributed`), or None."""
-        return layout_of(param, self.process_group)
+        """How ``param`` is spread over the ranks (see :mod:`spectral_ops.optim.distributed`), or None:
+        found when its group is added, then looked up (a parameter keeps its layout)."""
+        layouts = self.__dict__.setdefault("_layouts", {})
+        if param not in layouts:
+            layouts[param] = layout_of(param, self.process_group)
+        return layouts[param]
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

@@ -41,8 +41,13 @@ if dist.is_available():
 else:  # a torch built without torch.distributed: every parameter is a plain tensor
     DTensor = Replicate = Shard = ()
 
-# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name, with a warning per call).
-_all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+
+def _all_gather_single(output, source, **options):
+    """``dist.all_gather_single``: torch 2.13's name of ``all_gather_into_tensor``, whose old name
+    warns at every call there."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, source, **options)
+
 
 # Each set of same-shape matrices is exchanged in this many rounds (fewer when there are fewer
 # matrices than ranks): one round's collective then runs while the previous round is computed, and
@@ -51,25 +56,31 @@ ROUNDS_PER_SHAPE = 2
 
 
 class Layout:
-    """How one parameter is spread over the ranks of ``group``: ``row_counts[k]`` rows of its matrix
-    view on rank ``k`` (sharded, in ``torch.chunk``'s split, as ``Shard(0)`` places them), or every row
-    everywhere (``row_counts`` None: replicated)."""
+    """How one parameter's ``rows``-row matrix view is spread over the ranks of ``group``:
+    ``row_counts[k]`` rows on rank ``k`` (sharded, in ``torch.chunk``'s split, as ``Shard(0)`` places
+    them), or every row everywhere (``row_counts`` None: replicated)."""
 
-    def __init__(self, group, row_counts=None):
+    def __init__(self, group, rows: int, row_counts=None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self.rows = rows
         self.row_counts = row_counts
 
-    def rows_of(self, rank: int, rows: int) -> tuple[int, int]:
-        """The rows ``[start, stop)`` of a ``rows``-row matrix that ``rank`` holds."""
-        if self.row_counts is None:
-            return 0, rows
+    @property
+    def replicated(self) -> bool:
+        return self.row_counts is None
+
+    def rows_of(self, rank: int) -> tuple[int, int]:
+        """The rows ``[start, stop)`` of the matrix that ``rank`` holds."""
+        if self.replicated:
+            return 0, self.rows
         start = sum(self.row_counts[:rank])
         return start, start + self.row_counts[rank]
 
-    def local_rows(self, rows: int) -> tuple[int, int]:
-        return self.rows_of(self.rank, rows)
+    @property
+    def local_rows(self) -> tuple[int, int]:
+        return self.rows_of(self.rank)
 
 
 def shard_row_counts(rows: int, world_size: int) -> tuple:
@@ -93,9 +104,9 @@ def layout_of(param: torch.Tensor, process_group=None) -> Layout | None:
         if mesh.size() == 1:
             return None
         if isinstance(placement, Replicate):
-            return Layout(mesh.get_group())
+            return Layout(mesh.get_group(), param.shape[0])
         counts = shard_row_counts(param.shape[0], mesh.size())
-        layout = Layout(mesh.get_group(), counts)
+        layout = Layout(mesh.get_group(), param.shape[0], counts)
         if param.to_local().shape[0] != counts[layout.rank]:
             raise ValueError(
                 f"a {tuple(param.shape)} DTensor holds {param.to_local().shape[0]} rows on rank {layout.rank}, "
@@ -103,7 +114,7 @@ def layout_of(param: torch.Tensor, process_group=None) -> Layout | None:
         return layout
     if process_group is None or dist.get_world_size(process_group) == 1:
         return None
-    return Layout(process_group)
+    return Layout(process_group, param.shape[0])
 
 
 def local_slice(start: int, stop: int, span) -> slice:
@@ -169,7 +180,7 @@ class Exchange:
     def __init__(self):
         self.jobs = []
         self.error = None
-        self.clamp_slots = defaultdict(list)  # group -> [(PendingDecay, entry index, 0-d float64 slot, eager)]
+        self.clamp_slots_of = defaultdict(list)  # group -> [(PendingDecay, entries, float64 factors, eager)]
 
     def map(self, fn, sources, layouts, costs, then) -> None:
         """Ask for ``fn`` of whole matrices: ``fn(positions, matrices)`` takes the whole matrices
@@ -178,12 +189,12 @@ class Exchange:
         the results, each on this rank's rows, by position; ``costs`` are the matrices' FLOPs."""
         self.jobs.append((fn, sources, layouts, costs, then))
 
-    def clamp_slot(self, group, pending, index: int, eager: bool, device) -> torch.Tensor:
-        """A factor that the owner of ``pending.tensors[index]`` sets and :meth:`agree` hands to every
-        rank, as ``pending.clamp_factors[index]``."""
-        slot = torch.ones((), dtype=torch.float64, device=device)
-        self.clamp_slots[group].append((pending, index, slot, eager))
-        return slot
+    def clamp_slots(self, group, pending, entries, eager: bool, device) -> torch.Tensor:
+        """One factor for each matrix ``pending.tensors[i]``, ``i`` in ``entries`` (matrices of ``group``),
+        which the matrix's owner sets and :meth:`agree` hands to every rank, as ``pending.clamp_factors[i]``."""
+        factors = torch.ones(len(entries), dtype=torch.float64, device=device)
+        self.clamp_slots_of[group].append((pending, entries, factors, eager))
+        return factors
 
     def run(self) -> None:
         """Every job of the step: owners per process group over all the step's matrices, then the
@@ -202,8 +213,7 @@ class Exchange:
         for job, (fn, sources, layouts, _, _) in enumerate(jobs):
             by_kind = defaultdict(list)
             for position, (source, layout) in enumerate(zip(sources, layouts)):
-                rows = source.shape[0] if layout.row_counts is None else sum(layout.row_counts)
-                by_kind[(layout.group, rows, *source.shape[1:], source.dtype, layout.row_counts is None)].append(position)
+                by_kind[(layout.group, layout.rows, *source.shape[1:], source.dtype, layout.replicated)].append(position)
             for members in by_kind.values():
                 count = min(ROUNDS_PER_SHAPE, max(1, len(members) // layouts[members[0]].world_size))
                 size = -(-len(members) // count)
@@ -224,29 +234,39 @@ class Exchange:
         for index, (layout, _) in enumerate(checked):
             by_group[layout.group].append(index)
         # In the order the step met them: every rank must reduce its groups in the same order.
-        for group in list(by_group) + [group for group in self.clamp_slots if group not in by_group]:
-            indices, slots = by_group.get(group, []), self.clamp_slots.get(group, [])
-            keeps = [checked[i][1] for i in indices]
-            eager = any(not isinstance(keep, torch.Tensor) for keep in keeps) or any(e for *_, e in slots)
-            device = next((s.device for *_, s, _ in slots), None) or next(
-                (k.device for k in keeps if isinstance(k, torch.Tensor)), None) or _collective_device(group)
-            values = [torch.ones((), dtype=torch.float64, device=device) if self.error is None else
-                      torch.zeros((), dtype=torch.float64, device=device)]
-            values += [torch.as_tensor(keep, device=device).to(torch.float64) for keep in keeps]
-            values += [slot for *_, slot, _ in slots]
-            reduced = torch.stack(values)
+        for group in list(by_group) + [group for group in self.clamp_slots_of if group not in by_group]:
+            indices, slots = by_group.get(group, []), self.clamp_slots_of.get(group, [])
+            on_host = [i for i in indices if not isinstance(checked[i][1], torch.Tensor)]
+            on_device = [i for i in indices if isinstance(checked[i][1], torch.Tensor)]
+            eager = bool(on_host) or any(eager for *_, eager in slots)
+            device = next((factors.device for _, _, factors, _ in slots), None) or next(
+                (checked[i][1].device for i in on_device), None) or _collective_device(group)
+            # Host values in one copy: the error flag (1: none here), then the host decisions; then the
+            # device decisions and the owners' clamp factors. MIN: 0 wins, the smallest factor wins.
+            parts = [torch.tensor([float(self.error is None)] + [float(checked[i][1]) for i in on_host],
+                                  dtype=torch.float64, device=device)]
+            if on_device:
+                parts.append(torch.stack([checked[i][1] for i in on_device]).to(torch.float64))
+            parts += [factors for _, _, factors, _ in slots]
+            reduced = torch.cat(parts)
             dist.all_reduce(reduced, op=dist.ReduceOp.MIN, group=group)
             if not eager and self.error is not None:
                 raise self.error  # capturable: no host read of the others' state; they wait on this rank
-            on_host = reduced.tolist() if eager else None
-            if on_host is not None and on_host[0] < 1:
+            values = reduced.tolist() if eager else None
+            if values is not None and values[0] < 1:
                 self._raise_agreed_error(group)
-            for position, index in enumerate(indices, start=1):
-                decisions[index] = on_host[position] >= 1 if on_host is not None else reduced[position] > 0
-            for offset, (pending, index, slot, eager_entry) in enumerate(slots, start=1 + len(indices)):
-                slot.copy_(reduced[offset])
-                if not eager_entry or on_host[offset] < 1:
-                    pending.clamp_factors[index] = slot
+            for position, index in enumerate(on_host, start=1):
+                decisions[index] = values[position] >= 1
+            for position, index in enumerate(on_device, start=1 + len(on_host)):
+                decisions[index] = reduced[position] > 0
+            offset = 1 + len(indices)
+            for pending, entries, factors, eager_factors in slots:
+                factors.copy_(reduced[offset:offset + len(factors)])
+                for position, index in enumerate(entries):
+                    # Eager: only the clamped ones, as one process records them; capturable: all.
+                    if not eager_factors or values[offset + position] < 1:
+                        pending.clamp_factors[index] = factors[position]
+                offset += len(factors)
         return decisions
 
     def _raise_agreed_error(self, group):
@@ -278,7 +298,7 @@ class _Round:
         self.owner = owners
         self.layout = layouts[positions[0]]
         first = self.sources[0]
-        self.rows = sum(self.layout.row_counts) if self.layout.row_counts is not None else first.shape[0]
+        self.rows = self.layout.rows
         self.shape, self.dtype, self.device = (self.rows, *first.shape[1:]), first.dtype, first.device
         self.row_size = math.prod(first.shape[1:])
         world, rank = self.layout.world_size, self.layout.rank
@@ -286,13 +306,13 @@ class _Round:
         self.mine = self.held[rank]
 
     def _rows(self, rank: int) -> int:
-        start, stop = self.layout.rows_of(rank, self.rows)
+        start, stop = self.layout.rows_of(rank)
         return stop - start
 
     def start_gather(self) -> None:
         """Send each owner this rank's rows of the matrices it holds (a sharded round)."""
         self.work = None
-        if self.layout.row_counts is None:
+        if self.layout.replicated:
             return
         world = self.layout.world_size
         send = [self.sources[k].reshape(-1) for owner in range(world) for k in self.held[owner]]
@@ -306,7 +326,7 @@ class _Round:
 
     def matrices(self) -> list[torch.Tensor]:
         """The whole matrices this rank owns, once they have arrived."""
-        if self.layout.row_counts is None:
+        if self.layout.replicated:
             return [self.sources[k] for k in self.mine]
         self.work.wait()
         pieces = self.received.split(self.receive_sizes)
@@ -327,7 +347,7 @@ class _Round:
     def start_return(self, results) -> None:
         """Send the results back: each rank its rows (sharded), or every result to every rank."""
         world, rank = self.layout.world_size, self.layout.rank
-        if self.layout.row_counts is None:
+        if self.layout.replicated:
             most = max(len(held) for held in self.held) * self.rows * self.row_size
             send = torch.zeros(most, dtype=self.dtype, device=self.device)
             if results:
@@ -337,7 +357,7 @@ class _Round:
             self.return_sizes = [most] * world
             self.return_work = _all_gather_single(self.returned, send, group=self.layout.group, async_op=True)
             return
-        send = [result[slice(*self.layout.rows_of(target, self.rows))].reshape(-1)
+        send = [result[slice(*self.layout.rows_of(target))].reshape(-1)
                 for target in range(world) for result in results]
         send_sizes = [len(self.mine) * self._rows(target) * self.row_size for target in range(world)]
         self.return_sizes = [len(self.held[owner]) * self._rows(rank) * self.row_size for owner in range(world)]
@@ -349,10 +369,9 @@ class _Round:
     def finish(self) -> None:
         """Each matrix's result on this rank's rows, into the job's results (by position)."""
         self.return_work.wait()
-        replicated = self.layout.row_counts is None
-        local_shape = self.shape if replicated else (self._rows(self.layout.rank), *self.shape[1:])
+        local_shape = self.shape if self.layout.replicated else (self._rows(self.layout.rank), *self.shape[1:])
+        size = math.prod(local_shape)
         for owner, piece in enumerate(self.returned.split(self.return_sizes)):
-            size = math.prod(local_shape)
             for slot, k in enumerate(self.held[owner]):
                 self.results[self.positions[k]] = piece[slot * size:(slot + 1) * size].view(local_shape)
 

@@ -189,18 +189,14 @@ class SpectralMuon(SpectralOptimizer):
                     direction = torch.where(masks[index], direction, 0)
                 target = matrix_view(local(param))
                 rows = param.shape[0]  # the matrix view's, whole (a DTensor's shape is the global one)
-                span = self._local_rows(param, rows)
+                layout = self.layout(param)
+                span = (0, rows) if layout is None else layout.local_rows
                 for start, size, _ in row_blocks(rows, group):
                     scale = adjusted_lr(lr, group["adjust_lr_fn"], (size, target.shape[1]))
                     piece = local_slice(start, start + size, span)
                     add_scaled_(target[piece], direction[piece], scale)
 
         return PreparedStep(group, params, self.gradient_checks(params), commit, decay, directions)
-
-    def _local_rows(self, param, rows: int) -> tuple[int, int]:
-        """The rows of ``param``'s matrix view this rank holds."""
-        layout = self.layout(param)
-        return (0, rows) if layout is None else layout.local_rows(rows)
 
     def _next_momentum(self, param, group) -> torch.Tensor:
         """The momentum buffer after this step (this rank's shard), not yet stored: an EMA of the
