@@ -17,7 +17,7 @@ Everything computes in float64.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -282,6 +282,16 @@ class NormalisedTrajectory:
     gradient_norm: np.ndarray   # ||g_t||, noise included: ||w_t|| ||g_t|| is the c of equilibrium_norm
     final_norm: np.ndarray      # ||w_T||, after the last step
 
+    def prefix(self, steps: int) -> NormalisedTrajectory:
+        """The records of the first ``steps`` steps, ending at ``final_norm = norm[steps]``: exactly
+        what a run of ``steps`` steps records (the noise is drawn step by step from one generator)."""
+        if not 0 < steps <= len(self.norm):
+            raise ValueError(f"a prefix needs 0 < steps <= {len(self.norm)}, got {steps}")
+        if steps == len(self.norm):
+            return self
+        per_step = {field.name: getattr(self, field.name)[:steps] for field in fields(self) if field.name != "final_norm"}
+        return NormalisedTrajectory(**per_step, final_norm=self.norm[steps])
+
 
 def simulate_normalised_network(eta, lam, schedule: np.ndarray, *, dim: int = 16, gradient_noise: float = 0.0,
                                 seed: int = 0, progress: bool = True) -> NormalisedTrajectory:
@@ -357,10 +367,17 @@ def classify_regime(trajectory: NormalisedTrajectory, eta, lam, window: float = 
 
 def regime_map(etas, lams, steps: int, **simulation_options) -> np.ndarray:
     """Regime labels on the grid ``etas x lams`` (shape ``(len(etas), len(lams))``), constant schedule."""
+    return regime_maps(etas, lams, (steps,), **simulation_options)[steps]
+
+
+def regime_maps(etas, lams, horizons, **simulation_options) -> dict[int, np.ndarray]:
+    """:func:`regime_map` at each of ``horizons`` (steps), from one simulation of the longest: a
+    shorter run is the prefix of a longer one (:meth:`NormalisedTrajectory.prefix`)."""
     eta_grid, lam_grid = np.meshgrid(np.asarray(etas, float), np.asarray(lams, float), indexing="ij")
-    trajectory = simulate_normalised_network(eta_grid.ravel(), lam_grid.ravel(), constant_schedule(steps),
+    trajectory = simulate_normalised_network(eta_grid.ravel(), lam_grid.ravel(), constant_schedule(max(horizons)),
                                              **simulation_options)
-    return classify_regime(trajectory, eta_grid.ravel(), lam_grid.ravel()).reshape(eta_grid.shape)
+    return {steps: classify_regime(trajectory.prefix(steps), eta_grid.ravel(), lam_grid.ravel()).reshape(eta_grid.shape)
+            for steps in horizons}
 
 
 def _decay_product(eta, lam) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Closed forms against numerical integration and the package's own decay, the teacher solver against
 its optimality equation, the trained teacher against the analytic optimum, and the SPEC 5 loop."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -239,6 +240,22 @@ def test_regime_map_facts():
     assert regimes[2, 2] == "diverge"  # 1 - eta lam = -3
     # SPEC 5: a constant lr with decay does not settle, once eta lam t is large enough.
     assert regimes[1, 1] == "oscillate"
+
+
+def test_regime_maps_classify_prefixes_of_one_run():
+    etas, lams, noisy = np.array([0.05, 1.0, 4.0]), np.array([0.01, 0.1, 1.0]), dict(gradient_noise=0.3, progress=False)
+    # One generator drawn step by step and the same arithmetic per step: the prefix of a long run is
+    # the short run bit for bit.
+    long, short = (analysis.simulate_normalised_network(etas, lams[:, None], analysis.constant_schedule(steps), **noisy)
+                   for steps in (300, 60))
+    prefix = long.prefix(60)
+    assert all(np.array_equal(getattr(prefix, field.name), getattr(short, field.name))
+               for field in dataclasses.fields(short))
+    maps = analysis.regime_maps(etas, lams, (300, 60), **noisy)
+    assert all((maps[steps] == analysis.regime_map(etas, lams, steps, **noisy)).all() for steps in (300, 60))
+    assert (maps[300] != maps[60]).any()  # the horizons do differ here: not one map under two keys
+    with pytest.raises(ValueError, match="prefix"):
+        long.prefix(301)
 
 
 def _noisy_equilibrium_runs(steps=10_000):

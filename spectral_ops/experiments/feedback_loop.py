@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 
 from ..analysis import (REGIMES, constant_schedule, cosine_schedule, equilibrium_norm, equilibrium_norm_slope,
-                        full_batch_equilibrium, regime_boundary, regime_map, simulate_normalised_network)
+                        full_batch_equilibrium, regime_boundary, regime_maps, simulate_normalised_network)
 from .report import command_line, markdown_table, plt, write_outputs
 
 ETA, LAMBDA = 0.1, 0.02
@@ -94,16 +94,14 @@ def run(out_dir, quick: bool = False) -> str:
     etas = GRID_ETAS[:: len(GRID_ETAS) // QUICK_GRID] if quick else GRID_ETAS
     lams = GRID_LAMBDAS[:: len(GRID_LAMBDAS) // QUICK_GRID] if quick else GRID_LAMBDAS
     map_steps = QUICK_MAP_STEPS if quick else MAP_STEPS
-    maps = {"full batch": regime_map(etas, lams, map_steps),
-            f"gradient noise {NOISE}": regime_map(etas, lams, map_steps, gradient_noise=NOISE)}
-    count_rows = [[name, *[int((labels == regime).sum()) for regime in REGIMES]] for name, labels in maps.items()]
-    # The same maps over a third of the horizon: a boundary set by an equilibrium does not move with it.
+    # The same maps over a third of the horizon too: a boundary set by an equilibrium does not move with it.
     short_steps = map_steps // 3
-    short_maps = {"full batch": regime_map(etas, lams, short_steps),
-                  f"gradient noise {NOISE}": regime_map(etas, lams, short_steps, gradient_noise=NOISE)}
-    boundaries = {(name, horizon): boundary_summary(etas, lams, labels)
-                  for horizon, group in ((map_steps, maps), (short_steps, short_maps))
-                  for name, labels in group.items()}
+    maps_by_horizon = {name: regime_maps(etas, lams, (map_steps, short_steps), **options)
+                       for name, options in (("full batch", {}), (f"gradient noise {NOISE}", {"gradient_noise": NOISE}))}
+    maps = {name: by_horizon[map_steps] for name, by_horizon in maps_by_horizon.items()}
+    count_rows = [[name, *[int((labels == regime).sum()) for regime in REGIMES]] for name, labels in maps.items()]
+    boundaries = {(name, horizon): boundary_summary(etas, lams, by_horizon[horizon])
+                  for horizon in (map_steps, short_steps) for name, by_horizon in maps_by_horizon.items()}
     boundary_rows = [[name, horizon, b["columns"], b["slope"], _follows(b["slope"]), b["eta_spread"],
                       b["eta_lambda_spread"], b["median_eta_lambda"]] for (name, horizon), b in boundaries.items()]
 
