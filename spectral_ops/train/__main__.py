@@ -18,9 +18,14 @@ from pathlib import Path
 
 from .config import add_config_arguments, config_from_arguments, preset
 from .loop import train
-from .sweep import GRID_DEFAULTS, MODULE_WISE_COEFFICIENTS, PROTOCOLS, RECIPES, run_sweep
+from .sweep import GRID_DEFAULTS, MODULE_WISE_POWERS, PROTOCOLS, RECIPES, run_sweep
 
 COMMANDS = ("train", "sweep", "report", "demo")
+
+
+def _listed(values, spec: str = "g") -> str:
+    """Values for a --help line, as the flag takes them (space-separated)."""
+    return " ".join(format(value, spec) for value in values)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -38,21 +43,24 @@ def parser() -> argparse.ArgumentParser:
     add_config_arguments(sweep_parser)
     sweep_parser.add_argument("--out", type=Path, default=Path("runs/sweep"),
                               help="folder of the runs and of summary.{md,csv,json} (default: runs/sweep)")
+    response, module_wise = PROTOCOLS["coefficient-response"], PROTOCOLS["module-wise"]
     sweep_parser.add_argument("--protocol", choices=sorted(PROTOCOLS),
-                              help="a SPEC 7 protocol's grid: coefficient-response (7.4: p 0 1 2 4 x lambda_p "
-                                   "0.003 0.01 0.03) or module-wise (7.6: recipes p1 pA0pM2 x lr x lambda_A x "
-                                   "lambda_M, 3 values each, 7,268 steps); the flags below and --steps override it")
+                              help="a SPEC 7 protocol's grid: coefficient-response (7.4: p "
+                                   f"{_listed(response['grid']['powers'])} x lambda_p "
+                                   f"{_listed(response['grid']['coefficients'])}) or module-wise (7.6: recipes "
+                                   f"{' '.join(module_wise['grid']['recipes'])} x lr x lambda_A x lambda_M, "
+                                   f"{len(module_wise['grid']['lrs'])} values each, "
+                                   f"{module_wise['config']['steps']:,} steps); the flags below and --steps override it")
     sweep_parser.add_argument("--powers", type=int, nargs="+",
-                              help="spectral powers p to sweep (default: "
-                                   f"{' '.join(map(str, GRID_DEFAULTS['powers']))})")
+                              help=f"spectral powers p to sweep (default: {_listed(GRID_DEFAULTS['powers'])})")
     sweep_parser.add_argument("--coefficients", type=float, nargs="+",
                               help="spectral coefficients lambda_p to sweep, or lambda_V of HHF+p2V "
-                                   f"(default: {' '.join(f'{v:g}' for v in GRID_DEFAULTS['coefficients'])})")
+                                   f"(default: {_listed(GRID_DEFAULTS['coefficients'])})")
     sweep_parser.add_argument("--recipes", nargs="+", choices=RECIPES,
                               help="SPEC 7.5/7.6 recipes to sweep instead of powers x coefficients")
     sweep_parser.add_argument("--attention-coefficients", type=float, nargs="+",
-                              help="lambda_A of the module-wise recipes p1 and pA0pM2 "
-                                   f"(default: SPEC 7.6's {' '.join(f'{v:.7g}' for v in MODULE_WISE_COEFFICIENTS)})")
+                              help=f"lambda_A of the module-wise recipes {' and '.join(MODULE_WISE_POWERS)} "
+                                   f"(default: SPEC 7.6's {_listed(GRID_DEFAULTS['attention_coefficients'], '.7g')})")
     sweep_parser.add_argument("--mlp-coefficients", type=float, nargs="+",
                               help="lambda_M of the module-wise recipes (default: as --attention-coefficients)")
     sweep_parser.add_argument("--lrs", type=float, nargs="+",
