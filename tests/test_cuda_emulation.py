@@ -301,6 +301,8 @@ def test_gram_space_iteration_over_the_kernels(p):
     gram_space = functools.partial(plan.spectral_power, iteration="gram_space")
     got = on_cuda(gram_space, W, p, COEFFICIENTS, path="composed", precision="ieee")
     expected = gram_space(TORCH, W, p, COEFFICIENTS)
+    # Both fp32: only the kernels' summation order differs, compounded over the ~30 products of the
+    # blocks and restarts (measured 1e-6 for p = 0, 2, 4), so 1e-5 as for band_direction above.
     assert relative_error(got, expected) < 1e-5
 
 
