@@ -42,14 +42,14 @@ def noisy_equilibria(steps: int) -> list[dict]:
     c_squared = (x * trajectory.gradient_norm[steps // 2:] ** 2).mean(0)
     deviation = x - x.mean(0)
     lag1 = (deviation[1:] * deviation[:-1]).mean(0) / (deviation**2).mean(0)
+    closed_form, slope = equilibrium_norm(eta, lam, np.sqrt(c_squared)), equilibrium_norm_slope(eta, lam)
     rows = []
     for i, (e, l) in enumerate(EQUILIBRIUM_POINTS):
-        closed_form = float(equilibrium_norm(e, l, np.sqrt(c_squared[i])))
         full_batch = full_batch_equilibrium(e, l)
         rows.append({"eta": e, "lambda": l, "eta_lambda": e * l, "c_squared": float(c_squared[i]),
-                     "n_star": closed_form, "n_star_simulated": float(np.sqrt(x[:, i].mean())),
-                     "relative_error_n_star_squared": float(x[:, i].mean() / closed_form**2 - 1),
-                     "norm_map_slope": float(equilibrium_norm_slope(e, l)), "lag1_autocorrelation": float(lag1[i]),
+                     "n_star": float(closed_form[i]), "n_star_simulated": float(np.sqrt(x[:, i].mean())),
+                     "relative_error_n_star_squared": float(x[:, i].mean() / closed_form[i]**2 - 1),
+                     "norm_map_slope": float(slope[i]), "lag1_autocorrelation": float(lag1[i]),
                      "log_norm_std": float(np.log(x[:, i]).std() / 2),
                      "full_batch_angle": full_batch.angle, "full_batch_n_star": full_batch.norm,
                      "full_batch_spectral_radius": full_batch.spectral_radius})
