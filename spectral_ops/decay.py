@@ -211,9 +211,8 @@ def _guarded_scale(stack, p, scale, weight_decay, band, policy, capturable=False
         warnings.warn(message, RuntimeWarning, stacklevel=4)
         return None, {}
     factor = clamp_factor(worst)
-    indices = violating.reshape(-1).nonzero().reshape(-1).tolist()
     factors, orders = factor.reshape(-1).tolist(), worst.reshape(-1).tolist()
-    return factor, {i: (factors[i], orders[i]) for i in indices}
+    return factor, {i: (factors[i], order) for i, order in enumerate(orders) if order >= 1}
 
 
 def log_clamp(name: str, factor: float, order: float, level: int = logging.WARNING, remark: str = "") -> None:
