@@ -48,12 +48,6 @@ def test_paper8_groups_carry_only_the_base_rule_on_every_matrix():
             (1, 0.01, 0.0, "independent"), group["role"]
 
 
-def test_the_loop_validates_at_the_cadence_steps():
-    assert evaluation_steps(5, 2) == [2, 4, 5]
-    paper12 = evaluation_steps(16_204, log_every_for(16_204, 164))
-    assert len(paper12) == 164 and paper12[-1] == 16_204
-    with pytest.raises(ValueError, match="exactly 7 times in 10 steps"):
-        log_every_for(10, 7)  # cadence 2 validates 5 times, cadence 1 ten times
 
 
 def test_cpu_presets_keep_their_settings():
@@ -68,6 +62,18 @@ def stand_in_corpus(monkeypatch):
     text = np.frombuffer(b"the default corpus stands in for the protocol's data. " * 200, dtype=np.uint8)
     corpus = data_module.Corpus(train=text, val=text[:2000], description="a stand-in corpus")
     monkeypatch.setattr(loop, "load_corpus", lambda data, vocab_size=0: corpus)
+
+
+def test_the_loop_validates_at_the_cadence_steps(tmp_path, stand_in_corpus):
+    assert evaluation_steps(5, 2) == [2, 4, 5]
+    # The last step validates although the cadence does not reach it.
+    run = preset("tiny", n_layers=1, d_model=32, n_heads=2, seq_len=16, batch_size=2, steps=5, log_every=2,
+                 val_batches=1, out_dir=str(tmp_path / "run"))
+    assert [record["step"] for record in train(run, progress=False)] == [2, 4, 5]
+    paper12 = evaluation_steps(16_204, log_every_for(16_204, 164))
+    assert len(paper12) == 164 and paper12[-1] == 16_204
+    with pytest.raises(ValueError, match="exactly 7 times in 10 steps"):
+        log_every_for(10, 7)  # cadence 2 validates 5 times, cadence 1 ten times
 
 
 def small_protocol_run(tmp_path, **overrides):
