@@ -47,10 +47,10 @@ import torch
 from spectral_ops.optim import SpectralMuon
 from spectral_ops.optim._decay import needs_spectral_direction, row_blocks_of
 from spectral_ops.optim.distributed import (
-    ROUNDS_PER_SHAPE,
     assign_owners,
     decay_flops,
     shard_row_counts,
+    split_rounds,
 )
 from spectral_ops.optim.muon import direction_flops
 from spectral_ops.train.config import preset
@@ -164,17 +164,12 @@ def sharded_sends(maps: list[OwnerMap], world_size: int) -> list[int]:
 
 
 def rounds_of(owner_map: OwnerMap, world_size: int) -> list[list[int]]:
-    """The matrices (indices) of each collective round of a job: its same-shape matrices split
-    into ``ROUNDS_PER_SHAPE`` rounds, fewer when there are fewer matrices than ranks."""
+    """The matrices (indices) of each collective round of a job: its same-shape matrices split as
+    ``Exchange.run`` splits them."""
     by_shape = {}
     for index, shape in enumerate(owner_map.shapes):
         by_shape.setdefault(shape, []).append(index)
-    rounds = []
-    for members in by_shape.values():
-        count = min(ROUNDS_PER_SHAPE, max(1, len(members) // world_size))
-        size = -(-len(members) // count)
-        rounds += [members[i:i + size] for i in range(0, len(members), size)]
-    return rounds
+    return [members for shape_members in by_shape.values() for members in split_rounds(shape_members, world_size)]
 
 
 def replicated_sends(maps: list[OwnerMap], world_size: int) -> tuple[int, int, int]:

@@ -156,6 +156,14 @@ def assign_owners(costs, world_size: int, loads=None) -> tuple[list[int], list[f
     return owners, loads
 
 
+def split_rounds(members: list, world_size: int) -> list[list]:
+    """A job's same-shape matrices in :data:`ROUNDS_PER_SHAPE` rounds of consecutive ones (one round
+    when there are fewer than twice as many matrices as ranks)."""
+    count = min(ROUNDS_PER_SHAPE, max(1, len(members) // world_size))
+    size = -(-len(members) // count)
+    return [members[start:start + size] for start in range(0, len(members), size)]
+
+
 def decay_flops(shape, options) -> float:
     """The plan's FLOPs of one matrix's decay direction (a band adds its matrix sign)."""
     r, big = min(shape), max(shape)
@@ -215,10 +223,7 @@ class Exchange:
             for position, (source, layout) in enumerate(zip(sources, layouts)):
                 by_kind[(layout.group, layout.rows, *source.shape[1:], source.dtype, layout.replicated)].append(position)
             for members in by_kind.values():
-                count = min(ROUNDS_PER_SHAPE, max(1, len(members) // layouts[members[0]].world_size))
-                size = -(-len(members) // count)
-                for start in range(0, len(members), size):
-                    positions = members[start:start + size]
+                for positions in split_rounds(members, layouts[members[0]].world_size):
                     rounds.append(_Round(self, fn, positions, [owners[job, i] for i in positions], sources, layouts,
                                          results[job]))
         _pipeline(rounds)
