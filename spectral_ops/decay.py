@@ -211,7 +211,7 @@ def _guarded_scale(stack, p, scale, weight_decay, band, policy, capturable=False
         warnings.warn(message, RuntimeWarning, stacklevel=4)
         return None, {}
     factor = clamp_factor(worst)
-    factors, orders = factor.reshape(-1).tolist(), worst.reshape(-1).tolist()
+    factors, orders = torch.stack([factor, worst]).reshape(2, -1).tolist()
     return factor, {i: (factors[i], order) for i, order in enumerate(orders) if order >= 1}
 
 
