@@ -4,6 +4,7 @@ obey the mathematics they illustrate."""
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -151,7 +152,6 @@ def test_command_line_decays_a_saved_checkpoint(tmp_path, capsys):
 
 
 def test_pure_decay_reads_the_training_loops_checkpoint(tmp_path, capsys):
-    from spectral_ops import analysis
     from spectral_ops.train.config import preset
     from spectral_ops.train.loop import save_checkpoint
     from spectral_ops.train.model import Transformer
@@ -202,9 +202,11 @@ def test_width_transfer_arms_trained_with_their_width_rule(outputs):
             # The optimizer's own groups after training: lr ~ 1/d and lambda ~ sqrt(d) (decoupled) under the rule.
             assert record["lr"] == pytest.approx(width_transfer.BASE_LR / ratio, rel=1e-12)
             assert record["coefficient"] == pytest.approx(coefficient * math.sqrt(ratio), rel=1e-12)
-            # SIGMA_SAMPLES samples ending at the last step, each of gate, up and down of every layer
-            samples = record["sigma_1_samples"]
-            assert len(samples) == width_transfer.SIGMA_SAMPLES and record["sample_steps"][-1] == steps
+            # SIGMA_SAMPLES samples evenly spaced in the last third, the last at the end of training, each
+            # of gate, up and down of every layer
+            samples, sample_steps = record["sigma_1_samples"], record["sample_steps"]
+            assert len(samples) == len(sample_steps) == width_transfer.SIGMA_SAMPLES and sample_steps[-1] == steps
+            assert len(set(np.diff(sample_steps))) == 1 and sample_steps[0] > 2 * steps / 3
             assert all(len(sample) == 3 * width_transfer.QUICK_SETTINGS["n_layers"] for sample in samples)
             assert record["sigma_1"] == pytest.approx(sum(map(sum, samples)) / sum(map(len, samples)), rel=1e-12)
         scales = [r["predicted_scale"] for r in data["runs"][arm]]

@@ -75,7 +75,7 @@ def train_width(corpus, config: TrainConfig, base_width: int, rule: bool) -> dic
     optimizer = SpectralAdamW(groups, lr=config.lr)
     mlp = [param for group in optimizer.param_groups if group["role"] in MLP_ROLES for param in group["params"]]
     interval = config.steps // (3 * SIGMA_SAMPLES)
-    losses, samples = [], []
+    losses, samples, sample_steps = [], [], []
     for step in range(config.steps):
         multiplier = lr_multiplier(step, config.steps, config.warmup_steps, config.min_lr_ratio)
         for group in optimizer.param_groups:
@@ -89,12 +89,13 @@ def train_width(corpus, config: TrainConfig, base_width: int, rule: bool) -> dic
         remaining = config.steps - step - 1
         if remaining % interval == 0 and remaining < SIGMA_SAMPLES * interval:
             samples.append([float(spectral_norm(param.detach())) for param in mlp])
+            sample_steps.append(step + 1)
     group = next(group for group in optimizer.param_groups if group["role"] in MLP_ROLES)
     coefficient = group["weight_decay"] if config.p == 1 else group["spectral_weight_decay"]
     return {"width": config.d_model, "p": config.p, "lr": group["peak_lr"], "coefficient": coefficient,
             "predicted_scale": balance_scale(group["peak_lr"], coefficient, config.p, config.d_model),
             "sigma_1": float(np.mean(samples)), "sigma_1_samples": samples,
-            "sample_steps": [config.steps - k * interval for k in reversed(range(SIGMA_SAMPLES))],
+            "sample_steps": sample_steps,
             "final_loss": float(np.mean(losses[-LOSS_WINDOW:]))}
 
 
