@@ -47,7 +47,9 @@ def test_protocol_defaults_yield_to_flags():
     base, axes = plan("--protocol", "module-wise", "--steps", "5", "--lrs", "0.01", "--recipes", "p1")
     assert base.steps == 5 and len(grid(base, Path("out"), **axes)) == 9
     base, axes = plan("--protocol", "coefficient-response", "--preset", "paper8")
-    assert (axes["powers"], axes["coefficients"], base.steps) == ((0, 1, 2, 4), (0.003, 0.01, 0.03), 5000)
+    # SPEC 7.4's grid; the protocol sets no config field, so the preset's steps stand.
+    assert (axes["powers"], axes["coefficients"], base.steps) == ((0, 1, 2, 4), (0.003, 0.01, 0.03),
+                                                                  preset("paper8").steps)
 
 
 def test_p1_recipe_decays_attention_and_mlp_like_ordinary_decay_with_their_own_coefficients():
