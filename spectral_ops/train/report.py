@@ -107,10 +107,12 @@ def probability_mass(values: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
 
 
 def _histograms(axes, runs):
-    spectra = {run["name"]: [metrics.singular_values(W) for kind in MODULE_TYPES
-                             for W in family_matrices(run["state"], kind)] for run in runs}
-    for axis, transform, label in ((axes[0], lambda s: s, "log10 s"), (axes[1], lambda s: s / s[0], "log10 s / s_1")):
-        values = {name: torch.log10(torch.cat([transform(s) for s in run_spectra]).clamp_min(1e-12))
+    # One batched SVD per family: a family's matrices share their shape. Rows: layers, descending.
+    spectra = {run["name"]: [metrics.singular_values(torch.stack(family_matrices(run["state"], kind)))
+                             for kind in MODULE_TYPES] for run in runs}
+    for axis, transform, label in ((axes[0], lambda s: s, "log10 s"),
+                                   (axes[1], lambda s: s / s[:, :1], "log10 s / s_1")):
+        values = {name: torch.log10(torch.cat([transform(s).flatten() for s in run_spectra]).clamp_min(1e-12))
                   for name, run_spectra in spectra.items()}
         pooled = torch.cat(list(values.values()))
         # Shared edges, so that the runs' bars line up.
