@@ -18,6 +18,7 @@ from spectral_ops.plan import (  # noqa: F401  (re-exported: this file is the be
     msign_flops,
     polar_flops,
     polar_step_flops,
+    resolve_iteration,
     spectral_power_flops,
 )
 
@@ -27,17 +28,23 @@ def _dims(shape):
     return math.prod(batch), min(m, n), max(m, n)
 
 
-def op_flops(op: str, shape, steps: int = 8) -> float:
+def op_flops(op: str, shape, steps: int = 8, precision: str = "fp32") -> float:
+    """FLOPs of ``op`` on ``shape``, an even power's iteration counted as the one the op runs at
+    ``precision`` (``iteration="auto"``: Gram space where it saves work; see ``plan.resolve_iteration``)."""
     batch, r, big = _dims(shape)
+
+    def power(p):
+        return spectral_power_flops(r, big, p, steps, resolve_iteration("auto", p, shape[-2:], precision, steps))
+
     per_matrix = {
         "gram": lambda: gram_flops(r, big),
         "polar_step": lambda: polar_step_flops(r, big),
         "polar": lambda: polar_flops(r, big, steps),
-        "spectral_power_p0": lambda: spectral_power_flops(r, big, 0, steps),
-        "spectral_power_p2": lambda: spectral_power_flops(r, big, 2, steps),
-        "spectral_power_p4": lambda: spectral_power_flops(r, big, 4, steps),
+        "spectral_power_p0": lambda: power(0),
+        "spectral_power_p2": lambda: power(2),
+        "spectral_power_p4": lambda: power(4),
         "msign": lambda: msign_flops(r, 30),
-        "decay_p2": lambda: spectral_power_flops(r, big, 2, steps),
+        "decay_p2": lambda: power(2),
         "muon_step": lambda: polar_flops(r, big, steps),
     }[op]
     return batch * per_matrix()

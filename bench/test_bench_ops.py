@@ -129,7 +129,7 @@ def test_op(benchmark, op, implementation, shape, dtype, dense_peak_flops):
     element_size = torch.tensor([], dtype=dtype).element_size()
     benchmark.extra_info.update(
         op=op, implementation=implementation, shape=list(shape), dtype=str(dtype)[6:], device=DEVICE.type,
-        flops=op_flops(op, shape), bytes=op_bytes(op, shape, element_size),
+        flops=op_flops(op, shape, precision=resolve_precision(None, dtype)), bytes=op_bytes(op, shape, element_size),
         peak_flops=dense_peak_flops[str(dtype)], precision=resolve_precision(None, dtype),
     )
     if op == "muon_step":
@@ -182,5 +182,6 @@ def selection_cases():
 def test_method_selection(benchmark, p, shape, dtype, method):
     W = matrix_with_spectrum(shape, log_spaced_spectrum(min(shape), 100), dtype, seed=0)
     benchmark.extra_info.update(op=f"select_p{p}", implementation=method, shape=list(shape),
-                                dtype=str(dtype)[6:], device="cpu", flops=op_flops(f"spectral_power_p{p}", shape))
+                                dtype=str(dtype)[6:], device="cpu", flops=op_flops(f"spectral_power_p{p}", shape,
+                                                                      precision=resolve_precision(None, dtype)))
     benchmark(so.spectral_power, W, p, method)
