@@ -221,44 +221,6 @@ def test_a_capturable_clamp_gives_the_eager_factors_without_a_host_read(caplog):
     assert all(relative_error(a, b) < 1e-12 for a, b in zip(eager_result, captured))
 
 
-def test_the_optimizers_count_and_log_their_clamps(caplog):
-    from spectral_ops.optim import SpectralAdamW, SpectralMuon
-
-    big = matrix_with_spectrum((12, 8), log_spaced_spectrum(8, 10) * 10, torch.float64, seed=4)
-    counts = {}
-    for capturable in (False, True):
-        param = torch.nn.Parameter(big.clone())
-        param.grad = torch.zeros_like(big)
-        optimizer = SpectralAdamW([param], lr=0.1, p=2, spectral_weight_decay=2.0, weight_decay=0.0,
-                                  stability="clamp", capturable=capturable)
-        caplog.clear()
-        with caplog.at_level("DEBUG", logger="spectral_ops.decay"):
-            optimizer.step()
-            optimizer.step()
-        counts[capturable] = optimizer.clamped["param_groups[0]['params'][0] (12, 8)"]
-        named = "of param_groups[0]['params'][0] (12, 8) by a factor"
-        # The first clamp of a matrix warns (and says where the later ones go); a run would otherwise
-        # repeat the warning for every matrix at every step.
-        logged = [(r.levelname, named in r.getMessage(), "later clamps are logged at DEBUG" in r.getMessage())
-                  for r in caplog.records]
-        assert logged == ([] if capturable else [("WARNING", True, True), ("DEBUG", True, False)])
-    assert int(counts[False].count) == int(counts[True].count) == 2
-    assert torch.equal(counts[False].smallest_factor, counts[True].smallest_factor)
-    assert float(counts[False].smallest_factor) < 1
-
-    # Muon's Q/K/V blocks are clamped one by one, and named by their rows.
-    fused = torch.nn.Parameter(torch.cat([big[:4], big[:4] * 0.01, big[:4] * 0.01]))
-    fused.grad = torch.zeros_like(fused)
-    muon = SpectralMuon([{"params": [fused], "splits": (4, 4, 4), "param_names": ["attn.qkv"]}], lr=0.1, p=2,
-                        spectral_weight_decay=2.0, stability="clamp")
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="spectral_ops.decay"):
-        muon.step()
-    assert [r.getMessage().split(" by ")[0] for r in caplog.records] == [
-        "stability='clamp' reduced the spectral coefficient of attn.qkv (12, 8) rows 0:4"]
-    assert int(muon.clamped["attn.qkv (12, 8)"].count) == 1
-
-
 def test_weight_decay_is_a_deprecated_alias_of_spectral_weight_decay():
     W = matrix_with_spectrum((20, 12), log_spaced_spectrum(12, 10), torch.float64, seed=3)
     expected = so.spectral_decay_(W.clone(), 2, 0.1, spectral_weight_decay=0.2)
@@ -355,24 +317,3 @@ def _offsets(W: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """The flat positions in ``base`` of ``W``'s elements (``W`` is a view of the contiguous ``base``)."""
     index = torch.arange(base.numel()).view(base.shape)
     return torch.as_strided(index, W.shape, W.stride(), W.storage_offset() - base.storage_offset())
-
-
-def test_clamp_counts_are_saved_and_loaded(tmp_path):
-    """A resumed run keeps counting its clamps (the training loop's clamped_updates is "so far"): the
-    records go into state_dict by parameter position, and survive torch.save/load(weights_only=True)."""
-    from spectral_ops.optim import SpectralAdamW
-
-    param = torch.nn.Parameter(matrix_with_spectrum((12, 8), log_spaced_spectrum(8, 10) * 10, torch.float64, seed=4))
-    param.grad = torch.zeros_like(param)
-    optimizer = SpectralAdamW([param], lr=0.1, p=2, spectral_weight_decay=2.0, weight_decay=0.0, stability="clamp")
-    optimizer.step()
-    optimizer.step()
-    torch.save(optimizer.state_dict(), tmp_path / "state.pt")
-    fresh = SpectralAdamW([param], lr=0.1, p=2, spectral_weight_decay=2.0, weight_decay=0.0, stability="clamp")
-    fresh.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
-    (name, saved), = optimizer.clamped.items()
-    loaded = fresh.clamped[name]
-    assert int(saved.count) == int(loaded.count) == 2 and loaded.count.dtype == torch.int32
-    assert torch.equal(saved.smallest_factor, loaded.smallest_factor)
-    fresh.step()
-    assert int(fresh.clamped[name].count) == 3

@@ -16,7 +16,7 @@ import torch
 import spectral_ops as so
 from optim_models import batch, tiny_model
 from spectral_ops.backends.torch_backend import TorchBackend
-from spectral_ops.linalg import matrix_with_spectrum
+from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum
 from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD, param_groups_by_module
 
 
@@ -352,3 +352,61 @@ def test_a_group_can_decay_in_gram_space():
     assert torch.equal(weight.detach(), expected)
     with pytest.raises(ValueError, match="iteration must be one of"):
         SpectralSGD([weight], p=2, spectral_weight_decay=0.5, decay_iteration="gram")
+
+
+# The stability clamp, counted and logged per parameter (SPEC 1.5; the op itself: test_decay.py).
+
+
+def test_the_optimizers_count_and_log_their_clamps(caplog):
+    big = matrix_with_spectrum((12, 8), log_spaced_spectrum(8, 10) * 10, torch.float64, seed=4)
+    counts = {}
+    for capturable in (False, True):
+        param = torch.nn.Parameter(big.clone())
+        param.grad = torch.zeros_like(big)
+        optimizer = SpectralAdamW([param], lr=0.1, p=2, spectral_weight_decay=2.0, weight_decay=0.0,
+                                  stability="clamp", capturable=capturable)
+        caplog.clear()
+        with caplog.at_level("DEBUG", logger="spectral_ops.decay"):
+            optimizer.step()
+            optimizer.step()
+        counts[capturable] = optimizer.clamped["param_groups[0]['params'][0] (12, 8)"]
+        named = "of param_groups[0]['params'][0] (12, 8) by a factor"
+        # The first clamp of a matrix warns (and says where the later ones go); a run would otherwise
+        # repeat the warning for every matrix at every step.
+        logged = [(r.levelname, named in r.getMessage(), "later clamps are logged at DEBUG" in r.getMessage())
+                  for r in caplog.records]
+        assert logged == ([] if capturable else [("WARNING", True, True), ("DEBUG", True, False)])
+    assert int(counts[False].count) == int(counts[True].count) == 2
+    assert torch.equal(counts[False].smallest_factor, counts[True].smallest_factor)
+    assert float(counts[False].smallest_factor) < 1
+
+    # Muon's Q/K/V blocks are clamped one by one, and named by their rows.
+    fused = torch.nn.Parameter(torch.cat([big[:4], big[:4] * 0.01, big[:4] * 0.01]))
+    fused.grad = torch.zeros_like(fused)
+    muon = SpectralMuon([{"params": [fused], "splits": (4, 4, 4), "param_names": ["attn.qkv"]}], lr=0.1, p=2,
+                        spectral_weight_decay=2.0, stability="clamp")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="spectral_ops.decay"):
+        muon.step()
+    assert [r.getMessage().split(" by ")[0] for r in caplog.records] == [
+        "stability='clamp' reduced the spectral coefficient of attn.qkv (12, 8) rows 0:4"]
+    assert int(muon.clamped["attn.qkv (12, 8)"].count) == 1
+
+
+def test_clamp_counts_are_saved_and_loaded(tmp_path):
+    """A resumed run keeps counting its clamps (the training loop's clamped_updates is "so far"): the
+    records go into state_dict by parameter position, and survive torch.save/load(weights_only=True)."""
+    param = torch.nn.Parameter(matrix_with_spectrum((12, 8), log_spaced_spectrum(8, 10) * 10, torch.float64, seed=4))
+    param.grad = torch.zeros_like(param)
+    optimizer = SpectralAdamW([param], lr=0.1, p=2, spectral_weight_decay=2.0, weight_decay=0.0, stability="clamp")
+    optimizer.step()
+    optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "state.pt")
+    fresh = SpectralAdamW([param], lr=0.1, p=2, spectral_weight_decay=2.0, weight_decay=0.0, stability="clamp")
+    fresh.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    (name, saved), = optimizer.clamped.items()
+    loaded = fresh.clamped[name]
+    assert int(saved.count) == int(loaded.count) == 2 and loaded.count.dtype == torch.int32
+    assert torch.equal(saved.smallest_factor, loaded.smallest_factor)
+    fresh.step()
+    assert int(fresh.clamped[name].count) == 3
