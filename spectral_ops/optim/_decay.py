@@ -8,6 +8,7 @@ batched :func:`spectral_ops.spectral_decay_` call per group (same shapes share a
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import warnings
@@ -35,6 +36,15 @@ DECAY_DEFAULTS = {
     "capturable": False,
     "strict": False,
 }
+
+
+# torch's own group keys that this family holds as torch's optimizers do. torch's load_state_dict adds
+# ``differentiable`` to the defaults of any optimizer it loads into; held from construction, a group
+# has the same keys before and after a round trip. The steps run without autograd, so it stays False.
+TORCH_GROUP_DEFAULTS = {"differentiable": False}
+
+# The entries of state_dict() (and of pickled or copied state) that are the family's, not torch's.
+COUNT_KEYS = ("skipped", "clamped")
 
 
 def is_zero(value) -> bool:
@@ -358,7 +368,7 @@ class SpectralOptimizer(Optimizer):
     def __init__(self, params, defaults: dict, process_group=None):
         # Not a group option: a process group cannot be saved in a state dict.
         self.process_group = process_group
-        super().__init__(params, defaults)
+        super().__init__(params, {**defaults, **TORCH_GROUP_DEFAULTS})
 
     def layout(self, param: torch.Tensor):
         """How ``param`` is spread over the ranks (see :mod:`spectral_ops.optim.distributed`), or None:
@@ -389,11 +399,28 @@ class SpectralOptimizer(Optimizer):
         if isinstance(group["band"], Band):
             group["band"] = dataclasses.asdict(group["band"])
 
+    def __getstate__(self) -> dict:
+        """What pickle and :func:`copy.deepcopy` carry: torch's defaults, state and groups, and the skip
+        and clamp counts (:meth:`count_state`). Not the process group, which pickle cannot carry (an
+        unpickled optimizer has none: see :meth:`__deepcopy__` for copies)."""
+        return {**super().__getstate__(), **self.count_state()}
+
+    def __deepcopy__(self, memo: dict):
+        # A process group is a handle on the ranks, not data: the copy uses the same one.
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        clone.__setstate__({**copy.deepcopy(self.__getstate__(), memo), "process_group": self.process_group})
+        return clone
+
     def __setstate__(self, state: dict) -> None:
-        # load_state_dict lands here. A state saved by an earlier release lacks the group keys added
-        # since (they take this optimizer's defaults), and a converted or old Adam state may hold its
-        # step count as a plain number (made a tensor, as torch's Adam does).
-        super().__setstate__(state)
+        # load_state_dict, pickle and deepcopy land here. A state saved by an earlier release lacks the
+        # group keys added since (they take this optimizer's defaults), and a converted or old Adam state
+        # may hold its step count as a plain number (made a tensor, as torch's Adam does).
+        counts = {key: state[key] for key in COUNT_KEYS if key in state}
+        super().__setstate__({key: value for key, value in state.items() if key not in COUNT_KEYS})
+        self.__dict__.setdefault("process_group", None)
+        if counts:
+            self.load_count_state(counts)
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -407,6 +434,9 @@ class SpectralOptimizer(Optimizer):
         for key in ("capturable", "strict"):
             if not isinstance(group[key], bool):
                 raise TypeError(f"{key} must be True or False, got {group[key]!r}")
+        if group["differentiable"] is not False:
+            raise ValueError(f"differentiable={group['differentiable']!r}: spectral_ops optimizers step without "
+                             "autograd (no gradient flows through a step); leave differentiable=False")
         if group["strict"] and group["capturable"]:
             raise ValueError("strict=True raises on a non-finite update, which needs the host to read it; "
                              "capturable=True forbids that (skips are still counted in optimizer.skipped)")

@@ -81,6 +81,7 @@ class SpectralDecay(SpectralOptimizer):
         # Renamed before the family fills in missing keys, which would add a default lambda_p next to it.
         groups = [_without_deprecated_key(group, stacklevel=2) for group in state["param_groups"]]
         super().__setstate__({**state, "param_groups": groups})
+        self.__dict__.setdefault("_hook", None)  # a copy or an unpickled one is not attached
 
     def attach(self, optimizer: torch.optim.Optimizer) -> "SpectralDecay":
         """Decay before every ``optimizer.step()``, following that optimizer's current lr."""
