@@ -5,8 +5,10 @@ bytes allocated (net of frees) while ``spectral_ops.spectral_decay_`` runs, from
 allocation events (``profile_memory=True``) taken in time order, so a temporary freed before the
 next one is allocated is not counted twice, as the profiler's per-op totals would count it.
 
-What it sees is what goes through torch's CPU allocator: every tensor, not the BLAS libraries'
-private scratch buffers (a few small blocks per thread, independent of the matrix count).
+What it sees is what goes through torch's CPU allocator. That includes the scratch oneDNN's bf16
+kernels allocate inside a product on CPUs with native bf16 (AVX512_BF16, AMX), which MKL's fp32 GEMM
+and the AVX2 kernels do not: each row gives the peak with it, the peak of the tensors alone (the same
+on any CPU) and the largest scratch of one product (see :class:`Peak`).
 
 Rows: spectral_decay_ for each shape, dtype and power; optionally a band decay (``Band(tau, "top")``,
 p = 2) and one SpectralAdamW step (p = 1 and p = 2, measured on its second step, when the Adam
@@ -20,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -28,6 +32,7 @@ from torch.profiler import ProfilerActivity, profile
 import spectral_ops
 from spectral_ops import Band
 from spectral_ops.optim import SpectralAdamW
+from spectral_ops.provenance import machine, machine_line
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 LR, COEFFICIENT = 0.01, 0.1  # lr * coefficient * s_max^(p-1) stays far below 1: no stability clamp fires
@@ -40,28 +45,94 @@ def parse_shape(text: str) -> tuple[int, tuple[int, int]]:
     return int(count or 1), (m, n)
 
 
-def allocation_events(run) -> list[tuple[int, int]]:
-    """``(time in ns, bytes)`` of every CPU allocation (positive) and free (negative) while ``run`` runs."""
+# The products whose own allocations, freed before they return, are the BLAS library's scratch.
+PRODUCTS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"})
+
+
+class Peak(NamedTuple):
+    """The peak of one call's allocations, net of frees, over its start, in bytes.
+
+    ``total`` counts every allocation. ``tensors`` leaves out the scratch a product allocates and
+    frees inside itself (oneDNN's bf16 kernels reorder their operands into blocked buffers there; MKL's
+    fp32 GEMM and the AVX2 kernels allocate none): what the caller's own tensors hold, the same on any
+    CPU. ``scratch`` is the largest scratch of one product. A copy that torch makes inside a product
+    (a ``contiguous`` operand) is a tensor of its own op, so ``tensors`` counts it.
+    """
+
+    total: int
+    tensors: int
+    scratch: int
+
+
+def _profile(run):
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-              if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
-    return sorted(events, key=lambda event: event[0])  # stable: same-time events keep their order
+    cpu = [e for e in prof.profiler.kineto_results.events() if e.device_type() == torch.autograd.DeviceType.CPU]
+    memory = sorted(((e.start_ns(), e.nbytes()) for e in cpu if e.name() == "[memory]"), key=lambda event: event[0])
+    ops = [(e.start_ns(), e.start_ns() + e.duration_ns(), e.name()) for e in cpu if e.name() != "[memory]"]
+    return memory, ops
 
 
-def peak_bytes(run, repeats: int = 2) -> int:
-    """The highest running sum of the allocations over the start (0: nothing outlived a free), the
-    worst of ``repeats`` profiled calls after one unprofiled warm-up call (routing caches, lazy
-    initialisation and first-call allocations are not the step's workspace)."""
+def _innermost(time: int, ops):
+    """The op that was running at ``time`` and started last, or None."""
+    running = [op for op in ops if op[0] <= time < op[1]]
+    return max(running, key=lambda op: op[0]) if running else None
+
+
+def profiled_peak(run) -> Peak:
+    """The :class:`Peak` of one profiled call of ``run``: allocation events taken in time order, so a
+    temporary freed before the next one is allocated is not counted twice, as the profiler's per-op
+    totals would count it. A product's scratch is an allocation made by the product itself (not by
+    an op inside it) and freed by it, matched by size (the events carry no address)."""
+    memory, ops = _profile(run)
+    owner = [_innermost(time, ops) for time, _ in memory]
+    scratch_events = set()
+    unmatched = {}  # (product, size) -> indices of its own allocations of that size not yet freed
+    for index, ((_, nbytes), op) in enumerate(zip(memory, owner)):
+        if op is None or op[2] not in PRODUCTS:
+            continue
+        if nbytes > 0:
+            unmatched.setdefault((op, nbytes), []).append(index)
+        elif unmatched.get((op, -nbytes)):
+            scratch_events.update((unmatched[(op, -nbytes)].pop(), index))
+    running = total = held = tensors = scratch = 0
+    live_scratch = defaultdict(int)  # product -> its scratch allocated and not yet freed
+    for index, ((_, nbytes), op) in enumerate(zip(memory, owner)):
+        running += nbytes
+        total = max(total, running)
+        if index in scratch_events:
+            live_scratch[op] += nbytes
+            scratch = max(scratch, live_scratch[op])
+        else:
+            held += nbytes
+            tensors = max(tensors, held)
+    return Peak(total, tensors, scratch)
+
+
+def peak(run, repeats: int = 2) -> Peak:
+    """The worst :class:`Peak` (each field) of ``repeats`` profiled calls after one unprofiled warm-up
+    call (routing caches, lazy initialisation and first-call allocations are not the step's workspace)."""
     run()
-    peaks = []
-    for _ in range(repeats):
-        running = peak = 0
-        for _, nbytes in allocation_events(run):
-            running += nbytes
-            peak = max(peak, running)
-        peaks.append(peak)
-    return max(peaks)
+    peaks = [profiled_peak(run) for _ in range(repeats)]
+    return Peak(*(max(values) for values in zip(*peaks)))
+
+
+def product_scratch(count: int, shape, dtype) -> int:
+    """The largest scratch of a bare torch product of the decay's shapes and dtype, measured now: each
+    product the plan forms (the Gram ``X X^T``, ``A X`` and ``b A + c A^2``, with and without an added
+    term), with ``X`` contiguous or a transposed view, 2-D for one matrix, batched for a list. What
+    the library underneath needs for those products on this machine, whatever the plan does."""
+    m, n = shape
+    r, N = min(m, n), max(m, n)
+    batch = (count,) if count > 1 else ()
+    mm, addmm = (torch.bmm, torch.baddbmm) if batch else (torch.mm, torch.addmm)
+    A = torch.randn(*batch, r, r).to(dtype)
+    worst = 0
+    for X in (torch.randn(*batch, r, N).to(dtype), torch.randn(*batch, N, r).to(dtype).mT):
+        products = (lambda: mm(X, X.mT), lambda: mm(A, X), lambda: addmm(X, A, X, beta=0.5, alpha=2.0),
+                    lambda: addmm(A, A, A, beta=0.5, alpha=2.0))
+        worst = max(worst, *(peak(product, repeats=1).scratch for product in products))
+    return worst
 
 
 def weights(count: int, shape, dtype, seed: int = 0) -> list[torch.Tensor]:
@@ -89,12 +160,13 @@ def optimizer_step(tensors, p: int | None):
     return optimizer.step
 
 
-def row(case: str, count: int, shape, dtype_name: str, p, peak: int) -> dict:
+def row(case: str, count: int, shape, dtype_name: str, p, peak: Peak) -> dict:
     numel = count * shape[0] * shape[1]
     matrix_bytes = numel * DTYPES[dtype_name].itemsize
     return {"case": case, "shape": f"{count}@{shape[0]}x{shape[1]}" if count > 1 else f"{shape[0]}x{shape[1]}",
-            "dtype": dtype_name, "p": p, "matrix_bytes": matrix_bytes, "peak_bytes": peak,
-            "x_matrix": peak / matrix_bytes, "x_fp32_matrix": peak / (4 * numel)}
+            "dtype": dtype_name, "p": p, "matrix_bytes": matrix_bytes, "peak_bytes": peak.total,
+            "tensor_bytes": peak.tensors, "product_scratch_bytes": peak.scratch,
+            "x_matrix": peak.tensors / matrix_bytes, "x_fp32_matrix": peak.tensors / (4 * numel)}
 
 
 def measure(shapes, dtype_names, powers, band: bool, optimizer: bool, repeats: int) -> list[dict]:
@@ -104,18 +176,17 @@ def measure(shapes, dtype_names, powers, band: bool, optimizer: bool, repeats: i
         for dtype_name in dtype_names:
             dtype = DTYPES[dtype_name]
             for p in powers:
-                peak = peak_bytes(decay_call(weights(count, shape, dtype), p), repeats)
-                rows.append(row("spectral_decay_", count, shape, dtype_name, p, peak))
+                rows.append(row("spectral_decay_", count, shape, dtype_name, p,
+                                peak(decay_call(weights(count, shape, dtype), p), repeats)))
             if band:
-                tensors = weights(count, shape, dtype)
                 # tau between the modes (singular values of a random matrix spread over about (0, 2)).
-                peak = peak_bytes(decay_call(tensors, 2, Band(tau=1.0, mode="top")), repeats)
-                rows.append(row("band top, tau 1", count, shape, dtype_name, 2, peak))
+                rows.append(row("band top, tau 1", count, shape, dtype_name, 2,
+                                peak(decay_call(weights(count, shape, dtype), 2, Band(tau=1.0, mode="top")), repeats)))
             if optimizer:
                 for p in (None, 1, 2):
-                    peak = peak_bytes(optimizer_step(weights(count, shape, dtype), p), repeats)
                     name = "torch AdamW step" if p is None else "SpectralAdamW step"
-                    rows.append(row(name, count, shape, dtype_name, "-" if p is None else p, peak))
+                    rows.append(row(name, count, shape, dtype_name, "-" if p is None else p,
+                                    peak(optimizer_step(weights(count, shape, dtype), p), repeats)))
     return rows
 
 
@@ -123,18 +194,22 @@ def markdown(rows: list[dict], title: bool = True) -> str:
     lines = []
     if title:
         lines += ["# Workspace of one decay step (CPU)", "",
-                  f"`python bench/decay_memory.py` (torch {torch.__version__}, {torch.get_num_threads()} threads). "
+                  f"`python bench/decay_memory.py` on {machine_line()}. "
                   "Peak of the bytes allocated, net of frees, while one call runs, from torch.profiler's "
                   "allocation events in time order, after a warm-up call; lr 0.01, coefficient 0.1, "
                   "`precision=None` (bf16 weights: bf16 products, fp32 decay arithmetic). "
-                  "x W: in units of the weights' bytes; x fp32 W: in units of a float32 copy of them "
+                  "Tensors: the peak without the scratch a product allocates and frees inside itself "
+                  "(oneDNN's bf16 kernels on CPUs with native bf16; none on AVX2 CPUs or in fp32), the "
+                  "same on any CPU; all: with it; scratch: the largest of one product. "
+                  "x W: tensors in units of the weights' bytes; x fp32 W: in units of a float32 copy of them "
                   "(the math dtype, the unit of the plan's temporaries). The optimizer rows are the "
                   "second step (the moments exist), the whole step: decay and Adam.", ""]
-    lines += ["| case | shape | dtype | p | W bytes | peak extra bytes | x W | x fp32 W |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["| case | shape | dtype | p | W bytes | peak: tensors | all | product scratch | x W | x fp32 W |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['case']} | {r['shape']} | {r['dtype']} | {r['p']} | {r['matrix_bytes']:,} | "
-                     f"{r['peak_bytes']:,} | {r['x_matrix']:.2f} | {r['x_fp32_matrix']:.2f} |")
+                     f"{r['tensor_bytes']:,} | {r['peak_bytes']:,} | {r['product_scratch_bytes']:,} | "
+                     f"{r['x_matrix']:.2f} | {r['x_fp32_matrix']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -168,8 +243,7 @@ def main(argv=None) -> list[dict]:
     if args.out_md:
         args.out_md.write_text(markdown(rows))
     if args.out_json:
-        args.out_json.write_text(json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
-                                             "rows": rows}, indent=1) + "\n")
+        args.out_json.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1) + "\n")
     return rows
 
 
