@@ -19,6 +19,7 @@ from ._extension import load_extension
 from .decay import spectral_decay_
 from .ops import polar, spectral_power
 from .plan import PRECISIONS
+from .progress import progress
 
 
 def _version_of(distribution: str) -> str:
@@ -117,13 +118,8 @@ def _names(choices):
 def tune(shapes, dtypes, ops, precision=None, device="cuda") -> str:
     """Run ``ops`` once on random weights of each shape and dtype so that every primitive they call
     is routed by measurement and cached; returns the cache report."""
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # a dependency, but a bare checkout on a GPU machine (bench/gpu_check.py) may lack it
-        def tqdm(iterable, **_):
-            return iterable
     work = [(shape, dtype, op) for shape in shapes for dtype in dtypes for op in ops]
-    for shape, dtype, op in tqdm(work, desc="tuning", unit="call"):
+    for shape, dtype, op in progress(work, desc="tuning", unit="call"):
         W = torch.randn(shape, dtype=DTYPES[dtype], device=device)
         TUNE_OPS[op](W, precision)
     if torch.device(device).type == "cuda":

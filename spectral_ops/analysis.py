@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
-from tqdm import tqdm
+from .progress import progress as progress_bar  # `progress` is these functions' flag
 
 from .linalg import matrix_with_spectrum, power_weights
 from .ops import spectral_power, svt
@@ -236,7 +236,7 @@ def train_linear_teacher(problem: LinearTeacherProblem, p: int, steps: int = 200
     X, Y, N = problem.X, problem.Y, problem.samples
     W = torch.zeros_like(problem.A)
     objective = [teacher_objective(problem, W, p)]
-    for _ in tqdm(range(steps), desc=f"linear teacher p={p}", leave=False, disable=not progress):
+    for _ in progress_bar(range(steps), desc=f"linear teacher p={p}", leave=False, disable=not progress):
         data_gradient = (W @ (X.mT @ X) - Y.mT @ X) / N
         if p == 0:
             W = svt(W - lr * data_gradient, lr * problem.lam, sign_steps=PROX_SIGN_STEPS)
@@ -314,7 +314,7 @@ def simulate_normalised_network(eta, lam, schedule: np.ndarray, *, dim: int = 16
     records = {name: np.empty((steps, eta.size))
                for name in ("nominal_lr", "norm", "effective_lr", "alignment", "gradient_norm")}
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        for t in tqdm(range(steps), desc="normalised network", leave=False, disable=not progress):
+        for t in progress_bar(range(steps), desc="normalised network", leave=False, disable=not progress):
             norm = np.linalg.norm(w, axis=1, keepdims=True)
             u = w / norm
             cosine = u @ target

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from tqdm import tqdm
+from ..progress import progress
 
 from .. import reference
 from ..coefficients import NORMALIZATION_MARGIN, odd_quintic, polar_express_coefficients
@@ -51,7 +51,7 @@ def run(out_dir, quick: bool = False) -> str:
     coefficients = polar_express_coefficients(STEPS, LOWER, SAFETY)
     cases = [(kappa, shape, seed) for kappa in CONDITION_NUMBERS for shape in SHAPES for seed in seeds]
     records = []
-    for kappa, shape, seed in tqdm(cases, desc="polar-accuracy", unit="case"):
+    for kappa, shape, seed in progress(cases, desc="polar-accuracy", unit="case"):
         W = matrix_with_spectrum(shape, log_spaced_spectrum(min(shape), kappa), torch.float32, seed=seed)
         s = torch.linalg.svdvals(W.double())
         record = {"kappa": kappa, "shape": list(shape), "seed": seed,

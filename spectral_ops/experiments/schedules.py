@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-from tqdm import tqdm
+from ..progress import progress
 
 from .. import dispatch, plan, reference
 from ..coefficients import resolve_polar_coefficients
@@ -77,7 +77,7 @@ def run(out_dir, quick: bool = False) -> str:
     steps = len(coefficients)
     cases = [(kappa, aspect, seed) for kappa in CONDITION_NUMBERS for aspect in ASPECTS for seed in seeds]
     records = []
-    for kappa, aspect, seed in tqdm(cases, desc="schedules", unit="matrix"):
+    for kappa, aspect, seed in progress(cases, desc="schedules", unit="matrix"):
         shape = (aspect * r, r)  # a wide matrix runs as its transpose: the plan iterates on the small side
         W = matrix_with_spectrum(shape, log_spaced_spectrum(r, kappa), torch.float32, seed=seed)
         exact = {p: reference.spectral_power_svd(W.double(), p) for p in POWERS}

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from matplotlib.ticker import FormatStrFormatter
-from tqdm import tqdm
+from ..progress import progress
 
 from ..analysis import spectral_balance_scale
 from ..metrics import spectral_norm
@@ -111,7 +111,7 @@ def run(out_dir, quick: bool = False) -> str:
     cases = [(arm, p, rule, width) for arm, p, rule in ARMS for width in widths]
     by_arm: dict[str, list[dict]] = {arm: [] for arm, _, _ in ARMS}
     rule_of = {arm: rule for arm, _, rule in ARMS}
-    for arm, p, rule, width in tqdm(cases, desc="width-transfer", unit="run"):
+    for arm, p, rule, width in progress(cases, desc="width-transfer", unit="run"):
         by_arm[arm].append(train_width(corpus, run_config(width, p, settings), base_width, rule))
 
     rows = [[arm, r["width"], r["lr"], r["coefficient"], r["predicted_scale"], r["sigma_1"],
