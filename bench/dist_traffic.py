@@ -53,6 +53,7 @@ from spectral_ops.optim.distributed import (
     split_rounds,
 )
 from spectral_ops.optim.muon import direction_flops
+from spectral_ops.provenance import machine_line
 from spectral_ops.train.config import preset
 from spectral_ops.train.data import GPT2_VOCAB
 from spectral_ops.train.model import Transformer
@@ -271,6 +272,8 @@ def markdown(rows: list[dict]) -> str:
         "one gradient all-reduce. Ring volumes: (W-1)/W of the gathered bytes per all-gather or reduce-scatter, "
         "2(W-1)/W per all-reduce. Balance: the largest owner's FLOPs over the mean (plan FLOP model), as the "
         "optimizer assigns owners: one assignment over all the step's matrices, largest first.",
+        "",
+        f"Computed, not measured (the same on any machine), with {machine_line()}.",
         "",
         "| preset | setting | W | matrices | FSDP owner mean / max | micro-batches | FSDP all-gather "
         "| FSDP reduce-scatter | owner / FSDP grad | DDP owner (padding) | DDP all-reduce | balance |",

@@ -11,6 +11,8 @@ import torch
 from spectral_ops import analysis, experiments
 from spectral_ops.experiments import width_transfer
 from spectral_ops.experiments.__main__ import main
+from spectral_ops.experiments.report import with_machine
+from spectral_ops.provenance import machine
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -40,7 +42,9 @@ def outputs(tmp_path_factory):
 def test_experiment_writes_table_json_and_figure(outputs, name):
     out, results = outputs
     markdown, _ = results[name]
-    assert (out / f"{name}.md").read_text().strip() == markdown.strip()
+    # The file is the report, then the machine that computed it (the JSON names it too).
+    assert (out / f"{name}.md").read_text() == with_machine(markdown)
+    assert results[name][1]["machine"] == json.loads(json.dumps(machine()))
     assert "|---|" in markdown and f"experiments {name} --out" in markdown  # a table, and how to rerun it
     assert (out / f"{name}.png").read_bytes().startswith(PNG_SIGNATURE)
 
@@ -141,7 +145,7 @@ def test_command_line_decays_a_saved_checkpoint(tmp_path, capsys):
     torch.save(model.state_dict(), path)
     main(["pure-decay", "--out", str(tmp_path), "--quick", "--checkpoint", str(path)])
     printed = capsys.readouterr().out
-    assert printed.strip() == (tmp_path / "pure-decay.md").read_text().strip()
+    assert (tmp_path / "pure-decay.md").read_text() == with_machine(printed)
     assert f"--checkpoint {path}" in printed
     checkpoint = json.loads((tmp_path / "pure-decay.json").read_text())["checkpoint"]
     assert checkpoint["source"] == str(path) and checkpoint["matrices"] == ["0.weight", "2.weight"]

@@ -14,6 +14,8 @@ except ImportError as error:  # an optional dependency of the package
 matplotlib.use("Agg")  # files only: experiments run on headless machines
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ..provenance import machine, machine_line  # noqa: E402
+
 FIGURE_DPI = 100
 
 
@@ -44,13 +46,19 @@ def _json_safe(value):
     return value
 
 
+def with_machine(markdown: str) -> str:
+    """A report ending with the machine that computed it (CPU numbers differ between machines)."""
+    return f"{markdown.rstrip()}\n\nComputed on {machine_line()}.\n"
+
+
 def write_outputs(out_dir, name: str, markdown: str, data: dict, figure) -> dict:
-    """Write ``name.md``, ``name.json`` and ``name.png`` into ``out_dir``; return their paths."""
+    """Write ``name.md``, ``name.json`` and ``name.png`` into ``out_dir``, each report and data file
+    naming the machine; return their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {suffix: out_dir / f"{name}.{suffix}" for suffix in ("md", "json", "png")}
-    paths["md"].write_text(markdown.rstrip() + "\n")
-    paths["json"].write_text(json.dumps(_json_safe(data), indent=2, allow_nan=False) + "\n")
+    paths["md"].write_text(with_machine(markdown))
+    paths["json"].write_text(json.dumps(_json_safe({**data, "machine": machine()}), indent=2, allow_nan=False) + "\n")
     figure.savefig(paths["png"], dpi=FIGURE_DPI, bbox_inches="tight")
     plt.close(figure)
     return paths

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .. import analysis, metrics
-from ..experiments.report import markdown_table, plt, write_outputs
+from ..experiments.report import markdown_table, plt, with_machine, write_outputs
 from .config import TrainConfig
 from .data import load_corpus, validation_batches
 from .loop import CHECKPOINT, validation_key
@@ -273,7 +273,7 @@ def report(run_dirs, out: Path) -> str:
     figure.savefig(out / "pure_decay.png", dpi=100, bbox_inches="tight")
     plt.close(figure)
     control_table = markdown_table(["p", "lambda T", "mean MLP stable rank", "D_shape to trained"], control)
-    (out / "pure_decay.md").write_text(f"# Pure-decay control on {first['name']}\n\n{control_table}\n")
+    (out / "pure_decay.md").write_text(with_machine(f"# Pure-decay control on {first['name']}\n\n{control_table}"))
     (out / "pure_decay.json").write_text(json.dumps(
         [dict(zip(["p", "lambda_T", "stable_rank", "shape_distance"], row)) for row in control], indent=2) + "\n")
     return text

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..experiments.report import markdown_table
+from ..experiments.report import markdown_table, with_machine
 from .config import TrainConfig
 from .loop import train, validation_key
 
@@ -149,7 +149,7 @@ def closest_loss_pair(rows) -> tuple[dict, dict] | None:
 def write_summary(rows, out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
     table = summary_table(rows)
-    (out / "summary.md").write_text(table + "\n")
+    (out / "summary.md").write_text(with_machine(table))
     (out / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     with open(out / "summary.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=_columns(rows))
@@ -163,7 +163,7 @@ def write_summary(rows, out: Path) -> str:
     matched = (f"# Matched loss\n\nThe closest-loss pair across recipes ({COLUMN_NAMES[loss]} {gap:.4g} apart), "
                f"its geometry side by side; `python -m spectral_ops.train report {out / pair[0]['run']} "
                f"{out / pair[1]['run']}` plots its spectra.\n\n{summary_table(list(pair))}\n")
-    (out / "matched_loss.md").write_text(matched)
+    (out / "matched_loss.md").write_text(with_machine(matched))
     (out / "matched_loss.json").write_text(json.dumps({"loss_key": loss, "gap": gap, "runs": list(pair)},
                                                       indent=2) + "\n")
     return f"{table}\n\n{matched}"
