@@ -66,12 +66,13 @@ def test_an_unknown_precision_is_refused_before_anything_is_written():
 from spectral_ops import reference  # noqa: E402
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error  # noqa: E402
 
-# The restarted Gram-space iteration against the FP64 SVD. In fp32 it keeps the rounding of every Gram
-# and product it forms (the rectangle's iteration contracts its own away): about sqrt(K N) u for K ~ 20
-# products in sequence over rows of length N, u = 6e-8. At these shapes (N <= 96) that is ~3e-6, so the
-# package's fp32 bound of 2e-5 leaves a margin of several times whatever the BLAS's summation order
-# (measured 4.5e-6 with MKL's AVX-512 kernels, 5.0e-6 with its AVX2 ones; 1.3e-5-1.5e-5 at 2048x512,
-# as the model says). In fp64 the error is the iteration's own and the rectangle's alike: modes below
+# The restarted Gram-space iteration against the FP64 SVD. In fp32 it keeps the rounding of each Gram
+# it forms (the rectangle's iteration contracts its own away), so its error grows with kappa and with
+# the small side r, not with the long side: at kappa 1e3, 2e-6 at r = 24, 5e-6 at r = 64, 1.5e-5 at
+# r = 512 and r = 1024 (N from 2048 to 8192), against the rectangle's 1-2e-6. At these shapes (r <= 40)
+# it is at most 4.5e-6 with MKL's AVX-512 kernels and 5.0e-6 with its AVX2 ones
+# (MKL_ENABLE_INSTRUCTIONS=AVX2), so the package's fp32 bound of 2e-5 leaves 4x for other summation
+# orders. In fp64 the error is the iteration's own and the rectangle's alike: modes below
 # Polar Express's design bound (1e-3 ||W||_F) are not fully converged (1.2e-11 on the square 40x40 at
 # p = 2, kappa = 1e3; up to 1e-8 at kappa = 1e6), so fp64 is held to the rectangle's error (1.5x, plus
 # 1e-13 for the roundings where that error is tiny).
