@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 NVCC := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 export SPECTRAL_OPS_REQUIRE_CUDA ?= $(if $(NVCC),1,0)
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-avx2 bench clean
 
 $(STAMP): requirements-test.txt pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*)
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ demo: $(STAMP)
 # The benchmarks run once each, untimed, as a smoke test.
 test: $(STAMP)
 	$(PY) -m pytest tests bench -q --benchmark-disable
+
+# The suite with the kernels an AVX2-only CPU runs (bf16 emulated, MKL's AVX2 GEMM), on a CPU with
+# AVX-512: run both before you stop (docs/testing.md).
+test-avx2: $(STAMP)
+	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(PY) -m pytest tests bench -q --benchmark-disable
 
 # Timed benchmarks, then the markdown report.
 bench: $(STAMP)

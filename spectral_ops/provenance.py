@@ -3,8 +3,8 @@
 Every file written into ``docs/results/`` quotes :func:`machine_line` (and its JSON :func:`machine`),
 since CPU numbers differ between machines: a bf16 product on a CPU with native bf16 (AVX512_BF16,
 AMX) runs a different oneDNN kernel, with another workspace and summation order, than on an AVX2 CPU
-that emulates it, and is about 100x faster. ``ONEDNN_MAX_CPU_ISA`` caps oneDNN's choice, so it is
-recorded too.
+that emulates it, and is about 100x faster. ``ONEDNN_MAX_CPU_ISA`` and ``MKL_ENABLE_INSTRUCTIONS`` cap
+the libraries' choices (see docs/testing.md), so they are recorded too.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import torch
 
 # The flags that change which kernels torch, MKL and oneDNN run on a CPU (as /proc/cpuinfo names them).
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+# The environment variables that cap the instruction sets oneDNN and MKL choose from.
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def _cpuinfo() -> tuple[str, list[str]]:
@@ -48,7 +50,7 @@ def machine() -> dict:
         "torch": str(torch.__version__),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         **_libraries(),
-        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+        "isa_caps": {name: os.environ[name] for name in ISA_CAPS if name in os.environ},
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
@@ -58,7 +60,7 @@ def machine_line(facts: dict | None = None) -> str:
     torch 2.13.0, BLAS mkl, oneDNN 3.12.0``."""
     facts = facts or machine()
     flags = ", ".join(facts["isa_flags"]) or "no AVX2"
-    cap = f", ONEDNN_MAX_CPU_ISA={facts['onednn_max_cpu_isa']}" if facts.get("onednn_max_cpu_isa") else ""
+    cap = "".join(f", {name}={value}" for name, value in facts.get("isa_caps", {}).items())
     gpu = f", GPU {facts['gpu']}" if facts.get("gpu") else ""
     onednn = f", oneDNN {facts['onednn']}" if facts.get("onednn") else ""
     return (f"{facts['cpu']} ({flags}{cap}), {facts['threads']} threads, torch {facts['torch']} "

@@ -10,8 +10,6 @@ O(1) or at least O(sqrt(eps)) off), though not a change of summation order.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from spectral_ops.provenance import machine
@@ -20,11 +18,7 @@ from spectral_ops.provenance import machine
 def environment() -> dict:
     facts = machine()
     return {"torch": facts["torch"], "cpu": facts["torch_cpu_capability"], "model": facts["cpu"],
-            "isa_flags": facts["isa_flags"], "isa_caps": {name: os.environ.get(name) for name in ISA_CAPS}}
-
-
-# The environment variables that cap the instruction sets of the BLAS libraries under torch.
-ISA_CAPS = ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+            "isa_flags": facts["isa_flags"], "isa_caps": facts["isa_caps"]}
 
 
 def assert_matches(got: torch.Tensor, expected: torch.Tensor, recorded_in: dict, conditioning: float = 1.0) -> None:

@@ -21,8 +21,9 @@ def test_the_machine_names_the_cpu_its_isa_flags_and_the_libraries():
 
 def test_the_line_carries_every_fact_a_cpu_number_depends_on(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
     facts = machine()
     line = machine_line(facts)
     for fact in (facts["cpu"], facts["torch"], facts["blas"], f"{facts['threads']} threads", "ONEDNN_MAX_CPU_ISA=AVX2",
-                 *facts["isa_flags"]):
+                 "MKL_ENABLE_INSTRUCTIONS=AVX2", *facts["isa_flags"]):
         assert fact in line
