@@ -4,6 +4,12 @@ It is the CPU backend, the fallback on GPUs, and the reference the Triton and CU
 checked against. Each product with an added term is one BLAS call with that epilogue (``addmm``/``baddbmm``, as
 torch.optim.Muon), and it has no fused small chain.
 
+Every product goes to ``mm``/``addmm`` (a single matrix, or a batch of one) or ``bmm``/``baddbmm`` (a batch),
+never through ``@``: those hand a transposed operand (``X.mT``, or the wide view of a tall weight) to
+BLAS as it is, where ``@`` on a batch of one, and oneDNN on a batch dimension of size one whose stride
+is not the matrix size, copy it into a contiguous tensor first. The one copy left is the epilogue's:
+BLAS accumulates into its output, so ``Y`` is copied there first (as in torch.optim.Muon's ``addmm``).
+
 Precision is carried by the operands: bf16/fp16 operands are real bf16/fp16 matmuls (fp32
 accumulation, the result rounded to the operand dtype, as torch.optim.Muon's iteration), also on CPU.
 fp32 products follow torch's own matmul settings: whether ``"fp32"`` and ``"tf32"`` differ on a GPU is
@@ -28,11 +34,11 @@ class TorchBackend:
         return primitive != "small_chain"
 
     def symmetric(self, L, R, precision=None):
-        return L @ R
+        return _mm(L, R)
 
     def product(self, M, Z, precision=None, *, beta=1.0, Y=None, alpha=1.0):
         if Y is None:
-            MZ = M @ Z
+            MZ = _mm(M, Z)
             return MZ if beta == 1.0 else MZ * beta
         return _addmm(Y, M, Z, beta=alpha, alpha=beta)
 
@@ -60,11 +66,27 @@ class TorchBackend:
         return W
 
 
+def _matrices(t: torch.Tensor) -> torch.Tensor:
+    """A batch ``t`` as one matrix (a batch of one) or a 3-D batch, as a view where its strides allow one."""
+    if t.shape[:-2].numel() == 1:
+        return t.view(t.shape[-2:])
+    return t.reshape(-1, *t.shape[-2:])
+
+
+def _mm(M, Z):
+    """``M @ Z`` for operands of one batch shape."""
+    if M.dim() == 2:
+        return torch.mm(M, Z)
+    left, right = _matrices(M), _matrices(Z)
+    product = torch.mm(left, right) if left.dim() == 2 else torch.bmm(left, right)
+    return product.view(*M.shape[:-2], *product.shape[-2:])
+
+
 def _addmm(Y, M, Z, *, beta, alpha):
     """``beta * Y + alpha * (M @ Z)`` as one BLAS call with its epilogue (one rounding of the result),
     as torch.optim.Muon computes its iteration."""
     if M.dim() == 2:
         return torch.addmm(Y, M, Z, beta=beta, alpha=alpha)
-    batch = M.shape[:-2]
-    flat = [t.reshape(-1, *t.shape[-2:]) for t in (Y, M, Z)]
-    return torch.baddbmm(*flat, beta=beta, alpha=alpha).view(*batch, *Y.shape[-2:])
+    added, left, right = _matrices(Y), _matrices(M), _matrices(Z)
+    add = torch.addmm if left.dim() == 2 else torch.baddbmm
+    return add(added, left, right, beta=beta, alpha=alpha).view(Y.shape)

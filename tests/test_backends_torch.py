@@ -1,0 +1,84 @@
+"""The torch provider hands transposed operands to BLAS as they are (issue [portable]).
+
+Its products copy nothing but what a BLAS epilogue needs: ``addmm``/``baddbmm`` accumulate into their
+output, so the added term ``Y`` is copied there first, as in torch.optim.Muon's own ``addmm``. Counted
+as the bytes ``aten::copy_`` writes under torch.profiler, which do not depend on the machine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from spectral_ops.backends.torch_backend import TorchBackend
+
+# torch.profiler's names of the dtypes a copy can write.
+ITEMSIZES = {"double": 8, "float": 4, "c10::BFloat16": 2, "c10::Half": 2}
+
+
+def copied_bytes(run) -> int:
+    """Bytes written by ``aten::copy_`` (``contiguous()``, ``clone()``, casts, an epilogue's copy of its
+    added term) while ``run`` runs, profiled after one unprofiled call (lazy initialisation and
+    first-call work are not what a call copies). Copies of one number per matrix (0-d or
+    ``(..., 1, 1)``: Python numbers made tensors, norms, exponents) move no data and are left out."""
+    run()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        run()
+    return sum(math.prod(event.input_shapes[0]) * ITEMSIZES[event.input_dtypes[0]]
+               for event in prof.events() if event.name == "aten::copy_" and math.prod(event.input_shapes[0][-2:]) > 1)
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+R, N = 48, 80
+
+
+def wide_operands(dtype):
+    """``X`` (``R x N``) in each layout the plan hands the provider, by name: row-major; the wide view
+    of a tall weight (column-major); a batch of one each way (the tall one from an elementwise op on
+    the view, whose batch stride is then not ``R N``, which oneDNN wants of a column-major batch); a
+    batch of three each way."""
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    return {
+        "row-major": draw(R, N),
+        "tall weight's view": draw(N, R).mT,
+        "batch of one": draw(1, R, N),
+        "batch of one, tall": draw(1, N, R).mT * 0.5,
+        "batch of three": draw(3, R, N),
+        "batch of three, tall": draw(3, N, R).mT,
+    }
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", list(wide_operands(torch.float32)))
+def test_products_copy_no_operand(dtype, layout):
+    """The Gram ``X X^T``, ``A A`` and a product without an added term copy nothing."""
+    backend, X = TorchBackend(), wide_operands(dtype)[layout]
+    A = backend.symmetric(X, X.mT)
+    assert copied_bytes(lambda: backend.symmetric(X, X.mT)) == 0
+    assert copied_bytes(lambda: backend.symmetric(A, A)) == 0
+    assert copied_bytes(lambda: backend.product(A, X)) == 0
+    assert copied_bytes(lambda: backend.product(A, X, beta=0.5)) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", list(wide_operands(torch.float32)))
+def test_epilogues_copy_only_their_added_term(dtype, layout):
+    """``b A + c A^2`` copies ``A`` once, ``a X + P X`` copies ``X`` once, as torch.optim.Muon's ``addmm``
+    calls do, whatever the layout of ``X``."""
+    backend, X = TorchBackend(), wide_operands(dtype)[layout]
+    A = backend.symmetric(X, X.mT)
+    assert copied_bytes(lambda: backend.poly_step(A, -4.775, 2.0315)) == nbytes(A)
+    assert copied_bytes(lambda: backend.product(A, X, Y=X, alpha=3.4445)) == nbytes(X)
