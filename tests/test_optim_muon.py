@@ -9,6 +9,7 @@ from spectral_ops.optim import SpectralMuon
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 
 from optim_models import assert_same_trajectory, batch, tiny_model, train
+from test_backends_torch import copied_bytes
 
 
 def torch_style_newton_schulz(G, coefficients, steps, dtype=torch.float64):
@@ -169,3 +170,45 @@ def test_spectral_scale_is_accepted_per_group_and_by_add_param_group():
     optimizer = SpectralMuon([{"params": [torch.nn.Parameter(torch.zeros(12, 4))], "adjust_lr_fn": "spectral"}])
     optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4, 12))], "adjust_lr_fn": "spectral"})
     assert [group["adjust_lr_fn"] for group in optimizer.param_groups] == ["spectral", "spectral"]
+
+
+# ----- Copies per step: at most torch.optim.Muon's at equal settings (issue [portable])
+
+MUON_SETTINGS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
+# Per iteration: SpectralMuon's options, and the steps torch.optim.Muon runs for the same products. Every
+# step's two epilogues copy their added term in both, so Polar Express (8 steps) is held to torch's
+# quintic run for 8 steps.
+ITERATIONS = {"NS5": (dict(ns_coefficients=so.MUON_QUINTIC, ns_steps=5), 5), "Polar Express": ({}, 8)}
+
+
+def muon_pair(heads, shape, iteration, precision):
+    """Ours on one matrix of ``heads`` heads of ``shape``; torch's on one parameter per head."""
+    generator = torch.Generator().manual_seed(0)
+    gradient = torch.randn(heads * shape[0], shape[1], generator=generator)
+    ours = torch.nn.Parameter(torch.zeros_like(gradient))
+    ours.grad = gradient.clone()
+    theirs = [torch.nn.Parameter(torch.zeros(shape)) for _ in range(heads)]
+    for param, grad in zip(theirs, gradient.split(shape[0])):
+        param.grad = grad.clone()
+    options, torch_steps = ITERATIONS[iteration]
+    head_options = {"heads": heads} if heads > 1 else {}
+    return (SpectralMuon([ours], **MUON_SETTINGS, **options, **head_options, precision=precision),
+            torch.optim.Muon(theirs, **MUON_SETTINGS, ns_steps=torch_steps))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("iteration", list(ITERATIONS))
+@pytest.mark.parametrize("heads, shape", [(1, (128, 64)), (1, (64, 128)), (1, (96, 96)), (2, (64, 64)), (4, (16, 64))],
+                         ids=["tall", "wide", "square", "2 square heads", "4 wide heads"])
+def test_a_step_copies_no_more_than_torch_muon(monkeypatch, heads, shape, iteration, precision):
+    """Bytes copied in a step with a momentum (``copied_bytes``'s unprofiled first step makes it): the
+    epilogues' copies of their added term, the casts to and from the iteration's dtype, nothing else.
+    torch.optim.Muon always iterates in bf16; against an fp32 iteration it runs with its bf16 cast made
+    an fp32 one. All of these fail on the code before [portable] (its batch-of-one products, the
+    gather and scatter of a lone matrix and the momentum's copy each copied more)."""
+    ours, theirs = muon_pair(heads, shape, iteration, precision)
+    ours_bytes = copied_bytes(ours.step)
+    if precision == "fp32":
+        monkeypatch.setattr(torch.Tensor, "bfloat16", torch.Tensor.float)
+    theirs_bytes = copied_bytes(theirs.step)
+    assert ours_bytes <= theirs_bytes

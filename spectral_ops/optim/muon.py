@@ -164,7 +164,7 @@ class SpectralMuon(SpectralOptimizer):
             return prepare_adam_step(self, params, group)
         buffers = [self._next_momentum(param, group) for param in params]
         updates = [self._nesterov(param, buffer, group) for param, buffer in zip(params, buffers)]
-        directions = self._directions(params, updates, group)
+        directions, checked = self._directions(params, updates, group)
         decay = self.prepare_decay(params, group, blocks=self._decay_blocks(group))
 
         def commit(keep):
@@ -176,10 +176,12 @@ class SpectralMuon(SpectralOptimizer):
                 if masks is not None:
                     previous = local(state["momentum_buffer"]) if "momentum_buffer" in state else 0
                     buffer = torch.where(masks[index], buffer, previous)
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = state_like(param, buffer)
-                else:
+                if masks is not None and "momentum_buffer" in state:
+                    # In place: a captured graph replays into the addresses it captured.
                     local(state["momentum_buffer"]).copy_(buffer)
+                else:
+                    # The new buffer itself, not a copy of it (torch.optim.Muon's lerp_ needs none either).
+                    state["momentum_buffer"] = state_like(param, buffer)
             decay.commit(keep)
             lr = step_scalar(group["lr"], group)
             for index, (param, direction) in enumerate(zip(params, directions)):
@@ -196,7 +198,7 @@ class SpectralMuon(SpectralOptimizer):
                     piece = local_slice(start, start + size, span)
                     add_scaled_(target[piece], direction[piece], scale)
 
-        return PreparedStep(group, params, self.gradient_checks(params), commit, decay, directions)
+        return PreparedStep(group, params, self.gradient_checks(params), commit, decay, checked)
 
     def _next_momentum(self, param, group) -> torch.Tensor:
         """The momentum buffer after this step (this rank's shard), not yet stored: an EMA of the
@@ -210,7 +212,7 @@ class SpectralMuon(SpectralOptimizer):
     def _nesterov(param, buffer, group) -> torch.Tensor:
         """Muon's update from the new buffer: Nesterov's lerp, or the buffer itself."""
         update = local(param.grad).lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
-        return matrix_view(update.contiguous())
+        return update.reshape(update.shape[0], -1)  # a copy only where no view has the matrix's shape
 
     @staticmethod
     def _decay_blocks(group):
@@ -219,43 +221,71 @@ class SpectralMuon(SpectralOptimizer):
             return None
         return lambda param: [(start, size) for start, size, _ in row_blocks(param.shape[0], group)]
 
-    def _directions(self, params, updates, group) -> list[torch.Tensor]:
+    def _directions(self, params, updates, group) -> tuple[list, list]:
         """Each update's polar factors (this rank's rows of them): computed here, or, for a spread
-        matrix, on its owner when the step's exchange runs (see :mod:`spectral_ops.optim.distributed`)."""
+        matrix, on its owner when the step's exchange runs (see :mod:`spectral_ops.optim.distributed`);
+        and each as the step's finiteness checks read it, filled in at the same time."""
         layouts = [self.layout(param) for param in params]
         spread = [i for i, layout in enumerate(layouts) if layout is not None]
-        directions = [None] * len(params)
+        directions, checked = [None] * len(params), [None] * len(params)
+
+        def keep(indices, results):
+            for i, direction in zip(indices, results):
+                directions[i] = direction
+                # The checks read every entry, in any order: a tall matrix's direction (a transposed
+                # view) is read as its transpose, which is contiguous, where a reduction over the
+                # strided view would copy it first.
+                checked[i] = direction.mT if direction.mT.is_contiguous() else direction
+
         alone = [i for i in range(len(params)) if layouts[i] is None]
-        for i, direction in zip(alone, self._orthogonalize([updates[i] for i in alone], group)):
-            directions[i] = direction
+        keep(alone, self._orthogonalize([updates[i] for i in alone], group))
         if spread:
             costs = [direction_flops((params[i].shape[0], updates[i].shape[1]), group) for i in spread]
-
-            def keep_rows(results):
-                for i, direction in zip(spread, results):
-                    directions[i] = direction
-
             self.exchange.map(lambda positions, matrices: self._orthogonalize(matrices, group),
-                              [updates[i] for i in spread], [layouts[i] for i in spread], costs, keep_rows)
-        return directions
+                              [updates[i] for i in spread], [layouts[i] for i in spread], costs,
+                              lambda results: keep(spread, results))
+        return directions, checked
 
     @staticmethod
     def _orthogonalize(updates, group):
-        """Polar factors of every head or full block, one batched call per block shape."""
+        """Polar factors of every head or full block, one batched call per block shape.
+
+        A batch of one block (or of one matrix's heads) is the update itself, as a view, and a matrix
+        that is one block keeps its rows of the batch's result as its direction: only a batch of
+        several matrices is gathered (one copy), and only a matrix of several blocks assembled (one more).
+        """
         coefficients, precision = orthogonalization_coefficients(group), group["precision"]
-        directions = [torch.empty_like(u) for u in updates]
-        jobs = defaultdict(list)  # block shape -> [(source, destination)], both (batch, r, c)
-        for update, direction in zip(updates, directions):
-            for start, size, letter in row_blocks(update.shape[0], group):
+        blocks = [row_blocks(update.shape[0], group) for update in updates]
+        jobs = defaultdict(list)  # block shape -> [(update index, start, size, source (batch, r, c))]
+        for index, update in enumerate(updates):
+            for start, size, letter in blocks[index]:
                 count = group["heads"] if letter == "H" else 1
                 shape = (count, size // count, update.shape[1])
-                jobs[shape[1:]].append((update[start:start + size].reshape(shape),
-                                        direction[start:start + size].view(shape)))
-        for pairs in jobs.values():
-            batch = torch.cat([source for source, _ in pairs])
+                jobs[shape[1:]].append((index, start, size, update[start:start + size].reshape(shape)))
+        directions = [None if len(b) == 1 else torch.empty_like(u) for u, b in zip(updates, blocks)]
+        for (_, cols), members in jobs.items():
+            sources = [source for *_, source in members]
+            batch = sources[0] if len(sources) == 1 else torch.cat(sources)
             # Not checked for NaN/Inf here (capturable=True skips that check, and the host read): the
             # step checks each direction it computed, and skips its parameter rather than raise.
-            result = polar(batch, coefficients=coefficients, precision=precision, capturable=True)
-            for (_, destination), result in zip(pairs, result.split([source.shape[0] for source, _ in pairs])):
-                destination.copy_(result)
+            result = _polar_as_laid_out(batch[0] if len(batch) == 1 else batch, coefficients, precision)
+            result = result.view(batch.shape)
+            for (index, start, size, _), piece in zip(members, result.split([s.shape[0] for s in sources])):
+                piece = piece.reshape(size, cols)
+                if directions[index] is None:
+                    directions[index] = piece
+                else:
+                    directions[index][start:start + size].copy_(piece)
         return directions
+
+
+def _polar_as_laid_out(X, coefficients, precision):
+    """``polar(X)`` (capturable), iterated on a square ``X`` as it is laid out.
+
+    torch.optim.Muon transposes only a tall matrix; :func:`~spectral_ops.polar` counts a square one as
+    tall too and iterates on its transpose, a strided view, whose result comes out strided. Given a
+    square ``X``'s transpose instead, it iterates on ``X`` itself (Gram ``X X^T``, as torch's does), and
+    the result, transposed back, has ``X``'s layout: adding it to the weight is no strided pass."""
+    if X.shape[-2] != X.shape[-1]:
+        return polar(X, coefficients=coefficients, precision=precision, capturable=True)
+    return polar(X.mT, coefficients=coefficients, precision=precision, capturable=True).mT
