@@ -1,4 +1,4 @@
-"""Benchmark fixtures: the measured dense-matmul peak."""
+"""Benchmark fixtures: the measured dense-matmul peak; the machine, in every results file."""
 
 from __future__ import annotations
 
@@ -6,6 +6,14 @@ import pytest
 import torch
 
 from settings import DEVICE, DTYPES
+from spectral_ops.provenance import machine
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """The facts a CPU result depends on (:func:`spectral_ops.provenance.machine`: the ISA flags, threads,
+    torch, the BLAS and oneDNN, an ``ONEDNN_MAX_CPU_ISA`` cap), taken where the benchmarks run:
+    ``bench/report.py`` names the machine from them, not from the one that renders the report."""
+    machine_info["spectral_ops"] = machine()
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,8 @@ Main table, one row per (op, implementation, shape, dtype): its precision, media
 p20-p80 range, TFLOP/s and (on a GPU) percent of the measured dense-matmul peak (FLOP model in
 flops.py), and the speedup over the composed-torch route (``spectral_ops[torch]``) and over the FP32
 SVD route (``svd32``) measured in the same run. Further tables: SpectralMuon against torch.optim.Muon
-(interleaved ratios), and the CPU method-selection crossover, if they were run.
+(interleaved ratios, and the bytes each step copies), and the CPU method-selection crossover, if
+they were run. The header names the machine the benchmarks ran on (``machine_line``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
+
+from spectral_ops.provenance import machine_line
 
 COMPOSED_TORCH = "spectral_ops[torch]"
 SVD_ROUTE = "svd32"
@@ -103,29 +106,47 @@ AGAINST_TORCH = {
 }
 
 
+def mebibytes(count: int) -> str:
+    return f"{count / 2**20:.3g} MiB"
+
+
 def against_torch_tables(entries) -> list[str]:
-    """Per such op, our step time over torch's, both timed in the same interleaved rounds."""
+    """Per such op, our step time over torch's, both timed in the same interleaved rounds; and where
+    the benchmark counted them, the bytes each step copies (machine-independent)."""
     lines = []
     for op, (title, ours, theirs) in AGAINST_TORCH.items():
         rows = [e["extra_info"] for e in entries if e["extra_info"]["op"] == op]
         if not rows:
             continue
-        lines += ["", f"### {title}", "", f"| case | {ours} | precision | our step | {theirs} | ratio |",
-                  "|---|---|---|---|---|---|"]
+        copies = all("ours_copied_bytes" in info for info in rows)
+        copy_header = " | copied per step (ours / torch)" if copies else ""
+        lines += ["", f"### {title}", "", f"| case | {ours} | precision | our step | {theirs} | ratio{copy_header} |",
+                  "|---|---|---|---|---|---|" + ("---|" if copies else "")]
         for info in sorted(rows, key=lambda info: (info["case"], info["implementation"])):
             case = info["case"]
             if "flops_r3" in info:  # FlopCounterMode's counts, as torch counts them
                 case += f" ({info['flops_r3']:.0f} r^3 FLOPs against {info['rectangle_flops_r3']:.0f})"
+            copied = (f" | {mebibytes(info['ours_copied_bytes'])} / {mebibytes(info['torch_copied_bytes'])}"
+                      if copies else "")
             lines.append(f"| {case} | {info['implementation']} | {info['precision']} | "
-                         f"{seconds(info['ours_median_s'])} | {seconds(info['torch_median_s'])} | {info['ratio']:.2f}x |")
+                         f"{seconds(info['ours_median_s'])} | {seconds(info['torch_median_s'])} | {info['ratio']:.2f}x"
+                         f"{copied} |")
     return lines
+
+
+def machine_text(results: dict) -> str:
+    """The machine the benchmarks ran on: :func:`~spectral_ops.provenance.machine_line` of the facts
+    bench/conftest.py stored, or, in results saved before it did, the CPU's brand."""
+    machine = results.get("machine_info", {})
+    if "spectral_ops" in machine:
+        return machine_line(machine["spectral_ops"])
+    return machine.get("cpu", {}).get("brand_raw", machine.get("processor", "unknown CPU"))
 
 
 def render(results: dict) -> str:
     entries = results["benchmarks"]
-    machine = results.get("machine_info", {})
-    header = [f"Benchmarks on {machine.get('cpu', {}).get('brand_raw', machine.get('processor', 'unknown CPU'))}, "
-              f"{results.get('datetime', '')}; device: {entries[0]['extra_info']['device'] if entries else '?'}.", ""]
+    header = [f"Benchmarks on {machine_text(results)}, {results.get('datetime', '')}; "
+              f"device: {entries[0]['extra_info']['device'] if entries else '?'}.", ""]
     selection = selection_table(entries)
     body = main_table(entries) if any(e["extra_info"]["op"] not in AGAINST_TORCH for e in entries) else []
     body += against_torch_tables(entries)
