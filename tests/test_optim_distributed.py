@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -285,6 +286,37 @@ def _scenario_checkpoint(mesh, rank, world, folder: Path):
     assert [int(count) for count in optimizer.skipped.values()] == [1]
 
 
+def _scenario_step_waits_for_gloo_to_let_go(mesh, rank, world):
+    """A step returns only once Gloo's workers hold none of its collectives' buffers (see
+    distributed._let_go): a worker letting go of the agreement's buffer late, played by a view of it
+    dropped 50 ms after the all_reduce returned, is waited for."""
+    import threading
+
+    from spectral_ops.optim import distributed
+
+    views, durations = [], []
+    all_reduce, agree = dist.all_reduce, distributed.Exchange.agree
+
+    def late_all_reduce(tensor, *args, **kwargs):
+        all_reduce(tensor, *args, **kwargs)
+        views.append(tensor.view_as(tensor))
+        threading.Timer(0.05, views.clear).start()
+
+    def timed_agree(self, checked):
+        start = time.perf_counter()
+        try:
+            return agree(self, checked)
+        finally:
+            durations.append(time.perf_counter() - start)
+
+    dist.all_reduce, distributed.Exchange.agree = late_all_reduce, timed_agree
+    try:
+        _compare(_adamw(2), mesh, seed=20, steps=1)
+    finally:
+        dist.all_reduce, distributed.Exchange.agree = all_reduce, agree
+    assert durations and min(durations) >= 0.05, f"agreements returned after {durations} s, while Gloo held the buffer"
+
+
 def _scenario_two_dimensional_mesh(mesh, rank, world):
     """HSDP's 2-d mesh is refused when the optimizer is built, with a message that says what is supported."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -324,6 +356,7 @@ def _scenarios(folder: Path, world: int) -> dict:
         "skip agreed": _scenario_skip,
         "error raised everywhere": _scenario_error,
         "clamps agreed": _scenario_clamp,
+        "the step waits for gloo to let go": _scenario_step_waits_for_gloo_to_let_go,
         "fsdp model": _scenario_fsdp_model,
         "checkpoint": lambda mesh, rank, world: _scenario_checkpoint(mesh, rank, world, folder),
     }
