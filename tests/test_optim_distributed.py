@@ -13,9 +13,10 @@ values of order 1, hence ``rtol=1e-5, atol=1e-6`` (on this CPU the results come 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
-import socket
+import signal
 import time
 import traceback
 import warnings
@@ -24,22 +25,17 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from spectral_ops.decay import SpectralStabilityError
 from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD
 from spectral_ops.optim.distributed import assign_owners, local_slice, shard_row_counts
 
+from process_results import judge, run_ranks
+
 # Uneven on purpose: 41 rows split 21/20 on 2 ranks and 11/11/11/8 on 4; (5, 3) leaves a rank of 4
 # without a row; the (16, 41) and (41, 16) pair share a Gram size but not a shape.
 SHAPES = [(41, 16), (16, 41), (41, 16), (8, 8), (48, 16), (5, 3), (41,)]
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- the worker side
@@ -365,10 +361,7 @@ def _scenarios(folder: Path, world: int) -> dict:
     return scenarios
 
 
-def _worker(rank: int, world: int, port: int, folder: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, folder: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -380,8 +373,7 @@ def _worker(rank: int, world: int, port: int, folder: str) -> None:
         except Exception:  # reported per scenario by the tests below
             results[name] = traceback.format_exc()
         dist.barrier()
-    (Path(folder) / f"results-{world}-{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    return results
 
 
 # ----------------------------------------------------------------------------- the test side
@@ -398,13 +390,7 @@ def shared_folder(tmp_path_factory):
 def results(shared_folder):
     """Per world size, per rank, each scenario's outcome (the 2-process run first: the 4-process one
     loads its checkpoint)."""
-    outcomes = {}
-    for world in (2, 4):
-        mp.start_processes(_worker, args=(world, _free_port(), str(shared_folder)), nprocs=world,
-                           start_method="spawn")
-        outcomes[world] = [json.loads((shared_folder / f"results-{world}-{rank}.json").read_text())
-                           for rank in range(world)]
-    return outcomes
+    return {world: run_ranks(_worker, world, str(shared_folder)) for world in (2, 4)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -448,3 +434,48 @@ def test_owners_follow_the_longest_processing_time_rule():
     # Starting loads count: a rank that took more earlier in the step gets less now.
     owners, loads = assign_owners([1.0] * 4, 2, loads=[10.0, 0.0])
     assert owners == [1, 1, 1, 1]
+
+
+# ----------------------------------------------------------------------------- the harness (process_results)
+
+
+def _aborted(rank: int, world: int, when: str) -> dict:
+    """Aborted before its result (a crash), or after it, at exit, as torch's Gloo teardown may be."""
+    if when == "before":
+        os.abort()
+    atexit.register(os.abort)
+    return {"rank": rank}
+
+
+# One process per launch: a rank that dies while another still connects would fail that one too.
+def test_a_rank_aborted_before_writing_its_result_fails_the_launch():
+    with pytest.raises(AssertionError, match=r"^rank 0 exited with code -6 before writing its result$"):
+        run_ranks(_aborted, 1, "before")
+
+
+def test_a_rank_aborted_after_writing_its_result_is_tolerated_with_a_warning():
+    with pytest.warns(RuntimeWarning, match="rank 0 wrote its result, then was aborted"):
+        assert run_ranks(_aborted, 1, "after") == [{"rank": 0}]
+
+
+@pytest.mark.parametrize("exit_codes, written, failure", [
+    ([0, 0], [0, 1], None),
+    ([-signal.SIGABRT, 0], [0, 1], None),  # torch's teardown abort, after the work: tolerated
+    ([-signal.SIGABRT, 0], [1], "rank 0 exited with code -6 before writing its result"),
+    ([0, 0], [0], "rank 1 exited with code 0 before writing its result"),
+    ([None, 0], [1], "rank 0 was still running at the timeout before writing its result"),
+    ([1, 0], [0, 1], "rank 0 wrote its result, then exited with code 1"),
+    ([-signal.SIGSEGV, 0], [0, 1], "rank 0 wrote its result, then exited with code -11"),
+    ([0, None], [0, 1], "rank 1 wrote its result, then did not exit by the timeout"),
+])
+def test_judge_passes_a_rank_by_its_result_and_tolerates_only_an_abort_after_it(tmp_path, exit_codes, written,
+                                                                               failure):
+    for rank in written:
+        (tmp_path / f"{rank}.json").write_text(json.dumps({"rank": rank}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if failure is None:
+            assert judge(exit_codes, tmp_path) == [{"rank": 0}, {"rank": 1}]
+        else:
+            with pytest.raises(AssertionError, match=f"^{failure}$"):
+                judge(exit_codes, tmp_path)
