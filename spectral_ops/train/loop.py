@@ -120,8 +120,8 @@ def parallel_mode(config: TrainConfig) -> str | None:
 @contextlib.contextmanager
 def launched(config: TrainConfig):
     """The run's :class:`Processes`: the single process, or under ``--fsdp``/``--ddp`` the one of
-    torchrun's that this is, with the process group started (NCCL on its GPU ``cuda:LOCAL_RANK``, Gloo
-    on CPUs) for the duration and destroyed after."""
+    torchrun's that this is, in the process group (NCCL on its GPU ``cuda:LOCAL_RANK``, Gloo on CPUs),
+    started unless one is up already (a sweep's earlier run in this process, or the caller's)."""
     mode = parallel_mode(config)
     started = all(name in os.environ for name in TORCHRUN_VARIABLES)
     if mode is None:
@@ -143,12 +143,19 @@ def launched(config: TrainConfig):
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            device_id=device if device.type == "cuda" else None)
+    starting = not dist.is_initialized()
+    if starting:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
     try:
         yield Processes(device, rank, world_size, mode)
     finally:
-        dist.destroy_process_group()
+        # A Gloo group is left to the process's exit: torch's Gloo destroy_process_group() sometimes
+        # aborts a process whose work is done ("terminate called without an active exception", exit code
+        # -6), which would fail a finished run, and Gloo needs no teardown (torch does not warn without
+        # one). An NCCL group is destroyed, as torch asks (it warns at exit otherwise), by whoever started it.
+        if starting and dist.get_backend() == "nccl":
+            dist.destroy_process_group()
 
 
 def parallelise(model: Transformer, processes: Processes) -> torch.nn.Module:
