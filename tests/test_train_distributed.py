@@ -130,9 +130,9 @@ def test_fsdp_resumes_past_a_torn_checkpoint_to_the_uninterrupted_run_bitwise(ru
     """The same 2 processes resume from the step-4 checkpoint: the same reductions in the same order, so
     the logs equal the uninterrupted run's exactly, clamp counts included (they travel in run.pt)."""
     assert f"cannot resume from {runs.root / 'fsdp' / 'checkpoint.dcp'}" in runs.resume_log
-    # tqdm's first bar shows where the loop started: the older checkpoint's step, not 0 (the logs alone
-    # would match from 0 as well).
-    assert f" {OPTIONS['checkpoint_every']}/{OPTIONS['steps']} [" in runs.resume_log
+    # The first progress line shows where the loop started: the older checkpoint's step, not 0 (the logs
+    # alone would match from 0 as well).
+    assert f": {OPTIONS['checkpoint_every']}/{OPTIONS['steps']} step" in runs.resume_log
     assert records(runs.root / "fsdp") == runs.logged["fsdp"]
 
 

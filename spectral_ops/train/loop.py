@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from ..optim.distributed import local
+from ..progress import progress as progress_bar  # `progress` is the flag that turns it off
 from . import monitor
 from .config import PROTOCOL_PRESETS, TrainConfig, evaluation_steps, to_dict
 from .data import Corpus, load_corpus, train_batch, validation_batches
@@ -417,8 +417,8 @@ def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Process
     loss_key, from_nats = VALIDATION_KEYS[corpus.unit]
     evaluations = set(evaluation_steps(config.steps, config.log_every))
     probe = monitor.probe_tokens(validation).to(device)  # fixed tokens for the attention and V metrics
-    bar = tqdm(range(start, config.steps), initial=start, total=config.steps, desc=out.name,
-               disable=not (progress and processes.main), dynamic_ncols=True)
+    bar = progress_bar(range(start, config.steps), initial=start, total=config.steps, desc=out.name, unit="step",
+                       disable=not (progress and processes.main))
     skipping = 0  # steps in a row with a skipped update
     for step in bar:
         multiplier = lr_multiplier(step, config.steps, config.warmup_steps, config.min_lr_ratio)
