@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import warnings
 from collections import defaultdict
 from typing import Callable, NamedTuple
@@ -130,8 +131,14 @@ def schedule_multiplier(lr, peak_lr):
     return 0.0 if is_zero(peak_lr) else lr / peak_lr
 
 
+def matrix_shape(param: torch.Tensor) -> tuple[int, int]:
+    """A parameter's shape as a matrix: its rows by the product of its other sizes (spelt out, not
+    -1, which an empty shard (no rows on this rank) leaves ambiguous)."""
+    return param.shape[0], math.prod(param.shape[1:])
+
+
 def matrix_view(param: torch.Tensor) -> torch.Tensor:
-    return param if param.ndim == 2 else param.view(param.shape[0], -1)
+    return param if param.ndim == 2 else param.view(matrix_shape(param))
 
 
 @dataclasses.dataclass

@@ -22,6 +22,7 @@ from ._decay import (
     SpectralOptimizer,
     add_scaled_,
     device_masks,
+    matrix_shape,
     matrix_view,
     scalar,
     step_scalar,
@@ -212,7 +213,7 @@ class SpectralMuon(SpectralOptimizer):
     def _nesterov(param, buffer, group) -> torch.Tensor:
         """Muon's update from the new buffer: Nesterov's lerp, or the buffer itself."""
         update = local(param.grad).lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
-        return update.reshape(update.shape[0], -1)  # a copy only where no view has the matrix's shape
+        return update.reshape(matrix_shape(update))  # a copy only where no view has the matrix's shape
 
     @staticmethod
     def _decay_blocks(group):
