@@ -72,7 +72,9 @@ def test_muon_with_spectral_decay_sends_update_and_weight():
 
 @pytest.fixture
 def fake_ranks():
-    """``start(rank, world_size)``: this process plays ``rank`` of a fake group (collectives do nothing)."""
+    """``start(rank, world_size)``: this process plays ``rank`` of a fake group (collectives do nothing).
+    Destroying it is safe, unlike a Gloo group's teardown (see process_results.py): the fake backend
+    has no worker threads to outlive it, and each rank's group must go before the next one starts."""
 
     def start(rank, world_size):
         if dist.is_initialized():

@@ -13,10 +13,11 @@ values of order 1, hence ``rtol=1e-5, atol=1e-6`` (on this CPU the results come 
 
 from __future__ import annotations
 
-import datetime
+import atexit
 import json
 import os
-import socket
+import signal
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -24,22 +25,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from spectral_ops.decay import SpectralStabilityError
 from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD
 from spectral_ops.optim.distributed import assign_owners, local_slice, shard_row_counts
 
+from process_results import judge, run_ranks
+
 # Uneven on purpose: 41 rows split 21/20 on 2 ranks and 11/11/11/8 on 4; (5, 3) leaves a rank of 4
-# without a row; the (16, 41) and (41, 16) pair share a Gram size but not a shape.
-SHAPES = [(41, 16), (16, 41), (41, 16), (8, 8), (48, 16), (5, 3), (41,)]
+# without a row; the (16, 41) and (41, 16) pair share a Gram size but not a shape; (5, 2, 3), a conv
+# filter bank, is a 5 x 6 matrix view, empty on that rank too.
+SHAPES = [(41, 16), (16, 41), (41, 16), (8, 8), (48, 16), (5, 3), (5, 2, 3), (41,)]
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- the worker side
@@ -286,6 +283,37 @@ def _scenario_checkpoint(mesh, rank, world, folder: Path):
     assert [int(count) for count in optimizer.skipped.values()] == [1]
 
 
+def _scenario_step_waits_for_gloo_to_let_go(mesh, rank, world):
+    """A step returns only once Gloo's workers hold none of its collectives' buffers (see
+    distributed._let_go): a worker letting go of the agreement's buffer late, played by a view of it
+    dropped 50 ms after the all_reduce returned, is waited for."""
+    import threading
+
+    from spectral_ops.optim import distributed
+
+    views, durations = [], []
+    all_reduce, agree = dist.all_reduce, distributed.Exchange.agree
+
+    def late_all_reduce(tensor, *args, **kwargs):
+        all_reduce(tensor, *args, **kwargs)
+        views.append(tensor.view_as(tensor))
+        threading.Timer(0.05, views.clear).start()
+
+    def timed_agree(self, checked):
+        start = time.perf_counter()
+        try:
+            return agree(self, checked)
+        finally:
+            durations.append(time.perf_counter() - start)
+
+    dist.all_reduce, distributed.Exchange.agree = late_all_reduce, timed_agree
+    try:
+        _compare(_adamw(2), mesh, seed=20, steps=1)
+    finally:
+        dist.all_reduce, distributed.Exchange.agree = all_reduce, agree
+    assert durations and min(durations) >= 0.05, f"agreements returned after {durations} s, while Gloo held the buffer"
+
+
 def _scenario_two_dimensional_mesh(mesh, rank, world):
     """HSDP's 2-d mesh is refused when the optimizer is built, with a message that says what is supported."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -325,6 +353,7 @@ def _scenarios(folder: Path, world: int) -> dict:
         "skip agreed": _scenario_skip,
         "error raised everywhere": _scenario_error,
         "clamps agreed": _scenario_clamp,
+        "the step waits for gloo to let go": _scenario_step_waits_for_gloo_to_let_go,
         "fsdp model": _scenario_fsdp_model,
         "checkpoint": lambda mesh, rank, world: _scenario_checkpoint(mesh, rank, world, folder),
     }
@@ -333,12 +362,7 @@ def _scenarios(folder: Path, world: int) -> dict:
     return scenarios
 
 
-def _worker(rank: int, world: int, port: int, folder: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    # A scenario that fails on one rank alone leaves the others waiting in a collective: Gloo's default
-    # 30-minute timeout made that a 30-minute hang of the suite; every scenario takes seconds.
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=180))
+def _worker(rank: int, world: int, folder: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -350,8 +374,7 @@ def _worker(rank: int, world: int, port: int, folder: str) -> None:
         except Exception:  # reported per scenario by the tests below
             results[name] = traceback.format_exc()
         dist.barrier()
-    (Path(folder) / f"results-{world}-{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    return results
 
 
 # ----------------------------------------------------------------------------- the test side
@@ -368,13 +391,7 @@ def shared_folder(tmp_path_factory):
 def results(shared_folder):
     """Per world size, per rank, each scenario's outcome (the 2-process run first: the 4-process one
     loads its checkpoint)."""
-    outcomes = {}
-    for world in (2, 4):
-        mp.start_processes(_worker, args=(world, _free_port(), str(shared_folder)), nprocs=world,
-                           start_method="spawn")
-        outcomes[world] = [json.loads((shared_folder / f"results-{world}-{rank}.json").read_text())
-                           for rank in range(world)]
-    return outcomes
+    return {world: run_ranks(_worker, world, str(shared_folder)) for world in (2, 4)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -418,3 +435,48 @@ def test_owners_follow_the_longest_processing_time_rule():
     # Starting loads count: a rank that took more earlier in the step gets less now.
     owners, loads = assign_owners([1.0] * 4, 2, loads=[10.0, 0.0])
     assert owners == [1, 1, 1, 1]
+
+
+# ----------------------------------------------------------------------------- the harness (process_results)
+
+
+def _aborted(rank: int, world: int, when: str) -> dict:
+    """Aborted before its result (a crash), or after it, at exit, as torch's Gloo teardown may be."""
+    if when == "before":
+        os.abort()
+    atexit.register(os.abort)
+    return {"rank": rank}
+
+
+# One process per launch: a rank that dies while another still connects would fail that one too.
+def test_a_rank_aborted_before_writing_its_result_fails_the_launch():
+    with pytest.raises(AssertionError, match=r"^rank 0 exited with code -6 before writing its result$"):
+        run_ranks(_aborted, 1, "before")
+
+
+def test_a_rank_aborted_after_writing_its_result_is_tolerated_with_a_warning():
+    with pytest.warns(RuntimeWarning, match="rank 0 wrote its result, then was aborted"):
+        assert run_ranks(_aborted, 1, "after") == [{"rank": 0}]
+
+
+@pytest.mark.parametrize("exit_codes, written, failure", [
+    ([0, 0], [0, 1], None),
+    ([-signal.SIGABRT, 0], [0, 1], None),  # torch's teardown abort, after the work: tolerated
+    ([-signal.SIGABRT, 0], [1], "rank 0 exited with code -6 before writing its result"),
+    ([0, 0], [0], "rank 1 exited with code 0 before writing its result"),
+    ([None, 0], [1], "rank 0 was still running at the timeout before writing its result"),
+    ([1, 0], [0, 1], "rank 0 wrote its result, then exited with code 1"),
+    ([-signal.SIGSEGV, 0], [0, 1], "rank 0 wrote its result, then exited with code -11"),
+    ([0, None], [0, 1], "rank 1 wrote its result, then did not exit by the timeout"),
+])
+def test_judge_passes_a_rank_by_its_result_and_tolerates_only_an_abort_after_it(tmp_path, exit_codes, written,
+                                                                               failure):
+    for rank in written:
+        (tmp_path / f"{rank}.json").write_text(json.dumps({"rank": rank}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        if failure is None:
+            assert judge(exit_codes, tmp_path) == [{"rank": 0}, {"rank": 1}]
+        else:
+            with pytest.raises(AssertionError, match=f"^{failure}$"):
+                judge(exit_codes, tmp_path)
