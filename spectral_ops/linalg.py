@@ -31,6 +31,19 @@ def wide(W: torch.Tensor) -> torch.Tensor:
     return W.mT if is_tall(W) else W
 
 
+def largest_magnitudes(A: torch.Tensor) -> torch.Tensor:
+    """``max |A|`` per matrix, ``(..., 1, 1)`` (NaN where a matrix holds one), in one pass where it can:
+    ``aminmax`` over one matrix laid out as a block (or its transpose, the wide view of a tall weight)
+    reads it once, where ``amax`` and ``amin`` over two dimensions read it twice."""
+    if A.dim() == 2:
+        block = A if A.is_contiguous() else A.mT if A.mT.is_contiguous() else None
+        if block is not None:
+            low, high = torch.aminmax(block.view(-1))
+            return torch.maximum(high, -low).view(1, 1)
+    dims = (-2, -1)
+    return torch.maximum(A.amax(dim=dims, keepdim=True), -A.amin(dim=dims, keepdim=True))
+
+
 def frobenius_normalized(A: torch.Tensor):
     """``(A / ||A||_F, ln ||A||_F)`` per matrix, exact in range for every finite ``A``.
 
@@ -42,7 +55,7 @@ def frobenius_normalized(A: torch.Tensor):
     zeros and ``-inf``.
     """
     dims = (-2, -1)
-    largest = torch.maximum(A.amax(dim=dims, keepdim=True), -A.amin(dim=dims, keepdim=True))
+    largest = largest_magnitudes(A)
     # frexp's exponent e puts the largest magnitude in [2^(e-1), 2^e); 2^(e-1) is representable for
     # every finite one (2^e is not at the top of the range).
     exponent = torch.frexp(largest).exponent - 1

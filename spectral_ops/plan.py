@@ -192,17 +192,20 @@ def repeated_squaring(k: int, square, multiply):
 
 
 def polar_iterations(kernels, X: torch.Tensor, coefficients, precision: str,
-                     first_gram: torch.Tensor | None = None):
-    """Apply ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` for each ``(a, b, c)``.
+                     first_gram: torch.Tensor | None = None, scale: float = 1.0):
+    """Apply ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` for each ``(a, b, c)``, from ``scale X``.
 
-    ``first_gram`` lets a caller that already holds ``X X^T`` skip the first product.
+    ``first_gram`` lets a caller that already holds ``X X^T`` skip the first product. ``scale`` is
+    folded into the first step's coefficients (``A = s^2 X X^T`` and ``a s X + s (P X)``), not applied
+    as a pass over ``X`` and its Gram.
     """
     for step, (a, b, c) in enumerate(coefficients):
         A = first_gram if step == 0 and first_gram is not None else kernels.symmetric(X, X.mT, precision)
         first_gram = None  # the first step's A only: not held through the loop
-        P = kernels.poly_step(A, b, c, precision)
+        s = scale if step == 0 else 1.0
+        P = kernels.poly_step(A, b * s**2, c * s**4, precision)
         del A
-        X = kernels.product(P, X, precision, Y=X, alpha=a)
+        X = kernels.product(P, X, precision, Y=X, alpha=a * s, beta=s)
     return X
 
 
@@ -320,9 +323,8 @@ class GramPlan:
     def polar(self, coefficients) -> torch.Tensor:
         """Polar Express ``Q = U V^T`` (wide), from ``X0 = Xn / 1.01``, sharing the Gram with step one."""
         if self._polar is None:
-            shrink = 1.0 / NORMALIZATION_MARGIN
-            self._polar = polar_iterations(self.kernels, self.Xo * shrink, coefficients, self.precision,
-                                           self.gram * shrink**2)
+            self._polar = polar_iterations(self.kernels, self.Xo, coefficients, self.precision, self.gram,
+                                           scale=1.0 / NORMALIZATION_MARGIN)
         return self._polar
 
     def gram_polar(self, coefficients):

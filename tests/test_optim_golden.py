@@ -1,7 +1,8 @@
 """The optimizers' eager (``capturable=False``) results are pinned: making the step capturable,
 multi-tensor and compile-friendly must not change one bit of them.
 
-``tests/data/optim_golden.pt`` was recorded with the optimizers as they were before [capturable];
+``tests/data/optim_golden.pt`` was recorded with the optimizers as they were before [capturable], and
+again when [portable] folded the polar iteration's normalisation margin into its first step;
 ``python tests/test_optim_golden.py`` records it again after a deliberate change. How results are
 compared: ``tests/golden.py``.
 """

@@ -255,3 +255,32 @@ def test_auto_takes_a_backends_fused_chain_first(monkeypatch):
     assert plan.power_direction(None, gram_plan, 2, (), "auto") is chained
     monkeypatch.setattr(plan.GramPlan, "scaled_power", lambda self, p, coefficients, iteration: iteration)
     assert plan.power_direction(None, gram_plan, 2, (), "gram_space") == "gram_space"
+
+
+def test_the_polar_factor_starts_from_the_margin_without_a_pass_over_the_matrix():
+    """The normalisation margin ``1 / 1.01`` is folded into the first step's coefficients: the iterates
+    of ``X / 1.01``, to fp64 rounding, from products alone (the margin once cost a pass over ``X`` and one
+    over its Gram, 2 of a Muon step's ~20 element-wise passes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from spectral_ops.backends.torch_backend import TorchBackend
+    from spectral_ops.coefficients import NORMALIZATION_MARGIN
+
+    generator = torch.Generator().manual_seed(0)
+    W = torch.randn(6, 10, generator=generator, dtype=torch.float64)
+    coefficients = so.polar_express_coefficients(steps=4)
+    gram_plan = plan.GramPlan(W, TorchBackend(), "fp64")
+
+    class Ops(TorchDispatchMode):
+        names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(isinstance(arg, torch.Tensor) and arg.numel() > 1 for arg in args):  # not a log scale
+                self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        polar = gram_plan.polar(coefficients)
+    assert ops.names <= {"mm", "addmm", "t", "transpose"}, ops.names
+    expected = plan.polar_iterations(TorchBackend(), gram_plan.Xn / NORMALIZATION_MARGIN, coefficients, "fp64")
+    torch.testing.assert_close(polar, expected, rtol=0, atol=64 * torch.finfo(torch.float64).eps)

@@ -3,7 +3,9 @@
 ``tests/data/torch_golden.pt`` holds the results of every public op on fixed inputs, recorded with
 the torch backend. They were recorded before the algorithm moved into ``spectral_ops.plan`` and
 matched bit for bit after it; they were recorded again when [precision] changed the arithmetic on
-purpose (products with BLAS epilogues, bf16 weights iterating in bf16). ``python
+purpose (products with BLAS epilogues, bf16 weights iterating in bf16), and when [portable] folded
+the normalisation margin into the first polar step (bf16 results moved by bf16 roundings; fp32 and
+fp64 ones stayed within the cross-machine tolerance). ``python
 tests/test_plan_golden.py`` records them again after such a deliberate change. How they are
 compared: ``tests/golden.py``.
 """
