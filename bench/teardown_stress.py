@@ -1,4 +1,4 @@
-"""``python bench/teardown_stress.py [--runs 32] [--load 2] [--optimizers ...] [--teardowns ...]``
+"""``python bench/teardown_stress.py [--runs 32] [--load 2] [--optimizers ...] [--teardowns ...] [--output F]``
 
 How often a finished multi-process run fails at exit. Each launch starts ``--world-size`` processes on
 the CPU (Gloo, as torchrun would: ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``), which train a
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 OPTIMIZERS = ("spectral-adamw", "spectral-muon", "adamw")
 TEARDOWNS = ("none", "destroy")
@@ -133,6 +135,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--concurrent", type=int, default=1,
                         help="launches running at once: more contention, as a CI running tests in parallel "
                              "(default 1)")
+    parser.add_argument("--output", default=None,
+                        help="also write the table to OUTPUT.md and the counts to OUTPUT.json, with the machine "
+                             "(e.g. docs/results/teardown-stress)")
     parser.add_argument("--as-worker", action="store_true",
                         help="internal: be one process of a launch (the launcher passes it, with one "
                              "optimizer, teardown and parallel)")
@@ -157,7 +162,31 @@ def main(argv=None) -> dict:
         for process in load:
             process.kill()
             process.wait()
+    if args.output:
+        write_report(args.output, counts, vars(args))
     return counts
+
+
+def write_report(output: str, counts: dict, settings: dict) -> None:
+    """``output.md``: one row per variant; ``output.json``: the counts and settings; both name the machine."""
+    from spectral_ops.provenance import machine, machine_line
+
+    runs = settings["runs"]
+    rows = [f"| {parallel} | {name} | {teardown} | " + " | ".join(f"{counts[(parallel, name, teardown)][o]}/{runs}"
+                                                                   for o in reversed(OUTCOMES)) + " |"
+            for parallel, name, teardown in counts]
+    flags = " ".join(f"--{key.replace('_', '-')} {' '.join(map(str, value)) if isinstance(value, list) else value}"
+                     for key, value in settings.items() if key not in ("as_worker", "output"))
+    Path(f"{output}.md").write_text(
+        "# Exit of finished multi-process runs under load\n\n"
+        f"`python bench/teardown_stress.py {flags}`: {settings['world_size']} Gloo processes per launch, "
+        f"{settings['steps']} steps, {settings['load']} busy loops contending for the cores.\n\n"
+        "| parallel | optimizer | teardown | " + " | ".join(reversed(OUTCOMES)) + " |\n"
+        "|---|---|---|" + "---|" * len(OUTCOMES) + "\n" + "\n".join(rows) + f"\n\nOn {machine_line()}.\n")
+    Path(f"{output}.json").write_text(json.dumps(
+        {"settings": {k: v for k, v in settings.items() if k != "as_worker"},
+         "counts": [{"parallel": p, "optimizer": o, "teardown": t, **c} for (p, o, t), c in counts.items()],
+         "machine": machine()}, indent=2) + "\n")
 
 
 if __name__ == "__main__":
