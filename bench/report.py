@@ -16,7 +16,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from spectral_ops.provenance import machine_line
+from spectral_ops.provenance import ISA_FLAGS, machine_line
 
 COMPOSED_TORCH = "spectral_ops[torch]"
 SVD_ROUTE = "svd32"
@@ -136,11 +136,15 @@ def against_torch_tables(entries) -> list[str]:
 
 def machine_text(results: dict) -> str:
     """The machine the benchmarks ran on: :func:`~spectral_ops.provenance.machine_line` of the facts
-    bench/conftest.py stored, or, in results saved before it did, the CPU's brand."""
+    bench/conftest.py stored, or, in results saved before it did, the CPU's brand and ISA flags as
+    pytest-benchmark recorded them (torch and the BLAS were not)."""
     machine = results.get("machine_info", {})
     if "spectral_ops" in machine:
         return machine_line(machine["spectral_ops"])
-    return machine.get("cpu", {}).get("brand_raw", machine.get("processor", "unknown CPU"))
+    cpu = machine.get("cpu", {})
+    flags = ", ".join(flag for flag in ISA_FLAGS if flag in cpu.get("flags", ())) or "no AVX2"
+    return (f"{cpu.get('brand_raw', machine.get('processor', 'unknown CPU'))} ({flags}), "
+            f"{cpu.get('count', '?')} threads, torch and BLAS not recorded")
 
 
 def render(results: dict) -> str:
