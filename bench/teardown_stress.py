@@ -106,14 +106,19 @@ def launch(optimizer_name: str, teardown: str, parallel: str, steps: int, world_
     outcomes = []
     for process in processes:
         out, err = process.communicate(timeout=600)
-        if DONE not in out:
-            outcomes.append("failed before done")
+        outcomes.append(outcome(out, process.returncode))
+        if outcomes[-1] == "failed before done":
             sys.stderr.write(err[-2000:])
-        elif process.returncode == -signal.SIGABRT:
-            outcomes.append("aborted after done")
-        else:
-            outcomes.append("failed after done" if process.returncode else "clean")
     return min(outcomes, key=OUTCOMES.index)
+
+
+def outcome(stdout: str, returncode: int) -> str:
+    """One process's ending (one of OUTCOMES), from what it printed and its exit code."""
+    if DONE not in stdout:
+        return "failed before done"
+    if returncode == -signal.SIGABRT:
+        return "aborted after done"
+    return "failed after done" if returncode else "clean"
 
 
 def main(argv=None) -> dict:
@@ -184,7 +189,7 @@ def write_report(output: str, counts: dict, settings: dict) -> None:
         "| parallel | optimizer | teardown | " + " | ".join(reversed(OUTCOMES)) + " |\n"
         "|---|---|---|" + "---|" * len(OUTCOMES) + "\n" + "\n".join(rows) + f"\n\nOn {machine_line()}.\n")
     Path(f"{output}.json").write_text(json.dumps(
-        {"settings": {k: v for k, v in settings.items() if k != "as_worker"},
+        {"settings": {k: v for k, v in settings.items() if k not in ("as_worker", "output")},
          "counts": [{"parallel": p, "optimizer": o, "teardown": t, **c} for (p, o, t), c in counts.items()],
          "machine": machine()}, indent=2) + "\n")
 
