@@ -118,7 +118,7 @@ def _auto_method(W: torch.Tensor, p: int) -> str:
 
     On GPUs the Gram route always wins: it is a chain of matmuls. On CPUs the choice follows the
     crossover measured with ``bench/test_bench_ops.py::test_method_selection`` on a 2-core AMD
-    EPYC with AVX2 (README, "Choosing a method on a CPU", which also has an AVX-512 Xeon's run):
+    EPYC with AVX2 (docs/backends.md, "Choosing a method on a CPU", which also has an AVX-512 Xeon's run):
 
     * ``p >= 2``: the eigendecomposition of the Gram was fastest at every measured shape (1.3-3.3x
       over the next route from 64 x 64 up, within 4% of the SVD at 32 x 32), and it is accurate

@@ -1,5 +1,5 @@
 """A step either updates a parameter from finite values or leaves it alone, and a step that raises
-changes nothing: the reliability promises of the optimizer family (README, "Guarantees").
+changes nothing: the reliability promises of the optimizer family (docs/guarantees.md).
 
 Every comparison here is bitwise (``torch.equal``): skipping or refusing must leave the exact bits,
 and the parameters that are updated must get exactly what a step without the bad parameter gives.

@@ -112,7 +112,7 @@ class SpectralAdamW(SpectralOptimizer):
 
     ``capturable=True`` (torch's name): no host synchronisation after the first step, so the step
     can be captured in a CUDA graph or compiled; lr and the coefficients may be 0-d device tensors
-    that a scheduler changes in place. See the README, "Capturable steps".
+    that a scheduler changes in place. See docs/optimizers.md, "Capturable steps".
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, p=1,
