@@ -42,6 +42,14 @@ def check_finite(tensors: Iterable[torch.Tensor], name: str = "W",
         raise error(f"{where} {reason}")
 
 
+def check_dtype(dtype, name: str = "dtype"):
+    """None (the input's dtype) or one of the supported floating dtypes."""
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be None or one of torch.float64, torch.float32, torch.float16 and "
+                        f"torch.bfloat16, got {dtype!r}")
+    return dtype
+
+
 def check_same_device(tensors: Iterable[torch.Tensor], name: str = "W") -> None:
     devices = {t.device for t in tensors}
     if len(devices) > 1:

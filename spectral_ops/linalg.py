@@ -44,8 +44,9 @@ def largest_magnitudes(A: torch.Tensor) -> torch.Tensor:
     return torch.maximum(A.amax(dim=dims, keepdim=True), -A.amin(dim=dims, keepdim=True))
 
 
-def frobenius_normalized(A: torch.Tensor):
-    """``(A / ||A||_F, ln ||A||_F)`` per matrix, exact in range for every finite ``A``.
+def frobenius_normalized(A: torch.Tensor, in_place: bool = False):
+    """``(A / ||A||_F, ln ||A||_F)`` per matrix, exact in range for every finite ``A``; ``in_place``
+    divides ``A`` itself (the same numbers, without a full-size temporary).
 
     ``A`` is first divided by the power of two ``2^e`` just below its largest magnitude (as LAPACK's
     ``nrm2`` scales): the squares of the raw entries overflow from ~1e19 in float32 and underflow
@@ -59,7 +60,8 @@ def frobenius_normalized(A: torch.Tensor):
     # frexp's exponent e puts the largest magnitude in [2^(e-1), 2^e); 2^(e-1) is representable for
     # every finite one (2^e is not at the top of the range).
     exponent = torch.frexp(largest).exponent - 1
-    normalized = A / torch.exp2(exponent.to(A.dtype))
+    power = torch.exp2(exponent.to(A.dtype))
+    normalized = A.div_(power) if in_place else A / power
     rest = torch.linalg.vector_norm(normalized, dim=dims, keepdim=True)
     normalized.div_(torch.where(rest > 0, rest, 1.0))
     return normalized, exponent.double() * math.log(2) + rest.double().log()

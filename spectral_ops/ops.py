@@ -12,6 +12,7 @@ from . import dispatch, plan
 from ._checks import (
     check_choice,
     check_coefficient,
+    check_dtype,
     check_finite,
     check_matrix,
     check_power,
@@ -63,7 +64,7 @@ def sign_coefficients(steps=None, method: str = "newton_schulz") -> tuple:
 
 @torch.no_grad()
 def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, precision: str | None = None,
-          capturable: bool = False) -> torch.Tensor:
+          capturable: bool = False, dtype: torch.dtype | None = None, overwrite_input: bool = False) -> torch.Tensor:
     """Polar Express approximation of ``U V^T`` (SPEC 1.3).
 
     ``W`` is Frobenius-normalised (with margin 1.01) and iterated in its wide orientation.
@@ -72,13 +73,22 @@ def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, preci
     Singular values below ``1e-3 * ||W||_F`` are only partly lifted towards 1 (the design bound).
     ``precision`` (every op takes it): the operands of the iteration, see :func:`check_precision`.
     ``capturable=True`` (every op takes it): no host synchronisation, and so no check that ``W`` is finite.
+    ``dtype``: the result's dtype, ``W``'s by default. The operand dtype of ``precision``
+    (``torch.bfloat16`` for ``"bf16"``) returns the last iterate as it is, as torch.optim.Muon uses it:
+    no rounding and no full-size copy in ``W``'s dtype. ``overwrite_input=True`` (as SciPy's
+    ``overwrite_a``): ``W`` is a temporary of the caller's, which the normalisation may overwrite (its
+    values are then unspecified) instead of allocating a full-size copy; it changes no result.
     """
     _validated(W, capturable=capturable)
     polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
     check_precision(precision)
+    check_dtype(dtype)
     if W.numel() == 0:
-        return W.clone()
-    return plan.polar(dispatch.kernels_for("polar", W), W, polar_c, precision)
+        return W.to(dtype or W.dtype, copy=True)
+    if not isinstance(overwrite_input, bool):
+        raise TypeError(f"overwrite_input must be True or False, got {overwrite_input!r}")
+    return plan.polar(dispatch.kernels_for("polar", W), W, polar_c, precision, dtype=dtype,
+                      overwrite_input=overwrite_input)
 
 
 @torch.no_grad()

@@ -269,8 +269,8 @@ def checked_finite(result: torch.Tensor, op: str) -> torch.Tensor:
 class GramPlan:
     """The intermediate results of one (batch of) matrix, each computed lazily and at most once:
     ``X``, ``ln c`` with ``c = ||X||_F`` (float64), ``Xn`` (math dtype), the operand ``Xo`` (``Xn`` in
-    the operand dtype), the Gram ``Gn``, its renormalised squares, and the polar factor ``Q`` (operand
-    dtype).
+    the operand dtype, and the only one of the two held where they differ), the Gram ``Gn``, its
+    renormalised squares, and the polar factor ``Q`` (operand dtype).
 
     ``c`` is held as a log: at the dtype's extremes it and its powers need not exist as numbers.
     Results scaled by ``c^p`` come as a *scaled* pair ``(D, ln f)`` with ``S = f D``, ``D`` of norm
@@ -278,17 +278,36 @@ class GramPlan:
     decay's step).
     """
 
-    def __init__(self, W: torch.Tensor, kernels, precision: str, restart_every: int = GRAM_SPACE_BLOCK):
+    def __init__(self, W: torch.Tensor, kernels, precision: str, restart_every: int = GRAM_SPACE_BLOCK,
+                 overwrite_input: bool = False, polar_only: bool = False):
+        """``overwrite_input``: ``W`` is the caller's temporary, normalised in place (``X`` is then
+        ``Xn``, and the plan has no ``X`` of its own). ``polar_only``: the plan is asked for the polar
+        factor and nothing else, so :meth:`polar` hands its operand to the iteration instead of holding
+        it (and its Gram) through every step, as torch.optim.Muon's iteration holds neither."""
         self.kernels = kernels
+        self.polar_only = polar_only
         self.restart_every = restart_every
         self.precision = precision
         self.transposed = is_tall(W)
-        self.X = wide(W).to(math_dtype(W.dtype, precision))
-        self.Xn, self.log_scale = frobenius_normalized(self.X)
-        self.Xo = self.Xn.to(OPERAND_DTYPES[precision])
+        self.dtype = math_dtype(W.dtype, precision)
+        X = wide(W).to(self.dtype)
+        self.shape = X.shape  # the wide orientation's
+        Xn, self.log_scale = frobenius_normalized(X, in_place=overwrite_input)
+        self.X = None if overwrite_input else X
+        self.Xo = Xn.to(OPERAND_DTYPES[precision])
+        # Xn itself is read only by svt: where the operands are of another dtype it is not held through
+        # the iteration (a full-size math-dtype temporary), but formed again if asked for.
+        self._normalized = Xn if self.Xo is Xn or overwrite_input else None
         self._gram_squares: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._polar = None
         self._gram_polar = None
+
+    @property
+    def Xn(self) -> torch.Tensor:
+        """``X / c`` in the math dtype (the same numbers as the ``Xn`` that ``Xo`` was rounded from)."""
+        if self._normalized is None:
+            self._normalized = frobenius_normalized(self.X)[0]
+        return self._normalized
 
     def symmetric(self, L, R):
         return self.kernels.symmetric(L, R, self.precision)
@@ -301,8 +320,7 @@ class GramPlan:
         return self._gram_square(1)[0]
 
     def identity(self) -> torch.Tensor:
-        r = self.Xn.shape[-2]
-        return torch.eye(r, dtype=self.Xn.dtype, device=self.Xn.device)
+        return torch.eye(self.shape[-2], dtype=self.dtype, device=self.log_scale.device)
 
     def _gram_square(self, exponent: int):
         """``Gn^exponent`` for a power of two, scaled: ``(M, ln f)`` with ``Gn^exponent = f M``."""
@@ -322,6 +340,11 @@ class GramPlan:
 
     def polar(self, coefficients) -> torch.Tensor:
         """Polar Express ``Q = U V^T`` (wide), from ``X0 = Xn / 1.01``, sharing the Gram with step one."""
+        if self._polar is None and self.polar_only:
+            # Popped into the call, not bound here: the iteration holds the only reference, and drops it
+            # after the first step.
+            self._polar = polar_iterations(self.kernels, self.__dict__.pop("Xo"), coefficients, self.precision,
+                                           scale=1.0 / NORMALIZATION_MARGIN)
         if self._polar is None:
             self._polar = polar_iterations(self.kernels, self.Xo, coefficients, self.precision, self.gram,
                                            scale=1.0 / NORMALIZATION_MARGIN)
@@ -353,25 +376,29 @@ class GramPlan:
         """``S_p`` (wide, math dtype) scaled, ``(D, ln f)``: ``D = M Q`` for ``p = 2k`` and ``M Xn`` for
         ``2k + 1``, with ``Gn^k = g M`` and ``f = c^p g``; ``(X, 0)`` for ``p = 1``. With
         ``iteration="gram_space"`` the polar factor of an even ``p`` comes from :meth:`gram_polar` as
-        ``Q = Z Xj``, and ``D = (M Z) Xj``: one product by the rectangle instead of two."""
+        ``Q = Z Xj``, and ``D = (M Z) Xj``: one product by the rectangle instead of two.
+
+        ``p = 0``'s ``D``, the polar factor itself, stays in the operand dtype: its caller rounds it
+        once, to where it goes (a Muon step adds the bf16 iterate to its weights as torch.optim.Muon
+        does, without a full-size fp32 copy of it)."""
         if p == 1:
             return self.X, torch.zeros_like(self.log_scale)
         if iteration == "gram_space" and p % 2 == 0:
             Z, X = self.gram_polar(coefficients)
             if p == 0:
-                return self.product(Z, X).to(self.Xn.dtype), torch.zeros_like(self.log_scale)
+                return self.product(Z, X), torch.zeros_like(self.log_scale)
             M, log_gram = self.gram_power(p // 2)
-            return self.product(self.product(M, Z), X).to(self.Xn.dtype), p * self.log_scale + log_gram
+            return self.product(self.product(M, Z), X).to(self.dtype), p * self.log_scale + log_gram
         base = self.polar(coefficients) if p % 2 == 0 else self.Xo
         if p == 0:
-            return base.to(self.Xn.dtype), torch.zeros_like(self.log_scale)
+            return base, torch.zeros_like(self.log_scale)
         M, log_gram = self.gram_power(p // 2)
-        return self.product(M, base).to(self.Xn.dtype), p * self.log_scale + log_gram
+        return self.product(M, base).to(self.dtype), p * self.log_scale + log_gram
 
     def power(self, p: int, coefficients) -> torch.Tensor:
         """``S_p`` (wide, math dtype), non-finite only where it overflows the math dtype."""
         if p <= 1:
-            return self.scaled_power(p, coefficients)[0]
+            return self.scaled_power(p, coefficients)[0].to(self.dtype)
         return scaled_(*self.scaled_power(p, coefficients))
 
     def top_projector(self, tau, sign_coefficients) -> torch.Tensor:
@@ -379,9 +406,9 @@ class GramPlan:
 
         ``Gn``'s eigenvalues are in [0, 1], so a shift above 2 gives ``P_top = 0`` as surely as the exact one
         (which can exceed the dtype: ``tau / c = 1e60`` for ``tau = 1e30``, ``c = 1e-30``)."""
-        ratio_sq = ratio(tau, self.log_scale, math.sqrt(2.0), self.Xn.dtype) ** 2
-        shifted = self.gram.to(self.Xn.dtype) - ratio_sq * self.identity()
-        J = matrix_sign(self.kernels, shifted, sign_coefficients, self.precision).to(self.Xn.dtype)
+        ratio_sq = ratio(tau, self.log_scale, math.sqrt(2.0), self.dtype) ** 2
+        shifted = self.gram.to(self.dtype) - ratio_sq * self.identity()
+        J = matrix_sign(self.kernels, shifted, sign_coefficients, self.precision).to(self.dtype)
         return (J + self.identity()) * 0.5
 
     def band(self, p: int, band: BandSpec, polar_coefficients, sign_coefficients) -> torch.Tensor:
@@ -411,14 +438,14 @@ class GramPlan:
         Every singular value is at most ``c``, so a ``t / c`` above 1 gives zero as surely as the exact
         one, and is capped there (it can exceed the dtype)."""
         P_top = self.top_projector(t, sign_coefficients)
-        shift = ratio(t, self.log_scale, 1.0, self.Xn.dtype)
-        return self._final_product(P_top, self.Xn - shift * self.polar(polar_coefficients).to(self.Xn.dtype)), \
+        shift = ratio(t, self.log_scale, 1.0, self.dtype)
+        return self._final_product(P_top, self.Xn - shift * self.polar(polar_coefficients).to(self.dtype)), \
             self.log_scale
 
     def _final_product(self, M, Z, **epilogue):
         """The one rectangular product of a band form, on unscaled weights: in the math dtype, whose
         range the scale ``c^p`` needs, at fp32 accuracy (fp64 for fp64)."""
-        exact = "fp64" if self.Xn.dtype == torch.float64 else "fp32"
+        exact = "fp64" if self.dtype == torch.float64 else "fp32"
         return self.kernels.product(M, Z, exact, **epilogue)
 
     def oriented(self, S: torch.Tensor) -> torch.Tensor:
@@ -446,7 +473,7 @@ def chained_power(kernels, plan: GramPlan, p: int, polar_coefficients):
     chained = kernels.small_chain(plan.Xo, p, polar_coefficients, plan.precision)
     if chained is None:
         return None
-    return chained.to(plan.Xn.dtype), p * plan.log_scale
+    return chained.to(plan.dtype), p * plan.log_scale
 
 
 # Gn^k at unit norm stays above 2^-CHAIN_POWER_RANGE_BITS, well inside fp32's normal range (2^-126).
@@ -461,7 +488,7 @@ def power_direction(kernels, plan: GramPlan, p: int, polar_coefficients, iterati
         chained = chained_power(kernels, plan, p, polar_coefficients)
         if chained is not None:
             return chained
-    iteration = resolve_iteration(iteration, p, plan.Xn.shape, plan.precision, len(polar_coefficients))
+    iteration = resolve_iteration(iteration, p, plan.shape, plan.precision, len(polar_coefficients))
     return plan.scaled_power(p, polar_coefficients, iteration)
 
 
@@ -471,18 +498,28 @@ def spectral_power(kernels, W: torch.Tensor, p: int, polar_coefficients, precisi
     gets Inf where the result exceeds the dtype. ``iteration``: one of :data:`ITERATIONS`."""
     if p == 1:
         return W.clone()  # S_1(W) = W, and the result must never alias the input
+    if p == 0:
+        return polar_factor(kernels, W, polar_coefficients, precision, iteration)
     plan = GramPlan(W, kernels, resolve_precision(precision, W.dtype))
     direction, log_factor = power_direction(kernels, plan, p, polar_coefficients, iteration)
-    if p == 0:
-        return plan.oriented(direction).to(W.dtype)
     result = plan.oriented(scaled_(direction, log_factor)).to(W.dtype)
     return checked_finite(result, "spectral_power") if sync else result
 
 
-def polar(kernels, W: torch.Tensor, polar_coefficients, precision: str | None = None) -> torch.Tensor:
+def polar_factor(kernels, W: torch.Tensor, polar_coefficients, precision: str | None = None,
+                 iteration: str = "auto", dtype: torch.dtype | None = None, overwrite_input: bool = False):
+    """``S_0(W)``, in ``dtype`` (``W``'s by default); ``overwrite_input``: see :class:`GramPlan`."""
+    plan = GramPlan(W, kernels, resolve_precision(precision, W.dtype), overwrite_input=overwrite_input,
+                    polar_only=True)
+    direction, _ = power_direction(kernels, plan, 0, polar_coefficients, iteration)
+    return plan.oriented(direction).to(dtype or W.dtype)
+
+
+def polar(kernels, W: torch.Tensor, polar_coefficients, precision: str | None = None,
+          dtype: torch.dtype | None = None, overwrite_input: bool = False) -> torch.Tensor:
     """Always on the rectangle: this is Muon's orthogonalisation, which must be the iteration
     torch.optim.Muon runs (``spectral_power(W, 0)`` follows ``iteration`` instead)."""
-    return spectral_power(kernels, W, 0, polar_coefficients, precision, iteration="rectangle")
+    return polar_factor(kernels, W, polar_coefficients, precision, "rectangle", dtype, overwrite_input)
 
 
 def msign(kernels, A: torch.Tensor, sign_coefficients, precision: str | None = None) -> torch.Tensor:
@@ -535,7 +572,8 @@ def decay_(kernels, W: torch.Tensor, request: DecayRequest, sync: bool = True) -
             log_factor = torch.zeros_like(plan.log_scale)
         else:
             direction, log_factor = power_direction(kernels, plan, request.p, request.polar_coefficients,
-                                               request.iteration)
+                                                    request.iteration)
+            direction = direction.to(plan.dtype)  # p = 0's polar factor comes in the operand dtype
     step = scaled_step(step, log_factor).to(plan.X.dtype)
     if sync:
         check_update_fits(plan, keep, step, direction, W.dtype)

@@ -42,8 +42,9 @@ def workspace_bound(count: int, shape, dtype: torch.dtype, p: int) -> int:
     * The decay is computed in a copy of the weights, their dtype (``decay.prepare_decay``: the stack
       of a same-shape list, the clone of a lone weight), so that every new value can be checked
       before any weight is written. Every shape group's copy stays alive until the commit.
-    * The plan holds ``Xn = X / ||X||_F`` (rN) and, for bf16, the fp32 ``X`` (rN) and the operand
-      ``Xo`` (o rN); for fp32 those are views of the copy and of ``Xn``.
+    * The plan holds, for fp32, ``Xn = X / ||X||_F`` (rN; ``X`` is a view of the copy, the operand
+      ``Xo`` is ``Xn``); for bf16, the fp32 ``X`` (rN) and the operand ``Xo`` (o rN), while ``Xn``,
+      rounded into ``Xo``, lives only while the plan is made (``init``: X, Xn and Xo at once).
     * The Polar Express loop (even p and 0): the plan, the iterate (o rN; the previous one is freed
       once the next exists, except the first, which starts from ``Xo``), and four o rr: the Gram, the
       first step's scaled copy, this step's ``A`` and ``b A + c A^2``.
@@ -60,11 +61,12 @@ def workspace_bound(count: int, shape, dtype: torch.dtype, p: int) -> int:
     if p == 1:
         return 0
     k, even = p // 2, p % 2 == 0
-    plan = 1 + (1 + o if low else 0)
+    plan = 1 + (o if low else 0)
+    init = (2 + o) * rN if low else 0
     polar = (plan + o) * rN + 4 * o * rr if even else 0
     direction = (plan + (o if even else 0) + o + (1 if low else 0)) * rN + k.bit_length() * o * rr if p >= 2 else 0
     epilogue = (2 + (1 if low else 0)) * rN
-    return int(weights + max(polar, direction, epilogue))
+    return int(weights + max(init, polar, direction, epilogue))
 
 
 def measured(count, shape, dtype, p) -> "decay_memory.Peak":

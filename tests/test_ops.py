@@ -162,6 +162,43 @@ def test_polar_is_orthogonal_and_matches_svd():
     assert relative_error(Q, reference.polar_svd(W)) < TOLERANCE[torch.float32]
 
 
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32),
+                                              ("bf16", torch.float64)])
+@pytest.mark.parametrize("shape", [(40, 16), (16, 40), (20, 20), (3, 12, 20)], ids=str)
+def test_polar_in_a_dtype_of_choice_is_the_default_result_rounded_once(shape, precision, dtype):
+    """``dtype=`` rounds the last iterate once, to that dtype: in the operand dtype it is the iterate
+    itself (exactly what the float32 result holds), in a wider one the same numbers widened."""
+    W = matrix_with_spectrum(shape, log_spaced_spectrum(min(shape[-2:]), 100), torch.float32, seed=4)
+    default = so.polar(W, precision=precision)
+    chosen = so.polar(W, precision=precision, dtype=dtype)
+    assert chosen.dtype == dtype and chosen.shape == W.shape
+    assert torch.equal(chosen, default.to(dtype))
+    if dtype in (torch.bfloat16, torch.float16) and so.plan.OPERAND_DTYPES[precision] == dtype:
+        assert torch.equal(chosen.float(), default)  # nothing was rounded on the way to float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(40, 16), (16, 40), (20, 20), (3, 12, 20)], ids=str)
+def test_polar_overwriting_its_input_gives_the_same_result(shape, dtype):
+    """``overwrite_input=True`` lets the normalisation work in ``W``'s storage (a tall ``W`` through its
+    transposed view); the result is bitwise the one that leaves ``W`` alone."""
+    W = matrix_with_spectrum(shape, log_spaced_spectrum(min(shape[-2:]), 100), dtype, seed=6)
+    expected = so.polar(W, precision="bf16")
+    scratch = W.clone()
+    assert torch.equal(so.polar(scratch, precision="bf16", overwrite_input=True), expected)
+    if dtype != torch.bfloat16:  # W is in the math dtype: the normalisation ran in its storage
+        assert not torch.equal(scratch, W)
+
+
+def test_polar_refuses_a_result_dtype_it_does_not_support():
+    W = torch.randn(6, 4)
+    with pytest.raises(TypeError, match="dtype must be None or one of"):
+        so.polar(W, dtype=torch.int32)
+    with pytest.raises(TypeError, match="overwrite_input must be True or False"):
+        so.polar(W, overwrite_input=1)
+    assert so.polar(torch.zeros(5, 0), dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
 def test_polar_with_muon_coefficients_stays_coarse():
     W = matrix_with_spectrum((40, 40), log_spaced_spectrum(40, 100), torch.float64, seed=2)
     coarse = so.polar(W, steps=5, coefficients=so.MUON_QUINTIC)

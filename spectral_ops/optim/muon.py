@@ -16,6 +16,7 @@ import torch
 from .._checks import check_choice, check_steps
 from ..coefficients import polar_express_coefficients, resolve_polar_coefficients, without_normalization_margin
 from ..ops import check_precision, polar
+from ..plan import OPERAND_DTYPES, resolve_precision
 from ._decay import (
     DECAY_DEFAULTS,
     PreparedStep,
@@ -163,26 +164,15 @@ class SpectralMuon(SpectralOptimizer):
     def prepare_group(self, params, group: dict) -> PreparedStep:
         if group["algorithm"] == "adamw":
             return prepare_adam_step(self, params, group)
-        buffers = [self._next_momentum(param, group) for param in params]
-        updates = [self._nesterov(param, buffer, group) for param, buffer in zip(params, buffers)]
+        updates = [self._update(param, group) for param in params]
         directions, checked = self._directions(params, updates, group)
         decay = self.prepare_decay(params, group, blocks=self._decay_blocks(group))
 
         def commit(keep):
             masks = device_masks(keep) if group["capturable"] else None
-            for index, (param, buffer) in enumerate(zip(params, buffers)):
-                if keep[index] is False:
-                    continue
-                state = self.state[param]
-                if masks is not None:
-                    previous = local(state["momentum_buffer"]) if "momentum_buffer" in state else 0
-                    buffer = torch.where(masks[index], buffer, previous)
-                if masks is not None and "momentum_buffer" in state:
-                    # In place: a captured graph replays into the addresses it captured.
-                    local(state["momentum_buffer"]).copy_(buffer)
-                else:
-                    # The new buffer itself, not a copy of it (torch.optim.Muon's lerp_ needs none either).
-                    state["momentum_buffer"] = state_like(param, buffer)
+            for index, param in enumerate(params):
+                if keep[index] is not False:
+                    self._advance_momentum(param, group, None if masks is None else masks[index])
             decay.commit(keep)
             lr = step_scalar(group["lr"], group)
             for index, (param, direction) in enumerate(zip(params, directions)):
@@ -201,19 +191,32 @@ class SpectralMuon(SpectralOptimizer):
 
         return PreparedStep(group, params, self.gradient_checks(params), commit, decay, checked)
 
-    def _next_momentum(self, param, group) -> torch.Tensor:
-        """The momentum buffer after this step (this rank's shard), not yet stored: an EMA of the
-        gradients, as torch.optim.Muon keeps it."""
+    def _update(self, param, group) -> torch.Tensor:
+        """Muon's update (this rank's shard) in a temporary of its own: the momentum buffer after this
+        step (an EMA of the gradients, as torch.optim.Muon keeps it), then, in place, Nesterov's lerp of
+        the gradient towards it. The state's buffer is advanced only when the step commits, in place
+        and to the same numbers (:meth:`_advance_momentum`): a skipped step leaves it as it was, and it
+        keeps its address, so that a step allocates one full-size temporary here, as torch's does."""
         grad = local(param.grad)
         buffer = self.state.get(param, {}).get("momentum_buffer")  # state is a defaultdict: no entry made
         buffer = torch.zeros_like(grad, memory_format=torch.preserve_format) if buffer is None else local(buffer)
-        return buffer.lerp(grad, 1 - group["momentum"])
-
-    @staticmethod
-    def _nesterov(param, buffer, group) -> torch.Tensor:
-        """Muon's update from the new buffer: Nesterov's lerp, or the buffer itself."""
-        update = local(param.grad).lerp(buffer, group["momentum"]) if group["nesterov"] else buffer
+        update = buffer.lerp(grad, 1 - group["momentum"])
+        if group["nesterov"]:
+            torch.lerp(grad, update, group["momentum"], out=update)
         return update.reshape(matrix_shape(update))  # a copy only where no view has the matrix's shape
+
+    def _advance_momentum(self, param, group, mask) -> None:
+        """Store the momentum buffer after this step, in place (a captured graph replays into the
+        addresses it captured); ``mask``, a capturable step's device decision, keeps the old one where
+        it is False."""
+        grad, state = local(param.grad), self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = state_like(param, torch.zeros_like(grad, memory_format=torch.preserve_format))
+        buffer = local(state["momentum_buffer"])
+        if mask is None:
+            buffer.lerp_(grad, 1 - group["momentum"])
+        else:
+            buffer.copy_(torch.where(mask, buffer.lerp(grad, 1 - group["momentum"]), buffer))
 
     @staticmethod
     def _decay_blocks(group):
@@ -254,22 +257,28 @@ class SpectralMuon(SpectralOptimizer):
         A batch of one block (or of one matrix's heads) is the update itself, as a view, and a matrix
         that is one block keeps its rows of the batch's result as its direction: only a batch of
         several matrices is gathered (one copy), and only a matrix of several blocks assembled (one more).
+        Directions stay in the iteration's operand dtype (bf16 by default), as torch.optim.Muon adds
+        its iterate to the weights: the weight's arithmetic reads them exactly, and no full-size copy in
+        the weight's dtype is made.
         """
         coefficients, precision = orthogonalization_coefficients(group), group["precision"]
+        operand_dtypes = [OPERAND_DTYPES[resolve_precision(precision, update.dtype)] for update in updates]
         blocks = [row_blocks(update.shape[0], group) for update in updates]
-        jobs = defaultdict(list)  # block shape -> [(update index, start, size, source (batch, r, c))]
+        jobs = defaultdict(list)  # (block shape, dtype) -> [(update index, start, size, source (batch, r, c))]
         for index, update in enumerate(updates):
             for start, size, letter in blocks[index]:
                 count = group["heads"] if letter == "H" else 1
                 shape = (count, size // count, update.shape[1])
-                jobs[shape[1:]].append((index, start, size, update[start:start + size].reshape(shape)))
-        directions = [None if len(b) == 1 else torch.empty_like(u) for u, b in zip(updates, blocks)]
-        for (_, cols), members in jobs.items():
+                jobs[(*shape[1:], update.dtype)].append((index, start, size, update[start:start + size].reshape(shape)))
+        directions = [None if len(b) == 1 else torch.empty_like(u, dtype=dtype)
+                      for u, b, dtype in zip(updates, blocks, operand_dtypes)]
+        for (_, cols, _), members in jobs.items():
             sources = [source for *_, source in members]
             batch = sources[0] if len(sources) == 1 else torch.cat(sources)
             # Not checked for NaN/Inf here (capturable=True skips that check, and the host read): the
             # step checks each direction it computed, and skips its parameter rather than raise.
-            result = _polar_as_laid_out(batch[0] if len(batch) == 1 else batch, coefficients, precision)
+            result = _polar_as_laid_out(batch[0] if len(batch) == 1 else batch, coefficients, precision,
+                                        operand_dtypes[members[0][0]])
             result = result.view(batch.shape)
             for (index, start, size, _), piece in zip(members, result.split([s.shape[0] for s in sources])):
                 piece = piece.reshape(size, cols)
@@ -280,13 +289,15 @@ class SpectralMuon(SpectralOptimizer):
         return directions
 
 
-def _polar_as_laid_out(X, coefficients, precision):
-    """``polar(X)`` (capturable), iterated on a square ``X`` as it is laid out.
+def _polar_as_laid_out(X, coefficients, precision, dtype):
+    """``polar(X, dtype=dtype)`` (capturable), iterated on a square ``X`` as it is laid out.
 
     torch.optim.Muon transposes only a tall matrix; :func:`~spectral_ops.polar` counts a square one as
     tall too and iterates on its transpose, a strided view, whose result comes out strided. Given a
     square ``X``'s transpose instead, it iterates on ``X`` itself (Gram ``X X^T``, as torch's does), and
     the result, transposed back, has ``X``'s layout: adding it to the weight is no strided pass."""
+    # X is the step's own update: the normalisation may overwrite it rather than copy it.
+    options = dict(coefficients=coefficients, precision=precision, capturable=True, dtype=dtype, overwrite_input=True)
     if X.shape[-2] != X.shape[-1]:
-        return polar(X, coefficients=coefficients, precision=precision, capturable=True)
-    return polar(X.mT, coefficients=coefficients, precision=precision, capturable=True).mT
+        return polar(X, **options)
+    return polar(X.mT, **options).mT
