@@ -5,30 +5,53 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
+# The ends of the supported torch range (spectral_ops/compat.py), each in a venv of its own:
+# `make compat` runs the whole suite at the oldest, `make compat TORCH_SET=newest` at the newest, and
+# `make test` runs COMPAT_TESTS (the import, ops, optimizers, compile and distributed tests) at the oldest.
+TORCH_SET ?= oldest
+COMPAT_VENV := .venv-torch-$(TORCH_SET)
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
+COMPAT_TESTS := tests/test_main.py tests/test_compat.py tests/test_ops.py tests/test_plan.py tests/test_decay.py \
+	tests/test_compile.py $(wildcard tests/test_optim_*.py)
+
 # Where nvcc exists, the CUDA extension must build: a compile error fails `make test` (and CI).
 NVCC := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 export SPECTRAL_OPS_REQUIRE_CUDA ?= $(if $(NVCC),1,0)
+BUILD_FILES := requirements-test.txt pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*)
 
-.PHONY: demo test test-avx2 bench clean
+.PHONY: demo test test-avx2 compat bench clean
 
-$(STAMP): requirements-test.txt pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*)
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -r requirements-test.txt
-	$(PY) -m pip install --quiet --no-build-isolation -e .
-	touch $(STAMP)
+# $(1): the venv, $(2): its torch requirements.
+define make_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet -r $(2) -r requirements-test.txt
+	$(1)/bin/python -m pip install --quiet --no-build-isolation -e .
+	touch $(1)/.installed
+endef
+
+$(STAMP): requirements-torch.txt $(BUILD_FILES)
+	$(call make_venv,$(VENV),requirements-torch.txt)
+
+$(COMPAT_STAMP): requirements-torch-$(TORCH_SET).txt $(BUILD_FILES)
+	$(call make_venv,$(COMPAT_VENV),requirements-torch-$(TORCH_SET).txt)
 
 demo: $(STAMP)
 	$(PY) -m spectral_ops
 	$(PY) -m spectral_ops.train demo
 
-# The benchmarks run once each, untimed, as a smoke test.
-test: $(STAMP)
+# The benchmarks run once each, untimed, as a smoke test; then the core of the suite at the oldest torch.
+test: $(STAMP) $(COMPAT_STAMP)
 	$(PY) -m pytest tests bench -q --benchmark-disable
+	$(COMPAT_PY) -m pytest $(COMPAT_TESTS) -q
 
 # The suite with the kernels an AVX2-only CPU runs (bf16 emulated, MKL's AVX2 GEMM), on a CPU with
 # AVX-512: run both before you stop (docs/testing.md).
 test-avx2: $(STAMP)
 	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(PY) -m pytest tests bench -q --benchmark-disable
+
+compat: $(COMPAT_STAMP)
+	$(COMPAT_PY) -m pytest tests bench -q --benchmark-disable
 
 # Timed benchmarks, then the markdown report.
 bench: $(STAMP)
@@ -36,4 +59,4 @@ bench: $(STAMP)
 	$(PY) bench/report.py bench-results.json --out bench-results.md
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info spectral_ops/_C*.so spectral_ops/_build_info.json
+	rm -rf $(VENV) .venv-torch-* build dist *.egg-info spectral_ops/_C*.so spectral_ops/_build_info.json

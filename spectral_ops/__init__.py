@@ -6,6 +6,13 @@ routes each of its primitive calls to a backend (CUDA extension, then Triton, th
 ``spectral_ops.reference`` holds the FP64 SVD oracles.
 """
 
+# The version check comes first: on a torch older than supported, a later import may fail, and the
+# warning names the fix before that error does.
+from . import compat
+
+compat.warn_if_unsupported()
+
+# ruff: noqa: E402
 from . import analysis, metrics, optim, reference
 from ._version import __version__
 from .coefficients import MUON_QUINTIC, NEWTON_SCHULZ_SIGN, polar_express_coefficients
@@ -24,6 +31,7 @@ from .ops import (
 __all__ = [
     "__version__",
     "analysis",
+    "compat",
     "metrics",
     "optim",
     "Band",

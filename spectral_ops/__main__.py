@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from . import __version__, dispatch, tuning
+from . import __version__, compat, dispatch, tuning
 from ._extension import load_extension
 from .decay import spectral_decay_
 from .ops import polar, spectral_power
@@ -49,6 +49,8 @@ def report() -> str:
         f"| torch | {torch.__version__} |",
         f"| torch CUDA | {torch.version.cuda or 'CPU build'} |",
         f"| triton | {_version_of('triton')} |",
+        f"| supported | torch {compat.supported_range(compat.TORCH_RANGE)}, "
+        f"triton {compat.supported_range(compat.TRITON_RANGE)} |",
         f"| CUDA runtime | {_cuda_runtime(extension)} |",
         f"| compiled architectures | {', '.join(extension.compiled_archs()) if extension else why_not} |",
         f"| GPU | {gpu} |",

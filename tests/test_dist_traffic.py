@@ -114,7 +114,9 @@ class Recorder:
 
         monkeypatch.setattr(distributed, "assign_owners", record_owners)
         monkeypatch.setattr(dist, "all_to_all_single", all_to_all_single)
-        monkeypatch.setattr(dist, "all_gather_single", all_gather_single)
+        # The package's one call site of the all-gather, whichever name the running torch gives it
+        # (all_gather_single from 2.13, all_gather_into_tensor before).
+        monkeypatch.setattr(distributed, "_all_gather_single", all_gather_single)
 
 
 class Done:

@@ -162,8 +162,8 @@ def test_polar_is_orthogonal_and_matches_svd():
     assert relative_error(Q, reference.polar_svd(W)) < TOLERANCE[torch.float32]
 
 
-@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32),
-                                              ("bf16", torch.float64)])
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16),
+                                              ("fp32", torch.float32), ("bf16", torch.float64)])
 @pytest.mark.parametrize("shape", [(40, 16), (16, 40), (20, 20), (3, 12, 20)], ids=str)
 def test_polar_in_a_dtype_of_choice_is_the_default_result_rounded_once(shape, precision, dtype):
     """``dtype=`` rounds the last iterate once, to that dtype: in the operand dtype it is the iterate

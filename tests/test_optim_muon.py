@@ -199,6 +199,23 @@ def muon_pair(heads, shape, iteration, precision):
             torch.optim.Muon(theirs, **MUON_SETTINGS, ns_steps=torch_steps))
 
 
+class _TorchWithFloat32ForBfloat16:
+    """The torch module as torch.optim.Muon sees it, with ``torch.bfloat16`` meaning ``torch.float32``."""
+
+    bfloat16 = torch.float32
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def iterate_torch_muon_in_fp32(monkeypatch):
+    """torch.optim.Muon always iterates in bf16; against an fp32 iteration it runs with its cast to bf16
+    made one to fp32, however its release spells the cast: ``grad.bfloat16()`` up to torch 2.14,
+    ``grad.to(dtype=torch.bfloat16, copy=True)`` from 2.15."""
+    monkeypatch.setattr(torch.Tensor, "bfloat16", torch.Tensor.float)
+    monkeypatch.setattr(torch.optim._muon, "torch", _TorchWithFloat32ForBfloat16())
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("iteration", list(ITERATIONS))
 @pytest.mark.parametrize("heads, shape", [(1, (128, 64)), (1, (64, 128)), (1, (96, 96)), (2, (64, 64)), (4, (16, 64))],
@@ -207,12 +224,13 @@ def test_a_step_copies_no_more_than_torch_muon(monkeypatch, heads, shape, iterat
     """Bytes copied in a step with a momentum (``copied_bytes``'s unprofiled first step makes it): the
     epilogues' copies of their added term, the casts to and from the iteration's dtype, nothing else.
     torch.optim.Muon always iterates in bf16; against an fp32 iteration it runs with its bf16 cast made
-    an fp32 one. All of these fail on the code before [portable] (its batch-of-one products, the
-    gather and scatter of a lone matrix and the momentum's copy each copied more)."""
+    an fp32 one (``iterate_torch_muon_in_fp32``). All of these fail on the code before [portable] (its
+    batch-of-one products, the gather and scatter of a lone matrix and the momentum's copy each copied
+    more)."""
     ours, theirs = muon_pair(heads, shape, iteration, precision)
     ours_bytes = copied_bytes(ours.step)
     if precision == "fp32":
-        monkeypatch.setattr(torch.Tensor, "bfloat16", torch.Tensor.float)
+        iterate_torch_muon_in_fp32(monkeypatch)
     theirs_bytes = copied_bytes(theirs.step)
     assert ours_bytes <= theirs_bytes
 
@@ -243,7 +261,7 @@ def test_a_step_holds_no_more_than_torch_muon(monkeypatch, heads, shape, iterati
         theirs = torch.optim.Muon([whole], **MUON_SETTINGS, ns_steps=ITERATIONS[iteration][1])
     ours_peak = decay_memory.peak(ours.step).tensors
     if precision == "fp32":
-        monkeypatch.setattr(torch.Tensor, "bfloat16", torch.Tensor.float)
+        iterate_torch_muon_in_fp32(monkeypatch)
     theirs_peak = decay_memory.peak(theirs.step).tensors
     assert ours_peak <= theirs_peak + SLACK
 

@@ -64,7 +64,7 @@ def runs(tmp_path_factory):
 
     def launch(name, *extra):
         log = open(root / f"{name}.log", "w+")  # a file, not a pipe: nobody reads a pipe until the end
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(PROCESSES),
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(PROCESSES),
                    "-m", "spectral_ops.train", "--preset", "tiny", *flags(**options), "--out-dir", str(root / name),
                    *extra]
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env), log
@@ -141,8 +141,8 @@ TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
 
 @pytest.mark.parametrize("options, environment, message", [
     ({"fsdp": True}, {}, r"--fsdp trains with one process per GPU, started by torchrun.*torchrun --standalone "
-                         r"--nproc_per_node NUMBER_OF_GPUS -m spectral_ops.train --fsdp"),
-    ({"ddp": True}, {}, r"torchrun --standalone --nproc_per_node NUMBER_OF_GPUS -m spectral_ops.train --ddp"),
+                         r"--nproc-per-node NUMBER_OF_GPUS -m spectral_ops.train --fsdp"),
+    ({"ddp": True}, {}, r"torchrun --standalone --nproc-per-node NUMBER_OF_GPUS -m spectral_ops.train --ddp"),
     ({"fsdp": True, "ddp": True}, TORCHRUN, r"--fsdp and --ddp exclude each other"),
     ({"fsdp": True, "batch_size": 5}, TORCHRUN, r"batch_size 5 does not split over 2 processes.*multiple of 2"),
     ({}, TORCHRUN, r"started by torchrun as 2 processes without --fsdp or --ddp"),

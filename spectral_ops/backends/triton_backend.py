@@ -27,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from ..compat import triton_too_old
 from .base import number_and_per_matrix
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -150,6 +151,9 @@ class TritonBackend:
     def unavailable_reason(self, device: torch.device | None = None, forced: bool = False) -> str | None:
         if not triton_installed():
             return "triton is not installed (pip install triton)"
+        too_old = triton_too_old()
+        if too_old is not None:
+            return too_old
         on_cpu = device is not None and device.type == "cpu"
         if on_cpu and not interpreter_enabled():
             return "Triton runs on CUDA tensors; CPU tensors need TRITON_INTERPRET=1 (the interpreter)"

@@ -58,10 +58,16 @@ def scalar(value) -> float:
     return value.item() if isinstance(value, torch.Tensor) else value
 
 
+def capturable(group: dict) -> bool:
+    """The group's ``capturable`` as a plain bool: torch.compile from 2.15 traces it as a stand-in with a
+    truth value but no ``not`` or ``==``."""
+    return bool(group["capturable"])
+
+
 def step_scalar(value, group: dict):
     """A coefficient as a step uses it: read on the host, unless the group is capturable, where a 0-d
     tensor stays on the device (a scheduler may change it inside a captured graph)."""
-    return value if group["capturable"] else scalar(value)
+    return value if capturable(group) else scalar(value)
 
 
 def add_scaled_(target: torch.Tensor, update: torch.Tensor, scale) -> None:
@@ -89,7 +95,7 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> DecayOpti
         steps=group["polar_steps"],
         stability=group["stability"],
         precision=group["decay_precision"],
-        capturable=group["capturable"],
+        capturable=capturable(group),
         iteration=group["decay_iteration"],
         names=(spectral, ordinary),
     )
@@ -107,7 +113,10 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> DecayOpti
 
 def _option_key(value):
     """A comparable stand-in for an option's value: a tensor by identity (its value may change in
-    place without needing validation again), a dict by its items."""
+    place without needing validation again), a dict by its items, a flag as a plain bool (torch.compile
+    from 2.15 traces a group's ``capturable`` as a stand-in that has a truth value but no ``==``)."""
+    if isinstance(value, bool):
+        return bool(value)
     if isinstance(value, torch.Tensor):
         return ("tensor", id(value))
     if isinstance(value, dict):
@@ -200,7 +209,7 @@ def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, lr, p
     matrices = [i for i, param in enumerate(params) if param.ndim >= 2]
     if matrices and not (is_zero(spectral) and is_zero(ordinary) and group["band"] is None):
         arguments = dict(scale=scale, spectral_weight_decay=spectral, ordinary_weight_decay=ordinary,
-                         capturable=group["capturable"])
+                         capturable=capturable(group))
         spread = [i for i in matrices if layouts[i] is not None]
         if spread and needs_spectral_direction(options, spectral):
             decay.parts.append(_owner_computed_decay([params[i] for i in spread], spread, [layouts[i] for i in spread],
@@ -230,7 +239,7 @@ def _owner_computed_decay(params, owners, layouts, group, options, arguments, bl
     pieces = [local_slice(start, stop, spans[k]) for (k, _), (start, stop) in zip(entries, entry_rows)]
     tensors = [views[k][piece] for (k, _), piece in zip(entries, pieces)]
     pending = PendingDecay(tensors, [], 1.0, {})
-    eager = not group["capturable"]
+    eager = not capturable(group)
     slot_of = {}  # entry index -> (its group's clamp factors, its position there)
     if options.stability == "clamp":
         by_group = defaultdict(list)
@@ -434,7 +443,7 @@ class SpectralOptimizer(Optimizer):
             for param in group["params"]:
                 param_state = self.state.get(param, {})
                 if "step" in param_state and not torch.is_tensor(param_state["step"]):
-                    device = param.device if group["capturable"] else "cpu"
+                    device = param.device if capturable(group) else "cpu"
                     param_state["step"] = torch.tensor(float(param_state["step"]), dtype=torch.float32, device=device)
 
     def check_group(self, group: dict) -> None:
@@ -444,7 +453,7 @@ class SpectralOptimizer(Optimizer):
         if group["differentiable"] is not False:
             raise ValueError(f"differentiable={group['differentiable']!r}: spectral_ops optimizers step without "
                              "autograd (no gradient flows through a step); leave differentiable=False")
-        if group["strict"] and group["capturable"]:
+        if group["strict"] and capturable(group):
             raise ValueError("strict=True raises on a non-finite update, which needs the host to read it; "
                              "capturable=True forbids that (skips are still counted in optimizer.skipped)")
         if group["lr"] is not None or not self.lr_optional:
@@ -452,7 +461,7 @@ class SpectralOptimizer(Optimizer):
         self.decay_options(group)
         for param in group["params"]:
             self.layout(param)  # refuses a DTensor layout the owner compute does not handle
-        if group["capturable"]:
+        if capturable(group):
             check_on_parameter_device(group, ("lr", self.spectral_key, self.ordinary_key, "peak_lr"))
 
     def decay_options(self, group: dict) -> DecayOptions:
@@ -517,7 +526,7 @@ class SpectralOptimizer(Optimizer):
         if exchange is not None:
             exchange.run()
         checks = [step.all_checks() for step in prepared]
-        on_host = [not step.group["capturable"] for step, step_checks in zip(prepared, checks) for _ in step_checks]
+        on_host = [not capturable(step.group) for step, step_checks in zip(prepared, checks) for _ in step_checks]
         flags = iter(_within_limits([check for step_checks in checks for check in step_checks], on_host))
         keeps = []
         for step, step_checks in zip(prepared, checks):
@@ -528,7 +537,7 @@ class SpectralOptimizer(Optimizer):
         self._agree(prepared, keeps)
         skipped = []
         for step, keep in zip(prepared, keeps):
-            if not step.group["capturable"]:
+            if not capturable(step.group):
                 skipped.extend((step, param) for param, kept in zip(step.params, keep) if not kept)
                 continue
             checked = [(param, kept) for param, kept in zip(step.params, keep) if kept is not True]

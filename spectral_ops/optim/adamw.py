@@ -9,6 +9,7 @@ from ._decay import (
     DECAY_DEFAULTS,
     PreparedStep,
     SpectralOptimizer,
+    capturable,
     device_masks,
     kept,
     real_view,
@@ -36,14 +37,14 @@ def adam_update_(params, group: dict, state, masks=None) -> None:
     if not params:
         return
     beta1, beta2 = group["betas"]
-    eps, capturable = group["eps"], group["capturable"]
+    eps, on_device = group["eps"], capturable(group)
     for param in params:
         param_state = state[param]
         if not param_state:
-            param_state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if capturable else "cpu")
+            param_state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu")
             param_state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             param_state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        elif capturable and param_state["step"].device != param.device:  # capturable switched on later
+        elif on_device and param_state["step"].device != param.device:  # capturable switched on later
             param_state["step"] = param_state["step"].to(param.device)
     # A DTensor's moments are DTensors sharded like it (for torch.distributed.checkpoint); the update
     # is element-wise, so each rank runs it on its own shards.
@@ -70,7 +71,7 @@ def adam_update_(params, group: dict, state, masks=None) -> None:
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         numerators = exp_avgs
-    if capturable:
+    if on_device:
         lr = group["lr"]
         # -lr / (1 - beta1^t) and sqrt(1 - beta2^t), all on the device.
         bias_correction1 = torch._foreach_neg(torch._foreach_sub(torch._foreach_pow(beta1, steps), 1))
@@ -140,7 +141,7 @@ def prepare_adam_step(optimizer: SpectralOptimizer, params, group: dict) -> Prep
 
     def commit(keep):
         decay.commit(keep)
-        if group["capturable"]:
+        if capturable(group):
             adam_update_(params, group, optimizer.state, device_masks(keep))
         else:
             adam_update_(kept(params, keep), group, optimizer.state)

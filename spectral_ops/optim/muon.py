@@ -22,6 +22,7 @@ from ._decay import (
     PreparedStep,
     SpectralOptimizer,
     add_scaled_,
+    capturable,
     device_masks,
     matrix_shape,
     matrix_view,
@@ -169,7 +170,7 @@ class SpectralMuon(SpectralOptimizer):
         decay = self.prepare_decay(params, group, blocks=self._decay_blocks(group))
 
         def commit(keep):
-            masks = device_masks(keep) if group["capturable"] else None
+            masks = device_masks(keep) if capturable(group) else None
             for index, param in enumerate(params):
                 if keep[index] is not False:
                     self._advance_momentum(param, group, None if masks is None else masks[index])

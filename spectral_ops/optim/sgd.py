@@ -9,6 +9,7 @@ from ._decay import (
     PreparedStep,
     SpectralOptimizer,
     add_scaled_,
+    capturable,
     device_masks,
     kept,
     scalar,
@@ -48,7 +49,7 @@ class SpectralSGD(SpectralOptimizer):
 
         def commit(keep):
             decay.commit(keep)
-            if group["capturable"]:
+            if capturable(group):
                 self._momentum_step(params, group, device_masks(keep))
             else:
                 self._momentum_step(kept(params, keep), group)

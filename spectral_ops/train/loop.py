@@ -134,7 +134,7 @@ def launched(config: TrainConfig):
     if not started:
         raise RuntimeError(f"--{mode} trains with one process per GPU, started by torchrun, which sets "
                            f"{', '.join(TORCHRUN_VARIABLES)} (unset here). Launch it as: torchrun --standalone "
-                           f"--nproc_per_node NUMBER_OF_GPUS -m spectral_ops.train --{mode} ...")
+                           f"--nproc-per-node NUMBER_OF_GPUS -m spectral_ops.train --{mode} ...")
     rank, world_size, local_rank = (int(os.environ[name]) for name in TORCHRUN_VARIABLES)
     if config.batch_size % world_size:
         raise ValueError(f"--{mode}: batch_size {config.batch_size} does not split over {world_size} processes (each "

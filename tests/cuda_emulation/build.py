@@ -62,8 +62,14 @@ def _flags() -> list[str]:
     ]
 
 
+# -Bsymbolic: the module's calls of the CUDA runtime bind to the emulation's own definitions, also in a
+# process where a CUDA build of torch has loaded the real libcudart with global symbols (which would
+# otherwise take them: "no CUDA device available", on a machine without a GPU).
+LINK_FLAGS = ["-shared", "-Wl,-Bsymbolic"]
+
+
 def _digest(flags: list[str]) -> str:
-    h = hashlib.sha256(" ".join(flags).encode())
+    h = hashlib.sha256(" ".join(flags + LINK_FLAGS).encode())
     for path in sorted([*CSRC.glob("*"), *HERE.glob("*.h"), *HERE.glob("*.cpp"), *(HERE / "include").glob("*")]):
         h.update(path.name.encode() + path.read_bytes())
     return h.hexdigest()[:16]
@@ -114,7 +120,7 @@ def build() -> Path:
     try:
         with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
             objects = list(pool.map(compile_unit, UNITS.items()))
-        subprocess.run([compiler, "-shared", *map(str, objects), "-o", str(target)], check=True,
+        subprocess.run([compiler, *LINK_FLAGS, *map(str, objects), "-o", str(target)], check=True,
                        capture_output=True, text=True)
     except subprocess.CalledProcessError as exc:
         raise RuntimeError(f"the emulation build failed:\n{exc.stderr}") from exc
