@@ -16,6 +16,7 @@ import torch
 import spectral_ops
 from spectral_ops.train import data as data_module
 from spectral_ops.train import preset, train
+from spectral_ops.train.config import FLAG_ALIASES
 
 PROCESSES = 2
 # A small tiny-preset run that logs every step and checkpoints at its middle. The coefficient is far
@@ -35,7 +36,10 @@ TIMEOUT = 300  # a healthy launch takes ~15 s on 2 loaded cores; only a hung one
 
 
 def flags(**options) -> list[str]:
-    return [text for name, value in options.items() for text in ("--" + name.replace("_", "-"), str(value))]
+    """The command line of ``options``, ``p`` as ``--power`` (the spelling torchrun 2.15 passes through:
+    it refuses ``--p`` as an ambiguous abbreviation of its own ``--print-completion``)."""
+    return [text for name, value in options.items()
+            for text in (FLAG_ALIASES.get(name, ("--" + name.replace("_", "-"),))[0], str(value))]
 
 
 def records(out: Path) -> list[dict]:

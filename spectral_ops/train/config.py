@@ -228,15 +228,22 @@ def _field_help(f) -> str:
     return f"{FIELD_HELP[f.name]} (default: {default!r}{'; other presets set their own' if by_preset else ''})"
 
 
+# Second spellings of a field's flag. torchrun from torch 2.15 reads ``--p`` (anywhere on its command
+# line, the script's arguments included) as an ambiguous abbreviation of its own ``--print-completion``
+# and refuses the launch before the script runs: under torchrun, ``--power`` passes through.
+FLAG_ALIASES = {"p": ("--power",)}
+
+
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """``--preset``, ``--config FILE.json`` and one ``--field-name`` flag per config field (a
-    boolean one alone means true)."""
+    boolean one alone means true), with the spellings of :data:`FLAG_ALIASES`."""
     parser.add_argument("--preset", choices=sorted(PRESETS), default=argparse.SUPPRESS,
                         help="starting point (default: tiny)")
     parser.add_argument("--config", type=Path, help="JSON file with any subset of the fields")
     for f in CLI_FIELDS:
         flag = {"nargs": "?", "const": True} if f.type == "bool" else {}
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_parser_for(f.type),
+        parser.add_argument("--" + f.name.replace("_", "-"), *FLAG_ALIASES.get(f.name, ()), dest=f.name,
+                            type=_parser_for(f.type),
                             default=argparse.SUPPRESS, metavar=f.type.split(" ")[0].upper(),
                             help=_field_help(f), **flag)
 
