@@ -102,3 +102,35 @@ def test_training_on_shards_reports_nats_per_token(tmp_path):
     assert logged["val_nats_per_token"] == record["val_nats_per_token"]
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     assert state["model"]["embed.weight"].shape == (64, 32)
+
+
+def test_writers_of_the_same_cache_file_at_once_all_succeed(tmp_path):
+    """Runs started together build the same cache file at once (the reference and the killed run of
+    tests/test_train.py did): every writer succeeds, the file is whole, and no temporary is left.
+    Fails on a temporary name shared by all writers (one's rename finds it gone)."""
+    import threading
+
+    from spectral_ops.train.data import _write_atomically
+
+    target, content, errors = tmp_path / "train.bin", [b"spectral" * 1000] * 20, []
+    barrier = threading.Barrier(4)
+
+    def slow_chunks():
+        barrier.wait()  # every writer has opened its temporary before any writes
+        for chunk in content:
+            yield chunk
+
+    def write():
+        try:
+            _write_atomically(target, slow_chunks())
+        except Exception as error:  # collected: an exception in a thread would not fail the test
+            errors.append(error)
+
+    threads = [threading.Thread(target=write) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert target.read_bytes() == b"".join(content)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["train.bin"]

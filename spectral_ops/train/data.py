@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
+import tempfile
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -106,11 +107,18 @@ def _cache_key(root: Path, files: list[Path]) -> str:
 
 
 def _write_atomically(path: Path, chunks) -> None:
-    temporary = path.with_suffix(".tmp")
-    with open(temporary, "wb") as handle:
-        for chunk in chunks:
-            handle.write(chunk)
-    os.replace(temporary, path)
+    """Write ``path`` whole or not at all. The temporary is this writer's own: runs started together (a
+    sweep, the processes of a launch) build the same cache file at once, and a shared temporary name
+    made one writer's rename fail once another had renamed it, or mixed their bytes."""
+    handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp", delete=False)
+    try:
+        with handle:
+            for chunk in chunks:
+                handle.write(chunk)
+        os.replace(handle.name, path)
+    except BaseException:
+        Path(handle.name).unlink(missing_ok=True)
+        raise
 
 
 def read_shard(path: Path) -> np.ndarray:
