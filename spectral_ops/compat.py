@@ -49,7 +49,9 @@ def torch_too_old(version: str | None = None) -> str | None:
 
 @functools.cache
 def installed_triton() -> str | None:
-    """The installed triton's version (read from its metadata: triton itself is not imported), or None."""
+    """The installed ``triton`` distribution's version (from its metadata: triton itself is not
+    imported), or None. Whether triton can be imported at all is the backend's ``triton_installed``, a
+    module search: a nightly's ``pytorch-triton`` distribution is imported as ``triton`` too."""
     try:
         return importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:

@@ -83,10 +83,10 @@ def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, preci
     polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
     check_precision(precision)
     check_dtype(dtype)
-    if W.numel() == 0:
-        return W.to(dtype or W.dtype, copy=True)
     if not isinstance(overwrite_input, bool):
         raise TypeError(f"overwrite_input must be True or False, got {overwrite_input!r}")
+    if W.numel() == 0:
+        return W.to(dtype or W.dtype, copy=True)
     return plan.polar(dispatch.kernels_for("polar", W), W, polar_c, precision, dtype=dtype,
                       overwrite_input=overwrite_input)
 

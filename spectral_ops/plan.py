@@ -340,12 +340,14 @@ class GramPlan:
 
     def polar(self, coefficients) -> torch.Tensor:
         """Polar Express ``Q = U V^T`` (wide), from ``X0 = Xn / 1.01``, sharing the Gram with step one."""
-        if self._polar is None and self.polar_only:
+        if self._polar is not None:
+            return self._polar
+        if self.polar_only:
             # Popped into the call, not bound here: the iteration holds the only reference, and drops it
-            # after the first step.
+            # (and the Gram it forms) after the first step.
             self._polar = polar_iterations(self.kernels, self.__dict__.pop("Xo"), coefficients, self.precision,
                                            scale=1.0 / NORMALIZATION_MARGIN)
-        if self._polar is None:
+        else:
             self._polar = polar_iterations(self.kernels, self.Xo, coefficients, self.precision, self.gram,
                                            scale=1.0 / NORMALIZATION_MARGIN)
         return self._polar
@@ -574,7 +576,7 @@ def decay_(kernels, W: torch.Tensor, request: DecayRequest, sync: bool = True) -
             direction, log_factor = power_direction(kernels, plan, request.p, request.polar_coefficients,
                                                     request.iteration)
             direction = direction.to(plan.dtype)  # p = 0's polar factor comes in the operand dtype
-    step = scaled_step(step, log_factor).to(plan.X.dtype)
+    step = scaled_step(step, log_factor).to(plan.dtype)
     if sync:
         check_update_fits(plan, keep, step, direction, W.dtype)
     del plan  # Xn, Q and the Gram squares: the epilogue needs only the direction
@@ -598,7 +600,7 @@ def check_update_fits(plan: GramPlan, keep, step: torch.Tensor, direction: torch
     bound = keep.abs() * plan.log_scale.exp() + step.abs() * direction_norm
     if bool((bound <= torch.finfo(dtype).max).all()):
         return
-    candidate = (plan.X * keep.to(plan.X.dtype) + step * direction).to(dtype)
+    candidate = (plan.X * keep.to(plan.dtype) + step * direction).to(dtype)
     if not bool(torch.isfinite(candidate).all()):
         raise OverflowError(
             f"spectral_decay_: the decayed weights do not fit in {dtype} (a value exceeds "

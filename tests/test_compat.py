@@ -55,7 +55,7 @@ def test_an_older_torch_is_named_with_the_fix():
     assert compat.torch_too_old("2.12.0") is None and compat.torch_too_old("2.16.0") is None
 
 
-def test_importing_under_an_older_torch_warns(monkeypatch):
+def test_the_import_time_check_warns_under_an_older_torch_only(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.10.0")
     with pytest.warns(RuntimeWarning, match="supports torch 2.12 to 2.15; this is torch 2.10.0"):
         compat.warn_if_unsupported()

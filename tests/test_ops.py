@@ -194,8 +194,9 @@ def test_polar_refuses_a_result_dtype_it_does_not_support():
     W = torch.randn(6, 4)
     with pytest.raises(TypeError, match="dtype must be None or one of"):
         so.polar(W, dtype=torch.int32)
-    with pytest.raises(TypeError, match="overwrite_input must be True or False"):
-        so.polar(W, overwrite_input=1)
+    for matrix in (W, torch.zeros(5, 0)):  # refused before anything is computed, an empty W included
+        with pytest.raises(TypeError, match="overwrite_input must be True or False"):
+            so.polar(matrix, overwrite_input=1)
     assert so.polar(torch.zeros(5, 0), dtype=torch.bfloat16).dtype == torch.bfloat16
 
 
