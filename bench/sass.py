@@ -3,7 +3,7 @@
 Works on anything cuobjdump reads: a cubin, a fatbin, an object file or a shared library with
 embedded device code (``spectral_ops/_C*.so``). No GPU is needed.
 
-API (stable: ``bench/gpu_check.py --compile-only`` and ``tests/test_cuda_sass.py`` use it):
+API (stable: ``bench/gpu_checks/compile_only.py`` and ``tests/test_cuda_sass.py`` use it):
 
 ``find_cuobjdump(env=None) -> str | None``
     ``$CUOBJDUMP``, then ``cuobjdump`` on ``PATH``, next to ``nvcc`` (``$NVCC``, ``PATH``,

@@ -1,0 +1,36 @@
+"""Validate and time every GPU kernel and op against the PyTorch reference, in one command.
+
+The command line of ``bench/gpu_check.py``: its flags and their ``--help``, whose description is the
+line above. The standard library only: the script reads the flags before anything imports torch or
+the kernels, to set Triton's mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .checkout import BENCH
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", "--interpret", dest="dry_run", action="store_true",
+                        help="CPU tensors under TRITON_INTERPRET=1, tiny shapes, fp32/fp16, one timing run; "
+                             "cases that need CUDA are reported as skipped")
+    parser.add_argument("--json", type=Path, default=BENCH / "gpu_check.json",
+                        help="where to write the JSON results when --out is not given (default: bench/gpu_check.json)")
+    parser.add_argument("--out", type=Path, help="write gpu_check.md and gpu_check.json (compile_only.md and .json "
+                                                 "with --compile-only) into this folder, e.g. docs/results/gpu/DATE; "
+                                                 "the routing cache goes to its routing/ folder; overrides --json")
+    parser.add_argument("--only", default="", help="comma-separated substrings of case names to run "
+                                                   "(the optimizer cases and the yardstick included)")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="the whole run's time limit in seconds, build included: checks start before 55%% "
+                             "of it, headline timings before 80%%, and a running case is stopped at 100%% "
+                             "(the default fits the run in 8 minutes)")
+    parser.add_argument("--compile-only", metavar="ARCHS", default="",
+                        help="no GPU: compile every Triton kernel variant the cases launch for these targets "
+                             "(comma-separated: sm80, sm90) and report its registers, stack (spills) and shared "
+                             "memory from cuobjdump, and those of the built _C's kernels, instead of running")
+    return parser.parse_args(argv)
