@@ -14,7 +14,8 @@ from matplotlib.colors import ListedColormap
 
 from ..analysis import (REGIMES, constant_schedule, cosine_schedule, equilibrium_norm, equilibrium_norm_slope,
                         full_batch_equilibrium, regime_boundary, regime_maps, simulate_normalised_network)
-from .report import command_line, markdown_table, plt, write_outputs
+from ..reporting import markdown_table, plt, write_outputs
+from .report import command_line
 
 ETA, LAMBDA = 0.1, 0.02
 STEPS, QUICK_STEPS = 4000, 800

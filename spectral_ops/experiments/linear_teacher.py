@@ -13,7 +13,8 @@ from ..analysis import (
     train_linear_teacher,
 )
 from ..metrics import matrix_metrics, singular_values
-from .report import command_line, markdown_table, plt, write_outputs
+from ..reporting import markdown_table, plt, write_outputs
+from .report import command_line
 
 POWERS = (0, 1, 2, 4)
 STEPS, QUICK_STEPS, LR = 2000, 300, 0.1

@@ -11,7 +11,8 @@ from ..coefficients import NORMALIZATION_MARGIN, odd_quintic, polar_express_coef
 from ..linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 from ..decay import spectral_decay_
 from ..ops import spectral_power
-from .report import command_line, markdown_table, plt, write_outputs
+from ..reporting import markdown_table, plt, write_outputs
+from .report import command_line
 
 SHAPES = ((64, 64), (128, 64), (64, 128))
 SEEDS = (42, 43, 44)

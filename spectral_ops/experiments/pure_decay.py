@@ -19,7 +19,8 @@ from ..analysis import decay_checkpoint, pure_decay, time_to_shrink
 from ..metrics import default_rank_tolerance, matrix_metrics, shape_distance, singular_values, spectrum_metrics
 from ..linalg import matrix_with_spectrum
 from ..optim.groups import NON_MATRIX_ROLES, parameter_role
-from .report import command_line, markdown_table, plt, write_outputs
+from ..reporting import markdown_table, plt, write_outputs
+from .report import command_line
 
 # Part 1
 SPECTRUM_MODES = 256

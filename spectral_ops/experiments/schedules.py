@@ -14,7 +14,8 @@ from .. import dispatch, plan, reference
 from ..coefficients import resolve_polar_coefficients
 from ..linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error, scaled_
 from ..ops import spectral_power
-from .report import command_line, format_number, markdown_table, plt, write_outputs
+from ..reporting import format_number, markdown_table, plt, write_outputs
+from .report import command_line
 
 SCHEDULES = ("rectangle", "gram_space", "gram_space_no_restarts")
 PRECISIONS = ("fp64", "fp32", "bf16")
@@ -118,7 +119,7 @@ def run(out_dir, quick: bool = False) -> str:
     for precision in PRECISIONS:
         for p in POWERS:
             for aspect in ASPECTS:
-                choice = plan.resolve_iteration("auto", p, (r, aspect * r), precision, steps)
+                choice = plan.route((r, aspect * r), torch.float32, "cuda", p, precision, steps=steps).iteration
                 marks = []
                 for kappa in CONDITION_NUMBERS:
                     chosen, rectangle = (grid[s, precision, p, kappa, aspect] for s in (choice, "rectangle"))
@@ -171,7 +172,7 @@ Express design bound (see polar-accuracy).
 
 ## What `iteration="auto"` (the default) picks
 
-`spectral_ops.plan.resolve_iteration("auto", p, ({r}, aspect*{r}), precision, {steps})`, and whether its
+`spectral_ops.plan.route(({r}, aspect*{r}), torch.float32, "cuda", p, precision, steps={steps}).iteration`, and whether its
 choice is within the bound at each kappa (REGRESSION marks a miss where the rectangle meets it).
 
 {auto_table}

@@ -27,7 +27,8 @@ from ..train.data import load_corpus, train_batch
 from ..train.model import Transformer
 from ..train.optimizers import param_groups
 from ..train.schedule import lr_multiplier
-from .report import command_line, markdown_table, plt, write_outputs
+from ..reporting import markdown_table, plt, write_outputs
+from .report import command_line
 
 WIDTHS, QUICK_WIDTHS = (32, 64, 128, 256), (16, 32, 64)
 HEAD_DIM = 16  # heads = d / 16: attention scales with the width like the rest

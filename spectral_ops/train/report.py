@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .. import analysis, metrics
-from ..experiments.report import markdown_table, plt, with_machine, write_outputs
+from ..reporting import markdown_table, plt, with_machine, write_outputs
 from .config import TrainConfig
 from .data import load_corpus, validation_batches
 from .loop import CHECKPOINT, validation_key

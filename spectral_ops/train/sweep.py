@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..experiments.report import markdown_table, with_machine
+from ..reporting import markdown_table, with_machine
 from .config import TrainConfig
 from .loop import train, validation_key
 
