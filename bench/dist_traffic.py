@@ -45,7 +45,8 @@ from pathlib import Path
 import torch
 
 from spectral_ops.optim import SpectralMuon
-from spectral_ops.optim._decay import needs_spectral_direction, row_blocks_of
+from spectral_ops.optim._decay import row_blocks_of
+from spectral_ops.plan import needs_direction
 from spectral_ops.optim.distributed import (
     assign_owners,
     decay_flops,
@@ -117,8 +118,8 @@ def owner_maps(optimizer) -> list[OwnerMap]:
         role = group.get("role", "matrix")  # param_groups_by_module's tag, when the groups come from it
         if isinstance(optimizer, SpectralMuon) and group["algorithm"] == "muon":
             maps.append(OwnerMap(role, "direction", shapes, [direction_flops(shape, group) for shape in shapes]))
-        if needs_spectral_direction(optimizer.decay_options(group), group[optimizer.spectral_key]):
-            options = optimizer.decay_options(group)
+        options = optimizer.decay_options(group)
+        if needs_direction(options.p, group[optimizer.spectral_key], options.band):
             costs = [sum(decay_flops((stop - start, cols), options)
                          for start, stop in decay_blocks(optimizer, group, param))
                      for param, (_, cols) in zip(matrices, shapes)]
@@ -195,7 +196,7 @@ def flag_count(optimizer) -> int:
     for group in optimizer.param_groups:
         flags += len(group["params"])
         options = optimizer.decay_options(group)
-        if needs_spectral_direction(options, group[optimizer.spectral_key]) and options.stability == "clamp":
+        if needs_direction(options.p, group[optimizer.spectral_key], options.band) and options.stability == "clamp":
             flags += sum(len(decay_blocks(optimizer, group, param)) for param in group["params"] if param.ndim >= 2)
     return flags
 

@@ -156,7 +156,7 @@ def test_a_state_with_a_band_loads_with_weights_only(tmp_path):
     train(model, optimizer, 1)
     torch.save(optimizer.state_dict(), tmp_path / "state.pt")
     state = torch.load(tmp_path / "state.pt", weights_only=True)
-    assert state["param_groups"][0]["band"] == {"tau": 0.5, "mode": "top", "p_bot": 1, "weight_decay_bot": 0.0,
+    assert state["param_groups"][0]["band"] == {"tau": 0.5, "mode": "top", "p_bot": 1, "spectral_weight_decay_bot": 0.0,
                                                 "sign_steps": None, "sign_method": "polar_express"}
     SpectralAdamW(model.parameters()).load_state_dict(state)
 

@@ -122,7 +122,7 @@ def _adamw(p, **more):
 
 def _band(mode):
     return lambda params, **o: SpectralDecay(params, p=2, spectral_weight_decay=0.3, lr=0.1,
-                                             band={"tau": 1.0, "mode": mode, "weight_decay_bot": 0.2}, **o)
+                                             band={"tau": 1.0, "mode": mode, "spectral_weight_decay_bot": 0.2}, **o)
 
 
 def _scenario_skip(mesh, rank, world):
@@ -174,21 +174,23 @@ def _scenario_clamp(mesh, rank, world):
 
 def _scenario_ddp_splits_the_work(mesh, rank, world):
     """DDP: the results equal one process's, and this rank decayed only its share of the matrices."""
-    import spectral_ops.optim._decay as family
+    from spectral_ops.optim import _decay, distributed
 
     computed = []
-    original = family.prepare_decay
+    original = _decay.prepare_decay
+    assert distributed.prepare_decay is original
 
     def counting(tensors, *args, **kwargs):
         computed.extend(t.shape for t in tensors)
         return original(tensors, *args, **kwargs)
 
-    family.prepare_decay = counting
+    _decay.prepare_decay = distributed.prepare_decay = counting
     try:
         _compare(_adamw(2), mesh, seed=6, place=_replicated, process_group=dist.group.WORLD)
     finally:
-        family.prepare_decay = original
-    # The one-process reference decays every matrix at each of the 2 steps; the rest is this rank's share.
+        _decay.prepare_decay = distributed.prepare_decay = original
+    # The one-process reference decays every matrix at each of the 2 steps (in _decay); the rest is this
+    # rank's share (the owner decay, in distributed).
     total = 2 * sum(len(shape) >= 2 for shape in SHAPES)
     share = torch.tensor(len(computed) - total)
     assert 0 < share < total, f"rank {rank} decayed {share} of the {total} matrices"

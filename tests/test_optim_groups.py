@@ -154,7 +154,7 @@ def test_width_transfer_scales_peak_lr_with_lr():
 
 
 def test_width_transfer_scales_every_decay_coefficient_by_the_groups_convention():
-    band = Band(tau=0.5, mode="two_band", p_bot=0, weight_decay_bot=0.4)
+    band = Band(tau=0.5, mode="two_band", p_bot=0, spectral_weight_decay_bot=0.4)
     options = {"lr": 0.02, "weight_decay": 0.1, "p": 2, "spectral_weight_decay": 0.3}
     groups = param_groups_by_module(Block(), {"mlp": {**options, "convention": "independent", "band": band},
                                               "attention": options, "matrix": options},
@@ -163,7 +163,7 @@ def test_width_transfer_scales_every_decay_coefficient_by_the_groups_convention(
     assert wide["q"]["spectral_weight_decay"] == pytest.approx(0.3 * 2), "no convention in the group: the argument's"
     assert wide["mlp_in"]["weight_decay"] == pytest.approx(0.1 / 2)
     assert wide["mlp_in"]["spectral_weight_decay"] == pytest.approx(0.3 / 2)
-    assert wide["mlp_in"]["band"].weight_decay_bot == pytest.approx(0.4 / 2)
+    assert wide["mlp_in"]["band"].spectral_weight_decay_bot == pytest.approx(0.4 / 2)
     assert wide["mlp_in"]["band"].tau == 0.5, "tau is a singular value, which the rule keeps Theta(1)"
     independent = roles(width_transfer(groups, 16, 64, convention="independent"))
     assert independent["q"]["weight_decay"] == pytest.approx(0.1 / 2)
@@ -177,3 +177,22 @@ def test_width_transfer_refuses_widths_that_are_not_positive(base_width, width):
     """Checked before any group is touched, vector-like groups included (which need no factor)."""
     with pytest.raises(ValueError, match="widths must be positive"):
         width_transfer([{"params": [], "role": "vector", "lr": 1e-3}], base_width, width)
+
+
+def test_the_former_name_polar_steps_sets_decay_steps_and_states_saved_under_it_load():
+    W, V = torch.nn.Parameter(torch.randn(8, 4)), torch.nn.Parameter(torch.randn(3, 3))
+    with pytest.warns(DeprecationWarning, match="decay_steps"):
+        optimizer = SpectralAdamW([W], p=2, spectral_weight_decay=0.1, polar_steps=5)
+    with pytest.warns(DeprecationWarning, match="decay_steps"):
+        optimizer.add_param_group({"params": [V], "polar_steps": 4})
+    assert [group["decay_steps"] for group in optimizer.param_groups] == [5, 4]
+    assert all("polar_steps" not in group for group in optimizer.param_groups)
+    state = optimizer.state_dict()
+    for group in state["param_groups"]:  # as an earlier release saved it
+        group["polar_steps"] = group.pop("decay_steps")
+    fresh = SpectralAdamW([{"params": [W]}, {"params": [V]}], p=2, spectral_weight_decay=0.1)
+    fresh.load_state_dict(state)
+    assert [group["decay_steps"] for group in fresh.param_groups] == [5, 4]
+    assert all("polar_steps" not in group for group in fresh.param_groups)
+    with pytest.raises(TypeError, match="both decay_steps and polar_steps"):
+        SpectralAdamW([W], decay_steps=5, polar_steps=5)

@@ -45,7 +45,7 @@ def test_band_options(mode):
     W0 = gapped(3)
     param = torch.nn.Parameter(W0.clone())
     param.grad = torch.zeros_like(W0)
-    band = {"tau": 1.0, "mode": mode, "p_bot": 0, "weight_decay_bot": 0.2}
+    band = {"tau": 1.0, "mode": mode, "p_bot": 0, "spectral_weight_decay_bot": 0.2}
     SpectralSGD([param], lr=0.1, momentum=0.0, p=2, spectral_weight_decay=0.3, band=band).step()
     if mode == "two_band":
         direction = so.reference.band_direction_svd(W0, 1.0, 2, mode, p_bot=0, lambda_top=0.3, lambda_bot=0.2)

@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_coefficient
-from ._decay import (
-    DECAY_DEFAULTS,
-    PreparedStep,
-    SpectralOptimizer,
-    capturable,
-    device_masks,
-    kept,
-    real_view,
-    scalar,
-)
+from .._checks import check_coefficient, real_view
+from ._decay import DECAY_DEFAULTS, capturable
+from .base import PreparedStep, SpectralOptimizer, commit_element_wise, scalar
 from .distributed import local
 
 
@@ -118,11 +110,11 @@ class SpectralAdamW(SpectralOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, p=1,
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
-                 stability="raise", polar_steps=None, decay_precision=None, decay_iteration="auto",
-                 capturable=False, strict=False, process_group=None):
+                 stability="raise", decay_steps=None, decay_precision=None, decay_iteration="auto",
+                 capturable=False, strict=False, process_group=None, polar_steps=None):
         defaults = dict(DECAY_DEFAULTS, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, p=p,
                         spectral_weight_decay=spectral_weight_decay, convention=convention, band=band,
-                        p0_mode=p0_mode, stability=stability, polar_steps=polar_steps,
+                        p0_mode=p0_mode, stability=stability, decay_steps=decay_steps, polar_steps=polar_steps,
                         decay_precision=decay_precision, decay_iteration=decay_iteration, capturable=capturable,
                         strict=strict)
         super().__init__(params, defaults, process_group=process_group)
@@ -134,16 +126,11 @@ class SpectralAdamW(SpectralOptimizer):
     def prepare_group(self, params, group: dict) -> PreparedStep:
         return prepare_adam_step(self, params, group)
 
+    def commit_group(self, step: PreparedStep, keep: list) -> None:
+        commit_element_wise(adam_update_, step, keep, self.state)
+
 
 def prepare_adam_step(optimizer: SpectralOptimizer, params, group: dict) -> PreparedStep:
-    """The decay (computed now) and the Adam update (element-wise, at commit) of an Adam group."""
-    decay = optimizer.prepare_decay(params, group)
-
-    def commit(keep):
-        decay.commit(keep)
-        if capturable(group):
-            adam_update_(params, group, optimizer.state, device_masks(keep))
-        else:
-            adam_update_(kept(params, keep), group, optimizer.state)
-
-    return PreparedStep(group, params, adam_gradient_checks(params), commit, decay)
+    """An Adam group's step: its decay, computed now (the Adam update is element-wise: computed as it is
+    written, by :func:`adam_update_`)."""
+    return PreparedStep(group, params, adam_gradient_checks(params), optimizer.prepare_decay(params, group))

@@ -5,7 +5,8 @@ a ``Shard(0)`` slice of it (a ``DTensor``), and DDP repeats the whole matrix on 
 matrix of a step is therefore given an *owner* rank. The step's groups ask for their whole-matrix work
 (:meth:`Exchange.map`), and once every group is prepared it runs together (:meth:`Exchange.run`):
 the owners are balanced over the whole step, largest matrices first, by the plan's FLOP model
-(:func:`assign_owners`), and every job's collectives form one pipeline.
+(:func:`assign_owners`), and every job's collectives form one pipeline. The jobs are Muon's polar
+factors (:mod:`spectral_ops.optim.muon`) and the decay's spectral directions (:func:`owner_decay`).
 
 * A sharded matrix is gathered on its owner with one ``all_to_all_single`` per round (every rank
   sends each owner its rows of the matrices that owner holds), computed there with the single-device
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .. import plan
+from ..decay import PendingDecay, prepare_decay
 
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -187,20 +189,20 @@ def split_rounds(members: list, world_size: int) -> list[list]:
     return [members[start:start + size] for start in range(0, len(members), size)]
 
 
-def decay_flops(shape, options) -> float:
-    """The plan's FLOPs of one matrix's decay direction (a band adds its matrix sign)."""
-    r, big = min(shape), max(shape)
-    steps = len(options.polar_coefficients)
-    iteration = plan.resolve_iteration(options.iteration, options.p, shape, options.precision or "fp32", steps)
-    flops = plan.spectral_power_flops(r, big, options.p, steps, iteration)
-    if options.band is not None:
-        flops += plan.msign_flops(r, len(options.sign_coefficients))
-    return flops + r * big  # the element-wise update, so that no matrix is free
+def decay_flops(shape, options, dtype: torch.dtype = torch.float32) -> float:
+    """The plan's FLOPs of one matrix's decay (:func:`spectral_ops.plan.cost`, symmetric products at
+    half), at the precision ``options`` resolve to for ``dtype``."""
+    band = options.band
+    flops = plan.cost("decay_", tuple(shape), p=options.p, precision=plan.resolve_precision(options.precision, dtype),
+                      iteration=options.iteration, steps=len(options.polar_coefficients),
+                      sign_steps=len(options.sign_coefficients), band_mode=band.mode if band else None,
+                      p_bot=band.p_bot if band else 1, symmetric_at_half=True)
+    return flops + shape[0] * shape[1]  # the element-wise update, so that no matrix is free
 
 
 def polar_blocks_flops(shape, count: int, steps: int) -> float:
     """The plan's FLOPs of ``count`` polar factors of ``shape`` blocks (Muon's heads)."""
-    return count * plan.polar_flops(min(shape), max(shape), steps)
+    return count * plan.cost("polar", tuple(shape), steps=steps, symmetric_at_half=True)
 
 
 class Exchange:
@@ -308,6 +310,56 @@ class Exchange:
             error = RuntimeError(str(error))
         error.add_note(f"raised on rank {rank}, which computed that matrix; nothing was written on any rank")
         raise error
+
+
+def owner_decay(exchange: Exchange, views, layouts, entries, options, arguments: dict, *,
+                eager: bool) -> PendingDecay:
+    """The decay of spread matrices, to commit on this rank: ``views[k]`` is this rank's part of the
+    ``k``-th matrix, spread as ``layouts[k]``, and each ``(k, rows)`` of ``entries`` a matrix the decay
+    sees in it (``rows``: a block ``(start, stop)`` of its rows, None: all of them). Each whole matrix
+    is decayed on its owner when ``exchange`` runs, its blocks as matrices of their own, with
+    ``prepare_decay(..., options, **arguments)``; this rank keeps its rows of each entry
+    (``pending.tensors[i]`` is those of ``entries[i]``, maybe none). ``eager``: the clamp factors are
+    read on the host (see :meth:`Exchange.clamp_slots`)."""
+    spans = [layout.local_rows for layout in layouts]
+    entry_rows = [rows if rows is not None else (0, layouts[k].rows) for k, rows in entries]
+    pieces = [local_slice(start, stop, spans[k]) for (k, _), (start, stop) in zip(entries, entry_rows)]
+    pending = PendingDecay([views[k][piece] for (k, _), piece in zip(entries, pieces)], [], 1.0, {})
+    slot_of = {}  # entry index -> (its group's clamp factors, its position there)
+    if options.stability == "clamp":
+        by_group = defaultdict(list)
+        for index, (k, _) in enumerate(entries):
+            by_group[layouts[k].group].append(index)
+        for group, members in by_group.items():
+            factors = exchange.clamp_slots(group, pending, members, eager, views[0].device)
+            slot_of.update((index, (factors, position)) for position, index in enumerate(members))
+    entries_of = defaultdict(list)
+    for index, (k, _) in enumerate(entries):
+        entries_of[k].append(index)
+
+    def decay_whole(positions, matrices):
+        indices = [index for k in positions for index in entries_of[k]]
+        whole = prepare_decay([matrix[slice(*entry_rows[index])] for k, matrix in zip(positions, matrices)
+                               for index in entries_of[k]], options, **arguments)
+        values = whole.new_values()
+        for position, factor in whole.clamp_factors.items():
+            factors, slot = slot_of[indices[position]]
+            factors[slot] = factor
+        pending.clamped.extend((indices[position], *report) for position, *report in whole.clamped)
+        value_of = dict(zip(indices, values))
+        blocks = [[value_of[index] for index in entries_of[k]] for k in positions]
+        return [block[0] if len(block) == 1 else torch.cat(block) for block in blocks]
+
+    costs = [0.0] * len(views)
+    for (k, _), (start, stop) in zip(entries, entry_rows):
+        costs[k] += decay_flops((stop - start, views[k].shape[1]), options)
+
+    def keep_rows(results):
+        for index, ((k, _), piece) in enumerate(zip(entries, pieces)):
+            pending.decayed[index] = results[k][piece]
+
+    exchange.map(decay_whole, views, layouts, costs, keep_rows)
+    return pending
 
 
 def _collective_device(group) -> torch.device:

@@ -97,7 +97,7 @@ def full_v_extra_decay(lambda_v, heads, ordinary_weight_decay=0.1) -> dict:
 
 
 def width_decay_factor(base_width: int, width: int, convention: str = "decoupled") -> float:
-    """The factor on every decay coefficient (``lambda_1``, ``lambda_p``, a band's ``weight_decay_bot``)
+    """The factor on every decay coefficient (``lambda_1``, ``lambda_p``, a band's ``spectral_weight_decay_bot``)
     of a matrix-like group moved from ``base_width`` to ``width`` with ``lr ~ 1/d``.
 
     SPEC 4 keeps the steady state ``s_1 ~ sqrt(lr / lambda_1) d^0.75`` of AdamW fixed across widths with
@@ -145,7 +145,7 @@ def scaled_decay(group: dict, factor: float) -> None:
             group[key] = group[key] * factor
     if group.get("band") is not None:
         band = Band.coerce(group["band"])
-        group["band"] = dataclasses.replace(band, weight_decay_bot=band.weight_decay_bot * factor)
+        group["band"] = dataclasses.replace(band, spectral_weight_decay_bot=band.spectral_weight_decay_bot * factor)
 
 
 def width_transfer(groups, base_width: int, width: int, *, convention: str = "decoupled") -> list[dict]:
@@ -154,7 +154,7 @@ def width_transfer(groups, base_width: int, width: int, *, convention: str = "de
     Matrix-like groups get ``lr * base/width`` (and so do their ``peak_lr`` and a scheduler's
     ``initial_lr``, which set ``eta_t = lr / peak_lr`` under the independent convention), and every
     decay coefficient they set (``weight_decay``, ``spectral_weight_decay``, a band's
-    ``weight_decay_bot``) times :func:`width_decay_factor` of their convention: ``sqrt(width/base)``
+    ``spectral_weight_decay_bot``) times :func:`width_decay_factor` of their convention: ``sqrt(width/base)``
     when decoupled, ``sqrt(base/width)`` when independent, the same for every ``p`` (see there why).
     ``convention`` is the one of groups that do not set theirs (the optimizer's default). A band's
     ``tau`` is a singular value, which the rule keeps Theta(1), so it stays.

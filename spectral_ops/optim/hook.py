@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..decay import renamed_spectral_coefficient
-from ._decay import DECAY_DEFAULTS, PreparedStep, SpectralOptimizer, detached_peak
+from ._decay import DECAY_DEFAULTS
+from .base import PreparedStep, SpectralOptimizer, detached_peak
 
 # The host group key holding its starting lr, the peak of the independent convention (unless an LR
 # scheduler records initial_lr). In the group, like initial_lr, it is saved and loaded with the host's
@@ -52,8 +53,9 @@ class SpectralDecay(SpectralOptimizer):
     lr_optional = True  # lr=None: attached use, where the host optimizer supplies the lr
 
     def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
-                 band=None, p0_mode="explicit", stability="raise", polar_steps=None, decay_precision=None,
-                 decay_iteration="auto", lr=None, capturable=False, strict=False, weight_decay=None, process_group=None):
+                 band=None, p0_mode="explicit", stability="raise", decay_steps=None, decay_precision=None,
+                 decay_iteration="auto", lr=None, capturable=False, strict=False, weight_decay=None, process_group=None,
+                 polar_steps=None):
         spectral_weight_decay = renamed_spectral_coefficient("SpectralDecay", spectral_weight_decay, weight_decay,
                                                              stacklevel=2)
         if not isinstance(params, torch.Tensor):  # torch's own check refuses a bare tensor
@@ -64,9 +66,9 @@ class SpectralDecay(SpectralOptimizer):
                 if isinstance(group, dict):
                     params[index] = _without_deprecated_key(group, stacklevel=2)
         defaults = dict(DECAY_DEFAULTS, p=p, ordinary_weight_decay=ordinary_weight_decay, convention=convention,
-                        band=band, p0_mode=p0_mode, stability=stability, polar_steps=polar_steps,
-                        decay_precision=decay_precision, decay_iteration=decay_iteration, lr=lr,
-                        capturable=capturable, strict=strict)
+                        band=band, p0_mode=p0_mode, stability=stability, decay_steps=decay_steps,
+                        polar_steps=polar_steps, decay_precision=decay_precision, decay_iteration=decay_iteration,
+                        lr=lr, capturable=capturable, strict=strict)
         if spectral_weight_decay is not None:
             defaults["spectral_weight_decay"] = spectral_weight_decay
         super().__init__(params, defaults, process_group=process_group)
@@ -125,5 +127,7 @@ class SpectralDecay(SpectralOptimizer):
     def _prepare_decay_step(self, params, group: dict, **lrs) -> PreparedStep:
         """The decay alone: a weight is skipped when its decayed value is not finite (the gradient
         belongs to whichever optimizer uses it)."""
-        decay = self.prepare_decay(params, group, **lrs)
-        return PreparedStep(group, params, [], decay.commit, decay)
+        return PreparedStep(group, params, [], self.prepare_decay(params, group, **lrs))
+
+    def commit_group(self, step: PreparedStep, keep: list) -> None:
+        step.decay.commit(keep)

@@ -8,6 +8,7 @@ is the default; ``ns_coefficients=spectral_ops.MUON_QUINTIC`` with ``ns_steps=5`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 
@@ -17,19 +18,9 @@ from .._checks import check_choice, check_steps
 from ..coefficients import polar_express_coefficients, resolve_polar_coefficients, without_normalization_margin
 from ..ops import check_precision, polar
 from ..plan import OPERAND_DTYPES, resolve_precision
-from ._decay import (
-    DECAY_DEFAULTS,
-    PreparedStep,
-    SpectralOptimizer,
-    add_scaled_,
-    capturable,
-    device_masks,
-    matrix_shape,
-    matrix_view,
-    scalar,
-    step_scalar,
-)
-from .adamw import check_adam_options, prepare_adam_step
+from ._decay import DECAY_DEFAULTS, capturable, matrix_shape, matrix_view
+from .adamw import adam_update_, check_adam_options, prepare_adam_step
+from .base import PreparedStep, SpectralOptimizer, add_scaled_, commit_element_wise, device_masks, scalar, step_scalar
 from .distributed import local, local_slice, polar_blocks_flops, state_like
 
 ALGORITHMS = ("muon", "adamw")
@@ -82,6 +73,14 @@ def direction_flops(shape, group: dict) -> float:
                for count in [group["heads"] if letter == "H" else 1])
 
 
+@dataclasses.dataclass
+class MuonStep(PreparedStep):
+    """A Muon group's step: ``directions[i]``, the polar factors the commit adds to ``params[i]`` (this
+    rank's rows; ``checked[i]`` is the same, as the checks read it), filled in when they are computed."""
+
+    directions: list = ()
+
+
 class SpectralMuon(SpectralOptimizer):
     """Muon plus the spectral term of SPEC 1.5, with AdamW for non-matrix parameters.
 
@@ -106,15 +105,15 @@ class SpectralMuon(SpectralOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.95, nesterov=True, ns_coefficients=None, ns_steps=None,
                  adjust_lr_fn="match_rms_adamw", weight_decay=0.1, p=1, spectral_weight_decay=0.0,
-                 convention="decoupled", band=None, p0_mode="explicit", stability="raise", polar_steps=None,
+                 convention="decoupled", band=None, p0_mode="explicit", stability="raise", decay_steps=None,
                  decay_precision=None, decay_iteration="auto", precision="bf16",
                  heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8,
-                 capturable=False, strict=False, process_group=None):
+                 capturable=False, strict=False, process_group=None, polar_steps=None):
         defaults = dict(DECAY_DEFAULTS, lr=lr, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,
-                        polar_steps=polar_steps, decay_precision=decay_precision,
+                        decay_steps=decay_steps, polar_steps=polar_steps, decay_precision=decay_precision,
                         decay_iteration=decay_iteration, precision=precision,
                         heads=heads, splits=splits, recipe=recipe,
                         algorithm=algorithm, betas=betas, eps=eps, capturable=capturable, strict=strict)
@@ -168,29 +167,32 @@ class SpectralMuon(SpectralOptimizer):
         updates = [self._update(param, group) for param in params]
         directions, checked = self._directions(params, updates, group)
         decay = self.prepare_decay(params, group, blocks=self._decay_blocks(group))
+        return MuonStep(group, params, self.gradient_checks(params), decay, checked, directions)
 
-        def commit(keep):
-            masks = device_masks(keep) if capturable(group) else None
-            for index, param in enumerate(params):
-                if keep[index] is not False:
-                    self._advance_momentum(param, group, None if masks is None else masks[index])
-            decay.commit(keep)
-            lr = step_scalar(group["lr"], group)
-            for index, (param, direction) in enumerate(zip(params, directions)):
-                if keep[index] is False:
-                    continue
-                if masks is not None:
-                    direction = torch.where(masks[index], direction, 0)
-                target = matrix_view(local(param))
-                rows = param.shape[0]  # the matrix view's, whole (a DTensor's shape is the global one)
-                layout = self.layout(param)
-                span = (0, rows) if layout is None else layout.local_rows
-                for start, size, _ in row_blocks(rows, group):
-                    scale = adjusted_lr(lr, group["adjust_lr_fn"], (size, target.shape[1]))
-                    piece = local_slice(start, start + size, span)
-                    add_scaled_(target[piece], direction[piece], scale)
-
-        return PreparedStep(group, params, self.gradient_checks(params), commit, decay, checked)
+    def commit_group(self, step: PreparedStep, keep: list) -> None:
+        if step.group["algorithm"] == "adamw":
+            commit_element_wise(adam_update_, step, keep, self.state)
+            return
+        group = step.group
+        masks = device_masks(keep) if capturable(group) else None
+        for index, param in enumerate(step.params):
+            if keep[index] is not False:
+                self._advance_momentum(param, group, None if masks is None else masks[index])
+        step.decay.commit(keep)
+        lr = step_scalar(group["lr"], group)
+        for index, (param, direction) in enumerate(zip(step.params, step.directions)):
+            if keep[index] is False:
+                continue
+            if masks is not None:
+                direction = torch.where(masks[index], direction, 0)
+            target = matrix_view(local(param))
+            rows = param.shape[0]  # the matrix view's, whole (a DTensor's shape is the global one)
+            layout = self.layout(param)
+            span = (0, rows) if layout is None else layout.local_rows
+            for start, size, _ in row_blocks(rows, group):
+                scale = adjusted_lr(lr, group["adjust_lr_fn"], (size, target.shape[1]))
+                piece = local_slice(start, start + size, span)
+                add_scaled_(target[piece], direction[piece], scale)
 
     def _update(self, param, group) -> torch.Tensor:
         """Muon's update (this rank's shard) in a temporary of its own: the momentum buffer after this

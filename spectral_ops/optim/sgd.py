@@ -4,17 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._decay import (
-    DECAY_DEFAULTS,
-    PreparedStep,
-    SpectralOptimizer,
-    add_scaled_,
-    capturable,
-    device_masks,
-    kept,
-    scalar,
-    step_scalar,
-)
+from ._decay import DECAY_DEFAULTS
+from .base import PreparedStep, SpectralOptimizer, add_scaled_, commit_element_wise, scalar, step_scalar
 from .distributed import local, state_like
 
 
@@ -28,13 +19,13 @@ class SpectralSGD(SpectralOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0, p=1,
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
-                 stability="raise", polar_steps=None, decay_precision=None, decay_iteration="auto",
-                 capturable=False, strict=False, process_group=None):
+                 stability="raise", decay_steps=None, decay_precision=None, decay_iteration="auto",
+                 capturable=False, strict=False, process_group=None, polar_steps=None):
         defaults = dict(DECAY_DEFAULTS, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,
-                        polar_steps=polar_steps, decay_precision=decay_precision, decay_iteration=decay_iteration,
-                        capturable=capturable, strict=strict)
+                        decay_steps=decay_steps, polar_steps=polar_steps, decay_precision=decay_precision,
+                        decay_iteration=decay_iteration, capturable=capturable, strict=strict)
         super().__init__(params, defaults, process_group=process_group)
 
     def check_group(self, group: dict) -> None:
@@ -45,35 +36,31 @@ class SpectralSGD(SpectralOptimizer):
             raise ValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
 
     def prepare_group(self, params, group: dict) -> PreparedStep:
-        decay = self.prepare_decay(params, group)
+        return PreparedStep(group, params, self.gradient_checks(params), self.prepare_decay(params, group))
 
-        def commit(keep):
-            decay.commit(keep)
-            if capturable(group):
-                self._momentum_step(params, group, device_masks(keep))
+    def commit_group(self, step: PreparedStep, keep: list) -> None:
+        commit_element_wise(momentum_update_, step, keep, self.state)
+
+
+def momentum_update_(params, group: dict, state, masks=None) -> None:
+    """torch.optim.SGD's update (no weight decay) for a group. ``masks`` (capturable only): a False one
+    makes every operation an exact identity on its parameter (a buffer created then starts at zero
+    rather than at the gradient)."""
+    momentum, lr = group["momentum"], step_scalar(group["lr"], group)
+    for index, param in enumerate(params):
+        direction = local(param.grad)
+        mask = None if masks is None else masks[index]
+        if mask is not None:
+            direction = torch.where(mask, direction, 0)
+        if momentum != 0:
+            param_state = state[param]
+            if "momentum_buffer" not in param_state:
+                param_state["momentum_buffer"] = state_like(param, direction.detach().clone())
             else:
-                self._momentum_step(kept(params, keep), group)
-
-        return PreparedStep(group, params, self.gradient_checks(params), commit, decay)
-
-    def _momentum_step(self, params, group: dict, masks=None) -> None:
-        """torch.optim.SGD's update. ``masks`` (capturable only): a False one makes every operation an
-        exact identity on its parameter (a buffer created then starts at zero rather than at the gradient)."""
-        momentum, lr = group["momentum"], step_scalar(group["lr"], group)
-        for index, param in enumerate(params):
-            direction = local(param.grad)
-            mask = None if masks is None else masks[index]
+                factor = momentum if mask is None else torch.where(mask, momentum, 1.0)
+                local(param_state["momentum_buffer"]).mul_(factor).add_(direction, alpha=1 - group["dampening"])
+            buffer = local(param_state["momentum_buffer"])
+            direction = direction.add(buffer, alpha=momentum) if group["nesterov"] else buffer
             if mask is not None:
                 direction = torch.where(mask, direction, 0)
-            if momentum != 0:
-                state = self.state[param]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = state_like(param, direction.detach().clone())
-                else:
-                    factor = momentum if mask is None else torch.where(mask, momentum, 1.0)
-                    local(state["momentum_buffer"]).mul_(factor).add_(direction, alpha=1 - group["dampening"])
-                buffer = local(state["momentum_buffer"])
-                direction = direction.add(buffer, alpha=momentum) if group["nesterov"] else buffer
-                if mask is not None:
-                    direction = torch.where(mask, direction, 0)
-            add_scaled_(local(param), direction, lr)
+        add_scaled_(local(param), direction, lr)

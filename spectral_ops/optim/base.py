@@ -1,0 +1,425 @@
+"""The base of the family, :class:`SpectralOptimizer`: construction and validation of the groups, and a
+step that writes nothing until every group's step is computed and checked.
+
+A step gathers each group's parameters with a gradient and prepares them
+(:meth:`~SpectralOptimizer.prepare_group`: the decay, and the part of the update that needs whole
+matrices, computed but not written, in a :class:`PreparedStep` record); runs the step's whole-matrix
+work (:class:`~spectral_ops.optim.distributed.Exchange`); checks every record and agrees on the
+decisions with the other ranks; and only then commits each record for the parameters it keeps
+(:meth:`~SpectralOptimizer.commit_group`: the decay, then the optimizer's update, a functional core
+such as :func:`~spectral_ops.optim.adamw.adam_update_`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+import torch
+from torch.optim import Optimizer
+
+from .._checks import check_coefficient, conjunction, finite_limit, within_limits
+from ..decay import Band, DecayOptions
+from ._decay import (DECAY_DEFAULTS, ParameterDecay, capturable, check_decay_group, prepare_parameter_decay,
+                     renamed_group_keys)
+from .counts import COUNT_KEYS, StepCounts
+from .distributed import Exchange, layout_of, local
+
+# torch's own group keys that this family holds as torch's optimizers do. torch's load_state_dict adds
+# ``differentiable`` to the defaults of any optimizer it loads into; held from construction, a group
+# has the same keys before and after a round trip. The steps run without autograd, so it stays False.
+TORCH_GROUP_DEFAULTS = {"differentiable": False}
+
+
+def scalar(value) -> float:
+    """A Python number from a float or a 0-d tensor (torch's optimizers do the same)."""
+    return value.item() if isinstance(value, torch.Tensor) else value
+
+
+def step_scalar(value, group: dict):
+    """A coefficient as a step uses it: read on the host, unless the group is capturable, where a 0-d
+    tensor stays on the device (a scheduler may change it inside a captured graph)."""
+    return value if capturable(group) else scalar(value)
+
+
+def add_scaled_(target: torch.Tensor, update: torch.Tensor, scale) -> None:
+    """``target -= scale * update``, for a Python or a 0-d tensor ``scale`` (without reading it)."""
+    if isinstance(scale, torch.Tensor):
+        target.addcmul_(update, scale, value=-1)
+    else:
+        target.add_(update, alpha=-scale)
+
+
+def detached_peak(lr):
+    """The peak lr to remember: a tensor lr is copied, since schedulers change it in place."""
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+
+
+def _option_key(value):
+    """A comparable stand-in for an option's value: a tensor by identity (its value may change in
+    place without needing validation again), a dict by its items, a flag as a plain bool (torch.compile
+    from 2.15 traces a group's ``capturable`` as a stand-in that has a truth value but no ``==``)."""
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value))
+    if isinstance(value, dict):
+        return tuple(sorted((k, _option_key(v)) for k, v in value.items()))
+    return value
+
+
+def check_on_parameter_device(group: dict, keys) -> None:
+    """A capturable group's tensor hyper-parameters live on its parameters' device: a GPU step that
+    reads a CPU tensor copies it from the host, which a captured graph cannot replay."""
+    devices = {param.device for param in group["params"]}
+    for key in keys:
+        value = group.get(key)
+        if isinstance(value, torch.Tensor) and devices - {value.device}:
+            raise ValueError(f"capturable=True: {key} is a tensor on {value.device} but the parameters are on "
+                             f"{', '.join(sorted(map(str, devices)))}; create it on their device")
+
+
+@dataclasses.dataclass
+class PreparedStep:
+    """One group's step, computed but not written: what :meth:`SpectralOptimizer.prepare_group`
+    returns and :meth:`SpectralOptimizer.commit_group` writes.
+
+    The parameter ``params[i]`` is updated only if every entry of each tensor checked for it is at
+    most its limit in magnitude (NaN never is): ``checks`` holds ``(i, tensor, limit)`` triples known
+    when the step is prepared (the gradients), and the values of ``decay`` and ``checked[i]`` (Muon's
+    update directions, as the checks read them) are checked too, once the step's whole-matrix work is
+    done (see :meth:`Exchange.run <spectral_ops.optim.distributed.Exchange.run>`). A commit writes the
+    step of the parameters ``keep`` keeps: one entry per parameter, ``True``/``False`` decided on the
+    host, or a 0-d bool tensor decided on the device (capturable steps).
+    """
+
+    group: dict
+    params: list
+    checks: list
+    decay: ParameterDecay
+    checked: list = ()
+
+    def all_checks(self) -> list:
+        return (self.checks + [(i, d, finite_limit(d)) for i, d in enumerate(self.checked)]
+                + [(i, value, finite_limit(value)) for i, value in self.decay.checks()])
+
+
+def device_masks(keep) -> list | None:
+    """A capturable step's per-parameter device decisions, or None when every parameter is written."""
+    return None if all(k is True for k in keep) else [torch.as_tensor(k) for k in keep]
+
+
+def commit_element_wise(update_, step: PreparedStep, keep: list, state) -> None:
+    """Write a prepared step whose update is element-wise, ``update_(params, group, state, masks=None)``
+    (Adam's, SGD's): the decay, then the update of the parameters an eager step keeps, or of all of a
+    capturable step's, masked by its device decisions."""
+    step.decay.commit(keep)
+    if capturable(step.group):
+        update_(step.params, step.group, state, device_masks(keep))
+    else:
+        update_([param for param, kept in zip(step.params, keep) if kept is not False], step.group, state)
+
+
+class SpectralOptimizer(Optimizer):
+    """Shared construction for the family: defaults, validation and the ``peak_lr`` of each group; and
+    the step (see the module's docstring).
+
+    Subclasses implement :meth:`prepare_group` (their decay and update, computed but not written) and
+    :meth:`commit_group` (writing them), set ``spectral_key``/``ordinary_key`` (the group keys of
+    ``lambda_p``/``lambda_1``) and may extend :meth:`check_group`.
+    """
+
+    spectral_key = "spectral_weight_decay"
+    ordinary_key = "weight_decay"
+    # SpectralDecay attached to another optimizer takes that one's lr.
+    lr_optional = False
+
+    def __init__(self, params, defaults: dict, process_group=None):
+        # Not a group option: a process group cannot be saved in a state dict.
+        self.process_group = process_group
+        self._start_bookkeeping()
+        super().__init__(params, {**renamed_group_keys(defaults, type(self).__name__), **TORCH_GROUP_DEFAULTS})
+
+    def _start_bookkeeping(self) -> None:
+        """What the family keeps besides torch's state; torch's pickled state does not hold it, so an
+        unpickled or copied optimizer starts it afresh (with the counts its state carries)."""
+        self._layouts = {}  # parameter -> its Layout or None, found once
+        self._validated_options = {}  # id(group) -> (group, its options' keys, DecayOptions)
+        self._exchange = None  # the step's Exchange, from the first group that asks for it
+        self._counts = StepCounts()
+
+    def layout(self, param: torch.Tensor):
+        """How ``param`` is spread over the ranks (see :mod:`spectral_ops.optim.distributed`), or None:
+        found when its group is added, then looked up (a parameter keeps its layout)."""
+        if param not in self._layouts:
+            self._layouts[param] = layout_of(param, self.process_group)
+        return self._layouts[param]
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(renamed_group_keys(dict(param_group), type(self).__name__))
+        group = self.param_groups[-1]
+        for key in ("lr", self.spectral_key, self.ordinary_key):
+            value = group.get(key)
+            # torch takes any 1-element lr tensor; a 0-d view of it (same storage, so in-place schedules
+            # still reach it) is what the step's arithmetic broadcasts correctly.
+            if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dim() > 0:
+                group[key] = value.reshape(())
+        try:
+            self.check_group(group)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+        # Unless the group names its peak_lr, the lr it starts with is the peak of the independent
+        # convention (eta_t = lr / peak_lr); an LR scheduler's initial_lr takes precedence once it exists.
+        group.setdefault("peak_lr", detached_peak(group["lr"]))
+        # Held as a plain dict, so that a saved optimizer state loads with torch.load(weights_only=True).
+        if isinstance(group["band"], Band):
+            group["band"] = dataclasses.asdict(group["band"])
+
+    def __getstate__(self) -> dict:
+        """What pickle and :func:`copy.deepcopy` carry: torch's defaults, state and groups, and the skip
+        and clamp counts (:meth:`count_state`). Not the process group, which pickle cannot carry (an
+        unpickled optimizer has none: see :meth:`__deepcopy__` for copies)."""
+        return {**super().__getstate__(), **self.count_state()}
+
+    def __deepcopy__(self, memo: dict):
+        # A process group is a handle on the ranks, not data: the copy uses the same one.
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        clone.__setstate__({**copy.deepcopy(self.__getstate__(), memo), "process_group": self.process_group})
+        return clone
+
+    def __setstate__(self, state: dict) -> None:
+        # load_state_dict, pickle and deepcopy land here. A state saved by an earlier release lacks the
+        # group keys added since (they take this optimizer's defaults), and a converted or old Adam state
+        # may hold its step count as a plain number (made a tensor, as torch's Adam does).
+        counts = {key: state[key] for key in COUNT_KEYS if key in state}
+        super().__setstate__({key: value for key, value in state.items() if key not in COUNT_KEYS})
+        self.__dict__.setdefault("process_group", None)
+        if "_counts" not in self.__dict__:  # unpickled or copied: built without __init__
+            self._start_bookkeeping()
+        if counts:
+            self.load_count_state(counts)
+        for group in self.param_groups:
+            renamed_group_keys(group, type(self).__name__, warn=False)
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            for param in group["params"]:
+                param_state = self.state.get(param, {})
+                if "step" in param_state and not torch.is_tensor(param_state["step"]):
+                    device = param.device if capturable(group) else "cpu"
+                    param_state["step"] = torch.tensor(float(param_state["step"]), dtype=torch.float32, device=device)
+
+    def check_group(self, group: dict) -> None:
+        for key in ("capturable", "strict"):
+            if not isinstance(group[key], bool):
+                raise TypeError(f"{key} must be True or False, got {group[key]!r}")
+        if group["differentiable"] is not False:
+            raise ValueError(f"differentiable={group['differentiable']!r}: spectral_ops optimizers step without "
+                             "autograd (no gradient flows through a step); leave differentiable=False")
+        if group["strict"] and capturable(group):
+            raise ValueError("strict=True raises on a non-finite update, which needs the host to read it; "
+                             "capturable=True forbids that (skips are still counted in optimizer.skipped)")
+        if group["lr"] is not None or not self.lr_optional:
+            check_coefficient(group["lr"], "lr")
+        self.decay_options(group)
+        for param in group["params"]:
+            self.layout(param)  # refuses a DTensor layout the owner compute does not handle
+        if capturable(group):
+            check_on_parameter_device(group, ("lr", self.spectral_key, self.ordinary_key, "peak_lr"))
+
+    def decay_options(self, group: dict) -> DecayOptions:
+        """The group's validated decay options: validated again only when one of them changes, so a
+        step does not re-check what construction did."""
+        keys = (*DECAY_DEFAULTS, self.spectral_key, self.ordinary_key)
+        key = tuple(_option_key(group[k]) for k in keys)
+        cached = self._validated_options.get(id(group))
+        if cached is None or cached[0] is not group or cached[1] != key:
+            cached = self._validated_options[id(group)] = (
+                group, key, check_decay_group(group, spectral=self.spectral_key, ordinary=self.ordinary_key))
+        return cached[2]
+
+    def prepare_decay(self, params, group: dict, *, lr=None, peak_lr=None, blocks=None) -> ParameterDecay:
+        """The group's decay of ``params`` (see :func:`~spectral_ops.optim._decay.prepare_parameter_decay`),
+        with the group's own lr and peak lr unless given."""
+        return prepare_parameter_decay(
+            params,
+            group,
+            self.decay_options(group),
+            lr=group["lr"] if lr is None else lr,
+            peak_lr=group.get("initial_lr", group["peak_lr"]) if peak_lr is None else peak_lr,
+            spectral=group[self.spectral_key],
+            ordinary=group[self.ordinary_key],
+            blocks=blocks,
+            layouts=[self.layout(param) for param in params],
+            exchange=self.exchange,
+        )
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step for every group with a gradient: every group's step is computed first, then the
+        parameters whose gradient and update are finite are written (see :meth:`commit_steps`)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.begin_step()
+        prepared = []
+        for group in self.param_groups:
+            params = list(self.params_with_grad(group))
+            if params:
+                prepared.append(self.prepare_group(params, group))
+        self.commit_steps(prepared)
+        return loss
+
+    @torch.no_grad()
+    def commit_steps(self, prepared: list[PreparedStep]) -> None:
+        """Write the prepared steps, skipping each parameter whose checks fail: its weight and its state
+        stay unchanged, and the skip is counted in :attr:`skipped`.
+
+        Eager groups decide on the host (one read per device for the whole step), warn once per
+        parameter, and raise instead with ``strict=True``, before anything is written. Capturable
+        groups decide on the device, without a host read, and count on the device.
+
+        Then the stability clamps of the written parameters are counted in :attr:`clamped`, and each
+        eager one is logged with its factor (see :func:`spectral_ops.decay.log_clamp`): a matrix's
+        first clamp as a warning, its later ones at DEBUG.
+        """
+        if self._exchange is not None:
+            self._exchange.run()
+        checks = [step.all_checks() for step in prepared]
+        on_host = [not capturable(step.group) for step, step_checks in zip(prepared, checks) for _ in step_checks]
+        flags = iter(within_limits([check for step_checks in checks for check in step_checks], on_host))
+        keeps = []
+        for step, step_checks in zip(prepared, checks):
+            flags_of = [[] for _ in step.params]
+            for index, _, _ in step_checks:
+                flags_of[index].append(next(flags))
+            keeps.append([conjunction(f) for f in flags_of])
+        self._agree(prepared, keeps)
+        skipped = []
+        for step, keep in zip(prepared, keeps):
+            if not capturable(step.group):
+                skipped.extend((step, param) for param, kept in zip(step.params, keep) if not kept)
+                continue
+            self._counts.count_device_skips([(param, kept) for param, kept in zip(step.params, keep)
+                                             if kept is not True])
+        strict = [self.parameter_name(step.group, param) for step, param in skipped if step.group["strict"]]
+        if strict:
+            raise FloatingPointError(f"{type(self).__name__}: the gradient or the update of {', '.join(strict)} "
+                                     "is not finite; nothing was written (strict=True)")
+        for step, param in skipped:
+            self._counts.count_skip(param, self.parameter_name(step.group, param), type(self).__name__)
+        for step, keep in zip(prepared, keeps):
+            self.commit_group(step, keep)
+        for step, keep in zip(prepared, keeps):
+            self._counts.count_clamps(step.decay, step.params, keep, functools.partial(self.matrix_name, step.group))
+
+    def _agree(self, prepared: list[PreparedStep], keeps: list) -> None:
+        """Make the decisions about spread parameters those of every rank (see :meth:`Exchange.agree`),
+        in place; raise, on every rank, what an owner raised."""
+        exchange, self._exchange = self._exchange, None
+        spread = []
+        for k, step in enumerate(prepared):
+            for i, param in enumerate(step.params):
+                layout = self.layout(param)
+                if layout is not None:
+                    spread.append((k, i, layout))
+        if not spread:
+            if exchange is not None and exchange.error is not None:
+                raise exchange.error
+            return
+        decisions = (exchange or Exchange()).agree([(layout, keeps[k][i]) for k, i, layout in spread])
+        for (k, i, _), decision in zip(spread, decisions):
+            keeps[k][i] = decision
+
+    @property
+    def exchange(self) -> Exchange:
+        """This step's :class:`~spectral_ops.optim.distributed.Exchange` (owners, errors, clamps)."""
+        if self._exchange is None:
+            self._exchange = Exchange()
+        return self._exchange
+
+    def begin_step(self) -> None:
+        """Forget the exchange of a step that failed while being prepared: called before the groups of
+        a step are prepared."""
+        self._exchange = None
+
+    @property
+    def clamped(self) -> dict:
+        """The stability clamps per parameter name, as :class:`~spectral_ops.optim.counts.ClampRecord`
+        (0-d tensors on the parameters' devices, updated without a host read: under ``capturable`` this
+        is where the clamps are read, when convenient). Only parameters whose spectral coefficient a
+        clamp could have reduced appear (a capturable clamp group's matrices, or an eager group's that
+        were clamped at least once); a count of 0 means that it never was."""
+        return self._by_name(self._counts.clamps)
+
+    @property
+    def skipped(self) -> dict:
+        """Skipped updates per parameter name, as 0-d int32 tensors on the parameters' devices (read
+        them when convenient: they are updated without a host read). Only parameters that were
+        skipped at least once, or that belong to a capturable group, appear."""
+        return self._by_name(self._counts.skips)
+
+    def _by_name(self, per_parameter: dict) -> dict:
+        return {self.parameter_name(group, param): per_parameter[param] for group in self.param_groups
+                for param in group["params"] if param in per_parameter}
+
+    def matrix_name(self, group: dict, param: torch.Tensor, rows) -> str:
+        """:meth:`parameter_name`, with the ``rows = (start, stop)`` of the block of the parameter's
+        matrix view that was decayed as a matrix (Muon's Q/K/V splits; None: the whole parameter)."""
+        name = self.parameter_name(group, param)
+        return name if rows is None else f"{name} rows {rows[0]}:{rows[1]}"
+
+    def parameter_name(self, group: dict, param: torch.Tensor) -> str:
+        """``param_names`` as torch records them (``named_parameters()``, or
+        :func:`param_groups_by_module`), else the position ``param_groups[g]['params'][i]``, with the shape."""
+        g = next(i for i, candidate in enumerate(self.param_groups) if candidate is group)
+        i = next(i for i, candidate in enumerate(group["params"]) if candidate is param)
+        names = group.get("param_names")
+        where = names[i] if names else f"param_groups[{g}]['params'][{i}]"
+        return f"{where} {tuple(param.shape)}"
+
+    def state_dict(self) -> dict:
+        """torch's state, plus the skip and clamp counts (:meth:`count_state`), so that a resumed run
+        keeps counting from where it stopped."""
+        return {**super().state_dict(), **self.count_state()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.load_count_state(state_dict)
+
+    def count_state(self) -> dict:
+        """The skip and clamp counts, ``{"skipped": ..., "clamped": ...}`` (keys with no count left out),
+        by parameter position as torch numbers the state. Part of :meth:`state_dict`; saved on its own
+        where a checkpoint keeps only torch's keys (``torch.distributed.checkpoint``'s
+        ``get_optimizer_state_dict`` does): the counts are the same on every rank."""
+        return self._counts.state(self._parameters())
+
+    def load_count_state(self, state: dict) -> None:
+        """Restore the counts of :meth:`count_state` (or of a whole :meth:`state_dict`)."""
+        self._counts.load(state, self._parameters())
+
+    def _parameters(self) -> list:
+        return [param for group in self.param_groups for param in group["params"]]
+
+    def prepare_group(self, params, group: dict) -> PreparedStep:
+        """Compute the group's step for ``params`` (those with a gradient) without writing anything."""
+        raise NotImplementedError
+
+    def commit_group(self, step: PreparedStep, keep: list) -> None:
+        """Write the prepared ``step`` of the parameters ``keep`` keeps (see :class:`PreparedStep`)."""
+        raise NotImplementedError
+
+    def gradient_checks(self, params) -> list:
+        """A parameter is skipped when its gradient is not finite."""
+        return [(i, local(param.grad), finite_limit(param.grad)) for i, param in enumerate(params)]
+
+    @staticmethod
+    def params_with_grad(group: dict):
+        for param in group["params"]:
+            if param.grad is not None:
+                if param.grad.is_sparse:
+                    raise RuntimeError("spectral_ops optimizers do not support sparse gradients")
+                yield param

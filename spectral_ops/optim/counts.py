@@ -1,0 +1,104 @@
+"""What an optimizer counts of its bad steps: skipped updates and stability clamps, per parameter
+(docs/optimizers.md, "Bad steps"), their warnings and log records, and their part of the state dict."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from ..decay import log_clamp
+
+# The entries of state_dict() (and of pickled or copied state) that are the family's, not torch's.
+COUNT_KEYS = ("skipped", "clamped")
+
+
+class ClampRecord(NamedTuple):
+    """The stability clamps of one parameter, as 0-d tensors on its device (updated without a host read)."""
+
+    count: torch.Tensor  # int32: the matrices (blocks of a split parameter each) whose coefficient was reduced
+    smallest_factor: torch.Tensor  # float64: the smallest factor applied to its spectral coefficient (1: none)
+
+
+class StepCounts:
+    """The skips and clamps of an optimizer's parameters, as 0-d tensors on their devices (counted
+    without a host read), and the names already reported: a skip warns and a clamp logs a warning once
+    per parameter (or matrix), the later ones only count."""
+
+    def __init__(self):
+        self.skips: dict[torch.Tensor, torch.Tensor] = {}  # int32, per parameter
+        self.clamps: dict[torch.Tensor, ClampRecord] = {}
+        self.warned_skips: set[str] = set()  # parameter names
+        self.logged_clamps: set[str] = set()  # matrix names (see SpectralOptimizer.matrix_name)
+
+    def skip_count(self, param: torch.Tensor) -> torch.Tensor:
+        if param not in self.skips:
+            self.skips[param] = torch.zeros((), dtype=torch.int32, device=param.device)
+        return self.skips[param]
+
+    def count_device_skips(self, decisions: list) -> None:
+        """Count the skips of ``(param, keep)`` pairs a capturable step decided on the device (``keep``
+        a 0-d bool tensor), without reading them."""
+        if decisions:
+            torch._foreach_add_([self.skip_count(param) for param, _ in decisions],
+                                [torch.logical_not(keep).to(torch.int32) for _, keep in decisions])
+
+    def count_skip(self, param: torch.Tensor, name: str, optimizer: str) -> None:
+        """Count an eager step's skip of ``param`` (called ``name``), warning at its first one."""
+        self.skip_count(param).add_(1)
+        if name not in self.warned_skips:
+            self.warned_skips.add(name)
+            warnings.warn(f"{optimizer} skipped the update of {name}: its gradient or update is not "
+                          "finite, so its weight and optimizer state are unchanged. Later skips are counted in "
+                          "optimizer.skipped without a warning; strict=True raises instead.", RuntimeWarning,
+                          stacklevel=4)
+
+    def count_clamps(self, decay, params: list, keep: list, matrix_name) -> None:
+        """Count the clamps of a group's ``decay`` (a :class:`~spectral_ops.optim._decay.ParameterDecay`
+        of ``params``) in the parameters ``keep`` wrote (on the device), and log the eager ones, named
+        by ``matrix_name(param, rows)``."""
+        for part in decay.parts:
+            for index, _, factor, order in part.pending.clamped:
+                owner = part.owners[index]
+                if keep[owner] is True:
+                    # A run clamps the same matrices step after step: each one's first clamp is a
+                    # warning, the later ones are debug records (their count is in `clamped`).
+                    name = matrix_name(params[owner], part.rows[index])
+                    first = name not in self.logged_clamps
+                    self.logged_clamps.add(name)
+                    log_clamp(name, factor, order, logging.WARNING if first else logging.DEBUG,
+                              "; its later clamps are logged at DEBUG and counted in optimizer.clamped" if first else "")
+            for index, factor in part.pending.clamp_factors.items():
+                owner = part.owners[index]
+                if keep[owner] is False:
+                    continue
+                param = params[owner]
+                if keep[owner] is not True:
+                    factor = torch.where(keep[owner], factor, 1.0)
+                if param not in self.clamps:
+                    self.clamps[param] = ClampRecord(torch.zeros((), dtype=torch.int32, device=param.device),
+                                                     torch.ones((), dtype=torch.float64, device=param.device))
+                record = self.clamps[param]
+                record.count.add_((factor < 1).to(torch.int32))
+                record.smallest_factor.copy_(torch.minimum(record.smallest_factor, factor))
+
+    def state(self, params: list) -> dict:
+        """The counts by position in ``params`` (the optimizer's, in torch's order), keys with no count
+        left out: ``{"skipped": {i: count}, "clamped": {i: [count, smallest factor]}}``, copies."""
+        state = {}
+        if self.skips:
+            state["skipped"] = {i: self.skips[param].clone() for i, param in enumerate(params) if param in self.skips}
+        if self.clamps:
+            state["clamped"] = {i: [t.clone() for t in self.clamps[param]] for i, param in enumerate(params)
+                                if param in self.clamps}
+        return state
+
+    def load(self, state: dict, params: list) -> None:
+        """Replace the counts by those of :meth:`state` (or of a whole state dict); what was reported stays."""
+        self.skips = {params[int(i)]: count.to(device=params[int(i)].device, dtype=torch.int32)
+                      for i, count in state.get("skipped", {}).items()}
+        self.clamps = {params[int(i)]: ClampRecord(count.to(device=params[int(i)].device, dtype=torch.int32),
+                                                   smallest.to(device=params[int(i)].device, dtype=torch.float64))
+                       for i, (count, smallest) in state.get("clamped", {}).items()}
