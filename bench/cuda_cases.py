@@ -26,7 +26,7 @@ import torch
 
 from spectral_ops import _extension as ext
 from spectral_ops import plan
-from spectral_ops.backends.base import BandSpec, DecayRequest
+from spectral_ops.plan import Band, DecayRequest
 from spectral_ops.backends.cuda_backend import CudaBackend
 from spectral_ops.backends.torch_backend import TorchBackend
 from spectral_ops.dispatch import PinnedKernels
@@ -184,14 +184,14 @@ def _decay_epilogue_cases():
 
         def make(device, shape=shape, dtype=dtype):
             g = torch.Generator().manual_seed(8)
-            alpha = torch.rand(shape[0], generator=g).to(device)
-            return _random(shape, dtype, device, 9), _random(shape, torch.float32, device, 10), alpha
+            keep = torch.rand(shape[0], generator=g).to(device)
+            return _random(shape, dtype, device, 9), _random(shape, torch.float32, device, 10), keep
 
-        def run(w, d, alpha):
-            return ext.decay_epilogue_(w.clone(), d, 0.9, -0.1, alpha_per_matrix=alpha)
+        def run(w, d, keep):
+            return ext.decay_epilogue_(w.clone(), d, 0.9, -0.1, keep_per_matrix=keep)
 
-        def reference(w, d, alpha):
-            return (0.9 * alpha[:, None, None] * w.float() - 0.1 * d).to(w.dtype)
+        def reference(w, d, keep):
+            return (0.9 * keep[:, None, None] * w.float() - 0.1 * d).to(w.dtype)
 
         yield _case(f"decay_epilogue_/{tag}/{_dims(shape)}", "decay_epilogue_", dtype, shape, make, run, reference,
                     TOLERANCE[dtype])
@@ -200,30 +200,40 @@ def _decay_epilogue_cases():
 # ----- the backend, on both paths -------------------------------------------------------------
 
 
+def decayed(kernels, W, request):
+    """A decayed copy of ``W``: ``plan.decay_`` writes in place."""
+    W = W.clone()
+    plan.decay_(kernels, W, request)
+    return W
+
+
 def _backend_runs(band_weight):
     """(label, backend op, run(backend, X), reference(X)) for every backend op; X is the op's input."""
-    band = BandSpec(TAU, "two_band", p_bot=0, lambda_top=0.5, lambda_bot=2.0)
-    request = DecayRequest(2, 0.1, 0.01, None, "explicit", POLAR, POLAR)
-    band_request = DecayRequest(2, 0.1, 0.01, BandSpec(TAU, "top"), "explicit", POLAR, POLAR)
-    prox_request = DecayRequest(0, 0.05, 0.0, None, "prox", POLAR, POLAR)
+    band = Band(TAU, "two_band", p_bot=0, spectral_weight_decay_bot=2.0)
+    request = DecayRequest(2, 1.0, 0.1, 0.01, None, "explicit", POLAR, POLAR)
+    band_request = DecayRequest(2, 1.0, 0.1, 0.01, Band(TAU, "top"), "explicit", POLAR, POLAR)
+    prox_request = DecayRequest(0, 1.0, 0.05, 0.0, None, "prox", POLAR, POLAR)
     yield "polar", "polar", lambda b, W: plan.polar(b, W, POLAR), lambda W: plan.polar(TORCH, W, POLAR)
     for p in (2, 3, 6):
         yield f"spectral_power_p{p}", "spectral_power", lambda b, W, p=p: plan.spectral_power(b, W, p, POLAR), \
             lambda W, p=p: plan.spectral_power(TORCH, W, p, POLAR)
-    yield "decay_p2", "decay_", lambda b, W: plan.decay_(b, W.clone(), request), lambda W: plan.decay_(TORCH, W.clone(), request)
+    yield "decay_p2", "decay_", lambda b, W: decayed(b, W, request), lambda W: decayed(TORCH, W, request)
     if not band_weight:
         return
     yield "msign", "msign", lambda b, W: plan.msign(b, _gram_minus_tau(W), SIGN_NS), \
         lambda W: plan.msign(TORCH, _gram_minus_tau(W), SIGN_NS)
     yield "band_projectors", "band_projectors", lambda b, W: torch.stack(plan.band_projectors(b, W, TAU, POLAR)), \
         lambda W: torch.stack(plan.band_projectors(TORCH, W, TAU, POLAR))
-    yield "band_direction", "band_direction", lambda b, W: plan.band_direction(b, W, 2, band, POLAR, POLAR), \
-        lambda W: plan.band_direction(TORCH, W, 2, band, POLAR, POLAR)
+    yield "band_direction", "band_direction", lambda b, W: plan.band_direction(b, W, 2, band, POLAR, POLAR, top=0.5), \
+        lambda W: plan.band_direction(TORCH, W, 2, band, POLAR, POLAR, top=0.5)
     yield "svt", "svt", lambda b, W: plan.svt(b, W, TAU, POLAR, POLAR), lambda W: plan.svt(TORCH, W, TAU, POLAR, POLAR)
-    yield "decay_band", "decay_", lambda b, W: plan.decay_(b, W.clone(), band_request), \
-        lambda W: plan.decay_(TORCH, W.clone(), band_request)
-    yield "decay_prox", "decay_", lambda b, W: plan.decay_(b, W.clone(), prox_request), \
-        lambda W: plan.decay_(TORCH, W.clone(), prox_request)
+    yield "spectral_norm_bounds", "spectral_norm_bounds", \
+        lambda b, W: torch.stack(plan.spectral_norm_bounds(b, W, plan.GUARD_SQUARINGS)), \
+        lambda W: torch.stack(plan.spectral_norm_bounds(TORCH, W, plan.GUARD_SQUARINGS))
+    yield "decay_band", "decay_", lambda b, W: decayed(b, W, band_request), \
+        lambda W: decayed(TORCH, W, band_request)
+    yield "decay_prox", "decay_", lambda b, W: decayed(b, W, prox_request), \
+        lambda W: decayed(TORCH, W, prox_request)
 
 
 def _gram_minus_tau(W):

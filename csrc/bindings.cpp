@@ -101,21 +101,21 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "decay_epilogue_",
-      [](const DescArgs& w_args, const DescArgs& d_args, double alpha, double beta, bool stochastic_rounding,
-         uint64_t seed, uint64_t offset, uintptr_t stream, const std::optional<DescArgs>& alpha_per_matrix,
-         const std::optional<DescArgs>& beta_per_matrix) {
+      [](const DescArgs& w_args, const DescArgs& d_args, double keep, double step, bool stochastic_rounding,
+         uint64_t seed, uint64_t offset, uintptr_t stream, const std::optional<DescArgs>& keep_per_matrix,
+         const std::optional<DescArgs>& step_per_matrix) {
         const spectral_ops::TensorDesc w = to_desc("w", w_args);
         const spectral_ops::TensorDesc d = to_desc("d", d_args);
-        const spectral_ops::ScaleArg alpha_arg = to_scale("alpha_per_matrix", alpha, alpha_per_matrix);
-        const spectral_ops::ScaleArg beta_arg = to_scale("beta_per_matrix", beta, beta_per_matrix);
+        const spectral_ops::ScaleArg keep_arg = to_scale("keep_per_matrix", keep, keep_per_matrix);
+        const spectral_ops::ScaleArg step_arg = to_scale("step_per_matrix", step, step_per_matrix);
         py::gil_scoped_release release;
-        spectral_ops::decay_epilogue_(w, d, alpha_arg, beta_arg, stochastic_rounding, seed, offset, to_stream(stream));
+        spectral_ops::decay_epilogue_(w, d, keep_arg, step_arg, stochastic_rounding, seed, offset, to_stream(stream));
       },
-      py::arg("w"), py::arg("d"), py::arg("alpha"), py::arg("beta"), py::arg("stochastic_rounding"), py::arg("seed"),
-      py::arg("offset"), py::arg("stream"), py::arg("alpha_per_matrix") = py::none(),
-      py::arg("beta_per_matrix") = py::none(),
-      "W <- alpha * W + beta * D in place on `stream` (an integer cudaStream_t). w and d are tensor descriptors\n"
-      "(data_ptr, shape, strides, dtype_code, device_index); alpha/beta may each be multiplied by a float32\n"
+      py::arg("w"), py::arg("d"), py::arg("keep"), py::arg("step"), py::arg("stochastic_rounding"), py::arg("seed"),
+      py::arg("offset"), py::arg("stream"), py::arg("keep_per_matrix") = py::none(),
+      py::arg("step_per_matrix") = py::none(),
+      "W <- keep * W + step * D in place on `stream` (an integer cudaStream_t). w and d are tensor descriptors\n"
+      "(data_ptr, shape, strides, dtype_code, device_index); keep/step may each be multiplied by a float32\n"
       "per-matrix vector descriptor. See csrc/ops.h for the full contract.");
 
   m.def("gemm", &matmul_binding<spectral_ops::gemm>, py::arg("a"), py::arg("b"), py::arg("out"), py::arg("y"),
@@ -159,22 +159,18 @@ PYBIND11_MODULE(_C, m) {
       "small_chain",
       [](const DescArgs& w_args, const DescArgs& out_args, const std::optional<DescArgs>& x_args,
          const std::optional<DescArgs>& g_args, int p, const std::vector<std::array<double, 3>>& coefficients,
-         double alpha, const std::optional<DescArgs>& alpha_per_matrix, double beta,
-         const std::optional<DescArgs>& beta_per_matrix, double shrink, uintptr_t stream) {
+         double shrink, uintptr_t stream) {
         const spectral_ops::TensorDesc w = to_desc("w", w_args);
         const spectral_ops::TensorDesc out = to_desc("out", out_args);
         const std::optional<spectral_ops::TensorDesc> x_ws = to_optional_desc("x_workspace", x_args);
         const std::optional<spectral_ops::TensorDesc> g_ws = to_optional_desc("gram_workspace", g_args);
-        const spectral_ops::ScaleArg alpha_arg = to_scale("alpha_per_matrix", alpha, alpha_per_matrix);
-        const spectral_ops::ScaleArg beta_arg = to_scale("beta_per_matrix", beta, beta_per_matrix);
         py::gil_scoped_release release;
-        spectral_ops::small_chain(w, out, x_ws ? &*x_ws : nullptr, g_ws ? &*g_ws : nullptr, p, coefficients, alpha_arg,
-                                  beta_arg, shrink, to_stream(stream));
+        spectral_ops::small_chain(w, out, x_ws ? &*x_ws : nullptr, g_ws ? &*g_ws : nullptr, p, coefficients, shrink,
+                                  to_stream(stream));
       },
       py::arg("w"), py::arg("out"), py::arg("x_workspace"), py::arg("gram_workspace"), py::arg("p"),
-      py::arg("coefficients"), py::arg("alpha"), py::arg("alpha_per_matrix"), py::arg("beta"),
-      py::arg("beta_per_matrix"), py::arg("shrink"), py::arg("stream"),
-      "out = alpha * w + beta * S_p(w) for wide w (..., r, n), r <= small_chain_max_side, one block per matrix.");
+      py::arg("coefficients"), py::arg("shrink"), py::arg("stream"),
+      "out = S_p(w) for wide w (..., r, n), r <= small_chain_max_side, one block per matrix.");
   m.def("small_chain_shared_bytes", &spectral_ops::small_chain_shared_bytes, py::arg("r"), py::arg("p"),
         "Dynamic shared memory (bytes) one small_chain block needs for this small side and power.");
   m.attr("small_chain_max_side") = spectral_ops::kSmallChainMaxSide;

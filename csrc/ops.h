@@ -16,16 +16,16 @@
 
 namespace spectral_ops {
 
-// decay_epilogue.cu: W <- alpha * W + beta * D, in place, elementwise over any batch shape.
+// decay_epilogue.cu: W <- keep * W + step * D, in place, elementwise over any batch shape.
 //   w: float32, float16, bfloat16 or float64; any non-overlapping strides (views are fine).
 //   d: contiguous, same shape, float32 or w's dtype.
-// alpha and beta may carry a per-matrix vector (w must then have >= 2 dims; matrix = the leading
+// keep and step may carry a per-matrix vector (w must then have >= 2 dims; matrix = the leading
 // index, row-major). Math is fp32 (fp64 when w is float64). Stores round to nearest even, or, with
 // stochastic_rounding and a float16/bfloat16 w, stochastically: element i (row-major) draws its bits
 // from hash(seed, offset + i), so a call is deterministic for a given (seed, offset). Advance offset
 // by w.numel() between calls to draw fresh bits under one seed. Wider dtypes do not round, so for them
 // the flag has no effect.
-void decay_epilogue_(const TensorDesc& w, const TensorDesc& d, const ScaleArg& alpha, const ScaleArg& beta,
+void decay_epilogue_(const TensorDesc& w, const TensorDesc& d, const ScaleArg& keep, const ScaleArg& step,
                      bool stochastic_rounding, uint64_t seed, uint64_t offset, cudaStream_t stream);
 
 // gemm.cu: out = alpha * (a @ b) + beta * y, batched over equal leading dims, fp32 accumulation.
@@ -50,15 +50,14 @@ void poly_step(const TensorDesc& a, const TensorDesc& out, double b, double c, i
 void sign_step(const TensorDesc& z, const TensorDesc& out, const TensorDesc& square, const TensorDesc& poly, double a,
                double b, double c, int precision, cudaStream_t stream);
 
-// small_chain.cu: out = alpha * w + beta * S_p(w) for wide w (..., r, n) with r <= kSmallChainMaxSide, one
-// thread block per matrix, fp32 math. Even p runs Polar Express with `coefficients` ((a, b, c) per
+// small_chain.cu: out = S_p(w) for wide w (..., r, n) with r <= kSmallChainMaxSide, one thread block per
+// matrix, fp32 math. Even p runs Polar Express with `coefficients` ((a, b, c) per
 // step) from w / (||w||_F / shrink); it needs x_ws (float32, w's shape, contiguous) and, for p >= 2,
 // g_ws (float32, (..., r, r), contiguous). out may be w itself; otherwise nothing may overlap.
 constexpr int kSmallChainMaxSide = 128;
 constexpr int kSmallChainMaxSteps = 64;
 void small_chain(const TensorDesc& w, const TensorDesc& out, const TensorDesc* x_ws, const TensorDesc* g_ws, int p,
-                 const std::vector<std::array<double, 3>>& coefficients, const ScaleArg& alpha, const ScaleArg& beta,
-                 double shrink, cudaStream_t stream);
+                 const std::vector<std::array<double, 3>>& coefficients, double shrink, cudaStream_t stream);
 // Dynamic shared memory one block of small_chain needs for this r and p.
 size_t small_chain_shared_bytes(int64_t r, int p);
 

@@ -1,4 +1,4 @@
-// The per-head fused chain: out = alpha W + beta S_p(W) for a stack of wide matrices with a small side
+// The per-head fused chain: out = S_p(W) for a stack of wide matrices with a small side
 // r <= 128 (per-head weights, e.g. [heads, 64, 256]), one thread block per matrix from start to finish.
 //
 // Composed from separate products, each of the ~30 launches of a Polar Express chain covers one tile
@@ -12,9 +12,9 @@
 //      writes X once. Step one reads W itself, scaled by 1 / (1.01 ||X||);
 //   3. p >= 2: M = Gn^(p // 2) by repeated squaring in shared memory (Gn was parked in a global
 //      workspace during step 2);
-//   4. a last pass writes out = alpha W + beta ||X||^p M Z, Z = Q (even p) or X / ||X|| (odd p),
-//      staged through shared memory so that the stores coalesce. A chunk is read completely before
-//      it is written, and no other block touches the matrix, so out may be W itself (an in-place decay).
+//   4. a last pass writes out = ||X||^p M Z, Z = Q (even p) or X / ||X|| (odd p), staged through
+//      shared memory so that the stores coalesce. A chunk is read completely before it is written,
+//      and no other block touches the matrix, so out may be W itself.
 // All math is fp32 FMA. Thread (ty, tx) of a 16 x 16 grid owns an R/16 x R/16 block of each R x R
 // product and an R/16 x 2 block of each R x 32 chunk product (R = r rounded up to 32, 64 or 128; the
 // padding is zero and stays zero).
@@ -45,11 +45,9 @@ struct ChainParams {
   int64_t r, n;
   float* x_ws;  // [batch, r, n] contiguous: the Polar Express iterate (even p)
   float* g_ws;  // [batch, r, r] contiguous: Gn, parked during the iteration (even p >= 2)
-  DeviceScale alpha, beta;
   float shrink;  // 1 / the normalisation margin
   int p;
   int buffers;  // R x R shared buffers: 2 when Gn^(p // 2) needs a product besides the squarings
-  bool has_y;
   bool w_rows_contiguous, out_rows_contiguous;
   ChainCoefficients coef;
 };
@@ -230,9 +228,8 @@ struct Chain {
     }
   }
 
-  // out = staged + alpha W over the chunk, in out's coalescing order.
-  __device__ static void store_chunk(const ChunkView& out, const ChunkView& w, int64_t r, int64_t n, int64_t k0,
-                                     const float* rows, float alpha, bool has_y) {
+  // out = the staged chunk, in out's coalescing order.
+  __device__ static void store_chunk(const ChunkView& out, int64_t r, int64_t n, int64_t k0, const float* rows) {
 #pragma unroll
     for (int j = 0; j < kPerThread; ++j) {
       const int e = threadIdx.x + j * kThreads;
@@ -240,9 +237,7 @@ struct Chain {
       const int c = out.rows_contiguous ? e / R : e % kChunk;
       const int64_t col = k0 + c;
       if (i >= r || col >= n) continue;
-      float v = rows[i * kXcLd + c];
-      if (has_y) v = fmaf(alpha, load_as_float(w.base, w.dtype, i * w.row_stride + col * w.col_stride), v);
-      store_from_float(out.base, out.dtype, i * out.row_stride + col * out.col_stride, v);
+      store_from_float(out.base, out.dtype, i * out.row_stride + col * out.col_stride, rows[i * kXcLd + c]);
     }
   }
 
@@ -435,10 +430,9 @@ __global__ void __launch_bounds__(kThreads) small_chain_kernel(const ChainParams
   // 3. M = Gn^k.
   const float* m = k > 0 ? C::gram_power(square, spare, k) : nullptr;
 
-  // 4. out = alpha W + beta ||X||^p M Z.
-  float factor = scale_of(p.beta, b) * integer_power(norm, p.p);
+  // 4. out = ||X||^p M Z.
+  float factor = integer_power(norm, p.p);
   if (!even) factor *= inv;
-  const float alpha = scale_of(p.alpha, b);
   const ChunkView z = even ? x : w;
   for (int64_t k0 = 0; k0 < p.n; k0 += kChunk) {
     C::load_chunk(z, p.r, p.n, k0, chunk, C::kXcLd, 1);
@@ -452,7 +446,7 @@ __global__ void __launch_bounds__(kThreads) small_chain_kernel(const ChainParams
     __syncthreads();
     C::write_own(chunk, factor, y);
     __syncthreads();
-    C::store_chunk(out, w, p.r, p.n, k0, chunk, alpha, p.has_y);
+    C::store_chunk(out, p.r, p.n, k0, chunk);
     __syncthreads();
   }
 }
@@ -504,8 +498,7 @@ size_t small_chain_shared_bytes(int64_t r, int p) {
 }
 
 void small_chain(const TensorDesc& w, const TensorDesc& out, const TensorDesc* x_ws, const TensorDesc* g_ws, int p,
-                 const std::vector<std::array<double, 3>>& coefficients, const ScaleArg& alpha, const ScaleArg& beta,
-                 double shrink, cudaStream_t stream) {
+                 const std::vector<std::array<double, 3>>& coefficients, double shrink, cudaStream_t stream) {
   constexpr const char* kDtypes = "use float32, float16 or bfloat16 (float64 is left to torch)";
   check_matrix_dims(w);
   check_dtype(w, {DType::kFloat32, DType::kFloat16, DType::kBFloat16}, kDtypes);
@@ -561,8 +554,6 @@ void small_chain(const TensorDesc& w, const TensorDesc& out, const TensorDesc* x
   if (params.batch.count > std::numeric_limits<int32_t>::max()) {
     throw std::invalid_argument(w.describe() + ": more matrices than one launch can take (2^31 - 1)");
   }
-  params.alpha = make_scale("alpha", alpha, params.batch.count, w);
-  params.beta = make_scale("beta", beta, params.batch.count, w);
   params.w = make_view(w, positions);
   params.out = make_view(out, positions);
   params.r = r;
@@ -572,7 +563,6 @@ void small_chain(const TensorDesc& w, const TensorDesc& out, const TensorDesc* x
   params.shrink = static_cast<float>(shrink);
   params.p = p;
   params.buffers = square_buffers(p);
-  params.has_y = alpha.value != 0.0 || alpha.per_matrix.has_value();
   params.w_rows_contiguous = rows_contiguous(w);
   params.out_rows_contiguous = rows_contiguous(out);
 

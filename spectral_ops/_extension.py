@@ -125,13 +125,13 @@ def _custom_op(name: str, mutates: tuple[str, ...]):
 
 
 @_custom_op("cuda_decay_epilogue", mutates=("w",))
-def _decay_epilogue_op(w: torch.Tensor, d: torch.Tensor, alpha: float, beta: float,
-                       alpha_per_matrix: Optional[torch.Tensor], beta_per_matrix: Optional[torch.Tensor],
+def _decay_epilogue_op(w: torch.Tensor, d: torch.Tensor, keep: float, step: float,
+                       keep_per_matrix: Optional[torch.Tensor], step_per_matrix: Optional[torch.Tensor],
                        stochastic_rounding: bool, seed: int, offset: int) -> None:
     _require_extension().decay_epilogue_(
-        w=tensor_descriptor(w), d=tensor_descriptor(d), alpha=alpha, beta=beta,
+        w=tensor_descriptor(w), d=tensor_descriptor(d), keep=keep, step=step,
         stochastic_rounding=stochastic_rounding, seed=seed, offset=offset, stream=_stream(w),
-        alpha_per_matrix=_optional_descriptor(alpha_per_matrix), beta_per_matrix=_optional_descriptor(beta_per_matrix),
+        keep_per_matrix=_optional_descriptor(keep_per_matrix), step_per_matrix=_optional_descriptor(step_per_matrix),
     )
 
 
@@ -169,15 +169,12 @@ def _sign_step_op(z: torch.Tensor, out: torch.Tensor, square_workspace: torch.Te
 
 @_custom_op("cuda_small_chain", mutates=("out", "x_workspace", "gram_workspace"))
 def _small_chain_op(w: torch.Tensor, out: torch.Tensor, x_workspace: Optional[torch.Tensor],
-                    gram_workspace: Optional[torch.Tensor], p: int, coefficients: list[float], alpha: float,
-                    alpha_per_matrix: Optional[torch.Tensor], beta: float, beta_per_matrix: Optional[torch.Tensor],
-                    shrink: float) -> None:
+                    gram_workspace: Optional[torch.Tensor], p: int, coefficients: list[float], shrink: float) -> None:
     _require_extension().small_chain(
         w=tensor_descriptor(w), out=tensor_descriptor(out), x_workspace=_optional_descriptor(x_workspace),
         gram_workspace=_optional_descriptor(gram_workspace), p=p,
-        coefficients=[tuple(coefficients[i:i + 3]) for i in range(0, len(coefficients), 3)],
-        alpha=alpha, alpha_per_matrix=_optional_descriptor(alpha_per_matrix), beta=beta,
-        beta_per_matrix=_optional_descriptor(beta_per_matrix), shrink=shrink, stream=_stream(out),
+        coefficients=[tuple(coefficients[i:i + 3]) for i in range(0, len(coefficients), 3)], shrink=shrink,
+        stream=_stream(out),
     )
 
 
@@ -187,28 +184,28 @@ def _small_chain_op(w: torch.Tensor, out: torch.Tensor, x_workspace: Optional[to
 def decay_epilogue_(
     w: torch.Tensor,
     d: torch.Tensor,
-    alpha: float,
-    beta: float,
+    keep: float,
+    step: float,
     *,
-    alpha_per_matrix: torch.Tensor | None = None,
-    beta_per_matrix: torch.Tensor | None = None,
+    keep_per_matrix: torch.Tensor | None = None,
+    step_per_matrix: torch.Tensor | None = None,
     stochastic_rounding: bool = False,
     seed: int = 0,
     offset: int = 0,
 ) -> torch.Tensor:
-    """``w <- alpha * w + beta * d`` in place on the current stream; returns ``w``.
+    """``w <- keep * w + step * d`` in place on the current stream; returns ``w``.
 
     ``w``: float32/float16/bfloat16/float64, any non-overlapping strides. ``d``: contiguous, same
-    shape, float32 or ``w``'s dtype. ``alpha_per_matrix``/``beta_per_matrix``: optional float32
-    tensors with one factor per matrix of ``w``'s leading dims (row-major), multiplying ``alpha``/``beta``.
+    shape, float32 or ``w``'s dtype. ``keep_per_matrix``/``step_per_matrix``: optional float32
+    tensors with one factor per matrix of ``w``'s leading dims (row-major), multiplying ``keep``/``step``.
     Stochastic rounding (float16/bfloat16 ``w`` only) is a deterministic function of
     ``(seed, offset + row-major element index)``: advance ``offset`` by ``w.numel()`` per call for
     fresh bits under one seed. See csrc/ops.h.
     """
     _require_extension()
-    alpha, beta = _number("decay_epilogue_", "alpha", alpha), _number("decay_epilogue_", "beta", beta)
+    keep, step = _number("decay_epilogue_", "keep", keep), _number("decay_epilogue_", "step", step)
     _writable("decay_epilogue_", "w", w)
-    _decay_epilogue_op(w, d, alpha, beta, alpha_per_matrix, beta_per_matrix, bool(stochastic_rounding), seed, offset)
+    _decay_epilogue_op(w, d, keep, step, keep_per_matrix, step_per_matrix, bool(stochastic_rounding), seed, offset)
     return w
 
 
@@ -264,11 +261,10 @@ def sign_step(z: torch.Tensor, out: torch.Tensor, coefficients, *, workspace=Non
     return out
 
 
-def small_chain(w: torch.Tensor, out: torch.Tensor, p: int, coefficients=(), *, alpha=0.0, beta=1.0,
-                alpha_per_matrix=None, beta_per_matrix=None, workspace=None,
+def small_chain(w: torch.Tensor, out: torch.Tensor, p: int, coefficients=(), *, workspace=None,
                 shrink: float = 1.0 / NORMALIZATION_MARGIN) -> torch.Tensor:
-    """``out = alpha * w + beta * S_p(w)`` for wide ``w (..., r, n)`` with ``r <= 128``, one thread block
-    per matrix, fp32 math; ``out`` may be ``w`` itself (an in-place decay step).
+    """``out = S_p(w)`` for wide ``w (..., r, n)`` with ``r <= 128``, one thread block per matrix, fp32
+    math; ``out`` may be ``w`` itself.
 
     Even ``p`` runs Polar Express with ``coefficients`` (one ``(a, b, c)`` per step) from
     ``w * shrink / ||w||_F``. ``workspace``: ``(x, gram)``, float32 contiguous tensors of shapes
@@ -288,6 +284,5 @@ def small_chain(w: torch.Tensor, out: torch.Tensor, p: int, coefficients=(), *, 
     else:
         x, gram = workspace
     _writable("small_chain", "out", out)
-    _small_chain_op(w, out, x, gram, int(p), steps, _number("small_chain", "alpha", alpha), alpha_per_matrix,
-                    _number("small_chain", "beta", beta), beta_per_matrix, _number("small_chain", "shrink", shrink))
+    _small_chain_op(w, out, x, gram, int(p), steps, _number("small_chain", "shrink", shrink))
     return out

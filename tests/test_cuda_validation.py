@@ -165,23 +165,21 @@ X_WS = desc([3, 24, 40], address=OTHER)
 G_WS = desc([3, 24, 24], address=THIRD)
 
 
-def chain(C, w=W, out=None, x=X_WS, g=G_WS, p=2, steps=STEPS, *, alpha=0.0, alpha_pm=None, beta=1.0,
-          beta_pm=None, shrink=1 / 1.01):
+def chain(C, w=W, out=None, x=X_WS, g=G_WS, p=2, steps=STEPS, *, shrink=1 / 1.01):
     out = desc([3, 24, 40], address=FOURTH) if out is None else out
-    C.small_chain(w, out, x, g, p, steps, alpha, alpha_pm, beta, beta_pm, shrink, 0)
+    C.small_chain(w, out, x, g, p, steps, shrink, 0)
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
         {},
-        {"out": W, "alpha": 0.99, "beta": -0.01},  # in place: a decay step
+        {"out": W},  # in place
         {"p": 0, "g": None},  # p = 0 keeps no Gram
         {"p": 3, "x": None, "g": None, "steps": []},  # odd p runs no Polar Express
         {"w": desc([3, 40, 24], strides=[960, 1, 40]), "out": desc([3, 40, 24], strides=[960, 1, 40], address=FOURTH),
          "x": desc([3, 40, 24], address=OTHER), "g": desc([3, 40, 40], address=THIRD)},  # a transposed view
-        {"w": desc([3, 24, 40], dtype=BF16), "out": desc([3, 24, 40], dtype=BF16, address=FOURTH),
-         "alpha_pm": desc([3], address=FOURTH + 65536)},
+        {"w": desc([3, 24, 40], dtype=BF16), "out": desc([3, 24, 40], dtype=BF16, address=FOURTH)},
         {"w": desc([3, 128, 40]), "out": desc([3, 128, 40], address=FOURTH), "x": desc([3, 128, 40], address=OTHER),
          "g": desc([3, 128, 128], address=THIRD), "p": 6},
     ],
@@ -212,7 +210,6 @@ def test_valid_chains_reach_the_device_check(no_gpu, kwargs):
         ({"g": desc([3, 24, 24], address=OTHER + 64)}, ValueError, "gram_workspace overlaps x_workspace"),
         ({"out": desc([3, 24, 40], address=ADDRESS + 4)}, ValueError, "out overlaps w"),
         ({"out": desc([3, 24, 40], strides=[0, 40, 1], address=FOURTH)}, ValueError, "elements overlap in memory"),
-        ({"beta_pm": desc([4], address=FOURTH + 65536)}, ValueError, r"one value per matrix \(3\)"),
         ({"x": desc([3, 24, 40], address=OTHER, device=1)}, ValueError, "device mismatch"),
     ],
 )
@@ -242,16 +239,16 @@ def test_decay_with_per_matrix_scales_reaches_the_device_check(no_gpu):
 
 
 @pytest.mark.parametrize(
-    "w, alpha_pm, error, match",
+    "w, keep_pm, error, match",
     [
         (desc([4]), desc([1], address=THIRD), ValueError, r"per-matrix scales need a \(\.\.\., rows, cols\) tensor"),
         (desc([3, 4, 5]), desc([4], address=THIRD), ValueError, r"one value per matrix \(3\)"),
         (desc([3, 4, 5]), desc([3], dtype=F64, address=THIRD), TypeError, "per-matrix scales are float32"),
     ],
 )
-def test_decay_per_matrix_validation(C, w, alpha_pm, error, match):
+def test_decay_per_matrix_validation(C, w, keep_pm, error, match):
     with pytest.raises(error, match=match):
-        C.decay_epilogue_(w, desc(w[1], address=OTHER), 1.0, -0.1, False, 0, 0, 0, alpha_pm, None)
+        C.decay_epilogue_(w, desc(w[1], address=OTHER), 1.0, -0.1, False, 0, 0, 0, keep_pm, None)
 
 
 # --- the Python wrappers ----------------------------------------------------------------------
@@ -265,7 +262,7 @@ def test_wrappers_refuse_cpu_tensors_before_the_device(C):
         lambda: _extension.poly_step(x, torch.zeros(2, 4, 4), 1.0, 1.0),
         lambda: _extension.sign_step(x, torch.zeros(2, 4, 4), (3.0, -3.2, 1.2)),
         lambda: _extension.small_chain(x, torch.zeros(2, 4, 4), 2, STEPS),
-        lambda: _extension.decay_epilogue_(x, x.clone(), 1.0, 0.0, alpha_per_matrix=torch.ones(2)),
+        lambda: _extension.decay_epilogue_(x, x.clone(), 1.0, 0.0, keep_per_matrix=torch.ones(2)),
     ):
         with pytest.raises(ValueError, match="not a CUDA tensor"):
             call()

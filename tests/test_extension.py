@@ -46,8 +46,8 @@ def desc(shape, strides=None, dtype=0, device=0, address=ADDRESS):
     return (address, list(shape), list(strides), dtype, device)
 
 
-def call(C, w, d, *, alpha=0.5, beta=-0.25, stochastic_rounding=False):
-    C.decay_epilogue_(w, d, alpha, beta, stochastic_rounding, 0, 0, 0)
+def call(C, w, d, *, keep=0.5, step=-0.25, stochastic_rounding=False):
+    C.decay_epilogue_(w, d, keep, step, stochastic_rounding, 0, 0, 0)
 
 
 def test_compiled_archs_match_the_build_record(C):
@@ -183,7 +183,7 @@ def test_wrapper_rejects_cpu_tensors(C):
 
 
 def test_wrapper_rejects_tensor_scalars(C):
-    with pytest.raises(TypeError, match="alpha must be a Python number"):
+    with pytest.raises(TypeError, match="keep must be a Python number"):
         _extension.decay_epilogue_(torch.zeros(4), torch.zeros(4), torch.tensor(0.5), 1.0)
 
 

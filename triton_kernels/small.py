@@ -1,4 +1,4 @@
-"""The small-matrix path: a whole ``S_p``, decay or sign computation in one program per matrix.
+"""The small-matrix path: a whole ``S_p`` or sign computation in one program per matrix.
 
 Per-head weights (``[heads, 128, 768]`` and the like) have a small side ``r <= 128``. Run through the
 tiled kernels, each of the ~30 launches of a Polar Express chain would cover one tile per matrix
@@ -11,8 +11,8 @@ finish, with every ``r x r`` intermediate in a per-matrix fp32 workspace that st
    ``B = b A + c A A``, then ``X <- a X + B X`` one ``R x BLOCK_K`` column chunk at a time. A chunk
    of the new ``X`` depends only on the same chunk of the old one, so the fp32 iterate is updated
    in place; the first step reads ``W`` itself, scaled by ``1 / (1.01 ||W||)``;
-3. ``M = Gn^(p // 2)`` by repeated squaring, scaled by ``beta ||W||^p``;
-4. the epilogue streams the chunks once more: ``out = alpha W + M Z`` with ``Z = Q`` (even ``p``)
+3. ``M = Gn^(p // 2)`` by repeated squaring;
+4. the epilogue streams the chunks once more: ``out = ||W||^p M Z`` with ``Z = Q`` (even ``p``)
    or ``Z = W / ||W||`` (odd ``p``), again chunk by chunk, so ``out`` may be ``W``.
 
 Every product is the tile loop of the tiled kernels (:func:`.common.accumulate_rows_product`) with
@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from ..coefficients import NORMALIZATION_MARGIN
-from .common import (Output, accumulate_rows_product, batched, check_precision, config, dot_precision, load_scale,
-                     scale_arg, tile_indices, wide_offsets)
+from .common import (Output, accumulate_rows_product, batched, check_precision, config, dot_precision, tile_indices,
+                     wide_offsets)
 
 MAX_SIDE = 128
 _TINY = torch.finfo(torch.float32).tiny
@@ -96,10 +96,9 @@ def _columns_update(SRC, s_sr, s_sc, DST, s_dr, B, a, rows, r, n, R: tl.constexp
 
 @triton.jit
 def small_kernel(
-    W, OUT, X, WS, COEF, alpha, beta,
+    W, OUT, X, WS, COEF,
     r, n, n_steps,
     s_wb, s_wr, s_wc, s_ob, s_or, s_oc, s_xb, s_xr,
-    ALPHA_PER_MATRIX: tl.constexpr, BETA_PER_MATRIX: tl.constexpr, HAS_Y: tl.constexpr,
     P: tl.constexpr, EVEN: tl.constexpr, P_HALF: tl.constexpr, LOW: tl.constexpr, NBITS: tl.constexpr,
     SHRINK: tl.constexpr, TINY: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
     RAW_PRECISION: tl.constexpr, INPUT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
@@ -167,13 +166,12 @@ def small_kernel(
                                   rows, R)
                     _store_square(slot_c, _load_square(slot_d, rows, r, R), rows, R)
 
-    # 4. out = alpha W + beta ||W||^p M Z, with Z = Q (even p) or W / ||W|| (odd p).
-    factor = load_scale(beta, b, BETA_PER_MATRIX)
+    # 4. out = ||W||^p M Z, with Z = Q (even p) or W / ||W|| (odd p).
+    factor = tl.full((), 1.0, tl.float32)
     for _ in tl.static_range(P):
         factor = factor * norm
     if not EVEN:
         factor = factor * inv
-    y_scale = load_scale(alpha, b, ALPHA_PER_MATRIX)
     for k0 in range(0, n, BLOCK_K):
         cols = tile_indices(k0, BLOCK_K, WIDE)
         inside = (rows[:, None] < r) & (cols[None, :] < n)
@@ -188,9 +186,6 @@ def small_kernel(
         else:
             direction = tl.load(x_ws + rows[:, None] * s_xr + cols[None, :], mask=inside, other=0.0)
         acc = factor * direction
-        if HAS_Y:
-            acc += y_scale * tl.load(w + rows[:, None] * s_wr + cols[None, :] * s_wc, mask=inside,
-                                     other=0.0).to(tl.float32)
         # OUT may be W, whose chunk other threads read as dot operands (odd p): stores wait for them.
         tl.debug_barrier()
         tl.store(OUT + b * s_ob + rows[:, None] * s_or + cols[None, :] * s_oc, acc.to(OUT.dtype.element_ty),
@@ -208,13 +203,12 @@ def _padded(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
-def small_spectral(X: torch.Tensor, p: int, coefficients, *, out: torch.Tensor | None = None, alpha=0.0,
-                   beta=1.0, input_precision: str = "ieee", cfg=None) -> torch.Tensor:
-    """``out = alpha X + beta S_p(X)`` for wide ``(..., r, n)`` ``X`` with ``r <= 128``, one program per matrix.
+def small_spectral(X: torch.Tensor, p: int, coefficients, *, out: torch.Tensor | None = None,
+                   input_precision: str = "ieee", cfg=None) -> torch.Tensor:
+    """``out = S_p(X)`` for wide ``(..., r, n)`` ``X`` with ``r <= 128``, one program per matrix.
 
-    ``alpha=0`` (the default) skips reading ``X`` a second time; ``p = 0`` gives the polar factor
-    by the Polar Express ``coefficients``. ``out`` may be ``X`` itself (a decay step in place);
-    it defaults to a new tensor of ``X``'s dtype.
+    ``p = 0`` gives the polar factor by the Polar Express ``coefficients``. ``out`` may be ``X``
+    itself; it defaults to a new tensor of ``X``'s dtype.
     """
     check_precision(input_precision)
     r, n = X.shape[-2:]
@@ -233,12 +227,10 @@ def small_spectral(X: torch.Tensor, p: int, coefficients, *, out: torch.Tensor |
     even = p % 2 == 0
     iterate = torch.empty((batch, r, n) if even else (1, 1, 1), dtype=torch.float32, device=X.device)
     workspace = torch.empty((batch, 5, R, R), dtype=torch.float32, device=X.device)
-    (alpha_arg, alpha_per), (beta_arg, beta_per) = (scale_arg(v, batch, X.device) for v in (alpha, beta))
     half = p // 2
     small_kernel[(batch,)](
-        Xb, Ob, iterate, workspace, _coefficient_tensor(coefficients, X.device), alpha_arg, beta_arg,
+        Xb, Ob, iterate, workspace, _coefficient_tensor(coefficients, X.device),
         r, n, len(coefficients), *Xb.stride(), *Ob.stride(), iterate.stride(0), iterate.stride(1),
-        ALPHA_PER_MATRIX=alpha_per, BETA_PER_MATRIX=beta_per, HAS_Y=alpha_per or alpha_arg != 0.0,
         P=p, EVEN=even, P_HALF=half, LOW=(half & -half).bit_length() - 1 if half else 0, NBITS=half.bit_length(),
         SHRINK=1.0 / NORMALIZATION_MARGIN, TINY=_TINY, R=R, BLOCK_K=cfg.block_k, UPCAST=X.dtype != torch.float32,
         RAW_PRECISION=dot_precision(input_precision, X.dtype), INPUT_PRECISION=input_precision,

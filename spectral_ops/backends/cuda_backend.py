@@ -19,16 +19,15 @@ to cuBLAS through the torch backend. The fused chain computes in fp32 whatever t
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from .. import _extension as ext
+from .. import environment
 from ..coefficients import NORMALIZATION_MARGIN
 from .base import number_and_per_matrix
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-PRECISION_VAR = "SPECTRAL_OPS_CUDA_PRECISION"
 DEFAULT_PRECISION = "tf32x3"
 FP32_MODES = ("ieee", "tf32x3")  # how "fp32" products run; "tf32" asks for one pass explicitly
 # The chain's worst case for shared memory: p = 6 keeps two r x r buffers (csrc/small_chain.cu).
@@ -49,10 +48,10 @@ class CudaBackend:
 
     def __init__(self, *, precision: str | None = None):
         self.module, self._load_error = ext.load_extension()
-        from_env = os.environ.get(PRECISION_VAR, "").strip().lower()
+        from_env = environment.setting(environment.CUDA_PRECISION)
         self.precision = precision or from_env or DEFAULT_PRECISION
         if self.precision not in FP32_MODES:
-            raise ValueError(f"{PRECISION_VAR} must be one of {', '.join(FP32_MODES)}, got {self.precision!r}")
+            raise ValueError(f"{environment.CUDA_PRECISION} must be one of {', '.join(FP32_MODES)}, got {self.precision!r}")
 
     def unavailable_reason(self, device: torch.device | None = None, forced: bool = False) -> str | None:
         if self.module is None:
@@ -91,8 +90,8 @@ class CudaBackend:
     def symmetric(self, L, R, precision=None):
         return ext.syrk(L, R, self._empty(L, L.shape[-2]), precision=self._mode(precision))
 
-    def product(self, M, Z, precision=None, *, beta=1.0, Y=None, alpha=1.0):
-        return ext.gemm(M, Z, self._empty(Z), alpha=beta, y=Y, beta=alpha if Y is not None else 0.0,
+    def product(self, M, Z, precision=None, *, alpha=1.0, Y=None, beta=1.0):
+        return ext.gemm(M, Z, self._empty(Z), alpha=alpha, y=Y, beta=beta if Y is not None else 0.0,
                         precision=self._mode(precision))
 
     def poly_step(self, A, b, c, precision=None):
@@ -111,5 +110,5 @@ class CudaBackend:
             return W.mul_(keep)
         (keep, keep_per_matrix), (step, step_per_matrix) = (
             number_and_per_matrix(value, W.shape[:-2], W.device) for value in (keep, step))
-        return ext.decay_epilogue_(W, D.contiguous(), keep, step, alpha_per_matrix=keep_per_matrix,
-                                   beta_per_matrix=step_per_matrix)
+        return ext.decay_epilogue_(W, D.contiguous(), keep, step, keep_per_matrix=keep_per_matrix,
+                                   step_per_matrix=step_per_matrix)
