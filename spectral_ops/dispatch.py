@@ -32,11 +32,11 @@ import contextlib
 import contextvars
 import functools
 import logging
-import os
 import warnings
 
 import torch
 
+from . import environment
 from ._compile import constant_when_traced
 from .backends.cuda_backend import CudaBackend
 from .backends.torch_backend import TorchBackend
@@ -48,7 +48,6 @@ from .tuning import Autotuner, routing_key
 
 logger = logging.getLogger("spectral_ops")
 
-ENV_VAR = "SPECTRAL_OPS_BACKEND"
 BACKEND_NAMES = ("cuda", "triton", "torch")
 
 # Relative Frobenius error allowed between a backend and the reference on the self-check inputs.
@@ -114,8 +113,8 @@ def forced_backend() -> str | None:
     name = _forced.get()
     if name is not None:
         return name
-    env = os.environ.get(ENV_VAR, "").strip().lower()
-    return _check_name(env, ENV_VAR) if env else None
+    env = environment.setting(environment.BACKEND)
+    return _check_name(env, environment.BACKEND) if env else None
 
 
 def get_backend(name: str):
@@ -296,8 +295,8 @@ class Kernels:
     def symmetric(self, L, R, precision):
         return self._backend("symmetric", L, precision, call=((L, R, precision), {})).symmetric(L, R, precision)
 
-    def product(self, M, Z, precision, *, beta=1.0, Y=None, alpha=1.0):
-        epilogue = {"beta": beta, "Y": Y, "alpha": alpha}
+    def product(self, M, Z, precision, *, alpha=1.0, Y=None, beta=1.0):
+        epilogue = {"alpha": alpha, "Y": Y, "beta": beta}
         return self._backend("product", Z, precision, call=((M, Z, precision), epilogue)).product(
             M, Z, precision, **epilogue)
 

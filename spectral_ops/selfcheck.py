@@ -56,8 +56,8 @@ def self_check_cases(primitive: str, dtype: torch.dtype, device, precision: str 
     if primitive == "product":
         a = polar_c[0][0]
         return [against_reference(lambda b: (
-            b.product(G, Xn, precision), b.product(G, Xn, precision, Y=Xn, alpha=a),
-            b.product(G, Xn * 0.5, precision, Y=Xn), b.product(G, Xn, precision, beta=-1.0, Y=Xn),
+            b.product(G, Xn, precision), b.product(G, Xn, precision, Y=Xn, beta=a),
+            b.product(G, Xn * 0.5, precision, Y=Xn), b.product(G, Xn, precision, alpha=-1.0, Y=Xn),
         ))]
     if primitive == "poly_step":
         return [against_reference(lambda b: (b.poly_step(G, *polar_c[0][1:], precision),))]

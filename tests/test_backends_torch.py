@@ -70,7 +70,7 @@ def test_products_copy_no_operand(dtype, layout):
     assert copied_bytes(lambda: backend.symmetric(X, X.mT)) == 0
     assert copied_bytes(lambda: backend.symmetric(A, A)) == 0
     assert copied_bytes(lambda: backend.product(A, X)) == 0
-    assert copied_bytes(lambda: backend.product(A, X, beta=0.5)) == 0
+    assert copied_bytes(lambda: backend.product(A, X, alpha=0.5)) == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -81,4 +81,4 @@ def test_epilogues_copy_only_their_added_term(dtype, layout):
     backend, X = TorchBackend(), wide_operands(dtype)[layout]
     A = backend.symmetric(X, X.mT)
     assert copied_bytes(lambda: backend.poly_step(A, -4.775, 2.0315)) == nbytes(A)
-    assert copied_bytes(lambda: backend.product(A, X, Y=X, alpha=3.4445)) == nbytes(X)
+    assert copied_bytes(lambda: backend.product(A, X, Y=X, beta=3.4445)) == nbytes(X)

@@ -1,4 +1,4 @@
-"""The fused rectangular product out = alpha Y + gamma Z + beta M Z (the Polar Express update)."""
+"""The fused rectangular product out = alpha M Z + beta Y + gamma Z (the Polar Express update)."""
 
 import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
 
@@ -30,14 +30,14 @@ def test_one_polar_express_step_is_bit_exact_on_small_integers():
     assert torch.equal(polar_update(X, B, a, cfg=SMALL_TILES), polar_iterations(TorchBackend(), X, [(a, b, c)], "fp32"))
 
 
-@pytest.mark.parametrize("beta", [1.0, -0.75, "per-matrix"])
-def test_full_epilogue_with_scalar_and_per_matrix_scales(beta):
+@pytest.mark.parametrize("alpha", [1.0, -0.75, "per-matrix"])
+def test_full_epilogue_with_scalar_and_per_matrix_scales(alpha):
     M, Z, Y = symmetric((3, 30, 30)), randn((3, 30, 41), seed=1), randn((3, 30, 41), seed=2)
-    beta = torch.tensor([0.5, -1.0, 2.0]) if beta == "per-matrix" else beta
-    gamma, alpha = torch.tensor([1.0, 0.0, -3.0]), 0.25
-    out = product(M, Z, beta=beta, gamma=gamma, Y=Y, alpha=alpha, cfg=SMALL_TILES)
-    per = (lambda v: v[:, None, None].double()) if isinstance(beta, torch.Tensor) else (lambda v: v)
-    expected = alpha * Y.double() + gamma[:, None, None] * Z.double() + per(beta) * (M.double() @ Z.double())
+    alpha = torch.tensor([0.5, -1.0, 2.0]) if alpha == "per-matrix" else alpha
+    gamma, beta = torch.tensor([1.0, 0.0, -3.0]), 0.25
+    out = product(M, Z, alpha=alpha, gamma=gamma, Y=Y, beta=beta, cfg=SMALL_TILES)
+    per = (lambda v: v[:, None, None].double()) if isinstance(alpha, torch.Tensor) else (lambda v: v)
+    expected = beta * Y.double() + gamma[:, None, None] * Z.double() + per(alpha) * (M.double() @ Z.double())
     assert relative(out, expected) < PRODUCT_TOLERANCE
 
 
@@ -51,7 +51,7 @@ def test_mixed_operand_dtypes_and_a_low_precision_output():
 def test_elementwise_form_in_place():
     Z, Y = randn((2, 30, 41)), randn((2, 30, 41), seed=1)
     expected = 0.5 * Z - 2.0 * Y
-    product(None, Z, gamma=0.5, Y=Y, alpha=-2.0, out=Z, cfg=SMALL_TILES)
+    product(None, Z, gamma=0.5, Y=Y, beta=-2.0, out=Z, cfg=SMALL_TILES)
     assert relative(Z, expected) < 1e-7
 
 
@@ -59,7 +59,7 @@ def test_out_may_be_Y_but_an_overlap_with_Z_uses_a_workspace():
     M, Z = symmetric((2, 25, 25)), randn((2, 25, 40), seed=1)
     Y = randn((2, 25, 40), seed=2)
     expected_y = Y.double() - M.double() @ Z.double()
-    product(M, Z, beta=-1.0, Y=Y, alpha=1.0, out=Y, cfg=SMALL_TILES)
+    product(M, Z, alpha=-1.0, Y=Y, beta=1.0, out=Y, cfg=SMALL_TILES)
     assert relative(Y, expected_y) < PRODUCT_TOLERANCE
     expected_z = M.double() @ Z.double()
     product(M, Z, out=Z, cfg=SMALL_TILES)

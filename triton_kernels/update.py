@@ -1,4 +1,4 @@
-"""The rectangular product with a fused epilogue: ``out = alpha * Y + gamma * Z + beta * (M @ Z)``.
+"""The rectangular product with a fused epilogue: ``out = alpha * (M @ Z) + beta * Y + gamma * Z``.
 
 ``M`` is a small ``r x r`` factor (a polynomial in the Gram matrix, a projector), ``Z`` the wide
 ``r x n`` operand, ``Y`` an optional second ``r x n`` term (the weight itself in a decay step).
@@ -6,12 +6,12 @@ One program computes one ``BLOCK_M x BLOCK_N`` output tile, reading a row panel 
 column panel of ``Z``; programs walk the row tiles of one column panel first, so that panel of
 ``Z`` is reused from L2 while ``M`` stays resident.
 
-The Polar Express update ``X <- a X + B X`` is this kernel with ``gamma = a``, ``beta = 1``: the
+The Polar Express update ``X <- a X + B X`` is this kernel with ``gamma = a``, ``alpha = 1``: the
 accumulator starts as ``a X`` and the product is accumulated on top of it, in fp32, so adding
-``a X`` costs no extra pass and no extra register tile. With ``beta != 1`` (the decay epilogues) the
+``a X`` costs no extra pass and no extra register tile. With ``alpha != 1`` (the decay epilogues) the
 product is accumulated alone and scaled once at the end, instead of scaling every ``M`` tile inside
 the loop, and the other terms are read only then. Without ``M`` the kernel is the fused elementwise
-combination ``alpha * Y + gamma * Z``.
+combination ``beta * Y + gamma * Z``.
 
 The update cannot run in place: every program reads a whole column panel of ``Z``, which other
 programs overwrite. The Polar Express chain alternates between two buffers; a decay written into
@@ -29,17 +29,17 @@ from .common import (Output, accumulate_rows_product, batched, check_precision, 
 
 
 @triton.jit
-def _epilogue_terms(Z, Y, b, rows, cols, inside, alpha, gamma, s_zr, s_zc, s_yr, s_yc,
-                    ALPHA_PER_MATRIX: tl.constexpr, GAMMA_PER_MATRIX: tl.constexpr,
+def _epilogue_terms(Z, Y, b, rows, cols, inside, beta, gamma, s_zr, s_zc, s_yr, s_yc,
+                    BETA_PER_MATRIX: tl.constexpr, GAMMA_PER_MATRIX: tl.constexpr,
                     HAS_Y: tl.constexpr, HAS_Z_TERM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``gamma * Z + alpha * Y`` on one tile, in fp32 (each term only if present)."""
+    """``gamma * Z + beta * Y`` on one tile, in fp32 (each term only if present)."""
     terms = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_Z_TERM:
         z = tl.load(Z + rows[:, None] * s_zr + cols[None, :] * s_zc, mask=inside, other=0.0)
         terms += load_scale(gamma, b, GAMMA_PER_MATRIX) * z.to(tl.float32)
     if HAS_Y:
         y = tl.load(Y + rows[:, None] * s_yr + cols[None, :] * s_yc, mask=inside, other=0.0)
-        terms += load_scale(alpha, b, ALPHA_PER_MATRIX) * y.to(tl.float32)
+        terms += load_scale(beta, b, BETA_PER_MATRIX) * y.to(tl.float32)
     return terms
 
 
@@ -65,17 +65,17 @@ def product_kernel(
 
     # Z's columns are the rows of Z^T: its strides are passed swapped to the row-times-row tile loop.
     if INIT_WITH_TERMS:
-        acc = _epilogue_terms(z, y, b, rows, cols, inside, alpha, gamma, s_zr, s_zc, s_yr, s_yc,
-                              ALPHA_PER_MATRIX, GAMMA_PER_MATRIX, HAS_Y, HAS_Z_TERM, BLOCK_M, BLOCK_N)
+        acc = _epilogue_terms(z, y, b, rows, cols, inside, beta, gamma, s_zr, s_zc, s_yr, s_yc,
+                              BETA_PER_MATRIX, GAMMA_PER_MATRIX, HAS_Y, HAS_Z_TERM, BLOCK_M, BLOCK_N)
         if HAS_M:
             acc = accumulate_rows_product(acc, M + b * s_mb, z, rows, cols, r, n, r,
                                           s_mr, s_mc, s_zc, s_zr, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE)
     else:
         acc = accumulate_rows_product(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), M + b * s_mb, z, rows, cols,
                                       r, n, r, s_mr, s_mc, s_zc, s_zr, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE)
-        acc = acc * load_scale(beta, b, BETA_PER_MATRIX) + _epilogue_terms(
-            z, y, b, rows, cols, inside, alpha, gamma, s_zr, s_zc, s_yr, s_yc,
-            ALPHA_PER_MATRIX, GAMMA_PER_MATRIX, HAS_Y, HAS_Z_TERM, BLOCK_M, BLOCK_N)
+        acc = acc * load_scale(alpha, b, ALPHA_PER_MATRIX) + _epilogue_terms(
+            z, y, b, rows, cols, inside, beta, gamma, s_zr, s_zc, s_yr, s_yc,
+            BETA_PER_MATRIX, GAMMA_PER_MATRIX, HAS_Y, HAS_Z_TERM, BLOCK_M, BLOCK_N)
 
     tl.store(OUT + b * s_ob + rows[:, None] * s_or + cols[None, :] * s_oc, acc.to(OUT.dtype.element_ty), mask=inside)
 
@@ -88,9 +88,9 @@ def _is_zero(value) -> bool:
     return not isinstance(value, torch.Tensor) and float(value) == 0.0
 
 
-def product(M: torch.Tensor | None, Z: torch.Tensor, *, beta=1.0, gamma=0.0, Y: torch.Tensor | None = None,
-            alpha=0.0, out: torch.Tensor | None = None, input_precision: str = "ieee", cfg=None) -> torch.Tensor:
-    """``out = alpha * Y + gamma * Z + beta * (M @ Z)`` for ``(..., r, r)`` ``M`` and ``(..., r, n)`` ``Z``, ``Y``.
+def product(M: torch.Tensor | None, Z: torch.Tensor, *, alpha=1.0, gamma=0.0, Y: torch.Tensor | None = None,
+            beta=0.0, out: torch.Tensor | None = None, input_precision: str = "ieee", cfg=None) -> torch.Tensor:
+    """``out = alpha * (M @ Z) + beta * Y + gamma * Z`` for ``(..., r, r)`` ``M`` and ``(..., r, n)`` ``Z``, ``Y``.
 
     ``M=None`` drops the product. Scales are numbers or one value per matrix. ``Y`` (and ``Z``
     when there is no product) may be ``out`` itself, as the identical view: they are read only at
@@ -123,7 +123,7 @@ def product(M: torch.Tensor | None, Z: torch.Tensor, *, beta=1.0, gamma=0.0, Y: 
         *Mb.stride(), *Zb.stride(), *Yb.stride(), *Ob.stride(),
         ALPHA_PER_MATRIX=alpha_per, BETA_PER_MATRIX=beta_per, GAMMA_PER_MATRIX=gamma_per,
         HAS_M=M is not None, HAS_Y=Y is not None, HAS_Z_TERM=not _is_zero(gamma),
-        INIT_WITH_TERMS=M is None or _is_one(beta),
+        INIT_WITH_TERMS=M is None or _is_one(alpha),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         UPCAST=M is not None and M.dtype != Z.dtype,
         INPUT_PRECISION=dot_precision(input_precision, Z.dtype, *([M.dtype] if M is not None else [])),

@@ -36,11 +36,11 @@ class TorchBackend:
     def symmetric(self, L, R, precision=None):
         return _mm(L, R)
 
-    def product(self, M, Z, precision=None, *, beta=1.0, Y=None, alpha=1.0):
+    def product(self, M, Z, precision=None, *, alpha=1.0, Y=None, beta=1.0):
         if Y is None:
             MZ = _mm(M, Z)
-            return MZ if beta == 1.0 else MZ * beta
-        return _addmm(Y, M, Z, beta=alpha, alpha=beta)
+            return MZ if alpha == 1.0 else MZ * alpha
+        return _addmm(Y, M, Z, beta=beta, alpha=alpha)
 
     def poly_step(self, A, b, c, precision=None):
         return _addmm(A, A, A, beta=b, alpha=c)
@@ -48,7 +48,7 @@ class TorchBackend:
     def sign_step(self, Z, coefficient, precision=None):
         # For symmetric Z, Z Z^T = Z^2: the sign step is one Polar Express update.
         a, b, c = coefficient
-        return self.product(self.poly_step(self.symmetric(Z, Z.mT), b, c), Z, Y=Z, alpha=a)
+        return self.product(self.poly_step(self.symmetric(Z, Z.mT), b, c), Z, Y=Z, beta=a)
 
     def decay_epilogue_(self, W, D, keep, step):
         X = W.to(compute_dtype(W.dtype))

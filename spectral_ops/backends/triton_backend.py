@@ -22,26 +22,21 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import os
 from typing import Optional
 
 import torch
 
 from ..compat import triton_too_old
+from .. import environment
 from .base import number_and_per_matrix
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-PRECISION_VAR = "SPECTRAL_OPS_TRITON_PRECISION"
 DEFAULT_PRECISION = "tf32x3"
 
 
 @functools.cache
 def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None  # a file-system search: once per process
-
-
-def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 class _Kernels:
@@ -79,17 +74,17 @@ def _(L, R, precision):
 
 
 @torch.library.custom_op("spectral_ops::triton_product", mutates_args=())
-def _product(M: torch.Tensor, Z: torch.Tensor, Y: Optional[torch.Tensor], beta: float, alpha: float,
+def _product(M: torch.Tensor, Z: torch.Tensor, Y: Optional[torch.Tensor], alpha: float, beta: float,
              precision: str) -> torch.Tensor:
     out = _fresh(Z, *Z.shape[-2:])
     if Y is not None and kernels.common.same_view(Y, Z):  # a X + B X: the accumulator starts at a X
-        return kernels.update.product(M, Z, beta=beta, gamma=alpha, out=out, input_precision=precision)
-    return kernels.update.product(M, Z, beta=beta, Y=Y, alpha=alpha if Y is not None else 0.0, out=out,
+        return kernels.update.product(M, Z, alpha=alpha, gamma=beta, out=out, input_precision=precision)
+    return kernels.update.product(M, Z, alpha=alpha, Y=Y, beta=beta if Y is not None else 0.0, out=out,
                                   input_precision=precision)
 
 
 @_product.register_fake
-def _(M, Z, Y, beta, alpha, precision):
+def _(M, Z, Y, alpha, beta, precision):
     return _fresh(Z, *Z.shape[-2:])
 
 
@@ -130,9 +125,8 @@ def _(X, p, coefficients, sign, precision):
 @torch.library.custom_op("spectral_ops::triton_decay_epilogue", mutates_args=("W",))
 def _decay_epilogue(W: torch.Tensor, D: Optional[torch.Tensor], keep: float, keep_per_matrix: Optional[torch.Tensor],
                     step: float, step_per_matrix: Optional[torch.Tensor], precision: str) -> None:
-    kernels.decay.decay_product_(W, None, D, alpha=_scale(keep, keep_per_matrix),
-                                 gamma=_scale(step, step_per_matrix) if D is not None else 0.0,
-                                 input_precision=precision)
+    kernels.decay.decay_epilogue_(W, D, keep=_scale(keep, keep_per_matrix), step=_scale(step, step_per_matrix),
+                                  input_precision=precision)
 
 
 @_decay_epilogue.register_fake
@@ -145,7 +139,7 @@ class TritonBackend:
     needs_self_check = True
 
     def __init__(self, *, input_precision: str | None = None):
-        from_env = os.environ.get(PRECISION_VAR, "").strip().lower()
+        from_env = environment.setting(environment.TRITON_PRECISION)
         self.input_precision = input_precision or from_env or DEFAULT_PRECISION
 
     def unavailable_reason(self, device: torch.device | None = None, forced: bool = False) -> str | None:
@@ -155,13 +149,13 @@ class TritonBackend:
         if too_old is not None:
             return too_old
         on_cpu = device is not None and device.type == "cpu"
-        if on_cpu and not interpreter_enabled():
+        if on_cpu and not environment.triton_interpreted():
             return "Triton runs on CUDA tensors; CPU tensors need TRITON_INTERPRET=1 (the interpreter)"
         if on_cpu and not forced:
             return ("CPU tensors run on the Triton interpreter only when the triton backend is forced "
                     "(SPECTRAL_OPS_BACKEND=triton or use_backend('triton')): it is a testing aid, "
                     "far slower than torch")
-        if device is None and not torch.cuda.is_available() and not interpreter_enabled():
+        if device is None and not torch.cuda.is_available() and not environment.triton_interpreted():
             return "no CUDA device is visible to torch (and TRITON_INTERPRET=1 is not set)"
         if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
             major, minor = torch.cuda.get_device_capability(device)
@@ -183,8 +177,8 @@ class TritonBackend:
     def symmetric(self, L, R, precision=None):
         return _symmetric(L, R, self._dot_precision(precision))
 
-    def product(self, M, Z, precision=None, *, beta=1.0, Y=None, alpha=1.0):
-        return _product(M, Z, Y, float(beta), float(alpha), self._dot_precision(precision))
+    def product(self, M, Z, precision=None, *, alpha=1.0, Y=None, beta=1.0):
+        return _product(M, Z, Y, float(alpha), float(beta), self._dot_precision(precision))
 
     def poly_step(self, A, b, c, precision=None):
         return _poly_step(A, float(b), float(c), self._dot_precision(precision))
