@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from . import __version__, compat, dispatch, tuning
+from . import __version__, compat, dispatch, environment, tuning
 from ._extension import load_extension
 from .decay import spectral_decay_
 from .ops import polar, spectral_power
@@ -66,18 +66,18 @@ def report() -> str:
 def routing_report(directory=None) -> str:
     """What the routing cache holds: per environment (GPU and builds), the measured choice and the
     median milliseconds of each backend per primitive, dtype, precision and shape bucket."""
-    directory = tuning.cache_dir() if directory is None else directory
-    autotune = "on" if tuning.enabled() else f"off ({tuning.ENV_AUTOTUNE}=0)"
+    directory = environment.cache_dir() if directory is None else directory
+    autotune = "on" if environment.autotune_enabled() else f"off ({environment.AUTOTUNE}=0)"
     lines = [f"Measured routing: {autotune}; cache {directory}"]
     files = tuning.cached_files(directory)
     if not files:
         return lines[0] + ": empty (filled on first use on a GPU, or by `python -m spectral_ops tune`)"
     for found in files:
-        environment = found["environment"]
-        if environment is None:
+        machine = found["environment"]
+        if machine is None:
             lines += ["", f"{found['path'].name}: unreadable, ignored"]
             continue
-        lines += ["", ", ".join(f"{k} {v}" for k, v in environment.items()) + f" ({found['path'].name})", "",
+        lines += ["", ", ".join(f"{k} {v}" for k, v in machine.items()) + f" ({found['path'].name})", "",
                   "| primitive | dtype | precision | bucket (batch x rows x cols) | choice | ms per call |",
                   "|---|---|---|---|---|---|"]
         for key, entry in found["choices"].items():
@@ -149,8 +149,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("spectral_ops tune: no CUDA GPU is visible to torch; routing is measured only on GPUs", file=sys.stderr)
         return 2
-    if not tuning.enabled():
-        print(f"spectral_ops tune: {tuning.ENV_AUTOTUNE}=0 turns measured routing off; unset it to tune",
+    if not environment.autotune_enabled():
+        print(f"spectral_ops tune: {environment.AUTOTUNE}=0 turns measured routing off; unset it to tune",
               file=sys.stderr)
         return 2
     print(tune(args.shapes, args.dtypes, args.ops, args.precision))

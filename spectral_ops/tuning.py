@@ -30,28 +30,13 @@ from typing import Callable, Iterable
 
 import torch
 
+from . import environment
 from ._version import __version__
 
 logger = logging.getLogger("spectral_ops")
 
-ENV_AUTOTUNE = "SPECTRAL_OPS_AUTOTUNE"
-ENV_CACHE_DIR = "SPECTRAL_OPS_CACHE_DIR"
 # Bumped when the meaning of a cached entry changes, so that old files are not misread.
 CACHE_FORMAT = 1
-
-
-def enabled() -> bool:
-    """False when ``SPECTRAL_OPS_AUTOTUNE=0`` (or ``false``/``off``/``no``): the fixed order is used."""
-    return os.environ.get(ENV_AUTOTUNE, "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-def cache_dir() -> Path:
-    """``$SPECTRAL_OPS_CACHE_DIR``, else ``$XDG_CACHE_HOME/spectral_ops``, else ``~/.cache/spectral_ops``."""
-    explicit = os.environ.get(ENV_CACHE_DIR)
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "spectral_ops"
 
 
 def _ceil_power_of_two(n: int) -> int:
@@ -162,7 +147,7 @@ class RoutingCache:
 
 def cached_files(directory: Path | None = None) -> list[dict]:
     """Every routing cache file under ``directory``: ``{"path", "environment", "choices"}``, for reports."""
-    directory = cache_dir() if directory is None else Path(directory)
+    directory = environment.cache_dir() if directory is None else Path(directory)
     found = []
     for path in sorted(directory.glob("routing-*.json")):
         try:
@@ -202,7 +187,7 @@ class Autotuner:
 
     def applies(self, device: torch.device) -> bool:
         """Measured routing is used on these devices unless ``SPECTRAL_OPS_AUTOTUNE=0``."""
-        return enabled() and device.type in self.device_types
+        return environment.autotune_enabled() and device.type in self.device_types
 
     @staticmethod
     def can_time(device: torch.device) -> bool:
@@ -215,7 +200,7 @@ class Autotuner:
     def cache_for(self, device: torch.device) -> RoutingCache:
         key = (device.type, device.index)
         if key not in self._caches:
-            directory = cache_dir() if self.directory is None else self.directory
+            directory = environment.cache_dir() if self.directory is None else self.directory
             self._caches[key] = RoutingCache(self.environment(device), directory)
         return self._caches[key]
 

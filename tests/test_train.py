@@ -258,7 +258,7 @@ def test_cli_killed_with_sigkill_resumes_past_a_corrupt_newest_checkpoint_bitwis
     # for a core that a loaded machine (other test processes, the other run) has given away, which
     # made a 7 s run take minutes.
     package_root = str(Path(spectral_ops.__file__).resolve().parents[1])
-    env = {**os.environ, "SPECTRAL_OPS_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "SPECTRAL_OPS_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1",
            "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     timeout = 300  # a healthy run takes ~7 s; only a hung one gets near this

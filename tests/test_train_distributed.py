@@ -62,7 +62,7 @@ def runs(tmp_path_factory):
     # One thread per process: 2 processes per launch on 2 cores. The checkout under test, and the
     # private cache, reach the processes through the environment.
     package_root = str(Path(spectral_ops.__file__).resolve().parents[1])
-    env = {**os.environ, "SPECTRAL_OPS_CACHE": str(cache), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+    env = {**os.environ, "SPECTRAL_OPS_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     options = {**OPTIONS, "data": str(corpus)}
 

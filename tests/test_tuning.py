@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import spectral_ops as so
-from spectral_ops import dispatch, tuning
+from spectral_ops import dispatch, environment, tuning
 from spectral_ops.backends.torch_backend import TorchBackend
 from spectral_ops.linalg import relative_error
 from spectral_ops.tuning import Autotuner, Measurement, RoutingCache, routing_key, shape_bucket
@@ -84,7 +84,7 @@ def clock():
 @pytest.fixture
 def tuner(monkeypatch, tmp_path, clock):
     """An autotuner that measures CPU tensors with the fake clock, caching under tmp_path."""
-    monkeypatch.delenv(tuning.ENV_AUTOTUNE, raising=False)
+    monkeypatch.delenv(environment.AUTOTUNE, raising=False)
     made = Autotuner(directory=tmp_path, clock=clock, synchronize=lambda device: None,
                      environment=lambda device: ENVIRONMENT, device_types=("cpu",))
     monkeypatch.setattr(dispatch, "_autotuner", made)
@@ -170,7 +170,7 @@ def test_another_gpu_or_build_is_measured_afresh(tuner, clock, tmp_path, monkeyp
 
 
 def test_autotune_off_uses_the_fixed_order(tuner, clock, tmp_path, monkeypatch):
-    monkeypatch.setenv(tuning.ENV_AUTOTUNE, "0")
+    monkeypatch.setenv(environment.AUTOTUNE, "0")
     install(clock, {"cuda": 1.0, "triton": 3.0, "torch": 2.0})
     so.spectral_power(weight(), 2, method="gram")
     # The fixed order leaves products this small to Triton, however slow it is.
@@ -273,11 +273,11 @@ def test_no_timing_while_compiling_or_capturing(monkeypatch):
 
 
 def test_the_cache_lives_under_the_package_cache_directory(monkeypatch, tmp_path):
-    monkeypatch.setenv(tuning.ENV_CACHE_DIR, str(tmp_path / "explicit"))
-    assert tuning.cache_dir() == tmp_path / "explicit"
-    monkeypatch.delenv(tuning.ENV_CACHE_DIR)
+    monkeypatch.setenv(environment.CACHE_DIR, str(tmp_path / "explicit"))
+    assert environment.cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv(environment.CACHE_DIR)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert tuning.cache_dir() == tmp_path / "spectral_ops"
+    assert environment.cache_dir() == tmp_path / "spectral_ops"
     data = {"format": tuning.CACHE_FORMAT, "environment": ENVIRONMENT, "choices": {}}
     (tmp_path / "spectral_ops").mkdir()
     (tmp_path / "spectral_ops" / "routing-0.json").write_text(json.dumps(data))
@@ -287,7 +287,7 @@ def test_the_cache_lives_under_the_package_cache_directory(monkeypatch, tmp_path
 def test_the_tune_command_fills_the_cache_and_the_report_shows_it(tuner, clock, tmp_path, monkeypatch):
     from spectral_ops.__main__ import main, tune
 
-    monkeypatch.setenv(tuning.ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.setenv(environment.CACHE_DIR, str(tmp_path))
     install(clock, {"cuda": 2.0, "triton": 1.0, "torch": 3.0})
     text = tune([(16, 24), (3, 8, 40)], ["fp32"], ["decay", "polar"], device="cpu")
     assert "device Fake GPU" in text

@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import environment
+
 BYTE_VOCAB = 256
 GPT2_VOCAB = 50257  # the token shards' default vocabulary: GPT-2's BPE, which FineWeb's shards use
 SHARD_MAGIC = 20240520
@@ -35,7 +37,7 @@ SHARD_VERSION = 1  # uint16 tokens (llm.c's version 2 holds uint32 Llama-3 token
 SHARD_HEADER_BYTES = 256 * 4
 VALIDATION_SHARE = 20  # one file in 20 (by hash) validates
 SINGLE_FILE_VALIDATION = 0.05
-DEFAULT_CACHE = Path(os.environ.get("SPECTRAL_OPS_CACHE", Path.home() / ".cache" / "spectral_ops")) / "corpora"
+DEFAULT_CACHE = environment.cache_dir() / "corpora"
 
 
 def stdlib_files() -> tuple[Path, list[Path]]:
