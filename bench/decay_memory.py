@@ -14,7 +14,7 @@ Rows: spectral_decay_ for each shape, dtype and power; optionally a band decay (
 p = 2) and one SpectralAdamW step (p = 1 and p = 2, measured on its second step, when the Adam
 moments exist), next to torch.optim.AdamW's step as the baseline of the Adam half. "x W" is the
 peak in units of the weight's own bytes; "x fp32 W" in units of a float32 copy of it (the plan's
-math dtype), the unit the temporaries of p >= 2 come in.
+compute dtype), the unit the temporaries of p >= 2 come in.
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def markdown(rows: list[dict], title: bool = True) -> str:
                   "(oneDNN's bf16 kernels on CPUs with native bf16; none on AVX2 CPUs or in fp32), the "
                   "same on any CPU; all: with it; scratch: the largest of one product. "
                   "x W: tensors in units of the weights' bytes; x fp32 W: in units of a float32 copy of them "
-                  "(the math dtype, the unit of the plan's temporaries). The optimizer rows are the "
+                  "(the compute dtype, the unit of the plan's temporaries). The optimizer rows are the "
                   "second step (the moments exist), the whole step: decay and Adam.", ""]
     lines += ["| case | shape | dtype | p | W bytes | peak: tensors | all | product scratch | x W | x fp32 W |",
               "|---|---|---|---|---|---|---|---|---|---|"]

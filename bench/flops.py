@@ -10,17 +10,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
+from spectral_ops.backends.counting import CountingBackend
 from spectral_ops.coefficients import polar_express_coefficients
-# The per-matrix model lives in the plan, which the distributed optimizers balance their work with.
-from spectral_ops.plan import (  # noqa: F401  (re-exported: this file is the benchmarks' one FLOP model)
-    gram_flops,
-    gram_power_products,
-    msign_flops,
-    polar_flops,
-    polar_step_flops,
-    resolve_iteration,
-    spectral_power_flops,
-)
+from spectral_ops.plan import cost
 
 
 def _dims(shape):
@@ -29,23 +23,31 @@ def _dims(shape):
 
 
 def op_flops(op: str, shape, steps: int = 8, precision: str = "fp32") -> float:
-    """FLOPs of ``op`` on ``shape``, an even power's iteration counted as the one the op runs at
-    ``precision`` (``iteration="auto"``: Gram space where it saves work; see ``plan.resolve_iteration``)."""
+    """FLOPs of ``op`` on ``shape``, read off the plan (:func:`spectral_ops.plan.cost`, symmetric
+    products at half), an even power's iteration the one the op runs at ``precision``
+    (``iteration="auto"``: Gram space where it saves work)."""
     batch, r, big = _dims(shape)
+    matrix = (r, big)
 
-    def power(p):
-        return spectral_power_flops(r, big, p, steps, resolve_iteration("auto", p, shape[-2:], precision, steps))
+    def plan_cost(name, **options):
+        return cost(name, matrix, precision=precision, steps=steps, symmetric_at_half=True, **options)
+
+    def gram():
+        kernels = CountingBackend(symmetric_at_half=True)
+        X = torch.empty(matrix, device="meta")
+        kernels.symmetric(X, X.mT)
+        return kernels.flops
 
     per_matrix = {
-        "gram": lambda: gram_flops(r, big),
-        "polar_step": lambda: polar_step_flops(r, big),
-        "polar": lambda: polar_flops(r, big, steps),
-        "spectral_power_p0": lambda: power(0),
-        "spectral_power_p2": lambda: power(2),
-        "spectral_power_p4": lambda: power(4),
-        "msign": lambda: msign_flops(r, 30),
-        "decay_p2": lambda: power(2),
-        "muon_step": lambda: polar_flops(r, big, steps),
+        "gram": gram,
+        "polar_step": lambda: cost("polar", matrix, steps=1, symmetric_at_half=True),
+        "polar": lambda: plan_cost("polar"),
+        "spectral_power_p0": lambda: plan_cost("spectral_power", p=0, iteration="auto"),
+        "spectral_power_p2": lambda: plan_cost("spectral_power", p=2, iteration="auto"),
+        "spectral_power_p4": lambda: plan_cost("spectral_power", p=4, iteration="auto"),
+        "msign": lambda: cost("msign", (r, r), sign_steps=30, symmetric_at_half=True),
+        "decay_p2": lambda: plan_cost("decay_", p=2, iteration="auto"),
+        "muon_step": lambda: plan_cost("polar"),
     }[op]
     return batch * per_matrix()
 

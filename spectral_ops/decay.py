@@ -7,7 +7,6 @@ half-updated.
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -24,51 +23,22 @@ from ._checks import (
     check_same_device,
     check_steps,
 )
-from .backends.base import BandSpec, DecayRequest
 from .coefficients import resolve_polar_coefficients
-from .linalg import log_frobenius_norm_or_inf, log_spectral_norm_bounds, stability_kappa
-from .ops import band_spec, check_iteration, check_precision, sign_coefficients
+from .ops import check_band, check_iteration, check_precision, sign_coefficients
+from .plan import (  # noqa: F401  (SpectralStabilityError, CLAMP_ORDER: the decay's public names)
+    CLAMP_ORDER,
+    STABILITY_POLICIES,
+    Band,
+    DecayRequest,
+    SpectralStabilityError,
+    log_clamp,
+    needs_direction,
+    plain_factor,
+    stability_terms,
+)
 
 CONVENTIONS = ("decoupled", "independent")
 P0_MODES = ("explicit", "prox")
-STABILITY_POLICIES = ("raise", "warn", "clamp", "ignore")
-# "clamp" scales a violating matrix's spectral coefficient down to p * kappa = CLAMP_ORDER (see _guarded_scale).
-CLAMP_ORDER = 0.5
-
-logger = logging.getLogger(__name__)
-
-
-class SpectralStabilityError(ValueError):
-    """A p > 1 decay step would reorder the singular values, or push the largest through zero (SPEC 1.5)."""
-
-
-@dataclass(frozen=True)
-class Band:
-    """Band-selective decay (SPEC 1.4), split at singular value ``tau``.
-
-    ``mode`` is ``"top"`` (the spectral rule above ``tau``, ordinary decay below), ``"bot"``,
-    ``"top_only"``, ``"bot_only"`` or ``"two_band"``. In ``"two_band"`` the call's ``p`` and
-    ``weight_decay`` act on the top band and ``p_bot``/``weight_decay_bot`` on the bottom one.
-    """
-
-    tau: float
-    mode: str = "top"
-    p_bot: int = 1
-    weight_decay_bot: float = 0.0
-    sign_steps: int | None = None
-    sign_method: str = "polar_express"
-
-    @classmethod
-    def coerce(cls, band) -> "Band | None":
-        """Accept a :class:`Band`, a dict of its fields (as stored in param groups) or None."""
-        if band is None or isinstance(band, Band):
-            return band
-        if isinstance(band, dict):
-            unknown = set(band) - set(cls.__dataclass_fields__)
-            if unknown:
-                raise ValueError(f"unknown band options {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}")
-            return cls(**band)
-        raise TypeError(f"band must be a Band, a dict or None, got {type(band).__name__}")
 
 
 def _as_list(W):
@@ -130,106 +100,12 @@ def _check_writable(tensors) -> None:
         extents.append((i, (storage, start, end)))
 
 
-def _stability_terms(p: int, weight_decay, band: Band | None):
-    """``(power, coefficient, capped_at_tau)`` for each spectral part that can overshoot."""
-    if band is None:
-        terms = [(p, weight_decay, False)]
-    elif band.mode == "two_band":
-        terms = [(p, weight_decay, False), (band.p_bot, band.weight_decay_bot, True)]
-    else:
-        terms = [(p, weight_decay, band.mode in ("bot", "bot_only"))]
-    return [(power, coefficient, capped) for power, coefficient, capped in terms if power > 1]
-
-
-def _guarded_scale(stack, p, scale, weight_decay, band, policy, capturable=False):
-    """The stability guard (SPEC 1.5) of a stack of matrices, before any write: ``(factor, clamped)``.
-
-    ``factor`` (shape ``stack.shape[:-2]``, or None: nothing to change) multiplies each matrix's
-    spectral coefficient; ``clamped`` maps the flat batch position of each matrix the eager clamp
-    reduced to ``(factor, p * kappa)``, for the log.
-
-    The per-mode step is ``f(s) = s - k s^p`` with ``k = lr * coefficient``, so
-    ``f'(s) = 1 - p k s^(p-1)``, which for ``p > 1`` falls as ``s`` grows. ``f`` is therefore
-    increasing on ``[0, s_max]``, and keeps the order of the modes, exactly while
-    ``f'(s_max) = 1 - p * kappa > 0``, i.e. ``p * kappa < 1`` with ``kappa = k s_max^(p-1)``. That
-    also keeps every mode positive (``f(s) > f(0) = 0``), the weaker ``kappa < 1``: between the two
-    (``1/p <= kappa < 1``) ``f`` rises then falls, and a mode just below ``s_max`` ends above it.
-
-    ``||W||_F`` bounds ``s_max`` for free; only when that is not enough are the Gram-squaring bounds
-    computed. The guard therefore never misses a violation and can only be conservative by the
-    bounds' ratio.
-
-    ``"clamp"`` scales a violating matrix's coefficient to ``p * kappa = CLAMP_ORDER = 1/2`` rather
-    than to the boundary: ``f' >= 1/2`` on ``[0, s_max]`` then, so no gap between two modes more than
-    halves in the step (at the boundary the top two would merge), the top mode loses at most
-    ``1/(2p)`` of itself, and the next steps (``s_max`` no larger, a warm-up lr up to twice as large)
-    stay inside the condition instead of being clamped again. A matrix that satisfies the condition
-    is left exactly as asked, as ``"raise"`` would.
-
-    ``capturable``: the policy is ``"clamp"`` (construction refuses the host-side ones) and is
-    applied on the device, with the Gram-squaring bounds always computed (no host decision to skip
-    them): the same factors as the eager path, at the cost of the bounds on every step, and no log.
-    """
-    terms = _stability_terms(p, weight_decay, band)
-    if not terms or policy == "ignore":
-        return None, {}
-
-    def kappas(log_s_max):
-        # In logs: s_max^(p-1) alone leaves float32 at the extremes, where kappa may not.
-        return torch.stack([stability_kappa(scale, coefficient, log_s_max, power, cap=band.tau if capped else None)
-                            for power, coefficient, capped in terms])
-
-    def order(kappa):
-        """``p * kappa`` of the term nearest its order condition (two-band terms have their own p)."""
-        powers = torch.tensor([power for power, _, _ in terms], dtype=kappa.dtype, device=kappa.device)
-        return (powers.reshape(-1, *[1] * (kappa.dim() - 1)) * kappa).amax(0)
-
-    def clamp_factor(worst):
-        return torch.where(worst >= 1, CLAMP_ORDER / worst, torch.ones_like(worst))
-
-    if capturable:
-        return clamp_factor(order(kappas(log_spectral_norm_bounds(stack)[1]))), {}
-    if bool((order(kappas(log_frobenius_norm_or_inf(stack))) < 1).all()):
-        return None, {}
-    kappa = kappas(log_spectral_norm_bounds(stack)[1])
-    worst = order(kappa)
-    violating = worst >= 1
-    if not bool(violating.any()):
-        return None, {}
-    if policy in ("raise", "warn"):  # the message's three host reads only where it is shown
-        largest_kappa = float(kappa.max())
-        message = (
-            f"spectral decay with p={p} is unstable for {int(violating.sum())} of {violating.numel()} matrices: "
-            f"p * kappa = p * lr * coefficient * s_max^(p-1) reaches {float(worst.max()):.4g} >= 1 "
-            f"(kappa = {largest_kappa:.4g}), and the per-mode step s -> s - lr * coefficient * s^p keeps the "
-            "order of the singular values only while p * kappa < 1: a smaller mode would overtake a larger one"
-            + (", and the largest would go through zero and flip sign (kappa >= 1)" if largest_kappa >= 1 else "")
-            + ". Lower the learning rate or coefficient, or pass stability='clamp'."
-        )
-        if policy == "raise":
-            raise SpectralStabilityError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-        return None, {}
-    factor = clamp_factor(worst)
-    factors, orders = torch.stack([factor, worst]).reshape(2, -1).tolist()
-    return factor, {i: (factors[i], order) for i, order in enumerate(orders) if order >= 1}
-
-
-def log_clamp(name: str, factor: float, order: float, level: int = logging.WARNING, remark: str = "") -> None:
-    """Report one eager clamp: which matrix, and by what factor its spectral coefficient was reduced
-    (at ``level``, with ``remark`` appended)."""
-    logger.log(level, "stability='clamp' reduced the spectral coefficient of %s by a factor %.4g: p * kappa was %.4g "
-               ">= 1 (the step would reorder its singular values) and is %.4g%s", name, factor, order, factor * order,
-               remark)
-
-
 @dataclass(frozen=True)
 class DecayOptions:
     """The validated, tensor-independent part of a decay call."""
 
     p: int
     band: Band | None
-    band_spec: BandSpec | None
     polar_coefficients: tuple
     sign_coefficients: tuple
     precision: str | None
@@ -257,27 +133,16 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
     check_choice(p0_mode, "p0_mode", P0_MODES)
     check_choice(stability, "stability", STABILITY_POLICIES)
     band = Band.coerce(band)
-    if capturable and stability in ("raise", "warn") and _stability_terms(p, spectral_weight_decay, band):
+    if capturable and stability in ("raise", "warn") and stability_terms(p, spectral_weight_decay, band):
         raise ValueError(f"stability={stability!r} needs the host to read the stability guard, which "
                          "capturable=True forbids; pass stability='clamp' (the training default) or 'ignore'")
-    spec = None
     if band is not None:
         if p == 0 and p0_mode == "prox":
             raise ValueError("p0_mode='prox' soft-thresholds the whole spectrum; it cannot be combined with band")
-        two_band = band.mode == "two_band"
-        check_coefficient(band.weight_decay_bot, "band.weight_decay_bot", sync=sync)
-        spec = band_spec(
-            band.tau,
-            band.mode,
-            p_bot=band.p_bot,
-            lambda_top=spectral_weight_decay if two_band else 1.0,
-            lambda_bot=band.weight_decay_bot if two_band else 1.0,
-            sync=sync,
-        )
+        check_band(band, sync=sync)
     return DecayOptions(
         p=p,
         band=band,
-        band_spec=spec,
         polar_coefficients=resolve_polar_coefficients(check_steps(steps), coefficients),
         sign_coefficients=sign_coefficients(band.sign_steps if band else None,
                                             band.sign_method if band else "polar_express"),
@@ -358,8 +223,9 @@ def spectral_decay_(
     ``weight_decay`` is a deprecated alias of ``spectral_weight_decay`` (the name of ``lambda_1`` in
     every optimizer of the family).
     """
-    weight_decay = renamed_spectral_coefficient("spectral_decay_", spectral_weight_decay, weight_decay, stacklevel=3)
-    if weight_decay is None:
+    spectral_weight_decay = renamed_spectral_coefficient("spectral_decay_", spectral_weight_decay, weight_decay,
+                                                         stacklevel=3)
+    if spectral_weight_decay is None:
         raise TypeError("spectral_decay_ needs spectral_weight_decay (the spectral coefficient lambda_p)")
     tensors = _as_list(W)
     for i, t in enumerate(tensors):
@@ -369,7 +235,7 @@ def spectral_decay_(
     sync = not capturable
     check_coefficient(lr, "lr", sync=sync)
     options = check_decay_options(
-        p, weight_decay, ordinary_weight_decay=ordinary_weight_decay, convention=convention, band=band,
+        p, spectral_weight_decay, ordinary_weight_decay=ordinary_weight_decay, convention=convention, band=band,
         p0_mode=p0_mode, steps=steps, coefficients=coefficients, stability=stability, precision=precision,
         capturable=capturable, sync=sync, iteration=iteration,
     )
@@ -384,7 +250,7 @@ def spectral_decay_(
         scale = lr
     if sync:
         check_finite(tensors, "W")
-    pending = prepare_decay(tensors, options, scale=scale, spectral_weight_decay=weight_decay,
+    pending = prepare_decay(tensors, options, scale=scale, spectral_weight_decay=spectral_weight_decay,
                             ordinary_weight_decay=ordinary_weight_decay, capturable=capturable)
     if sync and pending.decayed:
         # A finite weight never becomes non-finite: the decayed values are checked before any is written.
@@ -451,45 +317,32 @@ def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, 
                   ordinary_weight_decay, capturable: bool) -> PendingDecay:
     """The decay of :func:`spectral_decay_` on validated arguments (optimizers validate theirs once),
     computed but not written: distinct matrices on one device, ``options`` from
-    :func:`check_decay_options`, ``scale`` the lr or the schedule."""
-    p, band, spec = options.p, options.band, options.band_spec
-    if band is None and not isinstance(spectral_weight_decay, torch.Tensor) and spectral_weight_decay == 0:
-        p = 1  # a zero spectral coefficient: only the ordinary term is left, no spectral math needed
-
-    spectral = scale if spec is not None and spec.mode == "two_band" else scale * spectral_weight_decay
+    :func:`check_decay_options`, ``scale`` the lr or the schedule. Same-shape weights are decayed as
+    one stack, by :func:`spectral_ops.plan.decay_` (the guard, the direction and the write)."""
     nonempty = [i for i, t in enumerate(tensors) if t.numel()]
-    if p == 1 and band is None:
-        # No spectral direction (S_1(W) = W): one multi-tensor scaling at commit, as torch's AdamW decays.
-        return PendingDecay(tensors, nonempty, 1.0 - scale * ordinary_weight_decay - spectral, {})
+    if not needs_direction(options.p, spectral_weight_decay, options.band):
+        # One multi-tensor scaling at commit, as torch's AdamW decays.
+        return PendingDecay(tensors, nonempty, plain_factor(scale, spectral_weight_decay, ordinary_weight_decay), {})
+    request = DecayRequest(
+        p=options.p, scale=scale, spectral_weight_decay=spectral_weight_decay,
+        ordinary_weight_decay=ordinary_weight_decay, band=options.band, p0_mode=options.p0_mode,
+        polar_coefficients=options.polar_coefficients, sign_coefficients=options.sign_coefficients,
+        precision=options.precision, iteration=options.iteration, stability=options.stability,
+        capturable=capturable,
+    )
     groups = defaultdict(list)
     for i in nonempty:
         groups[(tuple(tensors[i].shape), tensors[i].dtype)].append(i)
-    requests, clamp_factors, clamped = [], {}, []
+    pending = PendingDecay(tensors, [], 1.0, {})
     for indices in groups.values():
         # The decay is computed in a copy: a stack of a same-shape batch, or a clone of a lone weight.
         stack = torch.stack([tensors[i] for i in indices]) if len(indices) > 1 else tensors[indices[0]].clone()
-        clamp, reduced = _guarded_scale(stack, p, scale, spectral_weight_decay, band, options.stability, capturable)
-        if clamp is not None:
-            clamp_factors.update(zip(indices, clamp.unbind(0) if len(indices) > 1 else [clamp]))
+        outcome = plan.decay_(dispatch.kernels_for("decay_", stack), stack, request)
+        pending.decayed.update(zip(indices, stack.unbind(0) if len(indices) > 1 else [stack]))
+        if outcome.clamp_factor is not None:
+            clamp = outcome.clamp_factor
+            pending.clamp_factors.update(zip(indices, clamp.unbind(0) if len(indices) > 1 else [clamp]))
             per_weight = tensors[indices[0]].shape[:-2].numel()
-            clamped.extend((indices[position // per_weight], position % per_weight, *report)
-                           for position, report in reduced.items())
-        request = DecayRequest(
-            p=p,
-            spectral_scale=spectral if clamp is None else spectral * clamp[..., None, None],
-            ordinary_scale=scale * ordinary_weight_decay,
-            band=spec,
-            p0_mode=options.p0_mode,
-            polar_coefficients=options.polar_coefficients,
-            sign_coefficients=options.sign_coefficients,
-            precision=options.precision,
-            iteration=options.iteration,
-        )
-        requests.append((indices, stack, request))
-
-    decayed = {}
-    for indices, stack, request in requests:
-        # Not checked for overflow there: the caller checks the new values before any is written.
-        plan.decay_(dispatch.kernels_for("decay_", stack), stack, request, sync=False)
-        decayed.update(zip(indices, stack.unbind(0) if len(indices) > 1 else [stack]))
-    return PendingDecay(tensors, [], 1.0, decayed, clamp_factors, clamped)
+            pending.clamped.extend((indices[position // per_weight], position % per_weight, *report)
+                                   for position, report in outcome.clamped.items())
+    return pending

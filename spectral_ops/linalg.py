@@ -1,5 +1,5 @@
 """Linear algebra that is not a backend: compute dtypes, the wide orientation, the SVD and eigh routes,
-spectral norm bounds, test spectra and the error measure.
+test spectra and the error measure.
 
 Plain torch throughout. :mod:`spectral_ops.plan` builds on the orientation helpers here; the
 routes here are the ones that need a factorisation, which no backend provides.
@@ -12,9 +12,10 @@ import math
 import torch
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 computes in float64; float32, float16 and bfloat16 compute in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def compute_dtype(dtype: torch.dtype, precision: str | None = None) -> torch.dtype:
+    """The dtype of the arithmetic around the products (the normalisation, the scales, the decay):
+    float64 for float64 weights or ``precision="fp64"``; float32 for float32, float16 and bfloat16."""
+    return torch.float64 if dtype == torch.float64 or precision == "fp64" else torch.float32
 
 
 def is_tall(W: torch.Tensor) -> bool:
@@ -140,68 +141,6 @@ def svd_spectral_power(W: torch.Tensor, p: int, dtype: torch.dtype) -> torch.Ten
     s_max = s[..., :1]
     relative = s / torch.where(s_max > 0, s_max, 1.0)
     return scaled_((U * relative[..., None, :] ** p) @ Vh, p * s_max.double().log()[..., None])
-
-
-def log_frobenius_norm_or_inf(W: torch.Tensor) -> torch.Tensor:
-    """``ln ||W||_F`` per matrix (shape ``W.shape[:-2]``, float64) from the plain norm, one pass and no
-    temporary, or ``+inf`` where that may be wrong: overflowed, or so small that squares lost below the
-    normal range (at most ``numel * tiny``) could matter. An upper bound either way, for a cheap first
-    test (:func:`log_spectral_norm_bounds` is right at every norm)."""
-    work = W.to(compute_dtype(W.dtype))
-    info = torch.finfo(work.dtype)
-    norm = torch.linalg.matrix_norm(work).double()
-    trusted = torch.isfinite(norm) & (norm**2 >= W.shape[-2] * W.shape[-1] * info.tiny / info.eps)
-    return torch.where(trusted, norm.log(), math.inf)
-
-
-def log_spectral_norm_bounds(W: torch.Tensor, squarings: int = 3):
-    """``(ln lower, ln upper)`` with ``lower <= s_max <= upper`` per matrix (float64, shape ``W.shape[:-2]``;
-    ``-inf`` for a zero matrix), finite for every finite ``W``.
-
-    ``||G^(2^j)||_F^(1 / 2^(j+1))`` bounds ``s_max`` from above and exceeds it by at most the factor
-    ``r^(1 / 2^(j+2))`` (1.3x for r = 4096 after 3 squarings), which gives the lower bound. It is
-    computed on the unit-norm ``Xn`` and each square is renormalised, so no power over- or
-    underflows; ``||X||_F`` enters as its log. The rounding of the Gram and its squares (relative
-    ``~N eps`` at worst for an ``r x N`` product) could move the bound across a tight ``s_max``
-    (a rank-one matrix), so both bounds are widened by that factor.
-    """
-    Xn, log_scale = frobenius_normalized(wide(W).to(compute_dtype(W.dtype)))
-    M = Xn @ Xn.mT
-    log_norm = torch.zeros_like(log_scale)
-    for square in range(squarings + 1):
-        if square:
-            M = M @ M
-        norm = torch.linalg.matrix_norm(M)[..., None, None]
-        log_norm = 2 * log_norm + norm.double().log()
-        M = M / torch.where(norm > 0, norm, 1.0)
-    exponent = 1.0 / 2 ** (squarings + 1)
-    log_upper = (log_scale + log_norm * exponent)[..., 0, 0]
-    r, n = Xn.shape[-2:]
-    rounding = math.log1p(n * torch.finfo(Xn.dtype).eps)
-    return log_upper - exponent / 2 * math.log(r) - rounding, log_upper + rounding
-
-
-def spectral_norm_bounds(W: torch.Tensor, squarings: int = 3):
-    """Cheap per-matrix bounds ``lower <= s_max <= upper``, each of shape ``W.shape[:-2]`` in the compute
-    dtype (see :func:`log_spectral_norm_bounds`). Beyond the dtype's range the upper bound is inf and
-    the lower one the dtype's largest number: still bounds."""
-    dtype = compute_dtype(W.dtype)
-    log_lower, log_upper = log_spectral_norm_bounds(W, squarings)
-    return log_lower.exp().clamp(max=torch.finfo(dtype).max).to(dtype), log_upper.exp().to(dtype)
-
-
-def stability_kappa(scale, coefficient, log_s_max: torch.Tensor, power: int, cap=None) -> torch.Tensor:
-    """``kappa = scale * coefficient * s_max^(power - 1)`` (SPEC 1.5) from ``ln s_max``, in float64 logs:
-    ``s_max^(power-1)`` alone overflows float32 from ``s_max ~ 1e13`` at ``power = 4``, where a small
-    coefficient keeps ``kappa`` below 1. ``cap`` (a band's ``tau``) limits ``s_max``. Inf where
-    ``kappa`` exceeds float64, 0 for a zero matrix or coefficient."""
-    def log(value):
-        return as_float64(value, log_s_max.device).log()
-
-    if cap is not None:
-        log_s_max = torch.minimum(log_s_max, log(cap))
-    # A zero matrix has ln s_max = -inf, and power - 1 >= 1 keeps that -inf (never 0 * -inf).
-    return (log(scale) + log(coefficient) + (power - 1) * log_s_max).exp()
 
 
 def matrix_with_spectrum(shape, singular_values, dtype=torch.float64, device="cpu", seed=0):

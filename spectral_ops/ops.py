@@ -18,10 +18,8 @@ from ._checks import (
     check_power,
     check_steps,
 )
-from .backends.base import BandSpec
 from .coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients, resolve_polar_coefficients
 from .linalg import compute_dtype, eigh_spectral_power, svd_spectral_power
-from .linalg import spectral_norm_bounds as _spectral_norm_bounds
 
 SIGN_METHODS = ("newton_schulz", "polar_express")
 # Newton-Schulz's quintic converges only linearly near 1 (p'(1) = -3/5): 30 steps take a mode at
@@ -123,30 +121,6 @@ def _check_symmetric(A: torch.Tensor) -> None:
         )
 
 
-def _auto_method(W: torch.Tensor, p: int) -> str:
-    """The fastest accurate route for the device, dtype and shape.
-
-    On GPUs the Gram route always wins: it is a chain of matmuls. On CPUs the choice follows the
-    crossover measured with ``bench/test_bench_ops.py::test_method_selection`` on a 2-core AMD
-    EPYC with AVX2 (docs/backends.md, "Choosing a method on a CPU", which also has an AVX-512 Xeon's run):
-
-    * ``p >= 2``: the eigendecomposition of the Gram was fastest at every measured shape (1.3-3.3x
-      over the next route from 64 x 64 up, within 4% of the SVD at 32 x 32), and it is accurate
-      for ``p >= 1``;
-    * ``p = 0`` (where eigh is inaccurate): Polar Express beat LAPACK's SVD in float32 for small
-      sides 128-256 and from 1024, and in float64 only on square 128-256 matrices.
-    """
-    if p == 1 or W.device.type != "cpu":
-        return "gram"
-    if p >= 2:
-        return "eigh"
-    m, n = W.shape[-2:]
-    r = min(m, n)
-    if compute_dtype(W.dtype) == torch.float32:
-        return "gram" if 128 <= r <= 256 or r >= 1024 else "svd"
-    return "gram" if m == n and 128 <= r <= 256 else "svd"
-
-
 @torch.no_grad()
 def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int | None = None,
                    coefficients=None, precision: str | None = None, capturable: bool = False,
@@ -168,10 +142,8 @@ def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int 
     p = check_power(p)
     check_choice(method, "method", POWER_METHODS)
     check_iteration(iteration)
-    if iteration == "gram_space":
-        if method in ("svd", "eigh"):
-            raise ValueError(f"iteration={iteration!r} is an iteration of method='gram', not of {method!r}")
-        method = "gram"
+    if iteration == "gram_space" and method in ("svd", "eigh"):
+        raise ValueError(f"iteration={iteration!r} is an iteration of method='gram', not of {method!r}")
     if capturable and method in ("svd", "eigh"):
         raise ValueError(f"method={method!r} synchronises with the host (LAPACK/cuSOLVER report to it); "
                          "capturable=True needs method='gram' or 'auto'")
@@ -179,14 +151,12 @@ def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int 
     check_precision(precision)
     if W.numel() == 0:
         return W.clone()
-    if method == "auto":
-        method = "gram" if capturable else _auto_method(W, p)
-    # The factorisations run in float64 for "fp64" and in the compute dtype otherwise.
-    factor_dtype = torch.float64 if precision == "fp64" else compute_dtype(W.dtype)
+    method = plan.route(W.shape, W.dtype, W.device.type, p, plan.resolve_precision(precision, W.dtype),
+                        method=method, iteration=iteration, capturable=capturable).method
     if method in ("svd", "eigh"):
-        route = svd_spectral_power if method == "svd" else eigh_spectral_power
-        result = route(W, p, factor_dtype).to(W.dtype)
-        return plan.checked_finite(result, "spectral_power") if p > 1 else result
+        factorisation = svd_spectral_power if method == "svd" else eigh_spectral_power
+        result = factorisation(W, p, compute_dtype(W.dtype, precision)).to(W.dtype)
+        return plan.checked_finite(result, "spectral_power")
     return plan.spectral_power(dispatch.kernels_for("spectral_power", W), W, p, polar_c, precision,
                                sync=not capturable, iteration=iteration)
 
@@ -227,19 +197,14 @@ def band_projectors(W: torch.Tensor, tau, steps: int | None = None, method: str 
     return plan.band_projectors(dispatch.kernels_for("band_projectors", W), W, tau, coefficients, precision)
 
 
-def band_spec(tau, mode: str = "top", *, p_bot: int = 1, lambda_top=1.0, lambda_bot=1.0,
-              sync: bool = True) -> BandSpec:
+def check_band(band: plan.Band, sync: bool = True) -> plan.Band:
     """Validate a band rule (shared by :func:`band_direction` and :func:`spectral_decay_`); ``sync``
     as in :func:`~spectral_ops._checks.check_coefficient`."""
-    _check_tau(tau, sync=sync)
-    check_choice(mode, "mode", BAND_MODES)
-    return BandSpec(
-        tau=tau,
-        mode=mode,
-        p_bot=check_power(p_bot, "p_bot"),
-        lambda_top=check_coefficient(lambda_top, "lambda_top", sync=sync),
-        lambda_bot=check_coefficient(lambda_bot, "lambda_bot", sync=sync),
-    )
+    _check_tau(band.tau, sync=sync)
+    check_choice(band.mode, "mode", BAND_MODES)
+    check_power(band.p_bot, "p_bot")
+    check_coefficient(band.spectral_weight_decay_bot, "band.spectral_weight_decay_bot", sync=sync)
+    return band
 
 
 @torch.no_grad()
@@ -259,14 +224,16 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
     """
     _validated(W, capturable=capturable)
     p = check_power(p)
-    band = band_spec(tau, mode, p_bot=p_bot, lambda_top=lambda_top, lambda_bot=lambda_bot, sync=not capturable)
+    check_coefficient(lambda_top, "lambda_top", sync=not capturable)
+    check_coefficient(lambda_bot, "lambda_bot", sync=not capturable)
+    band = check_band(plan.Band(tau, mode, p_bot=p_bot, spectral_weight_decay_bot=lambda_bot), sync=not capturable)
     polar_c = resolve_polar_coefficients(check_steps(steps), None)
     sign_c = sign_coefficients(sign_steps, sign_method)
     check_precision(precision)
     if W.numel() == 0:
         return W.clone()
     return plan.band_direction(dispatch.kernels_for("band_direction", W), W, p, band, polar_c, sign_c, precision,
-                               sync=not capturable)
+                               sync=not capturable, top=lambda_top)
 
 
 @torch.no_grad()
@@ -293,8 +260,11 @@ def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None 
 def spectral_norm_bounds(W: torch.Tensor, squarings: int = 3, *, capturable: bool = False):
     """Per-matrix ``(lower, upper)`` bounds on the largest singular value, without an SVD.
 
-    From ``||G^(2^j)||_F`` after ``squarings`` squarings of the Gram; ``upper / lower`` is at most
-    ``r^(1 / 2^(squarings + 2))`` (1.3 for ``r = 4096`` with the default 3).
+    From ``||G^(2^j)||_F`` after ``squarings`` squarings of the Gram (products in fp32, fp64 for fp64
+    weights; see :meth:`spectral_ops.plan.GramPlan.log_spectral_norm_bounds`); ``upper / lower`` is at
+    most ``r^(1 / 2^(squarings + 2))`` (1.3 for ``r = 4096`` with the default 3), and a little more
+    for the rounding. In the compute dtype: beyond its range the upper bound is inf and the lower one
+    its largest number, still bounds.
     """
     _validated(W, capturable=capturable)
     if isinstance(squarings, bool) or not isinstance(squarings, int) or squarings < 0:
@@ -302,4 +272,4 @@ def spectral_norm_bounds(W: torch.Tensor, squarings: int = 3, *, capturable: boo
     if W.numel() == 0:
         zeros = W.new_zeros(W.shape[:-2], dtype=compute_dtype(W.dtype))
         return zeros, zeros.clone()
-    return _spectral_norm_bounds(W, squarings)
+    return plan.spectral_norm_bounds(dispatch.kernels_for("spectral_norm_bounds", W), W, squarings)

@@ -25,22 +25,104 @@ The shape of the computation (SPEC 1.2-1.4):
 **Precision** (:func:`resolve_precision`) decides the dtype of the iteration's operands: every
 product takes them in that dtype, accumulates in fp32 (fp64 for ``"fp64"``) and rounds its result to
 it, as torch.optim.Muon's bf16 iteration does. The normalisation, the scale ``c^p``, the band
-thresholds and the decay arithmetic stay in the math dtype (fp64 for fp64 weights or ``"fp64"``,
+thresholds and the decay arithmetic stay in the compute dtype (fp64 for fp64 weights or ``"fp64"``,
 fp32 otherwise), and the result is rounded to the weight's dtype once.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import warnings
+from dataclasses import InitVar, dataclass, field
+from dataclasses import fields as dataclasses_fields
+from typing import Union
 
 import torch
 
+from ._checks import user_stacklevel
 from ._compile import constant_when_traced
-from .backends.base import BandSpec, DecayRequest
 from .coefficients import NORMALIZATION_MARGIN
 from .linalg import as_float64, compute_dtype, frobenius_normalized, is_tall, ratio, scaled_, wide
 
-OPS = ("polar", "msign", "spectral_power", "band_projectors", "band_direction", "svt", "decay_")
+Scale = Union[float, torch.Tensor]  # a Python number, a 0-d tensor, or one value per matrix (..., 1, 1)
+
+
+@dataclass(frozen=True)
+class Band:
+    """Band-selective decay (SPEC 1.4), split at singular value ``tau``.
+
+    ``mode`` is ``"top"`` (the spectral rule above ``tau``, ordinary decay below), ``"bot"``,
+    ``"top_only"``, ``"bot_only"`` or ``"two_band"``. In ``"two_band"`` the call's ``p`` and
+    ``spectral_weight_decay`` act on the top band and ``p_bot``/``spectral_weight_decay_bot`` on the
+    bottom one. ``sign_steps``/``sign_method`` configure the sign iteration of the projector.
+    ``weight_decay_bot`` is the deprecated name of ``spectral_weight_decay_bot``.
+    """
+
+    tau: Scale
+    mode: str = "top"
+    p_bot: int = 1
+    spectral_weight_decay_bot: Scale = 0.0
+    sign_steps: int | None = None
+    sign_method: str = "polar_express"
+    weight_decay_bot: InitVar[Scale | None] = None
+
+    def __post_init__(self, weight_decay_bot):
+        if weight_decay_bot is None:
+            return
+        if self.spectral_weight_decay_bot != 0.0:
+            raise TypeError("Band got both spectral_weight_decay_bot and weight_decay_bot, its deprecated alias; "
+                            "pass spectral_weight_decay_bot only")
+        warnings.warn("Band's weight_decay_bot is deprecated: pass spectral_weight_decay_bot", DeprecationWarning,
+                      stacklevel=3)
+        object.__setattr__(self, "spectral_weight_decay_bot", weight_decay_bot)
+
+    @classmethod
+    def coerce(cls, band) -> "Band | None":
+        """Accept a :class:`Band`, a dict of its fields (as stored in param groups) or None."""
+        if band is None or isinstance(band, Band):
+            return band
+        if isinstance(band, dict):
+            unknown = set(band) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise ValueError(f"unknown band options {sorted(unknown)}; known: {sorted(cls.fields())}")
+            return cls(**band)
+        raise TypeError(f"band must be a Band, a dict or None, got {type(band).__name__}")
+
+    @classmethod
+    def fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses_fields(cls))
+
+
+@dataclass(frozen=True)
+class DecayRequest:
+    """One validated decay step of a stack of matrices (:func:`decay_`):
+    ``W <- (1 - scale lambda_1) W - scale lambda_p S_p(W)``, the guard and the clamp included.
+
+    ``scale`` is the lr (decoupled) or the schedule multiplier (independent). With ``p = 0`` and
+    ``p0_mode = "prox"`` the spectral part is the exact soft-threshold at ``scale lambda_p``. With a
+    ``"two_band"`` band, ``spectral_weight_decay`` and the band's ``spectral_weight_decay_bot`` weight
+    the two bands. ``stability``: what the guard does with a step that would reorder the singular
+    values (:data:`STABILITY_POLICIES`); ``capturable``: no host synchronisation.
+    """
+
+    p: int
+    scale: Scale
+    spectral_weight_decay: Scale
+    ordinary_weight_decay: Scale = 0.0
+    band: Band | None = None
+    p0_mode: str = "explicit"
+    polar_coefficients: tuple = ()
+    sign_coefficients: tuple = ()
+    precision: str | None = None
+    iteration: str = "auto"
+    stability: str = "ignore"
+    capturable: bool = False
+
+
+OPS = ("polar", "msign", "spectral_power", "band_projectors", "band_direction", "svt", "spectral_norm_bounds",
+       "decay_")
 PRECISIONS = ("fp64", "fp32", "tf32", "bf16", "fp16")
 OPERAND_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
                   "fp16": torch.float16}
@@ -75,13 +157,13 @@ def _float32_precision() -> str:
 # "auto" chooses.
 ITERATIONS = ("rectangle", "gram_space", "auto")
 # Gram space works on G, whose condition number is the square of W's. With restarts it is as accurate as
-# the rectangle in fp32/fp64 (docs/results/schedules.md), but in bf16/fp16 a few times less (4e-2-6.5e-2
-# against 1e-2 at p = 2), so "auto" keeps those on the rectangle.
+# the rectangle in fp32/fp64, but in bf16/fp16 a few times less (docs/results/schedules.md), so "auto"
+# keeps those on the rectangle.
 GRAM_SPACE_PRECISIONS = ("fp32", "fp64")
 GRAM_SPACE_SAVING = 0.25
 # The longest run of Gram-space steps between two restarts. Without restarts the iterate Z (which tends
-# to G^(-1/2)) amplifies G's rounding by up to 1/s_min: 1.5e-4 at kappa = 1e6 in fp32, NaN in bf16 at
-# kappa >= 1e3. Blocks of at most 3 steps keep fp32 within 5e-6 at every kappa (docs/results/schedules.md).
+# to G^(-1/2)) amplifies G's rounding by up to 1/s_min (in bf16 to NaN); blocks of at most 3 steps keep
+# fp32 at the rectangle's accuracy at every kappa (docs/results/schedules.md, gram_space_no_restarts).
 GRAM_SPACE_BLOCK = 3
 
 
@@ -96,83 +178,22 @@ def restart_blocks(steps: int, longest: int = GRAM_SPACE_BLOCK) -> list[int]:
     return [short] * (blocks - longer) + [short + 1] * longer
 
 
-def block_flops(steps: int, r: int) -> float:
-    """``r x r`` FLOPs of one coupled block (see :func:`coupled_inverse_root`), ``M^2`` at half cost: per
-    step ``M^2``, and ``Z Y``, ``T Z`` but in the first (``Z = I``), ``Y T`` but in the last."""
-    return sum(r**3 + (4 * r**3 if step else 0) + (2 * r**3 if step < steps - 1 else 0) for step in range(steps))
-
-
-def iteration_flops(iteration: str, p: int, r: int, big: int, steps: int) -> float:
-    """Matrix FLOPs of an even power's iteration on an ``r x big`` matrix after its Gram, up to and
-    including the product by the polar factor (``M Q``; for ``p = 0``, none on the rectangle), without
-    ``G^k`` itself (the same for both). Symmetric products count at half cost, as in the
-    rest of this FLOP model (``bench/flops.py`` uses it per op).
-
-    Rectangle: per step ``A = X X^T`` (the first is the Gram), ``A^2``, ``B X``. Gram space: the
-    blocks; per restart a Gram of the rectangle and ``Z X``; at the end ``Z X`` (``p = 0``) or
-    ``(M Z) X``."""
-    if iteration == "rectangle":
-        return polar_flops(r, big, steps) - gram_flops(r, big) + (2 * r * r * big if p else 0)
-    blocks = restart_blocks(steps)
-    restarts = (len(blocks) - 1) * (2 * r * r * big + gram_flops(r, big))
-    final = 2 * r * r * big + (2 * r**3 if p else 0)
-    return sum(block_flops(b, r) for b in blocks) + restarts + final
-
-
-def gram_flops(r: int, big: int) -> float:
-    return r * r * big  # 2 r^2 big, halved: symmetric
-
-
-def polar_step_flops(r: int, big: int) -> float:
-    """``A = X X^T`` (symmetric), ``A A`` (symmetric), ``B X`` (dense)."""
-    return gram_flops(r, big) + r**3 + 2 * r * r * big
-
-
-def polar_flops(r: int, big: int, steps: int = 8) -> float:
-    return steps * polar_step_flops(r, big)
-
-
-def gram_power_products(k: int) -> int:
-    """Symmetric ``r x r`` products repeated squaring needs for ``G^k``."""
-    if k <= 1:
-        return 0
-    squarings = k.bit_length() - 1
-    return squarings + bin(k).count("1") - 1
-
-
-def spectral_power_flops(r: int, big: int, p: int, steps: int = 8, iteration: str = "rectangle") -> float:
-    """SPEC 1.2: the Gram (shared with the first polar step), its powers, one last product.
-
-    ``iteration="gram_space"`` (even ``p``): the polar factor from restarted ``r x r`` blocks, as
-    :func:`spectral_ops.plan.iteration_flops` counts them (one model, in the plan)."""
-    if p == 1:
-        return 0.0
-    final = 2 * r * r * big if p % 2 else iteration_flops(iteration, p, r, big, steps)
-    return gram_flops(r, big) + gram_power_products(p // 2) * r**3 + final
-
-
-def msign_flops(r: int, steps: int) -> float:
-    """Per step ``Z^2``, ``C^2`` and ``B Z``: all symmetric (they commute with Z)."""
-    return steps * 3 * r**3
-
-
-def resolve_iteration(iteration: str, p: int, shape, precision: str, steps: int) -> str:
-    """``"auto"``: Gram space for an even ``p`` at a precision where it is as accurate as the rectangle,
-    where it saves at least :data:`GRAM_SPACE_SAVING` of the iteration's FLOPs (an aspect ratio of
-    about 3.5 or more; on a square matrix it costs more); the rectangle otherwise."""
-    if iteration != "auto":
-        return iteration
-    if p % 2 or precision not in GRAM_SPACE_PRECISIONS:
-        return "rectangle"
-    r, big = min(shape[-2:]), max(shape[-2:])
-    cheaper = iteration_flops("gram_space", p, r, big, steps) <= (1 - GRAM_SPACE_SAVING) * iteration_flops(
-        "rectangle", p, r, big, steps)
-    return "gram_space" if cheaper else "rectangle"
-
-
-def math_dtype(dtype: torch.dtype, precision: str) -> torch.dtype:
-    """The dtype of the normalisation, the scales and the decay arithmetic."""
-    return torch.float64 if dtype == torch.float64 or precision == "fp64" else torch.float32
+# The guard's s_max bound: the squarings of the Gram it may add to the direction's (SPEC 1.5).
+GUARD_SQUARINGS = 3
+# The rounding of a product at each precision, as unit roundoffs: (the operand's own, at unit norm; a
+# product's result and re-rounded operands, relative; the accumulation, per term of the inner
+# dimension). fp32 allows for the GPU kernels' 3xTF32 and tensor-core accumulators (2^-22, not 2^-24).
+ROUNDING = {
+    "fp64": (0.0, 2.0**-52, 2.0**-52),
+    "fp32": (0.0, 2.0**-22, 2.0**-22),
+    "tf32": (2.0**-11, 2.0**-10, 2.0**-22),
+    "bf16": (2.0**-8, 2.0**-8, 2.0**-22),
+    "fp16": (2.0**-11, 2.0**-11, 2.0**-22),
+}
+RELATIVE_ROUNDING_CAP = 1e10
+# ||X||_F's relative rounding, in units of the compute dtype's eps (a reduction's error grows with log2 of
+# its length; 64 covers 2^64 terms).
+NORM_ROUNDING = 64
 
 
 def repeated_squaring(k: int, square, multiply):
@@ -205,7 +226,7 @@ def polar_iterations(kernels, X: torch.Tensor, coefficients, precision: str,
         s = scale if step == 0 else 1.0
         P = kernels.poly_step(A, b * s**2, c * s**4, precision)
         del A
-        X = kernels.product(P, X, precision, Y=X, alpha=a * s, beta=s)
+        X = kernels.product(P, X, precision, alpha=s, Y=X, beta=a * s)
     return X
 
 
@@ -220,7 +241,7 @@ def coupled_inverse_root(kernels, G: torch.Tensor, coefficients, precision: str,
 
     ``Z Y``, ``Y T`` and ``T Z`` are full products, not symmetric ones: a product that keeps one
     triangle (the kernels' symmetric primitive) makes ``Y`` and ``Z`` stop commuting, and that error
-    grows about 8x per step (2e-3 in fp32 after 8 steps, measured)."""
+    grows several-fold per step, to far beyond the rectangle's error after 8."""
     Y, Z, identity = G, None, identity.to(G.dtype)  # every iterate is in G's (the operand) dtype
     for step, (a, b, c) in enumerate(coefficients):
         M = Y if Z is None else kernels.product(Z, Y, precision)
@@ -235,7 +256,7 @@ def coupled_inverse_root(kernels, G: torch.Tensor, coefficients, precision: str,
 def matrix_sign(kernels, A: torch.Tensor, coefficients, precision: str) -> torch.Tensor:
     """``msign`` of a symmetric ``A`` (SPEC 1.4): normalise by ``||A||_F``, then one sign step per triple.
 
-    ``A`` is in the math dtype; the result is in the operand dtype of ``precision``. A fused chain
+    ``A`` is in the compute dtype; the result is in the operand dtype of ``precision``. A fused chain
     normalises again, harmlessly: it gets the unit-norm ``A``, whose square cannot leave fp32's range.
     """
     Z = frobenius_normalized(A)[0]
@@ -268,7 +289,7 @@ def checked_finite(result: torch.Tensor, op: str) -> torch.Tensor:
 
 class GramPlan:
     """The intermediate results of one (batch of) matrix, each computed lazily and at most once:
-    ``X``, ``ln c`` with ``c = ||X||_F`` (float64), ``Xn`` (math dtype), the operand ``Xo`` (``Xn`` in
+    ``X``, ``ln c`` with ``c = ||X||_F`` (float64), ``Xn`` (compute dtype), the operand ``Xo`` (``Xn`` in
     the operand dtype, and the only one of the two held where they differ), the Gram ``Gn``, its
     renormalised squares, and the polar factor ``Q`` (operand dtype).
 
@@ -289,7 +310,7 @@ class GramPlan:
         self.restart_every = restart_every
         self.precision = precision
         self.transposed = is_tall(W)
-        self.dtype = math_dtype(W.dtype, precision)
+        self.dtype = compute_dtype(W.dtype, precision)
         X = wide(W).to(self.dtype)
         self.shape = X.shape  # the wide orientation's
         Xn, self.log_scale = frobenius_normalized(X, in_place=overwrite_input)
@@ -304,7 +325,7 @@ class GramPlan:
 
     @property
     def Xn(self) -> torch.Tensor:
-        """``X / c`` in the math dtype (the same numbers as the ``Xn`` that ``Xo`` was rounded from)."""
+        """``X / c`` in the compute dtype (the same numbers as the ``Xn`` that ``Xo`` was rounded from)."""
         if self._normalized is None:
             self._normalized = frobenius_normalized(self.X)[0]
         return self._normalized
@@ -338,6 +359,72 @@ class GramPlan:
             return renormalized(self.symmetric(left[0], right[0]), left[1] + right[1])
         return repeated_squaring(k, self._gram_square, multiply)
 
+    def log_frobenius_bound(self) -> torch.Tensor:
+        """``ln`` of an upper bound on ``s_max`` from ``||X||_F`` (free: the plan's scale), per matrix
+        (float64, the batch shape), widened by the norm's own rounding."""
+        return self.log_scale[..., 0, 0] + math.log1p(NORM_ROUNDING * torch.finfo(self.dtype).eps)
+
+    def log_spectral_norm_bounds(self, squarings: int = GUARD_SQUARINGS, keep: int | None = None):
+        """``(ln lower, ln upper)`` with ``lower <= s_max(X) <= upper`` per matrix (float64, the batch
+        shape; ``-inf`` for a zero matrix), from the plan's own Gram and its first ``squarings``
+        squares: the last of :meth:`spectral_norm_levels`."""
+        for bounds in self.spectral_norm_levels(squarings, keep):
+            pass
+        return bounds
+
+    def spectral_norm_levels(self, squarings: int = GUARD_SQUARINGS, keep: int | None = None):
+        """The bounds of :meth:`log_spectral_norm_bounds` after ``||X||_F`` and each square of the Gram in
+        turn (a generator: a caller that is settled early stops the squaring there).
+
+        ``s_max^(2^(j+1)) <= ||Gn^(2^j)||_F <= sqrt(r) s_max^(2^(j+1))`` for the unit-norm ``Gn``, and the
+        best level so far (with ``||X||_F`` itself) is taken; level ``j`` is within ``r^(1/2^(j+2))``
+        (1.3x for ``r = 4096`` after 3 squarings). The squares are the plan's (shared with the
+        direction's ``G^k``, in its precision); those above ``Gn^keep`` are dropped once squared
+        (None: all kept). The rounding of every product is a relative widening of its level
+        (:data:`ROUNDING`: the inner dimension times the accumulation's unit roundoff, plus the
+        result's and a re-rounded operand's), and the operand's own rounding (``Xo``, the unit-norm
+        ``X`` in the operand dtype: ``||Xo - Xn||_2 <= ||Xo - Xn||_F <= u``) an absolute one at unit
+        norm. A bf16/fp16 plan's bound is therefore a little wider than an fp32 one's (about 0.4% +
+        0.4% sqrt(stable rank) for bf16), never on the wrong side.
+        """
+        r, inner = self.shape[-2:]
+        operand, product, accumulation = ROUNDING[self.precision]
+        info = torch.finfo(OPERAND_DTYPES[self.precision])
+        # The subnormals' absolute rounding (fp16's range is narrow), per entry at most half their spacing.
+        subnormal = info.smallest_normal * info.eps / 2
+        operand_error = operand + torch.finfo(self.dtype).eps / 2 + math.sqrt(r * inner) * subnormal
+        norm_rounding = NORM_ROUNDING * torch.finfo(compute_dtype(OPERAND_DTYPES[self.precision])).eps
+        log_scale = self.log_scale[..., 0, 0]
+        # At unit norm: ||Xn||_F = 1 bounds s_max(Xn) from above, and 1 / sqrt(r) from below.
+        frobenius = math.log1p(NORM_ROUNDING * torch.finfo(self.dtype).eps)
+        log_upper = torch.full_like(log_scale, frobenius)
+        log_lower = torch.full_like(log_scale, -0.5 * math.log(r) - frobenius)
+        yield log_scale + log_lower, log_scale + log_upper
+        relative = 0.0
+        try:
+            for level in range(squarings + 1):
+                M, log_factor = self._gram_square(2**level)
+                if level >= 2 and keep is not None and 2 ** (level - 1) > keep:
+                    del self._gram_squares[2 ** (level - 1)]  # squared: the direction does not read it
+                norm = torch.linalg.vector_norm(M, dim=(-2, -1), dtype=compute_dtype(M.dtype)).double()
+                relative = (1 + relative) ** 2 * (1 + (inner if level == 0 else r) * accumulation + product) - 1
+                # Capped where a level says nothing (a zero matrix's): the next square would overflow it.
+                relative = (relative + norm_rounding + r * subnormal / norm).clamp_max(RELATIVE_ROUNDING_CAP)
+                exponent = 1.0 / 2 ** (level + 1)
+                log_level = (log_factor[..., 0, 0] + norm.log()) * exponent
+                widening = torch.log1p(relative) * exponent
+                # A bound on s_max(Xo), the operand; Xn's singular values are within ||Xo - Xn||_2 of
+                # Xo's (Weyl).
+                level_upper = torch.log((log_level + widening).exp() + operand_error)
+                level_lower = torch.log(((log_level - widening - exponent / 2 * math.log(r)).exp()
+                                         - operand_error).clamp_min(0))
+                log_upper, log_lower = torch.minimum(log_upper, level_upper), torch.maximum(log_lower, level_lower)
+                yield log_scale + log_lower, log_scale + log_upper
+        finally:
+            if keep is not None:
+                for exponent in [e for e in self._gram_squares if e > max(keep, 1)]:
+                    del self._gram_squares[exponent]
+
     def polar(self, coefficients) -> torch.Tensor:
         """Polar Express ``Q = U V^T`` (wide), from ``X0 = Xn / 1.01``, sharing the Gram with step one."""
         if self._polar is not None:
@@ -359,7 +446,7 @@ class GramPlan:
         ``Xj <- Z Xj`` and its new Gram.
 
         A restart must recompute the Gram from the rectangle: ``Z G Z``, which carries the first Gram's
-        rounding, is no better than no restart (7.7e-5 at kappa = 1e6 in fp32, NaN in bf16, measured).
+        rounding, is no better than no restart (docs/results/schedules.md, gram_space_no_restarts).
         """
         if self._gram_polar is None:
             shrink = 1.0 / NORMALIZATION_MARGIN
@@ -375,7 +462,7 @@ class GramPlan:
         return self._gram_polar
 
     def scaled_power(self, p: int, coefficients, iteration: str = "rectangle"):
-        """``S_p`` (wide, math dtype) scaled, ``(D, ln f)``: ``D = M Q`` for ``p = 2k`` and ``M Xn`` for
+        """``S_p`` (wide, compute dtype) scaled, ``(D, ln f)``: ``D = M Q`` for ``p = 2k`` and ``M Xn`` for
         ``2k + 1``, with ``Gn^k = g M`` and ``f = c^p g``; ``(X, 0)`` for ``p = 1``. With
         ``iteration="gram_space"`` the polar factor of an even ``p`` comes from :meth:`gram_polar` as
         ``Q = Z Xj``, and ``D = (M Z) Xj``: one product by the rectangle instead of two.
@@ -398,13 +485,13 @@ class GramPlan:
         return self.product(M, base).to(self.dtype), p * self.log_scale + log_gram
 
     def power(self, p: int, coefficients) -> torch.Tensor:
-        """``S_p`` (wide, math dtype), non-finite only where it overflows the math dtype."""
+        """``S_p`` (wide, compute dtype), non-finite only where it overflows the compute dtype."""
         if p <= 1:
             return self.scaled_power(p, coefficients)[0].to(self.dtype)
         return scaled_(*self.scaled_power(p, coefficients))
 
     def top_projector(self, tau, sign_coefficients) -> torch.Tensor:
-        """``P_top = (I + msign(Gn - (tau / c)^2 I)) / 2`` on the small side (math dtype).
+        """``P_top = (I + msign(Gn - (tau / c)^2 I)) / 2`` on the small side (compute dtype).
 
         ``Gn``'s eigenvalues are in [0, 1], so a shift above 2 gives ``P_top = 0`` as surely as the exact one
         (which can exceed the dtype: ``tau / c = 1e60`` for ``tau = 1e30``, ``c = 1e-30``)."""
@@ -413,12 +500,13 @@ class GramPlan:
         J = matrix_sign(self.kernels, shifted, sign_coefficients, self.precision).to(self.dtype)
         return (J + self.identity()) * 0.5
 
-    def band(self, p: int, band: BandSpec, polar_coefficients, sign_coefficients) -> torch.Tensor:
-        """A band-selective direction (SPEC 1.4) with one rectangular product by ``P_top``.
+    def band(self, p: int, band: Band, polar_coefficients, sign_coefficients, top: Scale = 1.0) -> torch.Tensor:
+        """A band-selective direction (SPEC 1.4) with one rectangular product by ``P_top``; ``"two_band"``
+        weights its bands by ``top`` and ``band.spectral_weight_decay_bot``.
 
         ``P_bot = I - P_top`` and ``P_top`` commutes with every ``S_p``, so e.g.
         ``P_top S_p + P_bot X = X + P_top (S_p - X)``. ``S_p`` is formed unscaled, so a band form is
-        finite only where ``S_p(W)`` itself fits the math dtype.
+        finite only where ``S_p(W)`` itself fits the compute dtype.
         """
         P_top = self.top_projector(band.tau, sign_coefficients)
         S_top = self.power(p, polar_coefficients)
@@ -430,9 +518,9 @@ class GramPlan:
         if band.mode == "top_only":
             return product(P_top, S_top)
         if band.mode == "bot_only":
-            return product(P_top, S_top, beta=-1.0, Y=S_top)
-        S_bot = self.power(band.p_bot, polar_coefficients) * band.lambda_bot
-        return product(P_top, S_top * band.lambda_top - S_bot, Y=S_bot)
+            return product(P_top, S_top, alpha=-1.0, Y=S_top)
+        S_bot = self.power(band.p_bot, polar_coefficients) * band.spectral_weight_decay_bot
+        return product(P_top, S_top * top - S_bot, Y=S_bot)
 
     def scaled_svt(self, t, polar_coefficients, sign_coefficients):
         """``prox_{t ||.||_*}(W) = c P_top(t) (Xn - (t / c) Q)`` (SPEC 1.4), scaled: ``(D, ln c)``.
@@ -445,17 +533,13 @@ class GramPlan:
             self.log_scale
 
     def _final_product(self, M, Z, **epilogue):
-        """The one rectangular product of a band form, on unscaled weights: in the math dtype, whose
+        """The one rectangular product of a band form, on unscaled weights: in the compute dtype, whose
         range the scale ``c^p`` needs, at fp32 accuracy (fp64 for fp64)."""
         exact = "fp64" if self.dtype == torch.float64 else "fp32"
         return self.kernels.product(M, Z, exact, **epilogue)
 
     def oriented(self, S: torch.Tensor) -> torch.Tensor:
         return S.mT if self.transposed else S
-
-
-def _unwide(W: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
-    return S.mT if is_tall(W) else S
 
 
 # ----- the ops: (validated) inputs in, a new tensor of the input's dtype out; precision None resolves here
@@ -466,32 +550,24 @@ def chained_power(kernels, plan: GramPlan, p: int, polar_coefficients):
 
     The chain gets the unit-norm operand ``Xo``, not the weight: it forms the raw Gram and
     ``||X||^p`` in fp32, which leave the range at ``||W||_F ~ 1e19`` (or ``1e-19``), and for large
-    ``p`` even at unit norm. It does not renormalise ``Gn^k``, whose norm is at least ``r^-k``: the
-    chain is left out where that could fall below fp32's normal range.
+    ``p`` even at unit norm (:func:`route` leaves those out).
     """
-    r = plan.Xo.shape[-2]
-    if p // 2 * math.log2(max(r, 2)) > CHAIN_POWER_RANGE_BITS:
-        return None
     chained = kernels.small_chain(plan.Xo, p, polar_coefficients, plan.precision)
     if chained is None:
         return None
     return chained.to(plan.dtype), p * plan.log_scale
 
 
-# Gn^k at unit norm stays above 2^-CHAIN_POWER_RANGE_BITS, well inside fp32's normal range (2^-126).
-CHAIN_POWER_RANGE_BITS = 100
-
-
 def power_direction(kernels, plan: GramPlan, p: int, polar_coefficients, iteration: str):
-    """``S_p`` scaled, ``(D, ln f)``, by the iteration ``iteration`` resolves to. A backend's fused chain
-    (the rectangle's steps in one kernel per matrix) comes first under ``"rectangle"`` and ``"auto"``:
-    it runs where launches, not FLOPs, bound the time, so Gram space's saving would not show."""
-    if iteration != "gram_space":
+    """``S_p`` scaled, ``(D, ln f)``, as :func:`route` says: a backend's fused chain first where it may
+    run, else the plan's iteration."""
+    chosen = route(plan.shape, plan.dtype, plan.log_scale.device.type, p, plan.precision, method="gram",
+                   iteration=iteration, steps=len(polar_coefficients))
+    if chosen.chain:
         chained = chained_power(kernels, plan, p, polar_coefficients)
         if chained is not None:
             return chained
-    iteration = resolve_iteration(iteration, p, plan.shape, plan.precision, len(polar_coefficients))
-    return plan.scaled_power(p, polar_coefficients, iteration)
+    return plan.scaled_power(p, polar_coefficients, chosen.iteration)
 
 
 def spectral_power(kernels, W: torch.Tensor, p: int, polar_coefficients, precision: str | None = None,
@@ -526,7 +602,7 @@ def polar(kernels, W: torch.Tensor, polar_coefficients, precision: str | None = 
 
 def msign(kernels, A: torch.Tensor, sign_coefficients, precision: str | None = None) -> torch.Tensor:
     precision = resolve_precision(precision, A.dtype)
-    return matrix_sign(kernels, A.to(math_dtype(A.dtype, precision)), sign_coefficients, precision).to(A.dtype)
+    return matrix_sign(kernels, A.to(compute_dtype(A.dtype, precision)), sign_coefficients, precision).to(A.dtype)
 
 
 def band_projectors(kernels, W: torch.Tensor, tau, sign_coefficients, precision: str | None = None):
@@ -535,10 +611,10 @@ def band_projectors(kernels, W: torch.Tensor, tau, sign_coefficients, precision:
     return P_top.to(W.dtype), (plan.identity() - P_top).to(W.dtype)
 
 
-def band_direction(kernels, W: torch.Tensor, p: int, band: BandSpec, polar_coefficients, sign_coefficients,
-                   precision: str | None = None, sync: bool = True):
+def band_direction(kernels, W: torch.Tensor, p: int, band: Band, polar_coefficients, sign_coefficients,
+                   precision: str | None = None, sync: bool = True, top: Scale = 1.0):
     plan = GramPlan(W, kernels, resolve_precision(precision, W.dtype))
-    result = plan.oriented(plan.band(p, band, polar_coefficients, sign_coefficients)).to(W.dtype)
+    result = plan.oriented(plan.band(p, band, polar_coefficients, sign_coefficients, top)).to(W.dtype)
     return checked_finite(result, "band_direction") if sync else result
 
 
@@ -549,39 +625,202 @@ def svt(kernels, W: torch.Tensor, t, polar_coefficients, sign_coefficients, prec
     return checked_finite(result, "svt") if sync else result
 
 
-def decay_(kernels, W: torch.Tensor, request: DecayRequest, sync: bool = True) -> torch.Tensor:
-    """Write the decayed weights into ``W`` (any layout) once, after the whole direction is computed.
+def spectral_norm_bounds(kernels, W: torch.Tensor, squarings: int):
+    """``(lower, upper)`` on ``s_max`` per matrix, in the compute dtype (products at its accuracy)."""
+    dtype = compute_dtype(W.dtype)
+    plan = GramPlan(W, kernels, "fp64" if dtype == torch.float64 else "fp32")
+    log_lower, log_upper = plan.log_spectral_norm_bounds(squarings)
+    return log_lower.exp().clamp(max=torch.finfo(dtype).max).to(dtype), log_upper.exp().to(dtype)
 
-    The direction's scale ``c^p`` goes into the step (a per-matrix factor), never into a number of its
-    own. ``sync``: before writing, check that the new weights fit ``W``'s dtype (OverflowError, nothing
-    written; one host sync, and a pass over the direction); the capturable path passes False and then
-    writes Inf where they do not.
+
+# ----- the choices of algorithm, made here and nowhere else: route() and the cost it weighs
+
+# The CPU's fastest accurate method for S_p, from the crossovers measured with
+# bench/test_bench_ops.py::test_method_selection (docs/backends.md, "Choosing a method on a CPU"):
+# for p >= 2 the Gram's eigendecomposition won at every measured shape; for p = 0 (where eigh is
+# inaccurate) Polar Express beat LAPACK's SVD in float32 for small sides in CPU_POLAR_SIDES (and from
+# CPU_POLAR_LARGE_SIDE), in float64 only on square matrices there.
+CPU_POLAR_SIDES = (128, 256)
+CPU_POLAR_LARGE_SIDE = 1024
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one op runs: ``method`` (``"gram"``: this plan; ``"svd"``/``"eigh"``: a factorisation,
+    :mod:`spectral_ops.linalg`), ``iteration`` (an even power's, :data:`ITERATIONS` but ``"auto"``)
+    and ``chain`` (whether a backend's fused chain may run the whole direction; dispatch says whether
+    one is there)."""
+
+    method: str
+    iteration: str
+    chain: bool
+
+
+def route(shape, dtype: torch.dtype, device_type: str, p: int, precision: str, *, method: str = "auto",
+          iteration: str = "auto", capturable: bool = False, steps: int = 8) -> Route:
+    """Every choice of algorithm, from the shape, dtype, device, power and precision (dispatch
+    chooses providers, this chooses what they compute).
+
+    * ``method="auto"``: the Gram route on a GPU, under ``capturable`` (the factorisations report to
+      the host), for ``p = 1`` and for ``iteration="gram_space"``; on a CPU the faster accurate one
+      of :data:`CPU_POLAR_SIDES`' measurements.
+    * ``iteration="auto"``: Gram space for an even ``p`` at a precision where it is as accurate as the
+      rectangle (:data:`GRAM_SPACE_PRECISIONS`) and where :func:`cost` says it saves at least
+      :data:`GRAM_SPACE_SAVING` of the op's FLOPs (an aspect ratio of about 3.5 or more; on a square
+      matrix it costs more); the rectangle otherwise.
+    * ``chain``: a fused chain runs the rectangle's steps in one kernel per matrix, where launches,
+      not FLOPs, bound the time, so it is taken first under ``"auto"`` and ``"rectangle"``; not where
+      ``Gn^k`` could leave fp32's normal range (:data:`CHAIN_POWER_RANGE_BITS`: the chain does not
+      renormalise it).
     """
-    spectral, ordinary = request.spectral_scale, request.ordinary_scale
-    target = wide(W)
-    prox = request.p == 0 and request.p0_mode == "prox" and request.band is None
-    if request.p == 1 and request.band is None:
-        kernels.decay_epilogue_(target, None, 1.0 - ordinary - spectral, 0.0)
-        return W
+    *_, m, n = shape
+    r, side = min(m, n), max(m, n)
+    if method == "auto":
+        if capturable or iteration == "gram_space" or p == 1 or device_type != "cpu":
+            method = "gram"
+        elif p >= 2:
+            method = "eigh"
+        else:
+            polar_sides = CPU_POLAR_SIDES[0] <= r <= CPU_POLAR_SIDES[1]
+            if compute_dtype(dtype) == torch.float32:
+                method = "gram" if polar_sides or r >= CPU_POLAR_LARGE_SIDE else "svd"
+            else:
+                method = "gram" if m == n and polar_sides else "svd"
+    chain = iteration != "gram_space" and p // 2 * math.log2(max(r, 2)) <= CHAIN_POWER_RANGE_BITS
+    if iteration == "auto":
+        iteration = "rectangle"
+        if p % 2 == 0 and precision in GRAM_SPACE_PRECISIONS:
+            flops = {it: cost("spectral_power", (r, side), p=p, iteration=it, steps=steps, symmetric_at_half=True)
+                     for it in ("gram_space", "rectangle")}
+            if flops["gram_space"] <= (1 - GRAM_SPACE_SAVING) * flops["rectangle"]:
+                iteration = "gram_space"
+    return Route(method, iteration, chain)
+
+
+# Gn^k at unit norm stays above 2^-CHAIN_POWER_RANGE_BITS, well inside fp32's normal range (2^-126).
+CHAIN_POWER_RANGE_BITS = 100
+
+
+@constant_when_traced  # read off the plan on meta tensors, not traced
+@functools.lru_cache(maxsize=4096)
+def cost(op: str, shape: tuple, *, p: int = 0, precision: str = "fp32", iteration: str = "rectangle",
+         steps: int = 8, sign_steps: int = 8, band_mode: str | None = None, p_bot: int = 1, guard: bool = False,
+         symmetric_at_half: bool = False) -> float:
+    """The matrix FLOPs of one call of ``op`` (one of :data:`OPS`) on a float32 tensor of ``shape``
+    (a batch counts each matrix), read off the plan: it runs on meta tensors with
+    :class:`~spectral_ops.backends.counting.CountingBackend`, which counts each primitive.
+
+    At full cost this is what ``FlopCounterMode`` counts of the torch backend; ``symmetric_at_half``
+    gives the GPU kernels' count, each symmetric product (the Gram, ``A A``, the sign steps) at half.
+    ``p``, ``iteration`` (``"auto"`` routes as a call would), ``steps``, ``sign_steps``, ``band_mode``
+    and ``p_bot`` configure the op; ``guard``: a decay's stability bound is formed (a capturable
+    step's clamp, every step; an eager one forms it only where ``||W||_F`` does not settle the
+    guard). The fused chains are not counted: their products are the composed plan's.
+    """
+    from .backends.counting import CountingBackend
+
+    kernels = CountingBackend(symmetric_at_half)
+    W = torch.empty(shape, device="meta")
+    polar_coefficients, sign_coefficients = ((1.0, 0.0, 0.0),) * steps, ((1.0, 0.0, 0.0),) * sign_steps
+    band = Band(1.0, band_mode, p_bot) if band_mode else None
+    calls = {
+        "polar": lambda: polar(kernels, W, polar_coefficients, precision),
+        "msign": lambda: msign(kernels, W, sign_coefficients, precision),
+        "spectral_power": lambda: spectral_power(kernels, W, p, polar_coefficients, precision, False, iteration),
+        "band_projectors": lambda: band_projectors(kernels, W, 1.0, sign_coefficients, precision),
+        "band_direction": lambda: band_direction(kernels, W, p, band, polar_coefficients, sign_coefficients,
+                                                 precision, sync=False),
+        "svt": lambda: svt(kernels, W, 1.0, polar_coefficients, sign_coefficients, precision, sync=False),
+        "spectral_norm_bounds": lambda: spectral_norm_bounds(kernels, W, GUARD_SQUARINGS),
+        "decay_": lambda: decay_(kernels, W, DecayRequest(
+            p, 1.0, 1.0, band=band, polar_coefficients=polar_coefficients, sign_coefficients=sign_coefficients,
+            precision=precision, iteration=iteration, stability="clamp" if guard else "ignore", capturable=guard)),
+    }
+    calls[op]()
+    return kernels.flops
+
+
+# ----- the decay: the guard, the direction and the write, for one stack of same-shape matrices
+
+STABILITY_POLICIES = ("raise", "warn", "clamp", "ignore")
+# "clamp" scales a violating matrix's spectral coefficient down to p * kappa = CLAMP_ORDER (see stability_clamp).
+CLAMP_ORDER = 0.5
+
+logger = logging.getLogger("spectral_ops.decay")
+
+
+class SpectralStabilityError(ValueError):
+    """A p > 1 decay step would reorder the singular values, or push the largest through zero (SPEC 1.5)."""
+
+
+def is_zero(value) -> bool:
+    """A Python zero (a tensor is never read on the host, so it counts as non-zero)."""
+    return not isinstance(value, torch.Tensor) and value == 0
+
+
+def needs_direction(p: int, spectral_weight_decay, band: Band | None) -> bool:
+    """Whether a decay computes a spectral direction, which needs each whole matrix: not for ``p = 1``
+    (``S_1(W) = W``) or a zero ``lambda_p`` without a band, which decay by one multiply."""
+    return band is not None or (p != 1 and not is_zero(spectral_weight_decay))
+
+
+def plain_factor(scale, spectral_weight_decay, ordinary_weight_decay):
+    """The one multiply a decay without a direction is: ``W <- (1 - scale (lambda_1 + lambda_p)) W``."""
+    return 1.0 - scale * ordinary_weight_decay - scale * spectral_weight_decay
+
+
+@dataclass
+class DecayOutcome:
+    """What :func:`decay_` tells its caller besides the new weights.
+
+    ``clamp_factor``: the factor (float64, the stack's batch shape) by which the stability clamp
+    multiplied each matrix's spectral coefficient (1 where it did not), or None where the guard
+    cannot act (no power above 1, or ``"ignore"``). ``clamped``: eager only, the flat batch position
+    of each matrix the clamp reduced, with ``(factor, p * kappa)``, for the log."""
+
+    clamp_factor: torch.Tensor | None = None
+    clamped: dict = field(default_factory=dict)
+
+
+def decay_(kernels, W: torch.Tensor, request: DecayRequest) -> DecayOutcome:
+    """Decay the stack ``W`` (any layout) in place, once, after the guard and the whole direction.
+
+    The guard (:func:`stability_clamp`) runs first and raises before any work where asked to; its
+    ``s_max`` bound comes from this plan's own Gram and squares. The direction's scale ``c^p`` goes
+    into the step (a per-matrix factor), never into a number of its own. ``W`` is the caller's copy
+    of the weights (:func:`spectral_ops.decay.prepare_decay`), which checks the new values before
+    any weight takes them: a value beyond the dtype comes out as Inf here.
+    """
+    p, band = request.p, request.band
+    if not needs_direction(p, request.spectral_weight_decay, band):
+        kernels.decay_epilogue_(wide(W), None, plain_factor(request.scale, request.spectral_weight_decay,
+                                                            request.ordinary_weight_decay), 0.0)
+        return DecayOutcome(None, {})
     plan = GramPlan(W, kernels, resolve_precision(request.precision, W.dtype))
-    if prox:  # the spectral part is the soft-threshold itself: W <- prox - ordinary W
+    clamp, clamped = stability_clamp(plan, request)
+    two_band = band is not None and band.mode == "two_band"
+    # two_band weights each band by its own coefficient inside the direction.
+    spectral = request.scale if two_band else request.scale * request.spectral_weight_decay
+    if clamp is not None:
+        spectral = spectral * clamp[..., None, None]
+    ordinary = request.scale * request.ordinary_weight_decay
+    if p == 0 and request.p0_mode == "prox" and band is None:
+        # The spectral part is the soft-threshold itself: W <- prox - ordinary W.
         keep, step = -ordinary, 1.0
         direction, log_factor = plan.scaled_svt(spectral, request.polar_coefficients, request.sign_coefficients)
     else:
         keep, step = 1.0 - ordinary, -spectral
-        if request.band is not None:
-            direction = plan.band(request.p, request.band, request.polar_coefficients, request.sign_coefficients)
+        if band is not None:
+            top = request.spectral_weight_decay if two_band else 1.0
+            direction = plan.band(p, band, request.polar_coefficients, request.sign_coefficients, top)
             log_factor = torch.zeros_like(plan.log_scale)
         else:
-            direction, log_factor = power_direction(kernels, plan, request.p, request.polar_coefficients,
-                                                    request.iteration)
+            direction, log_factor = power_direction(kernels, plan, p, request.polar_coefficients, request.iteration)
             direction = direction.to(plan.dtype)  # p = 0's polar factor comes in the operand dtype
     step = scaled_step(step, log_factor).to(plan.dtype)
-    if sync:
-        check_update_fits(plan, keep, step, direction, W.dtype)
     del plan  # Xn, Q and the Gram squares: the epilogue needs only the direction
-    kernels.decay_epilogue_(target, direction, keep, step)
-    return W
+    kernels.decay_epilogue_(wide(W), direction, keep, step)
+    return DecayOutcome(clamp, clamped)
 
 
 def scaled_step(step, log_factor: torch.Tensor) -> torch.Tensor:
@@ -591,17 +830,111 @@ def scaled_step(step, log_factor: torch.Tensor) -> torch.Tensor:
     return torch.sign(step) * (step.abs().log() + log_factor).exp()
 
 
-def check_update_fits(plan: GramPlan, keep, step: torch.Tensor, direction: torch.Tensor, dtype: torch.dtype):
-    """Raise OverflowError unless every ``keep W + step D`` fits ``dtype``. ``|keep| ||W||_F + |step| ||D||_F``
-    bounds each entry and settles it in one pass over ``D``; only where that bound exceeds the dtype are
-    the new weights formed and checked."""
-    keep = as_float64(keep, step.device)
-    direction_norm = torch.linalg.vector_norm(direction, dim=(-2, -1), keepdim=True).double()
-    bound = keep.abs() * plan.log_scale.exp() + step.abs() * direction_norm
-    if bool((bound <= torch.finfo(dtype).max).all()):
-        return
-    candidate = (plan.X * keep.to(plan.dtype) + step * direction).to(dtype)
-    if not bool(torch.isfinite(candidate).all()):
-        raise OverflowError(
-            f"spectral_decay_: the decayed weights do not fit in {dtype} (a value exceeds "
-            f"{torch.finfo(dtype).max:.3g}); nothing was written")
+def stability_terms(p: int, spectral_weight_decay, band: Band | None):
+    """``(power, coefficient, capped_at_tau)`` for each spectral part that can overshoot (power > 1)."""
+    if band is None:
+        terms = [(p, spectral_weight_decay, False)]
+    elif band.mode == "two_band":
+        terms = [(p, spectral_weight_decay, False), (band.p_bot, band.spectral_weight_decay_bot, True)]
+    else:
+        terms = [(p, spectral_weight_decay, band.mode in ("bot", "bot_only"))]
+    return [(power, coefficient, capped) for power, coefficient, capped in terms if power > 1]
+
+
+def stability_kappa(scale, coefficient, log_s_max: torch.Tensor, power: int, cap=None) -> torch.Tensor:
+    """``kappa = scale * coefficient * s_max^(power - 1)`` (SPEC 1.5) from ``ln s_max``, in float64 logs:
+    ``s_max^(power-1)`` alone overflows float32 from ``s_max ~ 1e13`` at ``power = 4``, where a small
+    coefficient keeps ``kappa`` below 1. ``cap`` (a band's ``tau``) limits ``s_max``. Inf where
+    ``kappa`` exceeds float64, 0 for a zero matrix or coefficient."""
+    def log(value):
+        return as_float64(value, log_s_max.device).log()
+
+    if cap is not None:
+        log_s_max = torch.minimum(log_s_max, log(cap))
+    # A zero matrix has ln s_max = -inf, and power - 1 >= 1 keeps that -inf (never 0 * -inf).
+    return (log(scale) + log(coefficient) + (power - 1) * log_s_max).exp()
+
+
+def stability_clamp(plan: GramPlan, request: DecayRequest):
+    """The stability guard (SPEC 1.5) of a plan's stack, before any write: ``(factor, clamped)`` as in
+    :class:`DecayOutcome`.
+
+    The per-mode step is ``f(s) = s - k s^p`` with ``k = scale * coefficient``, so
+    ``f'(s) = 1 - p k s^(p-1)``, which for ``p > 1`` falls as ``s`` grows. ``f`` is therefore
+    increasing on ``[0, s_max]``, and keeps the order of the modes, exactly while
+    ``f'(s_max) = 1 - p * kappa > 0``, i.e. ``p * kappa < 1`` with ``kappa = k s_max^(p-1)``. That
+    also keeps every mode positive (``f(s) > f(0) = 0``), the weaker ``kappa < 1``: between the two
+    (``1/p <= kappa < 1``) ``f`` rises then falls, and a mode just below ``s_max`` ends above it.
+
+    ``s_max`` is bounded from above: by ``||W||_F`` for free (the plan's scale), and only when that
+    does not settle the condition by :meth:`GramPlan.log_spectral_norm_bounds`, from the plan's own
+    Gram and at most three squarings of it (shared with the direction's ``G^k``). The guard therefore
+    never misses a violation and can only be conservative by the bounds' ratio.
+
+    ``"clamp"`` scales a violating matrix's coefficient to ``p * kappa = CLAMP_ORDER = 1/2`` rather
+    than to the boundary: ``f' >= 1/2`` on ``[0, s_max]`` then, so no gap between two modes more than
+    halves in the step (at the boundary the top two would merge), the top mode loses at most
+    ``1/(2p)`` of itself, and the next steps (``s_max`` no larger, a warm-up lr up to twice as large)
+    stay inside the condition instead of being clamped again. A matrix that satisfies the condition
+    is left exactly as asked, as ``"raise"`` would.
+
+    ``capturable``: the policy is ``"clamp"`` (validation refuses the host-side ones) and is applied
+    on the device, with the Gram-squaring bound always computed (no host decision to skip it): the
+    same factors as the eager path, and no log.
+    """
+    band = request.band
+    terms = stability_terms(request.p, request.spectral_weight_decay, band)
+    if not terms or request.stability == "ignore":
+        return None, {}
+
+    def kappas(log_s_max):
+        # In logs: s_max^(p-1) alone leaves float32 at the extremes, where kappa may not.
+        return torch.stack([stability_kappa(request.scale, coefficient, log_s_max, power,
+                                            cap=band.tau if capped else None)
+                            for power, coefficient, capped in terms])
+
+    def order(kappa):
+        """``p * kappa`` of the term nearest its order condition (two-band terms have their own p)."""
+        powers = torch.tensor([power for power, _, _ in terms], dtype=kappa.dtype, device=kappa.device)
+        return (powers.reshape(-1, *[1] * (kappa.dim() - 1)) * kappa).amax(0)
+
+    def clamp_factor(worst):
+        return torch.where(worst >= 1, CLAMP_ORDER / worst, torch.ones_like(worst))
+
+    keep = max(request.p, band.p_bot if band is not None and band.mode == "two_band" else 0) // 2
+    if request.capturable:
+        return clamp_factor(order(kappas(plan.log_spectral_norm_bounds(keep=keep)[1]))), {}
+    # Eager: from the free bound (||X||_F) up, each square only while the bound so far does not settle it.
+    for _, log_upper in plan.spectral_norm_levels(keep=keep):
+        kappa = kappas(log_upper)
+        if bool((order(kappa) < 1).all()):
+            return None, {}
+    worst = order(kappa)
+    violating = worst >= 1
+    if not bool(violating.any()):  # unsettled only by a NaN (a non-finite weight, which its caller skips)
+        return None, {}
+    if request.stability in ("raise", "warn"):  # the message's three host reads only where it is shown
+        largest_kappa = float(kappa.max())
+        message = (
+            f"spectral decay with p={request.p} is unstable for {int(violating.sum())} of {violating.numel()} "
+            f"matrices: p * kappa = p * lr * coefficient * s_max^(p-1) reaches {float(worst.max()):.4g} >= 1 "
+            f"(kappa = {largest_kappa:.4g}), and the per-mode step s -> s - lr * coefficient * s^p keeps the "
+            "order of the singular values only while p * kappa < 1: a smaller mode would overtake a larger one"
+            + (", and the largest would go through zero and flip sign (kappa >= 1)" if largest_kappa >= 1 else "")
+            + ". Lower the learning rate or coefficient, or pass stability='clamp'."
+        )
+        if request.stability == "raise":
+            raise SpectralStabilityError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
+        return None, {}
+    factor = clamp_factor(worst)
+    factors, orders = torch.stack([factor, worst]).reshape(2, -1).tolist()
+    return factor, {i: (factors[i], order) for i, order in enumerate(orders) if order >= 1}
+
+
+def log_clamp(name: str, factor: float, order: float, level: int = logging.WARNING, remark: str = "") -> None:
+    """Report one eager clamp: which matrix, and by what factor its spectral coefficient was reduced
+    (at ``level``, with ``remark`` appended)."""
+    logger.log(level, "stability='clamp' reduced the spectral coefficient of %s by a factor %.4g: p * kappa was %.4g "
+               ">= 1 (the step would reorder its singular values) and is %.4g%s", name, factor, order, factor * order,
+               remark)

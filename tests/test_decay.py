@@ -112,7 +112,7 @@ def test_band_decay():
     expected = W - 0.1 * 0.5 * reference.band_direction_svd(W, tau, 2, "top")
     assert relative_error(top, expected) < 1e-10
     two = so.spectral_decay_(W.clone(), 2, 0.1, 0.5, band={"tau": tau, "mode": "two_band", "p_bot": 0,
-                                                            "weight_decay_bot": 0.3})
+                                                            "spectral_weight_decay_bot": 0.3})
     expected = W - 0.1 * reference.band_direction_svd(W, tau, 2, "two_band", p_bot=0, lambda_top=0.5, lambda_bot=0.3)
     assert relative_error(two, expected) < 1e-10
     with pytest.raises(ValueError, match="unknown band options"):
@@ -317,3 +317,57 @@ def _offsets(W: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     """The flat positions in ``base`` of ``W``'s elements (``W`` is a view of the contiguous ``base``)."""
     index = torch.arange(base.numel()).view(base.shape)
     return torch.as_strided(index, W.shape, W.stride(), W.storage_offset() - base.storage_offset())
+
+
+# ----- the decay costs its direction's FLOPs (issue #28): the guard reads the plan's own Gram
+
+FLOP_SHAPES = [(96, 32), (32, 96), (48, 48), (3, 64, 24)]  # tall, wide, square, batched
+
+
+def _flops(call) -> int:
+    from torch.utils.flop_counter import FlopCounterMode  # imports triton: not at collection time
+
+    with FlopCounterMode(display=False) as counter:
+        call()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("shape", FLOP_SHAPES)
+@pytest.mark.parametrize("p", range(5))
+@pytest.mark.parametrize("mode", ["raise", "clamp", "capturable"])
+def test_a_decay_costs_its_direction_and_at_most_three_squarings(mode, p, shape):
+    """The guard's s_max bound comes from the plan's own Gram and at most three squarings of it
+    (6 r^3 per matrix, counted in full as torch counts them): never a second Gram. Where ||W||_F
+    settles the guard (a small lr) an eager decay costs exactly its direction; where it does not
+    (a lr for which ||W||_F says p kappa >= 1 but s_max does not: a flat spectrum, ||W||_F ~ sqrt(r)
+    s_max) the bound is formed. A capturable step forms it always."""
+    *batch, m, n = shape
+    r, matrices = min(m, n), max(1, torch.Size(batch).numel())
+    W = weights(shape, torch.float32, condition=2.0)
+    direction = _flops(lambda: so.spectral_power(W, p, method="gram"))
+    stability = "clamp" if mode == "capturable" else mode
+    capturable = mode == "capturable"
+    # s_max = 1 and ||W||_F >= sqrt(r) / 2 (the spectrum spans [1/2, 1]): lr = 0.5 / p makes p kappa
+    # 0.5 at s_max, and >= 0.5 (sqrt(r) / 2)^(p - 1) >= 1.2 by the Frobenius bound for p >= 2, r >= 24.
+    for lr, settled in ((1e-6, True), (0.5 / max(p, 1), p < 2)):
+        decayed = W.clone()
+        flops = _flops(lambda: so.spectral_decay_(decayed, p, lr, 1.0, stability=stability, capturable=capturable))
+        extra = flops - direction
+        if p < 2 or (settled and not capturable):
+            assert extra == 0
+        else:  # the Gram (the direction's own) may settle it; else up to three squares of it
+            assert 0 <= extra <= 6 * r**3 * matrices
+            if capturable:  # every square up to G^8 but those the direction's G^(p // 2) forms itself
+                assert extra == 2 * r**3 * matrices * (3 - ((p // 2).bit_length() - 1))
+
+
+def test_a_bands_former_coefficient_name_still_works_with_a_deprecation_warning():
+    """Checkpoints and configs written before the rename hold ``weight_decay_bot``: it still means the
+    bottom band's lambda, with a warning that names the new field; both at once is refused."""
+    with pytest.warns(DeprecationWarning, match="spectral_weight_decay_bot"):
+        old = so.Band(1.0, "two_band", weight_decay_bot=0.3)
+    with pytest.warns(DeprecationWarning):
+        from_dict = so.Band.coerce({"tau": 1.0, "mode": "two_band", "weight_decay_bot": 0.3})
+    assert old == from_dict == so.Band(1.0, "two_band", spectral_weight_decay_bot=0.3)
+    with pytest.raises(TypeError, match="both"):
+        so.Band(1.0, spectral_weight_decay_bot=0.1, weight_decay_bot=0.3)

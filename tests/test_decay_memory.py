@@ -34,7 +34,7 @@ def workspace_bound(count: int, shape, dtype: torch.dtype, p: int) -> int:
     """The bytes the CPU (torch backend) decay holds at its peak, from the plan (spectral_ops/plan.py).
 
     In the wide orientation ``X`` is ``r x N`` (``r = min(m, n)``); every temporary is an ``r x N`` or
-    an ``r x r``. Units: ``rN``/``rr``, one of them in the math dtype fp32; ``o`` the operand's share of
+    an ``r x r``. Units: ``rN``/``rr``, one of them in the compute dtype fp32; ``o`` the operand's share of
     it (1 for fp32 weights, 1/2 for bf16, whose products run in bf16 under ``precision=None``).
 
     * p = 1: no spectral direction, and no allocation: every dtype is scaled in place

@@ -186,7 +186,7 @@ def test_polar_overwriting_its_input_gives_the_same_result(shape, dtype):
     expected = so.polar(W, precision="bf16")
     scratch = W.clone()
     assert torch.equal(so.polar(scratch, precision="bf16", overwrite_input=True), expected)
-    if dtype != torch.bfloat16:  # W is in the math dtype: the normalisation ran in its storage
+    if dtype != torch.bfloat16:  # W is in the compute dtype: the normalisation ran in its storage
         assert not torch.equal(scratch, W)
 
 

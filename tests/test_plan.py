@@ -7,7 +7,7 @@ import torch
 
 import spectral_ops as so
 from spectral_ops import dispatch, plan
-from spectral_ops.linalg import scaled_
+from spectral_ops.linalg import compute_dtype, scaled_
 
 
 @pytest.fixture
@@ -47,10 +47,11 @@ def test_medium_runs_a_float32_weight_in_bf16(float32_matmul_precision):
     assert not torch.equal(medium, so.spectral_power(W, 2, method="gram"))
 
 
-def test_the_math_dtype_is_fp64_only_for_fp64():
-    assert plan.math_dtype(torch.bfloat16, "bf16") == torch.float32
-    assert plan.math_dtype(torch.float32, "fp64") == torch.float64
-    assert plan.math_dtype(torch.float64, "bf16") == torch.float64
+def test_the_compute_dtype_is_fp64_only_for_fp64():
+    assert compute_dtype(torch.bfloat16, "bf16") == torch.float32
+    assert compute_dtype(torch.float32, "fp64") == torch.float64
+    assert compute_dtype(torch.float64, "bf16") == torch.float64
+    assert compute_dtype(torch.float16) == torch.float32
 
 
 def test_an_unknown_precision_is_refused_before_anything_is_written():
@@ -172,44 +173,64 @@ def test_gram_space_flops_as_torch_counts_them(p, gram_space_r3, rectangle_r3):
     assert counts == {"gram_space": gram_space_r3, "rectangle": rectangle_r3}
 
 
-def _flops_module():
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("flops", Path(__file__).parents[1] / "bench" / "flops.py")
-    flops = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(flops)
-    return flops
-
-
-def test_the_flop_model_counts_gram_space_with_symmetric_products_at_half():
-    """bench/flops.py against the counts above, symmetric products at half: the Gram 4 r^3 (the
-    restarts' Grams likewise), each M^2 1 r^3 (8 of them), the other 15 r x r products 2 r^3 each."""
-    flops = _flops_module()
+def test_the_cost_counts_gram_space_with_symmetric_products_at_half():
+    """plan.cost against the counts above, symmetric products at half: the Gram 4 r^3 (the restarts'
+    Grams likewise), each M^2 1 r^3 (8 of them), the other 15 r x r products 2 r^3 each."""
     r = 64
     blocks = 8 + 30
-    assert flops.spectral_power_flops(r, 4 * r, 2, iteration="gram_space") == (4 + blocks + 2 * (4 + 8) + 10) * r**3
-    assert flops.spectral_power_flops(r, 4 * r, 0, iteration="gram_space") == (4 + blocks + 2 * (4 + 8) + 8) * r**3
+
+    def half(p, iteration):
+        return plan.cost("spectral_power", (r, 4 * r), p=p, iteration=iteration, symmetric_at_half=True)
+
+    assert half(2, "gram_space") == (4 + blocks + 2 * (4 + 8) + 10) * r**3
+    assert half(0, "gram_space") == (4 + blocks + 2 * (4 + 8) + 8) * r**3
     # The rectangle: the Gram 4, then 7 A (4 each), 8 A^2 (1), 8 B X (8), the final product 8: 112 r^3.
-    assert flops.spectral_power_flops(r, 4 * r, 2) == 112 * r**3
-    assert flops.spectral_power_flops(r, 4 * r, 0) == flops.polar_flops(r, 4 * r) == 104 * r**3
+    assert half(2, "rectangle") == 112 * r**3
+    assert half(0, "rectangle") == plan.cost("polar", (r, 4 * r), symmetric_at_half=True) == 104 * r**3
 
 
-@pytest.mark.parametrize("p", [0, 2, 4])
-@pytest.mark.parametrize("shape", [(96, 24), (3, 64, 16), (24, 200)])
-def test_the_flop_model_matches_torchs_count_with_products_in_full(shape, p):
-    """The model at full cost (symmetric products counted twice, as torch does) is torch's count."""
+OP_COST_CASES = [
+    ("polar", {}), ("msign", {}), ("band_projectors", {}), ("svt", {}), ("spectral_norm_bounds", {}),
+    *[("spectral_power", {"p": p, "iteration": it}) for p in (0, 1, 2, 3, 4, 5) for it in ("rectangle", "gram_space")],
+    *[("band_direction", {"p": 2, "band_mode": mode, "p_bot": 0}) for mode in ("top", "bot", "two_band")],
+    *[("decay_", {"p": p, "iteration": it, "guard": guard}) for p in (0, 1, 2, 3, 4) for it in ("rectangle", "gram_space")
+      for guard in (False, True)],
+    ("decay_", {"p": 2, "band_mode": "top"}),
+]
+
+
+@pytest.mark.parametrize("op, options", OP_COST_CASES, ids=lambda case: str(case))
+@pytest.mark.parametrize("shape", [(96, 24), (3, 64, 16), (24, 200), (32, 32)])
+def test_the_cost_at_full_is_torchs_count_of_the_same_call(shape, op, options):
+    """plan.cost runs the plan itself on meta tensors: at full cost it is what FlopCounterMode counts
+    of the same call on the torch backend, op by op and iteration by iteration."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    flops = _flops_module()
-    *batch, m, n = shape
-    r, big = min(m, n), max(m, n)
+    if op == "msign":
+        shape = (*shape[:-2], shape[-1], shape[-1])
     W = torch.randn(*shape)
+    if op == "msign":
+        W = W + W.mT
+    polar_c, sign_c = so.coefficients.polar_express_coefficients(), so.coefficients.polar_express_coefficients()
+    kernels = dispatch.kernels_for(op, W)
+    band = plan.Band(0.5, options["band_mode"], options.get("p_bot", 1)) if "band_mode" in options else None
+    p, iteration = options.get("p", 0), options.get("iteration", "rectangle")
+    calls = {
+        "polar": lambda: plan.polar(kernels, W, polar_c, "fp32"),
+        "msign": lambda: plan.msign(kernels, W, sign_c, "fp32"),
+        "band_projectors": lambda: plan.band_projectors(kernels, W, 0.5, sign_c, "fp32"),
+        "svt": lambda: plan.svt(kernels, W, 0.5, polar_c, sign_c, "fp32"),
+        "spectral_norm_bounds": lambda: plan.spectral_norm_bounds(kernels, W, plan.GUARD_SQUARINGS),
+        "spectral_power": lambda: plan.spectral_power(kernels, W, p, polar_c, "fp32", iteration=iteration),
+        "band_direction": lambda: plan.band_direction(kernels, W, p, band, polar_c, sign_c, "fp32"),
+        "decay_": lambda: plan.decay_(kernels, W, plan.DecayRequest(
+            p, 1e-3, 0.1, band=band, polar_coefficients=polar_c, sign_coefficients=sign_c, precision="fp32",
+            iteration=iteration, stability="clamp" if options.get("guard") else "ignore",
+            capturable=bool(options.get("guard")))),
+    }
     with FlopCounterMode(display=False) as counter:
-        so.spectral_power(W, p, method="gram", iteration="gram_space", precision="fp32")
-    half_cost = flops.spectral_power_flops(r, big, p, iteration="gram_space")
-    symmetric = r * r * big * len(plan.restart_blocks(8)) + 8 * r**3 + flops.gram_power_products(p // 2) * r**3
-    assert counter.get_total_flops() == math.prod(batch) * (half_cost + symmetric)
+        calls[op]()
+    assert plan.cost(op, shape, precision="fp32", **options) == counter.get_total_flops()
 
 
 @pytest.mark.parametrize("p, shape, precision, expected", [
@@ -223,7 +244,7 @@ def test_the_flop_model_matches_torchs_count_with_products_in_full(shape, p):
     (3, (2048, 512), "fp32", "rectangle"),  # odd: no iteration
 ])
 def test_auto_takes_gram_space_where_it_is_cheaper_and_accurate(p, shape, precision, expected):
-    assert plan.resolve_iteration("auto", p, shape, precision, 8) == expected
+    assert plan.route(shape, torch.float32, "cuda", p, precision).iteration == expected
 
 
 def test_auto_is_the_default_and_polar_stays_on_the_rectangle():
@@ -250,11 +271,12 @@ def test_auto_takes_a_backends_fused_chain_first(monkeypatch):
     chained = (torch.zeros(24, 96), torch.zeros(()))
     monkeypatch.setattr(plan, "chained_power", lambda *args: chained)
     W = torch.randn(96, 24)
-    gram_plan = plan.GramPlan(W, None, "fp32")
-    assert plan.resolve_iteration("auto", 2, W.shape, "fp32", 8) == "gram_space"
-    assert plan.power_direction(None, gram_plan, 2, (), "auto") is chained
+    gram_plan, coefficients = plan.GramPlan(W, None, "fp32"), so.coefficients.polar_express_coefficients()
+    chosen = plan.route(W.shape, W.dtype, "cpu", 2, "fp32")
+    assert chosen.iteration == "gram_space" and chosen.chain
+    assert plan.power_direction(None, gram_plan, 2, coefficients, "auto") is chained
     monkeypatch.setattr(plan.GramPlan, "scaled_power", lambda self, p, coefficients, iteration: iteration)
-    assert plan.power_direction(None, gram_plan, 2, (), "gram_space") == "gram_space"
+    assert plan.power_direction(None, gram_plan, 2, coefficients, "gram_space") == "gram_space"
 
 
 def test_the_polar_factor_starts_from_the_margin_without_a_pass_over_the_matrix():

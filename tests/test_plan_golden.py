@@ -78,7 +78,7 @@ def cases():
                 W, 3, 0.01, 0.2, convention="independent", schedule=0.5, stability="ignore"), 1.0
             yield f"{key}-decay-band-top", lambda W=W: _decayed(W, 2, 0.1, 0.2, band=so.Band(0.5)), at[0.5]
             yield f"{key}-decay-two-band", lambda W=W: _decayed(
-                W, 2, 0.1, 0.2, band=so.Band(0.5, "two_band", p_bot=0, weight_decay_bot=0.05)), at[0.5]
+                W, 2, 0.1, 0.2, band=so.Band(0.5, "two_band", p_bot=0, spectral_weight_decay_bot=0.05)), at[0.5]
             yield f"{key}-decay-clamp", lambda W=W: _decayed(W, 4, 1.0, 5.0, stability="clamp"), 1.0
 
 

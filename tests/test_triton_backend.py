@@ -124,7 +124,7 @@ def test_band_decay_and_direction_against_the_svd(forced, mode):
     expected = reference.band_direction_svd(W, 0.5, 2, mode, p_bot=0, lambda_top=0.5, lambda_bot=2.0)
     assert relative_error(D, expected) < 5e-5
     decayed = W.clone()
-    so.spectral_decay_(decayed, 2, 0.1, 0.3, band=so.Band(0.5, mode, p_bot=0, weight_decay_bot=0.2))
+    so.spectral_decay_(decayed, 2, 0.1, 0.3, band=so.Band(0.5, mode, p_bot=0, spectral_weight_decay_bot=0.2))
     direction = reference.band_direction_svd(W, 0.5, 2, mode, p_bot=0, lambda_top=0.3, lambda_bot=0.2)
     scale = 1.0 if mode == "two_band" else 0.3
     assert relative_error(decayed, W.double() - 0.1 * scale * direction) < 5e-6

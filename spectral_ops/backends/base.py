@@ -1,4 +1,4 @@
-"""What every backend implements: the primitives of :mod:`spectral_ops.plan`, and the request records.
+"""What every backend implements: the primitives of :mod:`spectral_ops.plan`.
 
 A backend provides primitives, never an algorithm. It is an object with
 
@@ -13,8 +13,8 @@ A backend provides primitives, never an algorithm. It is an object with
 =======================================  ================================================================
 ``symmetric(L, R)``                      ``L @ R``, known to be symmetric (``X X^T``, ``A A``, commuting
                                          polynomials in one Gram): half the tiles suffice
-``product(M, Z, *, beta, Y, alpha)``     ``beta * (M @ Z) + alpha * Y`` for ``r x r`` ``M`` and ``r x N``
-                                         ``Z``; ``Y`` may be ``Z`` itself (the ``a X + B X`` update)
+``product(M, Z, *, alpha, Y, beta)``     ``alpha * (M @ Z) + beta * Y`` (BLAS order) for ``r x r`` ``M``
+                                         and ``r x N`` ``Z``; ``Y`` may be ``Z`` itself (``a X + B X``)
 ``poly_step(A, b, c)``                   ``b A + c A @ A`` for symmetric ``A``
 ``sign_step(Z, (a, b, c))``              ``a Z + (b Z^2 + c Z^4) Z`` for symmetric ``Z``
 ``small_chain(X, p, coefficients,``      optional: the whole ``S_p`` of a wide ``X`` in one launch per
@@ -24,55 +24,22 @@ A backend provides primitives, never an algorithm. It is an object with
 ``decay_epilogue_(W, D, keep, step)``    ``W <- keep * W + step * D`` in place, ``D`` None for ``keep * W``
 =======================================  ================================================================
 
-Operands arrive in the compute dtype (float32, or float64), except ``small_chain``'s ``X`` and the
-epilogue's ``W``, which are the weight itself in any float dtype and strides. Results are new tensors
-in the compute dtype. ``beta``/``alpha`` are Python numbers; ``keep``/``step`` may also be 0-d or
-per-matrix ``(..., 1, 1)`` tensors. The torch backend is the reference for every primitive.
+Every primitive takes the op's ``precision`` (:data:`spectral_ops.plan.PRECISIONS`), and its operands
+in that precision's operand dtype (bf16/fp16 for ``"bf16"``/``"fp16"``, else the compute dtype:
+float32, or float64), except ``small_chain``'s ``X`` and the epilogue's ``W`` and ``D``, which may be
+of any float dtype and strides. Products accumulate in fp32 (fp64 for ``"fp64"``) and return a new
+tensor in their operands' dtype. ``alpha``/``beta`` are Python numbers; ``keep``/``step`` may also be
+0-d or per-matrix ``(..., 1, 1)`` tensors. The torch backend is the reference for every primitive.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Union
 
 import torch
 
 PRIMITIVES = ("symmetric", "product", "poly_step", "sign_step", "small_chain", "decay_epilogue_")
 
-Scale = Union[float, torch.Tensor]  # a Python number, a 0-d tensor, or one value per matrix (..., 1, 1)
 
-
-@dataclass(frozen=True)
-class BandSpec:
-    """A validated band rule (SPEC 1.4); ``lambda_*`` weight the two bands in ``"two_band"``."""
-
-    tau: Scale
-    mode: str
-    p_bot: int = 1
-    lambda_top: Scale = 1.0
-    lambda_bot: Scale = 1.0
-
-
-@dataclass(frozen=True)
-class DecayRequest:
-    """One decay step: ``W <- (1 - ordinary_scale) W - spectral_scale * direction``.
-
-    The scales already include the learning rate or schedule multiplier. With ``p = 0`` and
-    ``p0_mode = "prox"`` the spectral part is the exact soft-threshold at ``spectral_scale``.
-    """
-
-    p: int
-    spectral_scale: Scale
-    ordinary_scale: Scale
-    band: BandSpec | None
-    p0_mode: str
-    polar_coefficients: tuple
-    sign_coefficients: tuple
-    precision: str | None = None
-    iteration: str = "auto"
-
-
-def number_and_per_matrix(value: Scale, batch_shape, device) -> tuple[float, torch.Tensor | None]:
+def number_and_per_matrix(value, batch_shape, device) -> tuple[float, torch.Tensor | None]:
     """A scale as the kernels take it: ``(number, None)``, or ``(1.0, one fp32 value per matrix)`` for a
     0-d or ``(..., 1, 1)`` tensor, contiguous in the matrices' row-major order. A tensor stays on the
     device: reading it on the host would synchronise."""
