@@ -866,10 +866,11 @@ def stability_clamp(plan: GramPlan, request: DecayRequest):
     also keeps every mode positive (``f(s) > f(0) = 0``), the weaker ``kappa < 1``: between the two
     (``1/p <= kappa < 1``) ``f`` rises then falls, and a mode just below ``s_max`` ends above it.
 
-    ``s_max`` is bounded from above: by ``||W||_F`` for free (the plan's scale), and only when that
-    does not settle the condition by :meth:`GramPlan.log_spectral_norm_bounds`, from the plan's own
-    Gram and at most three squarings of it (shared with the direction's ``G^k``). The guard therefore
-    never misses a violation and can only be conservative by the bounds' ratio.
+    ``s_max`` is bounded from above level by level (:meth:`GramPlan.spectral_norm_levels`): by
+    ``||W||_F`` for free (the plan's scale), then from the plan's own Gram (the direction's too), then
+    from each of at most three squarings of it (shared with the direction's ``G^k``), stopping at the
+    first level that settles the condition. The guard therefore never misses a violation and can only
+    be conservative by the bounds' ratio.
 
     ``"clamp"`` scales a violating matrix's coefficient to ``p * kappa = CLAMP_ORDER = 1/2`` rather
     than to the boundary: ``f' >= 1/2`` on ``[0, s_max]`` then, so no gap between two modes more than
