@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import sys
+import warnings
 from collections import defaultdict
 from typing import Iterable
 
@@ -169,3 +170,14 @@ def user_stacklevel() -> int:
     while frame is not None and frame.f_globals.get("__name__", "").startswith("spectral_ops"):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def renamed_argument(caller: str, new: str, value, old: str, old_value, unset=None):
+    """``value``, or ``old_value`` given under the deprecated name ``old`` (a DeprecationWarning that
+    names ``new``; both at once is a TypeError). ``unset``: the value meaning "not given"."""
+    if old_value is unset:
+        return value
+    if value is not unset:
+        raise TypeError(f"{caller} got both {new} and {old}, its deprecated name; pass {new} only")
+    warnings.warn(f"{caller}'s {old} is deprecated: pass {new}", DeprecationWarning, stacklevel=user_stacklevel())
+    return old_value

@@ -78,25 +78,26 @@ def _extent(t: torch.Tensor) -> tuple[int, int, int]:
     return t.untyped_storage().data_ptr(), start, start + span * t.element_size()
 
 
-def _check_writable(tensors) -> None:
+def _check_writable(tensors, names: list[str]) -> None:
     """Every weight can be written in place, once, before any is: a failure found half-way through a
-    list would leave the first weights decayed and the rest not."""
+    list would leave the first weights decayed and the rest not. ``names``: each weight's, for the
+    messages."""
     extents = []
     for i, t in enumerate(tensors):
         if not t.numel():
             continue
         if t.device.type == "meta":
-            raise ValueError(f"W[{i}] is a meta tensor: it has no values to decay")
+            raise ValueError(f"{names[i]} is a meta tensor: it has no values to decay")
         if t.is_inference() and not torch.is_inference_mode_enabled():
-            raise RuntimeError(f"W[{i}] is an inference tensor, which cannot be written outside "
+            raise RuntimeError(f"{names[i]} is an inference tensor, which cannot be written outside "
                                "torch.inference_mode()")
         if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
-            raise ValueError(f"W[{i}] has elements that share memory (an expanded view); it cannot be "
+            raise ValueError(f"{names[i]} has elements that share memory (an expanded view); it cannot be "
                              "written in place")
         storage, start, end = _extent(t)
         for j, (other_storage, other_start, other_end) in extents:
             if storage == other_storage and start < other_end and other_start < end:
-                raise ValueError(f"W[{j}] and W[{i}] overlap in memory; each weight may appear once")
+                raise ValueError(f"{names[j]} and {names[i]} overlap in memory; each weight may appear once")
         extents.append((i, (storage, start, end)))
 
 
@@ -228,10 +229,11 @@ def spectral_decay_(
     if spectral_weight_decay is None:
         raise TypeError("spectral_decay_ needs spectral_weight_decay (the spectral coefficient lambda_p)")
     tensors = _as_list(W)
-    for i, t in enumerate(tensors):
-        check_matrix(t, f"W[{i}]" if not isinstance(W, torch.Tensor) else "W")
+    names = ["W"] if isinstance(W, torch.Tensor) else [f"W[{i}]" for i in range(len(tensors))]
+    for t, name in zip(tensors, names):
+        check_matrix(t, name)
     check_same_device(tensors)
-    _check_writable(tensors)
+    _check_writable(tensors, names)
     sync = not capturable
     check_coefficient(lr, "lr", sync=sync)
     options = check_decay_options(

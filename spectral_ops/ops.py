@@ -17,6 +17,7 @@ from ._checks import (
     check_matrix,
     check_power,
     check_steps,
+    renamed_argument,
 )
 from .coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients, resolve_polar_coefficients
 from .linalg import compute_dtype, eigh_spectral_power, svd_spectral_power
@@ -178,17 +179,21 @@ def _check_tau(tau, name: str = "tau", sync: bool = True):
 
 
 @torch.no_grad()
-def band_projectors(W: torch.Tensor, tau, steps: int | None = None, method: str = "polar_express", *,
-                    precision: str | None = None, capturable: bool = False):
+def band_projectors(W: torch.Tensor, tau, sign_steps: int | None = None, sign_method: str | None = None, *,
+                    precision: str | None = None, capturable: bool = False, steps=None, method=None):
     """``(P_top, P_bot)``: projectors onto the singular directions with ``s > tau`` / ``s < tau``.
 
     They live on the small side: ``n x n`` right projectors (``W @ P``) for ``m >= n``, ``m x m``
-    left projectors (``P @ W``) for ``m < n``. Built from ``msign(G - tau^2 I)`` with ``steps``
-    sign iterations of ``method``; accuracy depends on the gap of ``s^2`` around ``tau^2``.
+    left projectors (``P @ W``) for ``m < n``. Built from ``msign(G - tau^2 I)`` with ``sign_steps``
+    sign iterations of ``sign_method`` (default ``"polar_express"``), the names :func:`band_direction`
+    and :func:`svt` use; ``steps``/``method`` are their deprecated names here. Accuracy depends on the
+    gap of ``s^2`` around ``tau^2``.
     """
+    sign_steps = renamed_argument("band_projectors", "sign_steps", sign_steps, "steps", steps)
+    sign_method = renamed_argument("band_projectors", "sign_method", sign_method, "method", method) or "polar_express"
     _validated(W, capturable=capturable)
     _check_tau(tau, sync=not capturable)
-    coefficients = sign_coefficients(steps, method)
+    coefficients = sign_coefficients(sign_steps, sign_method)
     check_precision(precision)
     if W.numel() == 0:
         r = min(W.shape[-2:])

@@ -139,6 +139,17 @@ def test_a_list_that_cannot_all_be_written_is_refused_before_any_is(message, ten
         assert saved is None or torch.equal(t, saved)
 
 
+def test_a_single_weight_is_named_w_and_a_lists_weights_w_i():
+    with torch.inference_mode():
+        frozen = torch.randn(5, 3)
+    with pytest.raises(RuntimeError, match=r"^W is an inference tensor"):
+        so.spectral_decay_(frozen, 2, 0.1, 0.1)
+    with pytest.raises(ValueError, match=r"^W is a meta tensor"):
+        so.spectral_decay_(torch.empty(5, 3, device="meta"), 2, 0.1, 0.1)
+    with pytest.raises(RuntimeError, match=r"^W\[1\] is an inference tensor"):
+        so.spectral_decay_([torch.randn(5, 3), frozen], 2, 0.1, 0.1)
+
+
 def test_disjoint_views_of_one_tensor_are_decayed_each():
     base = torch.randn(10, 3, dtype=torch.float64)
     expected = torch.cat([so.reference.spectral_decay_svd(base[:5], 2, 0.1, 0.1),

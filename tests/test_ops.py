@@ -351,3 +351,15 @@ def test_p1_decay_is_bitwise_the_ordinary_multiply_in_every_precision(precision,
     expected = W.clone().mul_(1 - 1e-3 * 0.1)
     so.spectral_decay_(W, 1, 1e-3, 0.1, precision=precision)
     assert torch.equal(W, expected)
+
+
+def test_band_projectors_names_the_sign_iteration_as_the_other_band_ops_do():
+    """``sign_steps``/``sign_method``, as band_direction and svt; ``steps``/``method`` still work, with a
+    DeprecationWarning, and both names at once are refused."""
+    W = matrix_with_spectrum((12, 8), log_spaced_spectrum(8, 10.0), torch.float64, seed=3)
+    expected = so.band_projectors(W, 0.5, sign_steps=12, sign_method="newton_schulz")
+    with pytest.warns(DeprecationWarning, match="sign_steps"):
+        old = so.band_projectors(W, 0.5, steps=12, method="newton_schulz")
+    assert all(torch.equal(a, b) for a, b in zip(old, expected))
+    with pytest.raises(TypeError, match="both sign_method and method"):
+        so.band_projectors(W, 0.5, sign_method="newton_schulz", method="newton_schulz")
