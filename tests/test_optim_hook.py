@@ -110,7 +110,7 @@ def test_weight_decay_is_a_deprecated_alias(build):
 
 
 def test_weight_decay_in_an_added_group_is_a_deprecated_alias():
-    decay = SpectralDecay([torch.nn.Parameter(torch.ones(4, 4))], p=2, lr=0.1)
+    decay = SpectralDecay([torch.nn.Parameter(torch.ones(4, 4))], p=2, spectral_weight_decay=0.1, lr=0.1)
     with pytest.warns(DeprecationWarning, match=DEPRECATED) as record:
         decay.add_param_group({"params": [torch.nn.Parameter(torch.ones(3, 3))], "weight_decay": 0.3})
     assert record[0].filename == __file__
@@ -123,7 +123,7 @@ def test_both_names_at_once_are_refused():
         SpectralDecay([param], p=2, spectral_weight_decay=0.1, weight_decay=0.1)
     with pytest.raises(TypeError, match="both spectral_weight_decay and weight_decay"):
         SpectralDecay([{"params": [param], "spectral_weight_decay": 0.1, "weight_decay": 0.1}], p=2)
-    decay = SpectralDecay([param], p=2)
+    decay = SpectralDecay([param], p=2, spectral_weight_decay=0.1)
     with pytest.raises(TypeError, match="both spectral_weight_decay and weight_decay"):
         decay.add_param_group({"params": [torch.nn.Parameter(torch.ones(3, 3))], "spectral_weight_decay": 0.1,
                                "weight_decay": 0.1})
@@ -167,3 +167,39 @@ def test_the_independent_peak_survives_the_host_state_dict():
     run(resumed_model, resumed_host, 3, 2)
     for a, b in zip(model.parameters(), resumed_model.parameters()):
         assert torch.equal(a, b)
+
+
+# ----- a hook that cannot be misused silently (#31)
+
+def test_a_spectral_power_without_its_coefficient_is_refused():
+    param = torch.nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(TypeError, match="needs spectral_weight_decay"):
+        SpectralDecay([param], p=2)
+    with pytest.raises(TypeError, match="needs spectral_weight_decay"):
+        SpectralDecay([param], band=so.Band(0.5))
+    decay = SpectralDecay([param], p=1, ordinary_weight_decay=0.1)  # the ordinary decay alone needs none
+    assert decay.param_groups[0]["spectral_weight_decay"] == 0.0
+    with pytest.raises(TypeError, match="needs spectral_weight_decay"):
+        decay.add_param_group({"params": [torch.nn.Parameter(torch.randn(3, 3))], "p": 0})
+
+
+def test_the_standalone_step_decays_a_parameter_without_a_gradient():
+    W0 = matrix_with_spectrum((12, 6), log_spaced_spectrum(6, 10), torch.float64, seed=2)
+    param = torch.nn.Parameter(W0.clone())
+    assert param.grad is None
+    SpectralDecay([param], p=2, spectral_weight_decay=0.2, lr=0.1).step()
+    assert relative_error(param.detach(), so.reference.spectral_decay_svd(W0, 2, 0.1, 0.2, 0.0)) < 1e-10
+
+
+def test_a_parameter_cannot_take_two_spectral_decays():
+    model = tiny_model()
+    host = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    SpectralDecay(matrices(model)[:1], p=2, spectral_weight_decay=0.1).attach(host)
+    with pytest.raises(ValueError, match="another SpectralDecay"):
+        SpectralDecay(matrices(model), p=0, spectral_weight_decay=0.1).attach(host)
+    SpectralDecay(matrices(model)[1:], p=0, spectral_weight_decay=0.1).attach(host)  # disjoint: fine
+    spectral_host = SpectralAdamW(matrices(model), lr=1e-2, p=2, spectral_weight_decay=0.1)
+    with pytest.raises(ValueError, match="SpectralAdamW already decays"):
+        SpectralDecay(matrices(model), p=2, spectral_weight_decay=0.1).attach(spectral_host)
+    ordinary_host = SpectralAdamW(matrices(model), lr=1e-2)  # p = 1: only lambda_1, which stacks
+    SpectralDecay(matrices(model), p=2, spectral_weight_decay=0.1).attach(ordinary_host)

@@ -267,7 +267,7 @@ class SpectralOptimizer(Optimizer):
         self.begin_step()
         prepared = []
         for group in self.param_groups:
-            params = list(self.params_with_grad(group))
+            params = list(self.stepped_params(group))
             if params:
                 prepared.append(self.prepare_group(params, group))
         self.commit_steps(prepared)
@@ -415,6 +415,10 @@ class SpectralOptimizer(Optimizer):
     def gradient_checks(self, params) -> list:
         """A parameter is skipped when its gradient is not finite."""
         return [(i, local(param.grad), finite_limit(param.grad)) for i, param in enumerate(params)]
+
+    def stepped_params(self, group: dict):
+        """The parameters :meth:`step` updates: those with a gradient, as in torch's optimizers."""
+        return self.params_with_grad(group)
 
     @staticmethod
     def params_with_grad(group: dict):

@@ -4,7 +4,8 @@
 just before each ``optimizer.step()``, the listed parameters (those with a gradient) are decayed from
 their pre-update values with the host optimizer's *current* lr (or ``eta_t`` = lr / peak_lr under the
 independent convention, the peak being the host group's starting lr or its scheduler's
-``initial_lr``). It can also run on its own: ``SpectralDecay(params, ..., lr=0.01).step()``.
+``initial_lr``). It can also run on its own: ``SpectralDecay(params, ..., lr=0.01).step()`` decays every
+parameter it holds, gradient or not.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..decay import renamed_spectral_coefficient
+from ..plan import needs_direction
 from ._decay import DECAY_DEFAULTS
 from .base import PreparedStep, SpectralOptimizer, detached_peak
 
@@ -40,8 +42,9 @@ def _without_deprecated_key(group: dict, stacklevel: int) -> dict:
 
 
 class SpectralDecay(SpectralOptimizer):
-    """Decay only: ``spectral_weight_decay`` is the spectral coefficient ``lambda_p`` (default 0) and
-    ``ordinary_weight_decay`` the ordinary ``lambda_1``; every option can be set per group.
+    """Decay only: ``spectral_weight_decay`` is the spectral coefficient ``lambda_p`` (required where
+    ``p != 1`` or a band is set) and ``ordinary_weight_decay`` the ordinary ``lambda_1``; every option
+    can be set per group.
 
     ``capturable=True``: as in :class:`SpectralAdamW`; attached, the host optimizer's lr is used as
     it is (a 0-d tensor stays on the device), so the host should be capturable too.
@@ -69,8 +72,8 @@ class SpectralDecay(SpectralOptimizer):
                         band=band, p0_mode=p0_mode, stability=stability, decay_steps=decay_steps,
                         polar_steps=polar_steps, decay_precision=decay_precision, decay_iteration=decay_iteration,
                         lr=lr, capturable=capturable, strict=strict)
-        if spectral_weight_decay is not None:
-            defaults["spectral_weight_decay"] = spectral_weight_decay
+        # None: not given, which a group that needs a spectral direction refuses (check_group).
+        defaults["spectral_weight_decay"] = spectral_weight_decay
         super().__init__(params, defaults, process_group=process_group)
         self._hook = None
 
@@ -85,14 +88,51 @@ class SpectralDecay(SpectralOptimizer):
         super().__setstate__({**state, "param_groups": groups})
         self.__dict__.setdefault("_hook", None)  # a copy or an unpickled one is not attached
 
+    def check_group(self, group: dict) -> None:
+        if group["spectral_weight_decay"] is None:
+            if needs_direction(group["p"], 1.0, group["band"]):
+                raise TypeError(f"SpectralDecay with p={group['p']} needs spectral_weight_decay (lambda_p): "
+                                "without it the decay would do nothing")
+            group["spectral_weight_decay"] = 0.0  # p = 1: the ordinary lambda_1 alone
+        super().check_group(group)
+
+    def stepped_params(self, group: dict):
+        """Standalone, :meth:`step` decays every parameter it holds: a decay needs no gradient."""
+        return list(group["params"])
+
     def attach(self, optimizer: torch.optim.Optimizer) -> "SpectralDecay":
-        """Decay before every ``optimizer.step()``, following that optimizer's current lr."""
+        """Decay before every ``optimizer.step()``, following that optimizer's current lr.
+
+        Refused where a parameter would be decayed spectrally twice: by another SpectralDecay attached
+        to ``optimizer``, or by ``optimizer`` itself (a family optimizer with a spectral decay)."""
         if self._hook is not None:
             raise RuntimeError("this SpectralDecay is already attached; call detach() first")
+        self._check_no_second_decay(optimizer)
         for group in optimizer.param_groups:
             _remember_peak(group)
         self._hook = optimizer.register_step_pre_hook(self._before_host_step)
         return self
+
+    def _decayed_ids(self) -> set[int]:
+        return {id(param) for group in self.param_groups for param in group["params"]
+                if needs_direction(group["p"], group["spectral_weight_decay"], group["band"])}
+
+    def _check_no_second_decay(self, optimizer: torch.optim.Optimizer) -> None:
+        mine = self._decayed_ids()
+        others = [hook.__self__ for hook in optimizer._optimizer_step_pre_hooks.values()
+                  if isinstance(getattr(hook, "__self__", None), SpectralDecay)]
+        for other in others:
+            if mine & other._decayed_ids():
+                raise ValueError("another SpectralDecay attached to this optimizer already decays some of these "
+                                 "parameters; each parameter may take one spectral decay (detach the other, or "
+                                 "give each its own parameters)")
+        if isinstance(optimizer, SpectralOptimizer) and not isinstance(optimizer, SpectralDecay):
+            host = {id(param) for group in optimizer.param_groups for param in group["params"]
+                    if needs_direction(group["p"], group[optimizer.spectral_key], group["band"])}
+            if mine & host:
+                raise ValueError(f"{type(optimizer).__name__} already decays some of these parameters spectrally "
+                                 "(p and spectral_weight_decay of its groups); set the spectral decay in one "
+                                 "place: the optimizer's groups, or this SpectralDecay")
 
     def detach(self) -> None:
         if self._hook is not None:
