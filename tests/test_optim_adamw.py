@@ -99,15 +99,21 @@ def test_independent_convention_divides_the_lr_by_the_groups_peak_lr():
     assert relative_error(decayed({}, lr=0.4), expected) < 1e-12  # by default, the starting lr
     assert relative_error(decayed({"peak_lr": 0.4}, lr=0.1), expected) < 1e-12
 
-def test_stability_guard_in_the_optimizer():
+def test_stability_guard_in_the_optimizer(caplog):
     big = matrix_with_spectrum((12, 8), log_spaced_spectrum(8, 10) * 10, torch.float64, seed=4)
     param = big.clone().requires_grad_()
     param.grad = torch.zeros_like(big)
     with pytest.raises(so.SpectralStabilityError):
-        SpectralAdamW([param], lr=0.1, p=2, spectral_weight_decay=2.0, weight_decay=0).step()
+        SpectralAdamW([param], lr=0.1, p=2, spectral_weight_decay=2.0, weight_decay=0, stability="raise").step()
     assert torch.equal(param.detach(), big)
-    SpectralAdamW([param], lr=0.1, p=2, spectral_weight_decay=2.0, weight_decay=0, stability="clamp").step()
+    # The optimizers' default is "clamp": a long run does not die on one aggressive step.
+    optimizer = SpectralAdamW([param], lr=0.1, p=2, spectral_weight_decay=2.0, weight_decay=0)
+    assert optimizer.param_groups[0]["stability"] == "clamp"
+    with caplog.at_level("WARNING", logger="spectral_ops"):
+        optimizer.step()
+    assert "stability='clamp' reduced the spectral coefficient" in caplog.text  # the first clamp is logged
     assert (torch.linalg.svdvals(param.detach()) > 0).all()
+    assert [int(record.count) for record in optimizer.clamped.values()] == [1]
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -109,8 +109,8 @@ def test_the_detector_catches_an_eager_step():
 @pytest.mark.parametrize("make", [
     lambda params: SpectralAdamW(params, capturable=True, p=2, spectral_weight_decay=0.5, stability="raise"),
     lambda params: SpectralSGD(params, capturable=True, p=3, spectral_weight_decay=0.5, stability="warn"),
-    lambda params: SpectralMuon(params, capturable=True, p=2, spectral_weight_decay=0.5),  # "raise" by default
-    lambda params: SpectralDecay(params, capturable=True, p=2, spectral_weight_decay=0.5),
+    lambda params: SpectralMuon(params, capturable=True, p=2, spectral_weight_decay=0.5, stability="raise"),
+    lambda params: SpectralDecay(params, capturable=True, p=2, spectral_weight_decay=0.5, stability="raise"),
 ], ids=["adamw", "sgd", "muon", "decay"])
 def test_host_side_stability_policies_are_refused_at_construction(make):
     with pytest.raises(ValueError, match="capturable=True forbids; pass stability='clamp'"):

@@ -28,7 +28,7 @@ DECAY_DEFAULTS = {
     "convention": "decoupled",
     "band": None,
     "p0_mode": "explicit",
-    "stability": "raise",
+    "stability": "clamp",
     "decay_steps": None,
     "decay_precision": None,
     "decay_iteration": "auto",

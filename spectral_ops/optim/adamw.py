@@ -110,7 +110,7 @@ class SpectralAdamW(SpectralOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, p=1,
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
-                 stability="raise", decay_steps=None, decay_precision=None, decay_iteration="auto",
+                 stability="clamp", decay_steps=None, decay_precision=None, decay_iteration="auto",
                  capturable=False, strict=False, process_group=None, polar_steps=None):
         defaults = dict(DECAY_DEFAULTS, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, p=p,
                         spectral_weight_decay=spectral_weight_decay, convention=convention, band=band,

@@ -56,7 +56,7 @@ class SpectralDecay(SpectralOptimizer):
     lr_optional = True  # lr=None: attached use, where the host optimizer supplies the lr
 
     def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
-                 band=None, p0_mode="explicit", stability="raise", decay_steps=None, decay_precision=None,
+                 band=None, p0_mode="explicit", stability="clamp", decay_steps=None, decay_precision=None,
                  decay_iteration="auto", lr=None, capturable=False, strict=False, weight_decay=None, process_group=None,
                  polar_steps=None):
         spectral_weight_decay = renamed_spectral_coefficient("SpectralDecay", spectral_weight_decay, weight_decay,

@@ -105,7 +105,7 @@ class SpectralMuon(SpectralOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.95, nesterov=True, ns_coefficients=None, ns_steps=None,
                  adjust_lr_fn="match_rms_adamw", weight_decay=0.1, p=1, spectral_weight_decay=0.0,
-                 convention="decoupled", band=None, p0_mode="explicit", stability="raise", decay_steps=None,
+                 convention="decoupled", band=None, p0_mode="explicit", stability="clamp", decay_steps=None,
                  decay_precision=None, decay_iteration="auto", precision="bf16",
                  heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8,
                  capturable=False, strict=False, process_group=None, polar_steps=None):

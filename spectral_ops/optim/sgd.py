@@ -19,7 +19,7 @@ class SpectralSGD(SpectralOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0, p=1,
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
-                 stability="raise", decay_steps=None, decay_precision=None, decay_iteration="auto",
+                 stability="clamp", decay_steps=None, decay_precision=None, decay_iteration="auto",
                  capturable=False, strict=False, process_group=None, polar_steps=None):
         defaults = dict(DECAY_DEFAULTS, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,

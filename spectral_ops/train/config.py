@@ -190,9 +190,9 @@ FIELD_HELP = {
     "p_v": "extra spectral power for V on top of the ordinary decay (SPEC 7.5)",
     "lambda_v": "lambda_p of that extra V rule",
     "p0_mode": "p = 0 as an explicit step or as exact soft-thresholding (prox)",
-    "stability": "p > 1 stability guard: raise, warn, clamp or ignore. clamp here, unlike the library's "
-                 "raise: an unattended run should shrink a too-large step, not stop at it; each clamp is logged with "
-                 "its factor (spectral_ops.decay logger) and counted in optimizer.clamped",
+    "stability": "p > 1 stability guard: raise, warn, clamp or ignore. clamp, as the optimizers default to: an "
+                 "unattended run should shrink a too-large step, not stop at it; each clamp is logged with its factor "
+                 "(spectral_ops.decay logger) and counted in optimizer.clamped",
     "muon_precision": "Muon's orthogonalisation precision (none: bf16 on a GPU, fp32 on a CPU)",
     "log_every": "steps between validations, log lines and metrics (and the last step)",
     "checkpoint_every": "steps between checkpoints (0: only at the end)",
