@@ -701,8 +701,7 @@ def route(shape, dtype: torch.dtype, device_type: str, p: int, precision: str, *
 CHAIN_POWER_RANGE_BITS = 100
 
 
-@constant_when_traced  # read off the plan on meta tensors, not traced
-@functools.lru_cache(maxsize=4096)
+@constant_when_traced  # read off the plan on meta tensors, not traced (nor its cache, which Dynamo would skip)
 def cost(op: str, shape: tuple, *, p: int = 0, precision: str = "fp32", iteration: str = "rectangle",
          steps: int = 8, sign_steps: int = 8, band_mode: str | None = None, p_bot: int = 1, guard: bool = False,
          symmetric_at_half: bool = False) -> float:
@@ -717,6 +716,12 @@ def cost(op: str, shape: tuple, *, p: int = 0, precision: str = "fp32", iteratio
     step's clamp, every step; an eager one forms it only where ``||W||_F`` does not settle the
     guard). The fused chains are not counted: their products are the composed plan's.
     """
+    return _counted(op, tuple(shape), p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard,
+                    symmetric_at_half)
+
+
+@functools.lru_cache(maxsize=4096)
+def _counted(op, shape, p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard, symmetric_at_half):
     from .backends.counting import CountingBackend
 
     kernels = CountingBackend(symmetric_at_half)
