@@ -4,7 +4,11 @@ Each function takes ``kernels``, the object dispatch hands out for one op call
 (:func:`spectral_ops.dispatch.kernels_for`): it has one method per primitive of
 :mod:`spectral_ops.backends.base` and routes every call to a backend. The plan never chooses a
 backend and never imports dispatch; it only asks whether a fused small chain is available
-(``kernels.small_chain`` returns None when none is).
+(``kernels.small_chain`` returns None when none is). What it computes is chosen here, in one place:
+:func:`route` (the method, an even power's iteration, chain or composed), weighing :func:`cost`, the
+FLOPs read off this very plan on meta tensors. A decay (:func:`decay_`) is the whole step of a stack
+of matrices: the ``p = 1`` shortcut, the stability guard (:func:`stability_clamp`, its ``s_max``
+bound from the plan's own Gram and squares), the clamp, the direction and the write.
 
 The shape of the computation (SPEC 1.2-1.4):
 
