@@ -1,13 +1,13 @@
 """The base of the family, :class:`SpectralOptimizer`: construction and validation of the groups, and a
 step that writes nothing until every group's step is computed and checked.
 
-A step gathers each group's parameters with a gradient and prepares them
-(:meth:`~SpectralOptimizer.prepare_group`: the decay, and the part of the update that needs whole
-matrices, computed but not written, in a :class:`PreparedStep` record); runs the step's whole-matrix
-work (:class:`~spectral_ops.optim.distributed.Exchange`); checks every record and agrees on the
-decisions with the other ranks; and only then commits each record for the parameters it keeps
-(:meth:`~SpectralOptimizer.commit_group`: the decay, then the optimizer's update, a functional core
-such as :func:`~spectral_ops.optim.adamw.adam_update_`).
+A step gathers each group's parameters (:meth:`~SpectralOptimizer.stepped_params`: those with a
+gradient) and prepares them (:meth:`~SpectralOptimizer.prepare_group`: the decay, and the part of the
+update that needs whole matrices, computed but not written, in a :class:`PreparedStep` record); runs
+the step's whole-matrix work (:class:`~spectral_ops.optim.distributed.Exchange`); checks every record
+and agrees on the decisions with the other ranks; and only then commits each record for the
+parameters it keeps (:meth:`~SpectralOptimizer.commit_group`: the decay, then the optimizer's update,
+a functional core such as :func:`~spectral_ops.optim.adamw.adam_update_`).
 """
 
 from __future__ import annotations
