@@ -33,16 +33,12 @@ def check_matrix(W, name: str = "W") -> None:
 def check_finite(tensors: Iterable[torch.Tensor], name: str = "W",
                  reason: str = "contains NaN or Inf; refusing to compute a spectral direction from it",
                  error: type[Exception] = ValueError) -> None:
-    """Raise ``error`` if any tensor holds NaN or Inf, with one host sync for the whole list."""
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors:
-        return
-    # The largest magnitude of each tensor is finite exactly when the tensor is (NaN propagates):
-    # one read back.
-    flags = torch.isfinite(torch.stack(largest_magnitudes(tensors)))
-    bad = (~flags).nonzero().flatten().tolist()
-    if bad:
-        where = f"{name}[{bad[0]}]" if len(tensors) > 1 else name
+    """Raise ``error`` if any tensor holds NaN or Inf (one host read per device), naming the first
+    one by its position in ``tensors``."""
+    tensors = list(tensors)
+    finite = within_limits([(i, t, finite_limit(t)) for i, t in enumerate(tensors)], [True] * len(tensors))
+    if not all(finite):
+        where = f"{name}[{finite.index(False)}]" if len(tensors) > 1 else name
         raise error(f"{where} {reason}")
 
 
@@ -57,7 +53,7 @@ def real_view(tensor: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
-def largest_magnitudes(tensors) -> list:
+def largest_magnitude_each(tensors) -> list:
     """The largest magnitude of each tensor (NaN when it holds one), as 0-d tensors on its device."""
     if tensors[0].device.type == "cpu":
         # torch's multi-tensor infinity norm is not vectorised on a CPU: aminmax is ~10x faster.
@@ -77,7 +73,7 @@ def within_limits(checks, on_host: list) -> list:
         if tensor.numel():
             by_device[tensor.device].append(position)
     for positions in by_device.values():
-        largest = largest_magnitudes([checks[i][1] for i in positions])
+        largest = largest_magnitude_each([checks[i][1] for i in positions])
         within = torch.stack(torch._foreach_div(largest, [checks[i][2] for i in positions])) <= 1
         values = within.tolist() if any(on_host[i] for i in positions) else None
         for index, (position, flag) in enumerate(zip(positions, within.unbind(0))):

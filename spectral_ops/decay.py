@@ -25,8 +25,7 @@ from ._checks import (
 )
 from .coefficients import resolve_polar_coefficients
 from .ops import check_band, check_iteration, check_precision, sign_coefficients
-from .plan import (  # noqa: F401  (SpectralStabilityError, CLAMP_ORDER: the decay's public names)
-    CLAMP_ORDER,
+from .plan import (  # noqa: F401  (SpectralStabilityError: the decay's public name)
     STABILITY_POLICIES,
     Band,
     DecayRequest,
@@ -260,10 +259,9 @@ def spectral_decay_(
                      "exceeds the weights' dtype); nothing was written", error=OverflowError)
     pending.commit()
     for i, position, factor, order in pending.clamped:
-        name = "W" if isinstance(W, torch.Tensor) else f"W[{i}]"
         batch = tensors[i].shape[:-2]
         where = f"{[int(k) for k in torch.unravel_index(torch.tensor(position), batch)]}" if batch else ""
-        log_clamp(f"{name}{where} {tuple(tensors[i].shape[-2:])}", factor, order)
+        log_clamp(f"{names[i]}{where} {tuple(tensors[i].shape[-2:])}", factor, order)
     if clamp_factors is not None:
         clamp_factors.extend(pending.clamp_factors.get(i, torch.ones(t.shape[:-2], dtype=torch.float64,
                                                                      device=t.device)) for i, t in enumerate(tensors))

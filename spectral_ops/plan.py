@@ -45,7 +45,7 @@ from typing import Union
 
 import torch
 
-from ._checks import user_stacklevel
+from ._checks import renamed_argument, user_stacklevel
 from ._compile import constant_when_traced
 from .coefficients import NORMALIZATION_MARGIN
 from .linalg import as_float64, compute_dtype, frobenius_normalized, is_tall, ratio, scaled_, wide
@@ -67,20 +67,15 @@ class Band:
     tau: Scale
     mode: str = "top"
     p_bot: int = 1
-    spectral_weight_decay_bot: Scale = 0.0
+    spectral_weight_decay_bot: Scale | None = None  # None: 0
     sign_steps: int | None = None
     sign_method: str = "polar_express"
     weight_decay_bot: InitVar[Scale | None] = None
 
     def __post_init__(self, weight_decay_bot):
-        if weight_decay_bot is None:
-            return
-        if self.spectral_weight_decay_bot != 0.0:
-            raise TypeError("Band got both spectral_weight_decay_bot and weight_decay_bot, its deprecated alias; "
-                            "pass spectral_weight_decay_bot only")
-        warnings.warn("Band's weight_decay_bot is deprecated: pass spectral_weight_decay_bot", DeprecationWarning,
-                      stacklevel=3)
-        object.__setattr__(self, "spectral_weight_decay_bot", weight_decay_bot)
+        coefficient = renamed_argument("Band", "spectral_weight_decay_bot", self.spectral_weight_decay_bot,
+                                       "weight_decay_bot", weight_decay_bot)
+        object.__setattr__(self, "spectral_weight_decay_bot", 0.0 if coefficient is None else coefficient)
 
     @classmethod
     def coerce(cls, band) -> "Band | None":
@@ -274,12 +269,14 @@ def matrix_sign(kernels, A: torch.Tensor, coefficients, precision: str) -> torch
 
 
 def renormalized(M: torch.Tensor, log_scale: torch.Tensor):
-    """``(M / 2^e, log_scale + e ln 2)`` with ``2^e`` the power of two nearest above ``||M||_F``: an exact
-    rescaling, so a chain of products of ``Gn``'s squares (whose norms shrink geometrically, to zero
-    in fp16 for ``Gn^4`` of a 4096-side Gram) keeps every mantissa it would have had in range."""
+    """``(M / 2^e, log_scale + e ln 2, ||M / 2^e||_F)`` with ``2^e`` the power of two nearest above
+    ``||M||_F``: an exact rescaling, so a chain of products of ``Gn``'s squares (whose norms shrink
+    geometrically, to zero in fp16 for ``Gn^4`` of a 4096-side Gram) keeps every mantissa it would have
+    had in range. The norm (compute dtype, per matrix) comes with it: the guard's bounds read it."""
     norm = torch.linalg.vector_norm(M, dim=(-2, -1), keepdim=True, dtype=compute_dtype(M.dtype))
     exponent = torch.frexp(norm).exponent
-    return M * torch.exp2(-exponent.to(M.dtype)), log_scale + exponent.double() * math.log(2)
+    scale = torch.exp2(-exponent.to(norm.dtype))
+    return M * scale.to(M.dtype), log_scale + exponent.double() * math.log(2), (norm * scale)[..., 0, 0]
 
 
 def checked_finite(result: torch.Tensor, op: str) -> torch.Tensor:
@@ -323,7 +320,8 @@ class GramPlan:
         # Xn itself is read only by svt: where the operands are of another dtype it is not held through
         # the iteration (a full-size math-dtype temporary), but formed again if asked for.
         self._normalized = Xn if self.Xo is Xn or overwrite_input else None
-        self._gram_squares: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # exponent -> (M, ln f, ||M||_F or None): see _gram_square and _square_norm.
+        self._gram_squares: dict[int, tuple] = {}
         self._polar = None
         self._gram_polar = None
 
@@ -351,22 +349,26 @@ class GramPlan:
         """``Gn^exponent`` for a power of two, scaled: ``(M, ln f)`` with ``Gn^exponent = f M``."""
         if exponent not in self._gram_squares:
             if exponent == 1:
-                self._gram_squares[1] = (self.symmetric(self.Xo, self.Xo.mT), torch.zeros_like(self.log_scale))
+                # Its norm is formed only if the guard asks (the squares' come with their renormalisation).
+                self._gram_squares[1] = (self.symmetric(self.Xo, self.Xo.mT), torch.zeros_like(self.log_scale), None)
             else:
                 half, log_half = self._gram_square(exponent // 2)
                 self._gram_squares[exponent] = renormalized(self.symmetric(half, half), 2 * log_half)
-        return self._gram_squares[exponent]
+        return self._gram_squares[exponent][:2]
+
+    def _square_norm(self, exponent: int) -> torch.Tensor:
+        """``||M||_F`` of :meth:`_gram_square` ``(exponent)``, per matrix in the compute dtype, formed once."""
+        M, log_factor, norm = self._gram_squares[exponent]
+        if norm is None:
+            norm = torch.linalg.vector_norm(M, dim=(-2, -1), dtype=compute_dtype(M.dtype))
+            self._gram_squares[exponent] = (M, log_factor, norm)
+        return norm
 
     def gram_power(self, k: int):
         """``Gn^k`` scaled, ``(M, ln f)``, by repeated squaring."""
         def multiply(left, right):
-            return renormalized(self.symmetric(left[0], right[0]), left[1] + right[1])
+            return renormalized(self.symmetric(left[0], right[0]), left[1] + right[1])[:2]
         return repeated_squaring(k, self._gram_square, multiply)
-
-    def log_frobenius_bound(self) -> torch.Tensor:
-        """``ln`` of an upper bound on ``s_max`` from ``||X||_F`` (free: the plan's scale), per matrix
-        (float64, the batch shape), widened by the norm's own rounding."""
-        return self.log_scale[..., 0, 0] + math.log1p(NORM_ROUNDING * torch.finfo(self.dtype).eps)
 
     def log_spectral_norm_bounds(self, squarings: int = GUARD_SQUARINGS, keep: int | None = None):
         """``(ln lower, ln upper)`` with ``lower <= s_max(X) <= upper`` per matrix (float64, the batch
@@ -407,10 +409,11 @@ class GramPlan:
         relative = 0.0
         try:
             for level in range(squarings + 1):
-                M, log_factor = self._gram_square(2**level)
+                _, log_factor = self._gram_square(2**level)
+                norm = self._square_norm(2**level)
                 if level >= 2 and keep is not None and 2 ** (level - 1) > keep:
                     del self._gram_squares[2 ** (level - 1)]  # squared: the direction does not read it
-                norm = torch.linalg.vector_norm(M, dim=(-2, -1), dtype=compute_dtype(M.dtype)).double()
+                norm = norm.double()
                 relative = (1 + relative) ** 2 * (1 + (inner if level == 0 else r) * accumulation + product) - 1
                 # Capped where a level says nothing (a zero matrix's): the next square would overflow it.
                 relative = (relative + norm_rounding + r * subnormal / norm).clamp_max(RELATIVE_ROUNDING_CAP)
@@ -904,9 +907,9 @@ def stability_clamp(plan: GramPlan, request: DecayRequest):
                             for power, coefficient, capped in terms])
 
     def order(kappa):
-        """``p * kappa`` of the term nearest its order condition (two-band terms have their own p)."""
-        powers = torch.tensor([power for power, _, _ in terms], dtype=kappa.dtype, device=kappa.device)
-        return (powers.reshape(-1, *[1] * (kappa.dim() - 1)) * kappa).amax(0)
+        """``p * kappa`` of the term nearest its order condition (two-band terms have their own p), by
+        Python multiples: a tensor of the powers would be a copy from the host, which capture refuses."""
+        return torch.stack([power * term for (power, _, _), term in zip(terms, kappa)]).amax(0)
 
     def clamp_factor(worst):
         return torch.where(worst >= 1, CLAMP_ORDER / worst, torch.ones_like(worst))
@@ -917,9 +920,9 @@ def stability_clamp(plan: GramPlan, request: DecayRequest):
     # Eager: from the free bound (||X||_F) up, each square only while the bound so far does not settle it.
     for _, log_upper in plan.spectral_norm_levels(keep=keep):
         kappa = kappas(log_upper)
-        if bool((order(kappa) < 1).all()):
+        worst = order(kappa)
+        if bool((worst < 1).all()):
             return None, {}
-    worst = order(kappa)
     violating = worst >= 1
     if not bool(violating.any()):  # unsettled only by a NaN (a non-finite weight, which its caller skips)
         return None, {}

@@ -150,6 +150,13 @@ def test_a_single_weight_is_named_w_and_a_lists_weights_w_i():
         so.spectral_decay_([torch.randn(5, 3), frozen], 2, 0.1, 0.1)
 
 
+def test_a_non_finite_weight_is_named_by_its_place_in_the_list_past_empty_ones():
+    bad = good().clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"^W\[2\] contains NaN or Inf"):
+        so.spectral_decay_([torch.empty(0, 3), good(), bad], 2, 0.1, 0.1)
+
+
 def test_disjoint_views_of_one_tensor_are_decayed_each():
     base = torch.randn(10, 3, dtype=torch.float64)
     expected = torch.cat([so.reference.spectral_decay_svd(base[:5], 2, 0.1, 0.1),

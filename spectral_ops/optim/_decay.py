@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 
 import torch
 
-from .._checks import check_same_device, user_stacklevel
+from .._checks import check_same_device, renamed_argument
 from ..decay import DecayOptions, PendingDecay, check_decay_options, prepare_decay
 from ..plan import is_zero, needs_direction
 from .distributed import local, owner_decay
@@ -44,19 +43,11 @@ RENAMED_GROUP_KEYS = {"polar_steps": "decay_steps"}
 
 def renamed_group_keys(group: dict, caller: str, warn: bool = True) -> dict:
     """``group`` with each deprecated key of :data:`RENAMED_GROUP_KEYS` under its new name (in place;
-    an old key set to None is dropped)."""
+    an old key set to None is dropped). ``warn=False``: a saved state, renamed silently."""
     for old, new in RENAMED_GROUP_KEYS.items():
-        if old not in group:
-            continue
-        value = group.pop(old)
-        if value is None:
-            continue
-        if group.get(new) is not None:
-            raise TypeError(f"{caller} got both {new} and {old}, its deprecated name; pass {new} only")
-        if warn:
-            warnings.warn(f"{caller}'s {old} is deprecated: pass {new}", DeprecationWarning,
-                          stacklevel=user_stacklevel())
-        group[new] = value
+        value = group.pop(old, None)
+        if value is not None:
+            group[new] = renamed_argument(caller, new, group.get(new), old, value) if warn else value
     return group
 
 
