@@ -202,13 +202,15 @@ def band_projectors(W: torch.Tensor, tau, sign_steps: int | None = None, sign_me
     return plan.band_projectors(dispatch.kernels_for("band_projectors", W), W, tau, coefficients, precision)
 
 
-def check_band(band: plan.Band, sync: bool = True) -> plan.Band:
+def check_band(band: plan.Band, sync: bool = True,
+               bottom_name: str = "band.spectral_weight_decay_bot") -> plan.Band:
     """Validate a band rule (shared by :func:`band_direction` and :func:`spectral_decay_`); ``sync``
-    as in :func:`~spectral_ops._checks.check_coefficient`."""
+    as in :func:`~spectral_ops._checks.check_coefficient`; ``bottom_name``: what the caller calls the
+    bottom band's coefficient."""
     _check_tau(band.tau, sync=sync)
     check_choice(band.mode, "mode", BAND_MODES)
     check_power(band.p_bot, "p_bot")
-    check_coefficient(band.spectral_weight_decay_bot, "band.spectral_weight_decay_bot", sync=sync)
+    check_coefficient(band.spectral_weight_decay_bot, bottom_name, sync=sync)
     return band
 
 
@@ -230,8 +232,8 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
     _validated(W, capturable=capturable)
     p = check_power(p)
     check_coefficient(lambda_top, "lambda_top", sync=not capturable)
-    check_coefficient(lambda_bot, "lambda_bot", sync=not capturable)
-    band = check_band(plan.Band(tau, mode, p_bot=p_bot, spectral_weight_decay_bot=lambda_bot), sync=not capturable)
+    band = check_band(plan.Band(tau, mode, p_bot=p_bot, spectral_weight_decay_bot=lambda_bot), sync=not capturable,
+                      bottom_name="lambda_bot")
     polar_c = resolve_polar_coefficients(check_steps(steps), None)
     sign_c = sign_coefficients(sign_steps, sign_method)
     check_precision(precision)

@@ -131,3 +131,15 @@ def test_a_copy_of_an_attached_decay_is_detached_and_can_attach_elsewhere():
 def test_differentiable_steps_are_refused_with_the_fix():
     with pytest.raises(ValueError, match="leave differentiable=False"):
         SpectralAdamW([{"params": [torch.nn.Parameter(torch.ones(2, 2))], "differentiable": True}])
+
+
+@pytest.mark.parametrize("optimizer", [SpectralAdamW, SpectralSGD, SpectralMuon, SpectralDecay])
+def test_every_optimizer_gives_a_default_to_every_decay_key(optimizer):
+    """The decay keys' defaults live in each constructor's signature: one that forgot a key would leave
+    its groups without it."""
+    from spectral_ops.optim._decay import DECAY_KEYS
+
+    matrices = [torch.nn.Parameter(torch.randn(6, 4))]
+    made = optimizer(matrices, lr=1e-2, spectral_weight_decay=0.0) if optimizer is SpectralDecay else optimizer(matrices)
+    assert set(DECAY_KEYS) <= set(made.defaults)
+    assert made.defaults["stability"] == "clamp"

@@ -1,7 +1,5 @@
 """spectral_ops.plan: the one definition of precision=None, and the operand dtype each precision implies."""
 
-import math
-
 import pytest
 import torch
 

@@ -14,9 +14,6 @@ import torch
 
 
 class CountingBackend:
-    name = "counting"
-    needs_self_check = False
-
     def __init__(self, symmetric_at_half: bool = False):
         self.symmetric_share = 0.5 if symmetric_at_half else 1.0
         self.flops = 0.0

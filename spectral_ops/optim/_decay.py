@@ -17,23 +17,13 @@ import torch
 
 from .._checks import check_same_device, renamed_argument
 from ..decay import DecayOptions, PendingDecay, check_decay_options, prepare_decay
-from ..plan import is_zero, needs_direction
+from ..plan import is_zero, needs_direction, plain_factor
 from .distributed import local, owner_decay
 
-# Decay keys every optimizer of the family accepts per parameter group, with their defaults.
-DECAY_DEFAULTS = {
-    "p": 1,
-    "spectral_weight_decay": 0.0,
-    "convention": "decoupled",
-    "band": None,
-    "p0_mode": "explicit",
-    "stability": "clamp",
-    "decay_steps": None,
-    "decay_precision": None,
-    "decay_iteration": "auto",
-    "capturable": False,
-    "strict": False,
-}
+# Decay keys every optimizer of the family accepts per parameter group; each constructor gives their
+# defaults, as keyword arguments of its own.
+DECAY_KEYS = ("p", "spectral_weight_decay", "convention", "band", "p0_mode", "stability", "decay_steps",
+              "decay_precision", "decay_iteration", "capturable", "strict")
 
 
 # Group keys renamed since, and their names now: the old name still works in a constructor or a group
@@ -171,6 +161,7 @@ def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, lr, p
                                          tuple(i for i, _ in entries), tuple(rows for _, rows in entries)))
     vectors = [i for i, param in enumerate(params) if param.ndim < 2]
     if vectors and not is_zero(ordinary):
-        pending = PendingDecay([local(params[i]) for i in vectors], list(range(len(vectors))), 1 - scale * ordinary, {})
+        pending = PendingDecay([local(params[i]) for i in vectors], list(range(len(vectors))),
+                              plain_factor(scale, 0.0, ordinary), {})
         decay.parts.append(DecayPart(pending, tuple(vectors), (None,) * len(vectors)))
     return decay

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_coefficient, real_view
-from ._decay import DECAY_DEFAULTS, capturable
+from ._decay import capturable
 from .base import PreparedStep, SpectralOptimizer, commit_element_wise, scalar
 from .distributed import local
 
@@ -112,7 +112,7 @@ class SpectralAdamW(SpectralOptimizer):
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
                  stability="clamp", decay_steps=None, decay_precision=None, decay_iteration="auto",
                  capturable=False, strict=False, process_group=None, polar_steps=None):
-        defaults = dict(DECAY_DEFAULTS, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, p=p,
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, p=p,
                         spectral_weight_decay=spectral_weight_decay, convention=convention, band=band,
                         p0_mode=p0_mode, stability=stability, decay_steps=decay_steps, polar_steps=polar_steps,
                         decay_precision=decay_precision, decay_iteration=decay_iteration, capturable=capturable,

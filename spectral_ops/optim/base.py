@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from .._checks import check_coefficient, conjunction, finite_limit, within_limits
 from ..decay import Band, DecayOptions
-from ._decay import (DECAY_DEFAULTS, ParameterDecay, capturable, check_decay_group, prepare_parameter_decay,
+from ._decay import (DECAY_KEYS, ParameterDecay, capturable, check_decay_group, prepare_parameter_decay,
                      renamed_group_keys)
 from .counts import COUNT_KEYS, StepCounts
 from .distributed import Exchange, layout_of, local
@@ -232,7 +232,7 @@ class SpectralOptimizer(Optimizer):
     def decay_options(self, group: dict) -> DecayOptions:
         """The group's validated decay options: validated again only when one of them changes, so a
         step does not re-check what construction did."""
-        keys = (*DECAY_DEFAULTS, self.spectral_key, self.ordinary_key)
+        keys = (*DECAY_KEYS, self.spectral_key, self.ordinary_key)
         key = tuple(_option_key(group[k]) for k in keys)
         cached = self._validated_options.get(id(group))
         if cached is None or cached[0] is not group or cached[1] != key:

@@ -352,7 +352,7 @@ def owner_decay(exchange: Exchange, views, layouts, entries, options, arguments:
 
     costs = [0.0] * len(views)
     for (k, _), (start, stop) in zip(entries, entry_rows):
-        costs[k] += decay_flops((stop - start, views[k].shape[1]), options)
+        costs[k] += decay_flops((stop - start, views[k].shape[1]), options, views[k].dtype)
 
     def keep_rows(results):
         for index, ((k, _), piece) in enumerate(zip(entries, pieces)):

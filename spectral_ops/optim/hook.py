@@ -14,7 +14,6 @@ import torch
 
 from ..decay import renamed_spectral_coefficient
 from ..plan import needs_direction
-from ._decay import DECAY_DEFAULTS
 from .base import PreparedStep, SpectralOptimizer, detached_peak
 
 # The host group key holding its starting lr, the peak of the independent convention (unless an LR
@@ -30,6 +29,12 @@ def _remember_peak(host_group: dict):
     if HOST_PEAK_KEY not in host_group:
         host_group[HOST_PEAK_KEY] = detached_peak(host_group["lr"])
     return host_group[HOST_PEAK_KEY]
+
+
+def spectrally_decayed(optimizer: SpectralOptimizer) -> set[int]:
+    """The ids of the parameters ``optimizer``'s groups decay along a spectral direction."""
+    return {id(param) for group in optimizer.param_groups for param in group["params"]
+            if needs_direction(group["p"], group[optimizer.spectral_key], group["band"])}
 
 
 def _without_deprecated_key(group: dict, stacklevel: int) -> dict:
@@ -68,7 +73,7 @@ class SpectralDecay(SpectralOptimizer):
             for index, group in enumerate(params):
                 if isinstance(group, dict):
                     params[index] = _without_deprecated_key(group, stacklevel=2)
-        defaults = dict(DECAY_DEFAULTS, p=p, ordinary_weight_decay=ordinary_weight_decay, convention=convention,
+        defaults = dict(p=p, ordinary_weight_decay=ordinary_weight_decay, convention=convention,
                         band=band, p0_mode=p0_mode, stability=stability, decay_steps=decay_steps,
                         polar_steps=polar_steps, decay_precision=decay_precision, decay_iteration=decay_iteration,
                         lr=lr, capturable=capturable, strict=strict)
@@ -113,23 +118,17 @@ class SpectralDecay(SpectralOptimizer):
         self._hook = optimizer.register_step_pre_hook(self._before_host_step)
         return self
 
-    def _decayed_ids(self) -> set[int]:
-        return {id(param) for group in self.param_groups for param in group["params"]
-                if needs_direction(group["p"], group["spectral_weight_decay"], group["band"])}
-
     def _check_no_second_decay(self, optimizer: torch.optim.Optimizer) -> None:
-        mine = self._decayed_ids()
+        mine = spectrally_decayed(self)
         others = [hook.__self__ for hook in optimizer._optimizer_step_pre_hooks.values()
                   if isinstance(getattr(hook, "__self__", None), SpectralDecay)]
         for other in others:
-            if mine & other._decayed_ids():
+            if mine & spectrally_decayed(other):
                 raise ValueError("another SpectralDecay attached to this optimizer already decays some of these "
                                  "parameters; each parameter may take one spectral decay (detach the other, or "
                                  "give each its own parameters)")
         if isinstance(optimizer, SpectralOptimizer) and not isinstance(optimizer, SpectralDecay):
-            host = {id(param) for group in optimizer.param_groups for param in group["params"]
-                    if needs_direction(group["p"], group[optimizer.spectral_key], group["band"])}
-            if mine & host:
+            if mine & spectrally_decayed(optimizer):
                 raise ValueError(f"{type(optimizer).__name__} already decays some of these parameters spectrally "
                                  "(p and spectral_weight_decay of its groups); set the spectral decay in one "
                                  "place: the optimizer's groups, or this SpectralDecay")

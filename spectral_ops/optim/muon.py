@@ -18,7 +18,7 @@ from .._checks import check_choice, check_steps
 from ..coefficients import polar_express_coefficients, resolve_polar_coefficients, without_normalization_margin
 from ..ops import check_precision, polar
 from ..plan import OPERAND_DTYPES, resolve_precision
-from ._decay import DECAY_DEFAULTS, capturable, matrix_shape, matrix_view
+from ._decay import capturable, matrix_shape, matrix_view
 from .adamw import adam_update_, check_adam_options, prepare_adam_step
 from .base import PreparedStep, SpectralOptimizer, add_scaled_, commit_element_wise, device_masks, scalar, step_scalar
 from .distributed import local, local_slice, polar_blocks_flops, state_like
@@ -109,7 +109,7 @@ class SpectralMuon(SpectralOptimizer):
                  decay_precision=None, decay_iteration="auto", precision="bf16",
                  heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8,
                  capturable=False, strict=False, process_group=None, polar_steps=None):
-        defaults = dict(DECAY_DEFAULTS, lr=lr, momentum=momentum, nesterov=nesterov,
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ._decay import DECAY_DEFAULTS
 from .base import PreparedStep, SpectralOptimizer, add_scaled_, commit_element_wise, scalar, step_scalar
 from .distributed import local, state_like
 
@@ -21,7 +20,7 @@ class SpectralSGD(SpectralOptimizer):
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
                  stability="clamp", decay_steps=None, decay_precision=None, decay_iteration="auto",
                  capturable=False, strict=False, process_group=None, polar_steps=None):
-        defaults = dict(DECAY_DEFAULTS, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,
                         decay_steps=decay_steps, polar_steps=polar_steps, decay_precision=decay_precision,
