@@ -22,7 +22,12 @@ def pins(name: str) -> dict:
 
 def test_the_range_is_the_last_four_torch_minors():
     (major, oldest), (newest_major, newest) = compat.TORCH_RANGE
-    assert major == newest_major and newest - oldest + 1 >= 4
+    assert major == newest_major and newest - oldest + 1 == 4
+
+
+def older(minor: tuple[int, int], by: int = 1) -> str:
+    """A release ``by`` minors before ``minor``, spelled as pip spells one."""
+    return f"{minor[0]}.{minor[1] - by}.0"
 
 
 def test_the_oldest_and_newest_requirements_pin_the_ends_of_the_range():
@@ -50,24 +55,33 @@ def test_release_reads_major_and_minor(version, minor):
 
 
 def test_an_older_torch_is_named_with_the_fix():
-    reason = compat.torch_too_old("2.10.0+cpu")
-    assert "torch 2.10.0+cpu" in reason and "torch>=2.12" in reason and "2.12 to 2.15" in reason
-    assert compat.torch_too_old("2.12.0") is None and compat.torch_too_old("2.16.0") is None
+    oldest, newest = compat.TORCH_RANGE
+    too_old = older(oldest, 2) + "+cpu"
+    reason = compat.torch_too_old(too_old)
+    assert f"torch {too_old}" in reason and f"torch>={compat.spelled(oldest)}" in reason
+    assert compat.supported_range(compat.TORCH_RANGE) in reason
+    # The floor is supported, and a release newer than the range is not refused (only warned about).
+    assert compat.torch_too_old(f"{compat.spelled(oldest)}.0") is None
+    assert compat.torch_too_old(older(newest, -1)) is None
 
 
 def test_the_import_time_check_warns_under_an_older_torch_only(monkeypatch):
-    monkeypatch.setattr(torch, "__version__", "2.10.0")
-    with pytest.warns(RuntimeWarning, match="supports torch 2.12 to 2.15; this is torch 2.10.0"):
+    too_old = older(compat.TORCH_RANGE[0], 2)
+    monkeypatch.setattr(torch, "__version__", too_old)
+    with pytest.warns(RuntimeWarning, match=re.escape(f"supports torch {compat.supported_range(compat.TORCH_RANGE)}; "
+                                                      f"this is torch {too_old}")):
         compat.warn_if_unsupported()
-    monkeypatch.setattr(torch, "__version__", "2.12.1")
+    monkeypatch.setattr(torch, "__version__", f"{compat.spelled(compat.TORCH_RANGE[0])}.1")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compat.warn_if_unsupported()
 
 
 def test_an_older_triton_makes_the_triton_backend_unavailable_with_the_reason(monkeypatch):
-    monkeypatch.setattr(compat, "installed_triton", lambda: "3.6.0")
+    oldest = compat.TRITON_RANGE[0]
+    monkeypatch.setattr(compat, "installed_triton", lambda: older(oldest))
     monkeypatch.setattr("spectral_ops.backends.triton_backend.triton_installed", lambda: True)
     reason = TritonBackend().unavailable_reason(torch.device("cpu"), forced=True)
-    assert reason == compat.triton_too_old("3.6.0") and "triton 3.6.0 is older than 3.7" in reason
-    assert compat.triton_too_old("3.7.0") is None
+    assert reason == compat.triton_too_old(older(oldest))
+    assert f"triton {older(oldest)} is older than {compat.spelled(oldest)}" in reason
+    assert compat.triton_too_old(f"{compat.spelled(oldest)}.0") is None
