@@ -47,3 +47,43 @@ def test_optimizer_step_against_torch_adamw(benchmark, variant):
                                 f"{matrices} matrices", shape=[matrices], dtype="float32", precision="fp32",
                                 device=DEVICE.type, ours_median_s=medians["ours"], torch_median_s=medians["theirs"],
                                 ratio=ratio)
+
+
+def readme_model():
+    """The README's optimizer example: a 256 -> 1024 -> 256 MLP."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).to(DEVICE)
+
+
+def one_matrix():
+    torch.manual_seed(0)
+    return torch.nn.Linear(1024, 1024, bias=False).to(DEVICE)
+
+
+COMPILE_MODELS = {"README model": readme_model, "1024x1024": one_matrix}
+
+
+@pytest.mark.parametrize("case", list(COMPILE_MODELS))
+def test_compiled_default_step_against_eager(benchmark, case):
+    """The default (``capturable=False``) SpectralAdamW step with the ``p = 2`` decay on the matrices,
+    compiled by ``torch.compile`` (which traces it as capturable, see docs/optimizers.md) against the
+    same step run eagerly, on the same gradients; goal: the compiled step is not slower."""
+    models = {name: COMPILE_MODELS[case]() for name in ("compiled", "eager")}
+    steps = {}
+    for name, network in models.items():
+        for param in network.parameters():
+            param.grad = torch.randn_like(param) * 1e-3
+        matrices = [p for p in network.parameters() if p.ndim == 2]
+        others = [p for p in network.parameters() if p.ndim < 2]
+        groups = [{"params": matrices, "p": 2, "spectral_weight_decay": 0.1}]
+        groups += [{"params": others, "weight_decay": 0.0}] if others else []
+        optimizer = SpectralAdamW(groups, lr=3e-4)
+        steps[name] = torch.compile(optimizer.step) if name == "compiled" else optimizer.step
+    steps["compiled"]()  # compiles: not timed
+    medians = interleaved_medians(benchmark, steps, rounds=1 if benchmark.disabled else ROUNDS,
+                                  warmup_rounds=0 if benchmark.disabled else 2)
+    ratio = medians["compiled"] / medians["eager"]
+    benchmark.extra_info.update(op="compiled_step_vs_eager", implementation="SpectralAdamW p=2 default", case=case,
+                                shape=[sum(p.numel() for p in models["eager"].parameters())], dtype="float32",
+                                precision="fp32", device=DEVICE.type, compiled_median_s=medians["compiled"],
+                                eager_median_s=medians["eager"], ratio=ratio)

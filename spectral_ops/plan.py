@@ -891,9 +891,10 @@ def stability_clamp(plan: GramPlan, request: DecayRequest):
     stay inside the condition instead of being clamped again. A matrix that satisfies the condition
     is left exactly as asked, as ``"raise"`` would.
 
-    ``capturable``: the policy is ``"clamp"`` (validation refuses the host-side ones) and is applied
-    on the device, with the Gram-squaring bound always computed (no host decision to skip it): the
-    same factors as the eager path, and no log.
+    ``capturable``: ``"clamp"`` is applied on the device, with the Gram-squaring bound always computed
+    (no host decision to skip it): the same factors as the eager path, and no log. Validation refuses
+    the host-side policies there, except in a step torch.compile traces (Dynamo marks every traced
+    step capturable), where they read the whole bound once, at one graph break.
     """
     band = request.band
     terms = stability_terms(request.p, request.spectral_weight_decay, band)
@@ -915,10 +916,13 @@ def stability_clamp(plan: GramPlan, request: DecayRequest):
         return torch.where(worst >= 1, CLAMP_ORDER / worst, torch.ones_like(worst))
 
     keep = max(request.p, band.p_bot if band is not None and band.mode == "two_band" else 0) // 2
-    if request.capturable:
+    if request.capturable and request.stability == "clamp":
         return clamp_factor(order(kappas(plan.log_spectral_norm_bounds(keep=keep)[1]))), {}
     # Eager: from the free bound (||X||_F) up, each square only while the bound so far does not settle it.
-    for _, log_upper in plan.spectral_norm_levels(keep=keep):
+    # "raise"/"warn" in a capturable request (a step torch.compile traces: validation refuses them where
+    # the step is to be captured): the whole bound, then one host read, at one graph break.
+    levels = [plan.log_spectral_norm_bounds(keep=keep)] if request.capturable else plan.spectral_norm_levels(keep=keep)
+    for _, log_upper in levels:
         kappa = kappas(log_upper)
         worst = order(kappa)
         if bool((worst < 1).all()):

@@ -139,7 +139,8 @@ def _scenario_skip(mesh, rank, world):
         warnings.simplefilter("ignore", RuntimeWarning)
         optimizer.step()
     assert torch.equal(_whole(spread[0].detach()), weights[0]), "the skipped weight changed"
-    assert not optimizer.state[spread[0]], "the skipped parameter's state was created"
+    state = optimizer.state[spread[0]]  # created before the step, as torch's Adam does, and left at its start
+    assert int(state["step"]) == 0 and not _whole(state["exp_avg"]).any() and not _whole(state["exp_avg_sq"]).any()
     assert int(next(iter(optimizer.skipped.values()))) == 1
     assert not torch.equal(_whole(spread[1].detach()), weights[1]), "a finite parameter was not updated"
 
@@ -282,7 +283,7 @@ def _scenario_checkpoint(mesh, rank, world, folder: Path):
     train(reference, expected, 1)
     for a, b in zip(net.parameters(), reference.parameters()):
         torch.testing.assert_close(_whole(a.detach()), b.detach(), **TOLERANCE)
-    assert [int(count) for count in optimizer.skipped.values()] == [1]
+    assert [int(count) for count in optimizer.skipped.values() if int(count)] == [1]
 
 
 def _scenario_step_waits_for_gloo_to_let_go(mesh, rank, world):

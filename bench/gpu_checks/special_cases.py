@@ -1,6 +1,6 @@
 """The headline cases that are not kernels: a matmul as the yardstick, ``SpectralMuon`` against
-``torch.optim.Muon``, and a capturable ``SpectralAdamW`` step replayed from a CUDA graph against eager
-steps; and their tasks (:func:`special_tasks`).
+``torch.optim.Muon``, and a ``SpectralAdamW`` step compiled (the default one) or replayed from a CUDA
+graph (the capturable one) against eager steps; and their tasks (:func:`special_tasks`).
 """
 
 from __future__ import annotations
@@ -58,16 +58,16 @@ def muon_against_torch(heads, rows, cols, variant, device, dry_run, stop_at=math
     return {**result, **timings(ours_step, theirs_step, device, dry_run, stop_at)}
 
 
-def _capturable_adamw(shape, device):
-    """A capturable SpectralAdamW with the p = 2 decay on one weight and one bias, fixed gradients:
-    every call starts from the same state."""
+def _adamw(shape, device, capturable=True):
+    """A SpectralAdamW (capturable, or the default) with the p = 2 decay on one weight and one bias,
+    fixed gradients: every call starts from the same state."""
     W = torch.nn.Parameter(weight(shape, torch.float32, device)["W"])
     b = torch.nn.Parameter(torch.zeros(shape[-2], device=device))
     generator = seeded_generator(device)
     for param in (W, b):
         param.grad = torch.randn(param.shape, generator=generator, device=device)
     optimizer = SpectralAdamW([W, b], lr=1e-3, weight_decay=0.01, p=2, spectral_weight_decay=0.1, stability="clamp",
-                              capturable=True)
+                              capturable=capturable)
     return optimizer, [W, b]
 
 
@@ -92,13 +92,21 @@ def cuda_graph(step):
     return graph.replay
 
 
-def graph_against_eager(shape, device, dry_run, stop_at=math.inf, capture=cuda_graph, warmup=3, steps=5) -> dict:
-    """A SpectralAdamW step, warmed up, captured by ``capture`` (the tests pass the step itself) and
-    replayed ``steps`` times, against as many eager steps of a twin from the same state; then one
-    replay timed against one eager step. A step that synchronises with the host cannot be captured:
-    the capture raises, and the case fails with its message."""
-    graphed, graphed_params = _capturable_adamw(shape, device)
-    eager, eager_params = _capturable_adamw(shape, device)
+def compiled(mode=None):
+    """``torch.compile`` as a capture: the default step compiled whole (``mode="reduce-overhead"``:
+    replayed from CUDA graphs)."""
+    return lambda step: torch.compile(step, mode=mode)
+
+
+def graph_against_eager(shape, device, dry_run, stop_at=math.inf, capture=cuda_graph, warmup=3, steps=5,
+                        capturable=True) -> dict:
+    """A SpectralAdamW step (``capturable`` or the default), warmed up, captured by ``capture`` (a
+    CUDA graph, or :func:`compiled`; the tests pass the step itself) and replayed ``steps`` times,
+    against as many eager steps of a twin from the same state; then one replay timed against one
+    eager step. A step that synchronises with the host cannot be captured: the capture raises, and
+    the case fails with its message."""
+    graphed, graphed_params = _adamw(shape, device, capturable)
+    eager, eager_params = _adamw(shape, device, capturable)
     with _side_stream(device):
         for _ in range(warmup):
             graphed.step()
@@ -125,7 +133,8 @@ def yardstick(n, dtype, device, dry_run, stop_at=math.inf) -> dict:
 
 def special_tasks(device, dry_run) -> list[Task]:
     """The headline cases that are not kernels: the yardstick, SpectralMuon against torch's, and the
-    CUDA-graph replay, last, so that a failed capture cannot disturb the timings before it."""
+    compiled steps and the CUDA-graph replay, last, so that a failed capture cannot disturb the timings
+    before them."""
     needs_cuda = None if device.type == "cuda" else "needs a CUDA device"
     n = 64 if dry_run else 4096
     tasks = [Task("headline", "torch matmul (yardstick)", "torch", dtype_name(dtype), (n, n, n),
@@ -139,7 +148,12 @@ def special_tasks(device, dry_run) -> list[Task]:
             tasks.append(Task("headline", f"SpectralMuon ({variant}, bf16) vs torch.optim.Muon", "auto", "float32",
                               (heads, rows, cols), skipping(no_muon) if no_muon else run, OPTIMIZER_TIMEOUT_S,
                               baseline="torch.optim.Muon"))
-    run = functools.partial(graph_against_eager, GRAPH_SHAPE, device, dry_run)
-    tasks.append(Task("headline", "SpectralAdamW step in a CUDA graph", "auto", "float32", GRAPH_SHAPE,
-                      skipping(needs_cuda) if needs_cuda else run, OPTIMIZER_TIMEOUT_S, baseline="eager step"))
+    captures = {"SpectralAdamW default step, torch.compile": dict(capture=compiled(), capturable=False),
+                "SpectralAdamW default step, torch.compile reduce-overhead":
+                    dict(capture=compiled("reduce-overhead"), capturable=False),
+                "SpectralAdamW step in a CUDA graph": {}}
+    for name, options in captures.items():
+        run = functools.partial(graph_against_eager, GRAPH_SHAPE, device, dry_run, **options)
+        tasks.append(Task("headline", name, "auto", "float32", GRAPH_SHAPE,
+                          skipping(needs_cuda) if needs_cuda else run, OPTIMIZER_TIMEOUT_S, baseline="eager step"))
     return tasks

@@ -47,6 +47,14 @@ def capturable(group: dict) -> bool:
     return bool(group["capturable"])
 
 
+def forbids_host_reads(group: dict) -> bool:
+    """Whether the group's step may not read the host, which the stability policies ``"raise"`` and
+    ``"warn"`` need: where it is capturable, except while torch.compile traces it. Dynamo traces every
+    step as capturable (it sets the key, for torch's optimizers and ours), and a compiled step may
+    still read the host, at a graph break."""
+    return capturable(group) and not torch.compiler.is_compiling()
+
+
 def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> DecayOptions:
     """Validate a group's decay options, naming its coefficient keys ``spectral`` and ``ordinary``."""
     options = check_decay_options(
@@ -59,7 +67,7 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> DecayOpti
         steps=group["decay_steps"],
         stability=group["stability"],
         precision=group["decay_precision"],
-        capturable=capturable(group),
+        capturable=forbids_host_reads(group),
         iteration=group["decay_iteration"],
         names=(spectral, ordinary),
     )

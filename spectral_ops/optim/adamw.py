@@ -6,7 +6,7 @@ import torch
 
 from .._checks import check_coefficient, real_view
 from ._decay import capturable
-from .base import PreparedStep, SpectralOptimizer, commit_element_wise, scalar
+from .base import PreparedStep, SpectralOptimizer, commit_element_wise, scalar, step_scalar
 from .distributed import local
 
 
@@ -14,6 +14,15 @@ def adam_gradient_checks(params) -> list:
     """Adam skips a parameter whose gradient is not finite or whose square overflows the second moment's
     dtype (which would make it Inf for good and freeze the parameter)."""
     return [(i, local(param.grad), torch.finfo(param.dtype).max ** 0.5) for i, param in enumerate(params)]
+
+
+def init_adam_state(params, group: dict, state) -> None:
+    """Adam's state for ``params``: a step count (on the parameters' device when the group is
+    capturable, else on the CPU, as torch's) and both moments, at zero."""
+    for param in params:
+        state[param]["step"] = torch.zeros((), dtype=torch.float32, device=param.device if capturable(group) else "cpu")
+        state[param]["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state[param]["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 @torch.no_grad()
@@ -32,11 +41,7 @@ def adam_update_(params, group: dict, state, masks=None) -> None:
     eps, on_device = group["eps"], capturable(group)
     for param in params:
         param_state = state[param]
-        if not param_state:
-            param_state["step"] = torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu")
-            param_state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            param_state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        elif on_device and param_state["step"].device != param.device:  # capturable switched on later
+        if on_device and param_state["step"].device != param.device:  # capturable switched on later
             param_state["step"] = param_state["step"].to(param.device)
     # A DTensor's moments are DTensors sharded like it (for torch.distributed.checkpoint); the update
     # is element-wise, so each rank runs it on its own shards.
@@ -64,7 +69,7 @@ def adam_update_(params, group: dict, state, masks=None) -> None:
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         numerators = exp_avgs
     if on_device:
-        lr = group["lr"]
+        lr = step_scalar(group["lr"], group)
         # -lr / (1 - beta1^t) and sqrt(1 - beta2^t), all on the device.
         bias_correction1 = torch._foreach_neg(torch._foreach_sub(torch._foreach_pow(beta1, steps), 1))
         bias_correction2 = torch._foreach_neg(torch._foreach_sub(torch._foreach_pow(beta2, steps), 1))
@@ -122,6 +127,9 @@ class SpectralAdamW(SpectralOptimizer):
     def check_group(self, group: dict) -> None:
         super().check_group(group)
         check_adam_options(group)
+
+    def init_state(self, params: list, group: dict) -> None:
+        init_adam_state(params, group, self.state)
 
     def prepare_group(self, params, group: dict) -> PreparedStep:
         return prepare_adam_step(self, params, group)

@@ -21,8 +21,9 @@ from torch.optim import Optimizer
 
 from .._checks import check_coefficient, conjunction, finite_limit, within_limits
 from ..decay import Band, DecayOptions
-from ._decay import (DECAY_KEYS, ParameterDecay, capturable, check_decay_group, prepare_parameter_decay,
-                     renamed_group_keys)
+from ..plan import stability_terms
+from ._decay import (DECAY_KEYS, ParameterDecay, capturable, check_decay_group, forbids_host_reads,
+                     prepare_parameter_decay, renamed_group_keys)
 from .counts import COUNT_KEYS, StepCounts
 from .distributed import Exchange, layout_of, local
 
@@ -39,8 +40,18 @@ def scalar(value) -> float:
 
 def step_scalar(value, group: dict):
     """A coefficient as a step uses it: read on the host, unless the group is capturable, where a 0-d
-    tensor stays on the device (a scheduler may change it inside a captured graph)."""
-    return value if capturable(group) else scalar(value)
+    tensor stays on the device (a scheduler may change it inside a captured graph).
+
+    torch.compile traces every step as capturable (Dynamo sets the key, for torch's optimizers and
+    ours). There a Python number becomes a 0-d float32 tensor on the parameters' device, through a
+    multiply: Dynamo keeps a number symbolic only where it meets a tensor in arithmetic, and
+    specialises one that reaches a multi-tensor op as a scalar, which would compile the step again
+    for every new lr a scheduler sets."""
+    if not capturable(group):
+        return scalar(value)
+    if torch.compiler.is_compiling() and not isinstance(value, torch.Tensor):
+        return torch.ones((), dtype=torch.float32, device=group["params"][0].device) * value
+    return value
 
 
 def add_scaled_(target: torch.Tensor, update: torch.Tensor, scale) -> None:
@@ -148,6 +159,7 @@ class SpectralOptimizer(Optimizer):
         self._validated_options = {}  # id(group) -> (group, its options' keys, DecayOptions)
         self._exchange = None  # the step's Exchange, from the first group that asks for it
         self._counts = StepCounts()
+        self._created = []  # (parameter, whether it had a state) for those this step started tracking
 
     def layout(self, param: torch.Tensor):
         """How ``param`` is spread over the ranks (see :mod:`spectral_ops.optim.distributed`), or None:
@@ -232,8 +244,9 @@ class SpectralOptimizer(Optimizer):
     def decay_options(self, group: dict) -> DecayOptions:
         """The group's validated decay options: validated again only when one of them changes, so a
         step does not re-check what construction did."""
-        keys = (*DECAY_KEYS, self.spectral_key, self.ordinary_key)
-        key = tuple(_option_key(group[k]) for k in keys)
+        # The group's capturable key as validation reads it: traced, the key says True (see forbids_host_reads).
+        keys = [k for k in (*DECAY_KEYS, self.spectral_key, self.ordinary_key) if k != "capturable"]
+        key = (*(_option_key(group[k]) for k in keys), forbids_host_reads(group))
         cached = self._validated_options.get(id(group))
         if cached is None or cached[0] is not group or cached[1] != key:
             cached = self._validated_options[id(group)] = (
@@ -247,8 +260,8 @@ class SpectralOptimizer(Optimizer):
             params,
             group,
             self.decay_options(group),
-            lr=group["lr"] if lr is None else lr,
-            peak_lr=group.get("initial_lr", group["peak_lr"]) if peak_lr is None else peak_lr,
+            lr=step_scalar(group["lr"] if lr is None else lr, group),
+            peak_lr=step_scalar(group.get("initial_lr", group["peak_lr"]) if peak_lr is None else peak_lr, group),
             spectral=group[self.spectral_key],
             ordinary=group[self.ordinary_key],
             blocks=blocks,
@@ -264,14 +277,54 @@ class SpectralOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.begin_step()
-        prepared = []
-        for group in self.param_groups:
-            params = list(self.stepped_params(group))
-            if params:
-                prepared.append(self.prepare_group(params, group))
-        self.commit_steps(prepared)
+        self.run_step(lambda params, group: [self.prepare_group(params, group)])
         return loss
+
+    def run_step(self, prepare) -> None:
+        """Prepare every group's step, ``prepare(params, group)`` giving a list of
+        :class:`PreparedStep` records for the group's :meth:`stepped_params`, then commit them all
+        (:meth:`commit_steps`). A step that fails forgets the state and counts it created, so the
+        optimizer is as it was before the step."""
+        self.begin_step()
+        created = self._created
+        if not torch.compiler.is_compiling():  # a compiled step replays no _init_group: nothing to forget
+            created.clear()
+        try:
+            prepared = []
+            for group in self.param_groups:
+                params = []
+                self._init_group(group, params)
+                if params:
+                    prepared.extend(prepare(params, group))
+            self.commit_steps(prepared)
+        except BaseException:
+            for param, had_state in created:
+                if not had_state:
+                    self.state.pop(param, None)
+                self._counts.forget(param)
+            raise
+
+    def _init_group(self, group: dict, params: list) -> None:
+        """Append the parameters a step updates (:meth:`stepped_params`) to ``params``, and create the
+        state (:meth:`init_state`) and counts of those stepped for the first time.
+
+        torch's own optimizers' name and signature, which torch.compile recognises: it runs this in
+        Python instead of tracing it, marks the state as static (CUDA graphs keep its addresses) and
+        guards on it, so the first compiled step is not compiled again once the state exists."""
+        params.extend(self.stepped_params(group))
+        fresh = [param for param in params if not self._counts.tracks(param)]
+        if not fresh:
+            return
+        had_state = [bool(self.state.get(param)) for param in fresh]
+        self.init_state([param for param, had in zip(fresh, had_state) if not had], group)
+        options = self.decay_options(group)
+        clamps = group["stability"] == "clamp" and stability_terms(options.p, group[self.spectral_key], options.band)
+        self._counts.track(fresh, [param for param in fresh if clamps and param.ndim >= 2])
+        self._created.extend(zip(fresh, had_state))
+
+    def init_state(self, params: list, group: dict) -> None:
+        """Create the state of ``params``, which have none (none by default: it may also be created as
+        the step runs, as torch's SGD creates its momentum from the first gradient)."""
 
     @torch.no_grad()
     def commit_steps(self, prepared: list[PreparedStep]) -> None:
@@ -350,16 +403,16 @@ class SpectralOptimizer(Optimizer):
     def clamped(self) -> dict:
         """The stability clamps per parameter name, as :class:`~spectral_ops.optim.counts.ClampRecord`
         (0-d tensors on the parameters' devices, updated without a host read: under ``capturable`` this
-        is where the clamps are read, when convenient). Only parameters whose spectral coefficient a
-        clamp could have reduced appear (a capturable clamp group's matrices, or an eager group's that
-        were clamped at least once); a count of 0 means that it never was."""
+        is where the clamps are read, when convenient). Every matrix stepped in a group whose
+        stability clamp can act appears from its first step on; a count of 0 means that it never was
+        clamped."""
         return self._by_name(self._counts.clamps)
 
     @property
     def skipped(self) -> dict:
         """Skipped updates per parameter name, as 0-d int32 tensors on the parameters' devices (read
-        them when convenient: they are updated without a host read). Only parameters that were
-        skipped at least once, or that belong to a capturable group, appear."""
+        them when convenient: they are updated without a host read). Every parameter appears from its
+        first step on; a count of 0 means that it never was skipped."""
         return self._by_name(self._counts.skips)
 
     def _by_name(self, per_parameter: dict) -> dict:

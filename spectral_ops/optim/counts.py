@@ -33,10 +33,33 @@ class StepCounts:
         self.warned_skips: set[str] = set()  # parameter names
         self.logged_clamps: set[str] = set()  # matrix names (see SpectralOptimizer.matrix_name)
 
+    def tracks(self, param: torch.Tensor) -> bool:
+        return param in self.skips
+
+    def track(self, params: list, clamp_params: list) -> None:
+        """Start the counts of ``params``, stepped for the first time, at zero: the skips of each, and
+        the clamps of ``clamp_params`` (the matrices of a group whose stability clamp can act). Made
+        before a step, not as it runs, so a compiled step finds them and is not compiled again."""
+        for param in params:
+            self.skip_count(param)
+        for param in clamp_params:
+            self.clamp_record(param)
+
+    def forget(self, param: torch.Tensor) -> None:
+        """Drop the counts :meth:`track` started for ``param`` (its first step failed)."""
+        self.skips.pop(param, None)
+        self.clamps.pop(param, None)
+
     def skip_count(self, param: torch.Tensor) -> torch.Tensor:
         if param not in self.skips:
             self.skips[param] = torch.zeros((), dtype=torch.int32, device=param.device)
         return self.skips[param]
+
+    def clamp_record(self, param: torch.Tensor) -> ClampRecord:
+        if param not in self.clamps:
+            self.clamps[param] = ClampRecord(torch.zeros((), dtype=torch.int32, device=param.device),
+                                             torch.ones((), dtype=torch.float64, device=param.device))
+        return self.clamps[param]
 
     def count_device_skips(self, decisions: list) -> None:
         """Count the skips of ``(param, keep)`` pairs a capturable step decided on the device (``keep``
@@ -74,13 +97,9 @@ class StepCounts:
                 owner = part.owners[index]
                 if keep[owner] is False:
                     continue
-                param = params[owner]
                 if keep[owner] is not True:
                     factor = torch.where(keep[owner], factor, 1.0)
-                if param not in self.clamps:
-                    self.clamps[param] = ClampRecord(torch.zeros((), dtype=torch.int32, device=param.device),
-                                                     torch.ones((), dtype=torch.float64, device=param.device))
-                record = self.clamps[param]
+                record = self.clamp_record(params[owner])
                 record.count.add_((factor < 1).to(torch.int32))
                 record.smallest_factor.copy_(torch.minimum(record.smallest_factor, factor))
 

@@ -102,8 +102,9 @@ class SpectralDecay(SpectralOptimizer):
         super().check_group(group)
 
     def stepped_params(self, group: dict):
-        """Standalone, :meth:`step` decays every parameter it holds: a decay needs no gradient."""
-        return list(group["params"])
+        """Attached, the parameters the host optimizer steps (those with a gradient); standalone,
+        :meth:`step` decays every parameter it holds: a decay needs no gradient."""
+        return list(self.params_with_grad(group) if self._hook is not None else group["params"])
 
     def attach(self, optimizer: torch.optim.Optimizer) -> "SpectralDecay":
         """Decay before every ``optimizer.step()``, following that optimizer's current lr.
@@ -140,22 +141,22 @@ class SpectralDecay(SpectralOptimizer):
 
     @torch.no_grad()
     def _before_host_step(self, optimizer, args, kwargs) -> None:
-        """Decay every group before the host's step: all computed first, then written, so a failure
-        leaves every weight unchanged (and the host's step does not run)."""
+        """Decay every group before the host's step, with its lr: all computed first, then written, so
+        a failure leaves every weight unchanged (and the host's step does not run)."""
         host_group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-        self.begin_step()
-        prepared = []
-        for group in self.param_groups:
+
+        def prepare(params, group):
             by_host = {}
-            for param in self.params_with_grad(group):
+            for param in params:
                 host = host_group_of.get(id(param))
                 if host is None:
                     raise ValueError("SpectralDecay holds a parameter that the attached optimizer does not optimise")
                 by_host.setdefault(id(host), (host, []))[1].append(param)
-            for host, params in by_host.values():
-                peak = host.get("initial_lr", _remember_peak(host))
-                prepared.append(self._prepare_decay_step(params, group, lr=host["lr"], peak_lr=peak))
-        self.commit_steps(prepared)
+            return [self._prepare_decay_step(params, group, lr=host["lr"],
+                                             peak_lr=host.get("initial_lr", _remember_peak(host)))
+                    for host, params in by_host.values()]
+
+        self.run_step(prepare)
 
     def prepare_group(self, params, group: dict) -> PreparedStep:
         """Standalone use (``.step()``): decay with this object's own lr."""

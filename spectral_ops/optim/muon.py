@@ -19,7 +19,7 @@ from ..coefficients import polar_express_coefficients, resolve_polar_coefficient
 from ..ops import check_precision, polar
 from ..plan import OPERAND_DTYPES, resolve_precision
 from ._decay import capturable, matrix_shape, matrix_view
-from .adamw import adam_update_, check_adam_options, prepare_adam_step
+from .adamw import adam_update_, check_adam_options, init_adam_state, prepare_adam_step
 from .base import PreparedStep, SpectralOptimizer, add_scaled_, commit_element_wise, device_masks, scalar, step_scalar
 from .distributed import local, local_slice, polar_blocks_flops, state_like
 
@@ -161,6 +161,14 @@ class SpectralMuon(SpectralOptimizer):
             if letter == "H" and size % heads:
                 raise ValueError(f"a head-wise block of {size} rows does not split into {heads} heads")
 
+    def init_state(self, params: list, group: dict) -> None:
+        if group["algorithm"] == "adamw":
+            init_adam_state(params, group, self.state)
+            return
+        for param in params:
+            self.state[param]["momentum_buffer"] = state_like(param, torch.zeros_like(
+                local(param), memory_format=torch.preserve_format))
+
     def prepare_group(self, params, group: dict) -> PreparedStep:
         if group["algorithm"] == "adamw":
             return prepare_adam_step(self, params, group)
@@ -201,9 +209,7 @@ class SpectralMuon(SpectralOptimizer):
         and to the same numbers (:meth:`_advance_momentum`): a skipped step leaves it as it was, and it
         keeps its address, so that a step allocates one full-size temporary here, as torch's does."""
         grad = local(param.grad)
-        buffer = self.state.get(param, {}).get("momentum_buffer")  # state is a defaultdict: no entry made
-        buffer = torch.zeros_like(grad, memory_format=torch.preserve_format) if buffer is None else local(buffer)
-        update = buffer.lerp(grad, 1 - group["momentum"])
+        update = local(self.state[param]["momentum_buffer"]).lerp(grad, 1 - group["momentum"])
         if group["nesterov"]:
             torch.lerp(grad, update, group["momentum"], out=update)
         return update.reshape(matrix_shape(update))  # a copy only where no view has the matrix's shape
@@ -212,10 +218,7 @@ class SpectralMuon(SpectralOptimizer):
         """Store the momentum buffer after this step, in place (a captured graph replays into the
         addresses it captured); ``mask``, a capturable step's device decision, keeps the old one where
         it is False."""
-        grad, state = local(param.grad), self.state[param]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = state_like(param, torch.zeros_like(grad, memory_format=torch.preserve_format))
-        buffer = local(state["momentum_buffer"])
+        grad, buffer = local(param.grad), local(self.state[param]["momentum_buffer"])
         if mask is None:
             buffer.lerp_(grad, 1 - group["momentum"])
         else:

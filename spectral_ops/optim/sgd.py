@@ -34,6 +34,15 @@ class SpectralSGD(SpectralOptimizer):
         if group["nesterov"] and (group["momentum"] == 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
 
+    def init_state(self, params: list, group: dict) -> None:
+        """A zero momentum buffer where the first step then makes it the gradient, bit for bit, as
+        torch's SGD does (``0 * momentum + g``); with dampening torch's first buffer is the undamped
+        gradient, so it is made as the step runs (:func:`momentum_update_`), as torch's is."""
+        if group["momentum"] != 0 and group["dampening"] == 0:
+            for param in params:
+                self.state[param]["momentum_buffer"] = state_like(param, torch.zeros_like(
+                    local(param), memory_format=torch.preserve_format))
+
     def prepare_group(self, params, group: dict) -> PreparedStep:
         return PreparedStep(group, params, self.gradient_checks(params), self.prepare_decay(params, group))
 
