@@ -85,8 +85,14 @@ def torch_counts(name: str, scheduled: bool, tensor_lr: bool):
     return _torch_counts[key]
 
 
-@pytest.mark.parametrize("scheduled", [True, False], ids=["scheduled-lr", "constant-lr"])
-@pytest.mark.parametrize("name", CASES)
+# With a scheduler, torch's own Muon specialises its lr (``p.add_(update, alpha=-adjusted_lr)``): compiled
+# from the hook's frame, it compiles again for new lrs, which is torch's count, not the decay's.
+RUNS = [(name, True) for name in CASES if name != "attached-muon"]
+RUNS += [(name, False) for name in ("adamw-default", "sgd-p2", "attached-adamw", "attached-muon")]
+
+
+@pytest.mark.parametrize("name, scheduled", RUNS,
+                         ids=[f"{name}-{'scheduled' if scheduled else 'constant'}-lr" for name, scheduled in RUNS])
 def test_a_compiled_default_step_has_no_more_graphs_or_breaks_than_torchs(name, scheduled):
     build, reference, bias = CASES[name]
     eager, _ = run(build, bias, compiled=False, scheduled=scheduled)

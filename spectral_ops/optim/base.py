@@ -286,23 +286,28 @@ class SpectralOptimizer(Optimizer):
         (:meth:`commit_steps`). A step that fails forgets the state and counts it created, so the
         optimizer is as it was before the step."""
         self.begin_step()
+        if torch.compiler.is_compiling():  # a compiled step replays no _init_group: nothing to forget
+            self._prepare_and_commit(prepare)
+            return
         created = self._created
-        if not torch.compiler.is_compiling():  # a compiled step replays no _init_group: nothing to forget
-            created.clear()
+        created.clear()
         try:
-            prepared = []
-            for group in self.param_groups:
-                params = []
-                self._init_group(group, params)
-                if params:
-                    prepared.extend(prepare(params, group))
-            self.commit_steps(prepared)
+            self._prepare_and_commit(prepare)
         except BaseException:
             for param, had_state in created:
                 if not had_state:
                     self.state.pop(param, None)
                 self._counts.forget(param)
             raise
+
+    def _prepare_and_commit(self, prepare) -> None:
+        prepared = []
+        for group in self.param_groups:
+            params = []
+            self._init_group(group, params)
+            if params:
+                prepared.extend(prepare(params, group))
+        self.commit_steps(prepared)
 
     def _init_group(self, group: dict, params: list) -> None:
         """Append the parameters a step updates (:meth:`stepped_params`) to ``params``, and create the
