@@ -218,9 +218,6 @@ def test_a_compiled_step_has_no_graph_break_and_matches_eager(name):
     # what the attached decay must add is none.
     expected = graph_breaks(torch.compile(torch.optim.AdamW(tiny_model().parameters()).step)) \
         if name == "decay-attached" else 0
-    if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13) and breaks != expected:
-        pytest.xfail("known regression, open in #31: Dynamo 2.12 breaks the step since the state is made in "
-                     "_init_group (a FakeIdVariable reconstruction); the numbers above still match eager")
     assert breaks == expected
 
 

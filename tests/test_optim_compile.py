@@ -12,6 +12,8 @@ do not). Every compiled trajectory is checked against eager.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -74,15 +76,9 @@ def run(build, bias: bool, *, compiled: bool, scheduled: bool, tensor_lr: bool =
     return [param.detach().clone() for param in model.parameters()], counts
 
 
-_torch_counts = {}
-
-
+@functools.cache
 def torch_counts(name: str, scheduled: bool, tensor_lr: bool):
-    key = (name, scheduled, tensor_lr)
-    if key not in _torch_counts:
-        _torch_counts[key] = run(TORCH[name], name == "adamw", compiled=True, scheduled=scheduled,
-                                 tensor_lr=tensor_lr)[1]
-    return _torch_counts[key]
+    return run(TORCH[name], name == "adamw", compiled=True, scheduled=scheduled, tensor_lr=tensor_lr)[1]
 
 
 # With a scheduler, torch's own Muon specialises its lr (``p.add_(update, alpha=-adjusted_lr)``): compiled

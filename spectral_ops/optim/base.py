@@ -49,7 +49,7 @@ def step_scalar(value, group: dict):
     for every new lr a scheduler sets."""
     if not capturable(group):
         return scalar(value)
-    if torch.compiler.is_compiling() and not isinstance(value, torch.Tensor):
+    if torch.compiler.is_dynamo_compiling() and not isinstance(value, torch.Tensor):
         return torch.ones((), dtype=torch.float32, device=group["params"][0].device) * value
     return value
 
@@ -156,7 +156,7 @@ class SpectralOptimizer(Optimizer):
         """What the family keeps besides torch's state; torch's pickled state does not hold it, so an
         unpickled or copied optimizer starts it afresh (with the counts its state carries)."""
         self._layouts = {}  # parameter -> its Layout or None, found once
-        self._validated_options = {}  # id(group) -> (group, its options' keys, DecayOptions)
+        self._validated_options = []  # (group, its options' keys, DecayOptions)
         self._exchange = None  # the step's Exchange, from the first group that asks for it
         self._counts = StepCounts()
         self._created = []  # (parameter, whether it had a state) for those this step started tracking
@@ -244,13 +244,22 @@ class SpectralOptimizer(Optimizer):
     def decay_options(self, group: dict) -> DecayOptions:
         """The group's validated decay options: validated again only when one of them changes, so a
         step does not re-check what construction did."""
+        cached = None
+        for entry in self._validated_options:  # by identity: Dynamo cannot look a dict up by id()
+            if entry[0] is group:
+                cached = entry
+        if cached is not None and torch.compiler.is_dynamo_compiling():
+            # Validated by _init_group, which torch.compile runs in Python before it traces a step (and
+            # again when a changed option fails a guard): a traced check would only add guards.
+            return cached[2]
         # The group's capturable key as validation reads it: traced, the key says True (see forbids_host_reads).
         keys = [k for k in (*DECAY_KEYS, self.spectral_key, self.ordinary_key) if k != "capturable"]
         key = (*(_option_key(group[k]) for k in keys), forbids_host_reads(group))
-        cached = self._validated_options.get(id(group))
-        if cached is None or cached[0] is not group or cached[1] != key:
-            cached = self._validated_options[id(group)] = (
-                group, key, check_decay_group(group, spectral=self.spectral_key, ordinary=self.ordinary_key))
+        if cached is None or cached[1] != key:
+            cached = (group, key, check_decay_group(group, spectral=self.spectral_key, ordinary=self.ordinary_key))
+            # Entries of groups the optimizer no longer has (load_state_dict replaces them) are dropped.
+            self._validated_options = [entry for entry in self._validated_options if entry[0] is not group and
+                                       any(entry[0] is live for live in self.param_groups)] + [cached]
         return cached[2]
 
     def prepare_decay(self, params, group: dict, *, lr=None, peak_lr=None, blocks=None) -> ParameterDecay:
@@ -286,7 +295,7 @@ class SpectralOptimizer(Optimizer):
         (:meth:`commit_steps`). A step that fails forgets the state and counts it created, so the
         optimizer is as it was before the step."""
         self.begin_step()
-        if torch.compiler.is_compiling():  # a compiled step replays no _init_group: nothing to forget
+        if torch.compiler.is_dynamo_compiling():  # a compiled step replays no _init_group: nothing to forget
             self._prepare_and_commit(prepare)
             return
         created = self._created
@@ -316,13 +325,13 @@ class SpectralOptimizer(Optimizer):
         torch's own optimizers' name and signature, which torch.compile recognises: it runs this in
         Python instead of tracing it, marks the state as static (CUDA graphs keep its addresses) and
         guards on it, so the first compiled step is not compiled again once the state exists."""
+        options = self.decay_options(group)  # validated here, in Python, when the step is compiled
         params.extend(self.stepped_params(group))
         fresh = [param for param in params if not self._counts.tracks(param)]
         if not fresh:
             return
         had_state = [bool(self.state.get(param)) for param in fresh]
         self.init_state([param for param, had in zip(fresh, had_state) if not had], group)
-        options = self.decay_options(group)
         clamps = group["stability"] == "clamp" and stability_terms(options.p, group[self.spectral_key], options.band)
         self._counts.track(fresh, [param for param in fresh if clamps and param.ndim >= 2])
         self._created.extend(zip(fresh, had_state))

@@ -21,7 +21,7 @@ from ..plan import OPERAND_DTYPES, resolve_precision
 from ._decay import capturable, matrix_shape, matrix_view
 from .adamw import adam_update_, check_adam_options, init_adam_state, prepare_adam_step
 from .base import PreparedStep, SpectralOptimizer, add_scaled_, commit_element_wise, device_masks, scalar, step_scalar
-from .distributed import local, local_slice, polar_blocks_flops, state_like
+from .distributed import local, local_slice, polar_blocks_flops
 
 ALGORITHMS = ("muon", "adamw")
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral")
@@ -166,8 +166,7 @@ class SpectralMuon(SpectralOptimizer):
             init_adam_state(params, group, self.state)
             return
         for param in params:
-            self.state[param]["momentum_buffer"] = state_like(param, torch.zeros_like(
-                local(param), memory_format=torch.preserve_format))
+            self.state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
     def prepare_group(self, params, group: dict) -> PreparedStep:
         if group["algorithm"] == "adamw":

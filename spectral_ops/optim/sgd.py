@@ -40,8 +40,7 @@ class SpectralSGD(SpectralOptimizer):
         gradient, so it is made as the step runs (:func:`momentum_update_`), as torch's is."""
         if group["momentum"] != 0 and group["dampening"] == 0:
             for param in params:
-                self.state[param]["momentum_buffer"] = state_like(param, torch.zeros_like(
-                    local(param), memory_format=torch.preserve_format))
+                self.state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
     def prepare_group(self, params, group: dict) -> PreparedStep:
         return PreparedStep(group, params, self.gradient_checks(params), self.prepare_decay(params, group))
