@@ -397,6 +397,38 @@ def test_the_optimizers_count_and_log_their_clamps(caplog):
     assert int(muon.clamped["attn.qkv (12, 8)"].count) == 1
 
 
+def _attached_decay(param):
+    host = torch.optim.SGD([param], lr=0.1)
+    SpectralDecay([param], p=2, spectral_weight_decay=2.0).attach(host)
+    return host, "param_groups[0]['params'][0] (12, 8)"
+
+
+DEFAULT_STABILITY = {
+    "SpectralAdamW": lambda param: (SpectralAdamW([param], lr=0.1, p=2, spectral_weight_decay=2.0, weight_decay=0.0),
+                                    "param_groups[0]['params'][0] (12, 8)"),
+    "SpectralDecay attached": _attached_decay,
+}
+
+
+@pytest.mark.parametrize("name", DEFAULT_STABILITY)
+def test_the_default_stability_clamps_and_warns_once_per_matrix(caplog, name):
+    """No stability= given: a step that would reorder the singular values (p * kappa >= 1) is clamped,
+    not raised, and the matrix's first clamp warns once; the training loop's behaviour."""
+    big = matrix_with_spectrum((12, 8), log_spaced_spectrum(8, 10) * 10, torch.float64, seed=4)
+    param = torch.nn.Parameter(big.clone())
+    param.grad = torch.zeros_like(big)
+    stepper, matrix = DEFAULT_STABILITY[name](param)
+    with caplog.at_level("DEBUG", logger="spectral_ops.decay"):
+        stepper.step()
+        stepper.step()
+    levels = [r.levelname for r in caplog.records if f"of {matrix} by a factor" in r.getMessage()]
+    assert levels == ["WARNING", "DEBUG"]
+    # Clamped to p * kappa = 1/2, a step takes at most kappa = 1/(2p) = 1/4 of the top mode (unclamped,
+    # kappa is far above 1 here and would flip it through zero); no mode grows.
+    s_before, s_after = torch.linalg.svdvals(big), torch.linalg.svdvals(param.detach())
+    assert s_after[0] >= (1 - 1 / 4) ** 2 * s_before[0] and torch.all(s_after <= s_before)
+
+
 def test_clamp_counts_are_saved_and_loaded(tmp_path):
     """A resumed run keeps counting its clamps (the training loop's clamped_updates is "so far"): the
     records go into state_dict by parameter position, and survive torch.save/load(weights_only=True)."""
