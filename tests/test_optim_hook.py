@@ -203,3 +203,23 @@ def test_a_parameter_cannot_take_two_spectral_decays():
         SpectralDecay(matrices(model), p=2, spectral_weight_decay=0.1).attach(spectral_host)
     ordinary_host = SpectralAdamW(matrices(model), lr=1e-2)  # p = 1: only lambda_1, which stacks
     SpectralDecay(matrices(model), p=2, spectral_weight_decay=0.1).attach(ordinary_host)
+
+
+def test_two_standalone_decays_cannot_decay_a_parameter_twice_in_one_step():
+    """Two live standalone SpectralDecays over one parameter, stepped in the same round (no write to it
+    in between), would decay it twice: the second is refused, before it writes anything. Stepping one
+    of them after the optimizer's update, or a new one replacing an old one, is a single decay."""
+    W = torch.nn.Parameter(torch.randn(16, 8))
+    first = SpectralDecay([W], p=2, spectral_weight_decay=0.1, lr=1e-2)
+    second = SpectralDecay([W], p=2, spectral_weight_decay=0.1, lr=1e-2)
+    first.step()
+    decayed_once = W.detach().clone()
+    with pytest.raises(ValueError, match="two standalone SpectralDecays over the same parameters"):
+        second.step()
+    assert torch.equal(W.detach(), decayed_once) and not second.state
+    first.step()  # one decay stepped again: a pure-decay run
+    W.grad = torch.ones_like(W)
+    torch.optim.SGD([W], lr=0.1).step()
+    second.step()  # after an update: each round decays once
+    second = SpectralDecay([W], p=2, spectral_weight_decay=0.1, lr=1e-2)  # made again: the old one is gone
+    second.step()

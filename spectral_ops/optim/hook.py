@@ -10,11 +10,15 @@ parameter it holds, gradient or not.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..decay import renamed_spectral_coefficient
 from ..plan import needs_direction
 from .base import PreparedStep, SpectralOptimizer, detached_peak
+from .distributed import local
 
 # The host group key holding its starting lr, the peak of the independent convention (unless an LR
 # scheduler records initial_lr). In the group, like initial_lr, it is saved and loaded with the host's
@@ -23,6 +27,10 @@ HOST_PEAK_KEY = "spectral_decay_peak_lr"
 
 # SpectralDecay once called lambda_p ``weight_decay``, the name of lambda_1 everywhere else.
 DEPRECATED_SPECTRAL_KEY = "weight_decay"
+
+# Parameter -> (a weak reference to the standalone SpectralDecay that last decayed it spectrally, the
+# version counter of its storage just after): see SpectralDecay._check_not_decayed_twice.
+_last_standalone_decay = WeakIdKeyDictionary()
 
 
 def _remember_peak(host_group: dict):
@@ -62,8 +70,8 @@ class SpectralDecay(SpectralOptimizer):
 
     def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
                  band=None, p0_mode="explicit", stability="clamp", decay_steps=None, decay_precision=None,
-                 decay_iteration="auto", lr=None, capturable=False, strict=False, weight_decay=None, process_group=None,
-                 polar_steps=None):
+                 decay_iteration="auto", decay_method="auto", lr=None, capturable=False, strict=False,
+                 weight_decay=None, process_group=None, polar_steps=None):
         spectral_weight_decay = renamed_spectral_coefficient("SpectralDecay", spectral_weight_decay, weight_decay,
                                                              stacklevel=2)
         if not isinstance(params, torch.Tensor):  # torch's own check refuses a bare tensor
@@ -76,7 +84,7 @@ class SpectralDecay(SpectralOptimizer):
         defaults = dict(p=p, ordinary_weight_decay=ordinary_weight_decay, convention=convention,
                         band=band, p0_mode=p0_mode, stability=stability, decay_steps=decay_steps,
                         polar_steps=polar_steps, decay_precision=decay_precision, decay_iteration=decay_iteration,
-                        lr=lr, capturable=capturable, strict=strict)
+                        decay_method=decay_method, lr=lr, capturable=capturable, strict=strict)
         # None: not given, which a group that needs a spectral direction refuses (check_group).
         defaults["spectral_weight_decay"] = spectral_weight_decay
         super().__init__(params, defaults, process_group=process_group)
@@ -162,7 +170,25 @@ class SpectralDecay(SpectralOptimizer):
         """Standalone use (``.step()``): decay with this object's own lr."""
         if group["lr"] is None:
             raise ValueError("SpectralDecay.step() needs lr= (or attach it to an optimizer)")
+        self._check_not_decayed_twice(params, group)
         return self._prepare_decay_step(params, group)
+
+    def _check_not_decayed_twice(self, params, group: dict) -> None:
+        """Refuse to decay a parameter spectrally that another live standalone SpectralDecay decayed
+        last, with no write to it since (no optimizer step in between): two of them over the same
+        parameters would decay it twice per training step. Checked at the step, not at construction,
+        so that a SpectralDecay made again for the same parameters (a resumed run, a re-run notebook
+        cell) is not refused while the old one is still referenced: only one of them steps."""
+        if torch.compiler.is_compiling() or self._hook is not None or \
+                not needs_direction(group["p"], group[self.spectral_key], group["band"]):
+            return
+        for param in params:
+            last = _last_standalone_decay.get(param)
+            if last is not None and last[0]() not in (None, self) and local(param)._version == last[1]:
+                raise ValueError(f"another SpectralDecay decayed this {tuple(param.shape)} parameter last, and "
+                                 "nothing has written it since: two standalone SpectralDecays over the same "
+                                 "parameters decay them twice per step. Step one of them (delete the other), or "
+                                 "give each its own parameters")
 
     def _prepare_decay_step(self, params, group: dict, **lrs) -> PreparedStep:
         """The decay alone: a weight is skipped when its decayed value is not finite (the gradient
@@ -171,3 +197,10 @@ class SpectralDecay(SpectralOptimizer):
 
     def commit_group(self, step: PreparedStep, keep: list) -> None:
         step.decay.commit(keep)
+        group = step.group
+        # Not traced: Dynamo cannot represent the hook's handle, and reads no version counters.
+        if not torch.compiler.is_compiling() and self._hook is None and \
+                needs_direction(group["p"], group[self.spectral_key], group["band"]):
+            for param, kept in zip(step.params, keep):
+                if kept is not False:
+                    _last_standalone_decay[param] = (weakref.ref(self), local(param)._version)
