@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from spectral_ops.linalg import compute_dtype, eigh_spectral_power, svd_spectral_power
+from spectral_ops.linalg import compute_dtype, factorised_spectral_power
 from spectral_ops.coefficients import polar_express_coefficients
 
 
 def svd_route(W: torch.Tensor, p: int, dtype: torch.dtype) -> torch.Tensor:
     """``S_p`` from ``torch.linalg.svd`` in ``dtype``, cast back."""
-    return svd_spectral_power(W, p, dtype).to(W.dtype)
+    return factorised_spectral_power(W, p, dtype, "svd").to(W.dtype)
 
 
 def eigh_route(W: torch.Tensor, p: int) -> torch.Tensor:
     """``S_p`` from ``torch.linalg.eigh`` of the small Gram."""
-    return eigh_spectral_power(W, p, compute_dtype(W.dtype)).to(W.dtype)
+    return factorised_spectral_power(W, p, compute_dtype(W.dtype), "eigh").to(W.dtype)
 
 
 def textbook_polar_express(W: torch.Tensor, coefficients=None) -> torch.Tensor:

@@ -3,7 +3,9 @@
 The workspace of one decay step against the size of the matrix it decays, on CPU: the peak of the
 bytes allocated (net of frees) while ``spectral_ops.spectral_decay_`` runs, from torch.profiler's
 allocation events (``profile_memory=True``) taken in time order, so a temporary freed before the
-next one is allocated is not counted twice, as the profiler's per-op totals would count it.
+next one is allocated is not counted twice, as the profiler's per-op totals would count it. Every
+decay runs the plan's iterations (``method="gram"``, the route a GPU takes): a CPU's ``"auto"`` may
+factorise instead, whose workspace is LAPACK's.
 
 What it sees is what goes through torch's CPU allocator. That includes the scratch oneDNN's bf16
 kernels allocate inside a product on CPUs with native bf16 (AVX512_BF16, AMX), which MKL's fp32 GEMM
@@ -143,7 +145,7 @@ def weights(count: int, shape, dtype, seed: int = 0) -> list[torch.Tensor]:
 
 def decay_call(tensors, p: int, band=None):
     argument = tensors[0] if len(tensors) == 1 else tensors
-    return lambda: spectral_ops.spectral_decay_(argument, p, LR, COEFFICIENT, band=band)
+    return lambda: spectral_ops.spectral_decay_(argument, p, LR, COEFFICIENT, band=band, method="gram")
 
 
 def optimizer_step(tensors, p: int | None):
@@ -152,7 +154,8 @@ def optimizer_step(tensors, p: int | None):
     if p is None:
         optimizer = torch.optim.AdamW(parameters, lr=LR, weight_decay=COEFFICIENT, foreach=True)
     else:
-        optimizer = SpectralAdamW(parameters, lr=LR, weight_decay=0.0, p=p, spectral_weight_decay=COEFFICIENT)
+        optimizer = SpectralAdamW(parameters, lr=LR, weight_decay=0.0, p=p, spectral_weight_decay=COEFFICIENT,
+                                  decay_method="gram")
     generator = torch.Generator().manual_seed(1)
     for parameter in parameters:
         parameter.grad = torch.randn(parameter.shape, generator=generator).to(parameter.dtype)

@@ -24,7 +24,7 @@ from ._checks import (
     check_steps,
 )
 from .coefficients import resolve_polar_coefficients
-from .ops import check_band, check_iteration, check_precision, sign_coefficients
+from .ops import check_band, check_iteration, check_method, check_precision, sign_coefficients
 from .plan import (  # noqa: F401  (SpectralStabilityError: the decay's public name)
     STABILITY_POLICIES,
     Band,
@@ -112,11 +112,12 @@ class DecayOptions:
     p0_mode: str
     stability: str
     iteration: str = "auto"
+    method: str = "auto"
 
 
 def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, convention="decoupled", band=None,
                         p0_mode="explicit", steps=None, coefficients=None, stability="raise",
-                        precision=None, capturable=False, sync=True, iteration="auto",
+                        precision=None, capturable=False, sync=True, iteration="auto", method="auto",
                         names=("spectral_weight_decay", "ordinary_weight_decay")) -> DecayOptions:
     """Validate every decay hyper-parameter (optimizers call this at construction time).
 
@@ -126,7 +127,7 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
     what the caller calls the two coefficients, for the messages (``weight_decay`` in an optimizer).
     """
     p = check_power(p)
-    check_iteration(iteration)
+    check_method(method, capturable, check_iteration(iteration))
     check_coefficient(spectral_weight_decay, names[0], sync=sync)
     check_coefficient(ordinary_weight_decay, names[1], sync=sync)
     check_choice(convention, "convention", CONVENTIONS)
@@ -150,6 +151,7 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
         p0_mode=p0_mode,
         stability=stability,
         iteration=iteration,
+        method=method,
     )
 
 
@@ -187,6 +189,7 @@ def spectral_decay_(
     precision: str | None = None,
     capturable: bool = False,
     iteration: str = "auto",
+    method: str = "auto",
     clamp_factors: list | None = None,
     weight_decay=None,
 ):
@@ -219,6 +222,9 @@ def spectral_decay_(
     how a caller reads the clamps later, without a host sync.
 
     ``iteration``: how an even ``p >= 2`` iterates (see :func:`spectral_ops.ops.check_iteration`).
+    ``method``: how the direction is computed, as in :func:`spectral_ops.spectral_power` (``"auto"``:
+    the Gram route on GPUs and under ``capturable``, a factorisation on CPUs where that is faster; the
+    guard is the same on every route).
 
     ``weight_decay`` is a deprecated alias of ``spectral_weight_decay`` (the name of ``lambda_1`` in
     every optimizer of the family).
@@ -238,7 +244,7 @@ def spectral_decay_(
     options = check_decay_options(
         p, spectral_weight_decay, ordinary_weight_decay=ordinary_weight_decay, convention=convention, band=band,
         p0_mode=p0_mode, steps=steps, coefficients=coefficients, stability=stability, precision=precision,
-        capturable=capturable, sync=sync, iteration=iteration,
+        capturable=capturable, sync=sync, iteration=iteration, method=method,
     )
     if convention == "independent":
         if schedule is None:
@@ -328,7 +334,7 @@ def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, 
         ordinary_weight_decay=ordinary_weight_decay, band=options.band, p0_mode=options.p0_mode,
         polar_coefficients=options.polar_coefficients, sign_coefficients=options.sign_coefficients,
         precision=options.precision, iteration=options.iteration, stability=options.stability,
-        capturable=capturable,
+        capturable=capturable, method=options.method,
     )
     groups = defaultdict(list)
     for i in nonempty:

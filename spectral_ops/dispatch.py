@@ -263,6 +263,7 @@ class Kernels:
     def __init__(self, op: str, W: torch.Tensor):
         self.op = op
         self.used: set[str] = set()
+        self._device = W.device
         self._described = (W.device.type, W.dtype)
         # Nothing that decides a choice changes within one op call, and an iteration repeats a few
         # operand shapes many times: each is routed once.
@@ -291,6 +292,14 @@ class Kernels:
         if key not in _logged_choices:
             _logged_choices.add(key)
             logger.debug("spectral_ops: %s on %s %s runs on the %s backend", self.op, *self._described, name)
+
+    def provider_of(self, primitive: str, dtype: torch.dtype, shape, precision: str | None = None) -> str | None:
+        """The name of the backend that would run ``primitive`` on ``dtype`` operands of ``shape`` (None:
+        none can): the plan's question before it weighs a factorisation against the composed products."""
+        if torch.compiler.is_compiling():
+            return _traced_choice(self.op, primitive, self._device, dtype, tuple(shape), precision, True, 0) or None
+        backend = _select_for(self.op, primitive, self._device, dtype, tuple(shape), precision, optional=True)
+        return None if backend is None else backend.name
 
     def symmetric(self, L, R, precision):
         return self._backend("symmetric", L, precision, call=((L, R, precision), {})).symmetric(L, R, precision)
@@ -325,6 +334,9 @@ class PinnedKernels:
     def __init__(self, backend, *, small_chain: bool = True):
         self.backend = backend
         self.chain = small_chain
+
+    def provider_of(self, primitive: str, dtype: torch.dtype, shape, precision: str | None = None) -> str:
+        return self.backend.name
 
     def __getattr__(self, primitive: str):
         return getattr(self.backend, primitive)

@@ -20,14 +20,13 @@ from ._checks import (
     renamed_argument,
 )
 from .coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients, resolve_polar_coefficients
-from .linalg import compute_dtype, eigh_spectral_power, svd_spectral_power
+from .linalg import compute_dtype
 
 SIGN_METHODS = ("newton_schulz", "polar_express")
 # Newton-Schulz's quintic converges only linearly near 1 (p'(1) = -3/5): 30 steps take a mode at
 # 1e-3 of ||A||_F to within ~1e-5 of its sign. Polar Express needs 8 for the same range.
 DEFAULT_SIGN_STEPS = {"newton_schulz": 30, "polar_express": 8}
 BAND_MODES = ("top", "bot", "top_only", "bot_only", "two_band")
-POWER_METHODS = ("auto", "gram", "svd", "eigh")
 
 
 def _validated(W, name: str = "W", capturable: bool = False) -> torch.Tensor:
@@ -39,6 +38,22 @@ def _validated(W, name: str = "W", capturable: bool = False) -> torch.Tensor:
     if not capturable:
         check_finite([W], name)
     return W
+
+
+def check_method(method: str, capturable: bool = False, iteration: str = "auto") -> str:
+    """How an op computes (:data:`spectral_ops.plan.METHODS`): ``"gram"`` iterates with matrix products
+    (SPEC 1.2-1.4); ``"svd"`` and ``"eigh"`` factorise: a thin SVD, or an eigendecomposition of the small
+    Gram, which sees ``s^2`` (accurate for powers ``p >= 1``, not for ``p = 0``, nor for a band's
+    threshold far below ``s_max``); ``"auto"`` takes the fastest accurate one
+    (:func:`spectral_ops.plan.route`: the Gram route on GPUs and under ``capturable``; on CPUs a
+    factorisation where it is faster, the SVD for every band form)."""
+    check_choice(method, "method", plan.METHODS)
+    if iteration == "gram_space" and method in plan.FACTORISATIONS:
+        raise ValueError(f"iteration={iteration!r} is an iteration of method='gram', not of {method!r}")
+    if capturable and method in plan.FACTORISATIONS:
+        raise ValueError(f"method={method!r} synchronises with the host (LAPACK/cuSOLVER report to it); "
+                         "capturable=True needs method='gram' or 'auto'")
+    return method
 
 
 def check_precision(precision):
@@ -132,34 +147,22 @@ def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int 
     smaller Gram, powers by repeated squaring, ``G`` shared with the first Polar Express step).
     ``"svd"``: a thin SVD in the compute dtype. ``"eigh"``: an eigendecomposition of the Gram
     (accurate for ``p >= 1``; for ``p = 0`` it loses the modes below ``sqrt(eps) s_max``).
-    ``"auto"``: the fastest accurate one for the device, dtype and shape. ``steps``/``coefficients``
-    configure the polar factor as in :func:`polar`. ``capturable=True`` needs ``"gram"`` (``"auto"``
-    means it then): the factorisations report errors to the host.
+    ``"auto"``: the fastest accurate one for the device, dtype and shape (:func:`check_method`).
+    ``steps``/``coefficients`` configure the polar factor as in :func:`polar`. ``capturable=True``
+    needs ``"gram"`` (``"auto"`` means it then): the factorisations report errors to the host.
 
     ``iteration`` (``"gram"`` only; ``"gram_space"`` makes ``method="auto"`` mean ``"gram"``): how an
     even ``p`` iterates, see :func:`check_iteration`.
     """
     _validated(W, capturable=capturable)
     p = check_power(p)
-    check_choice(method, "method", POWER_METHODS)
-    check_iteration(iteration)
-    if iteration == "gram_space" and method in ("svd", "eigh"):
-        raise ValueError(f"iteration={iteration!r} is an iteration of method='gram', not of {method!r}")
-    if capturable and method in ("svd", "eigh"):
-        raise ValueError(f"method={method!r} synchronises with the host (LAPACK/cuSOLVER report to it); "
-                         "capturable=True needs method='gram' or 'auto'")
+    check_method(method, capturable, check_iteration(iteration))
     polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
     check_precision(precision)
     if W.numel() == 0:
         return W.clone()
-    method = plan.route(W.shape, W.dtype, W.device.type, p, plan.resolve_precision(precision, W.dtype),
-                        method=method, iteration=iteration, capturable=capturable).method
-    if method in ("svd", "eigh"):
-        factorisation = svd_spectral_power if method == "svd" else eigh_spectral_power
-        result = factorisation(W, p, compute_dtype(W.dtype, precision)).to(W.dtype)
-        return plan.checked_finite(result, "spectral_power")
     return plan.spectral_power(dispatch.kernels_for("spectral_power", W), W, p, polar_c, precision,
-                               sync=not capturable, iteration=iteration)
+                               sync=not capturable, iteration=iteration, method=method)
 
 
 def check_iteration(iteration) -> str:
@@ -180,17 +183,23 @@ def _check_tau(tau, name: str = "tau", sync: bool = True):
 
 @torch.no_grad()
 def band_projectors(W: torch.Tensor, tau, sign_steps: int | None = None, sign_method: str | None = None, *,
-                    precision: str | None = None, capturable: bool = False, steps=None, method=None):
+                    precision: str | None = None, capturable: bool = False, method: str = "auto", steps=None):
     """``(P_top, P_bot)``: projectors onto the singular directions with ``s > tau`` / ``s < tau``.
 
     They live on the small side: ``n x n`` right projectors (``W @ P``) for ``m >= n``, ``m x m``
-    left projectors (``P @ W``) for ``m < n``. Built from ``msign(G - tau^2 I)`` with ``sign_steps``
-    sign iterations of ``sign_method`` (default ``"polar_express"``), the names :func:`band_direction`
-    and :func:`svt` use; ``steps``/``method`` are their deprecated names here. Accuracy depends on the
-    gap of ``s^2`` around ``tau^2``.
+    left projectors (``P @ W``) for ``m < n``. ``method="gram"`` builds them from ``msign(G - tau^2 I)``
+    with ``sign_steps`` sign iterations of ``sign_method`` (default ``"polar_express"``), whose accuracy
+    depends on the gap of ``s^2`` around ``tau^2``; ``"eigh"``/``"svd"`` from the singular vectors
+    themselves; ``"auto"`` as :func:`check_method` says. ``steps`` is ``sign_steps``' deprecated name,
+    and a sign method given as ``method`` (its old name here) is taken as ``sign_method`` of the Gram
+    route, with a warning.
     """
     sign_steps = renamed_argument("band_projectors", "sign_steps", sign_steps, "steps", steps)
-    sign_method = renamed_argument("band_projectors", "sign_method", sign_method, "method", method) or "polar_express"
+    if method in SIGN_METHODS:
+        sign_method = renamed_argument("band_projectors", "sign_method", sign_method, "method", method)
+        method = "gram"  # the sign iteration it named, as before the rename
+    sign_method = sign_method or "polar_express"
+    check_method(method, capturable)
     _validated(W, capturable=capturable)
     _check_tau(tau, sync=not capturable)
     coefficients = sign_coefficients(sign_steps, sign_method)
@@ -199,7 +208,8 @@ def band_projectors(W: torch.Tensor, tau, sign_steps: int | None = None, sign_me
         r = min(W.shape[-2:])
         empty = W.new_zeros(*W.shape[:-2], r, r)
         return empty, empty.clone()
-    return plan.band_projectors(dispatch.kernels_for("band_projectors", W), W, tau, coefficients, precision)
+    return plan.band_projectors(dispatch.kernels_for("band_projectors", W), W, tau, coefficients, precision,
+                                capturable=capturable, method=method)
 
 
 def check_band(band: plan.Band, sync: bool = True,
@@ -218,8 +228,9 @@ def check_band(band: plan.Band, sync: bool = True,
 def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: int = 1,
                    lambda_top=1.0, lambda_bot=1.0, steps: int | None = None,
                    sign_steps: int | None = None, sign_method: str = "polar_express",
-                   precision: str | None = None, capturable: bool = False) -> torch.Tensor:
-    """A band-selective decay direction (SPEC 1.4), with ``P_top``/``P_bot`` split at ``tau``.
+                   precision: str | None = None, capturable: bool = False, method: str = "auto") -> torch.Tensor:
+    """A band-selective decay direction (SPEC 1.4), with ``P_top``/``P_bot`` split at ``tau``;
+    ``method`` as in :func:`check_method`.
 
     ========== ================================================
     ``top``      ``S_p(W) P_top + W P_bot``
@@ -240,18 +251,19 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
     if W.numel() == 0:
         return W.clone()
     return plan.band_direction(dispatch.kernels_for("band_direction", W), W, p, band, polar_c, sign_c, precision,
-                               sync=not capturable, top=lambda_top)
+                               sync=not capturable, top=lambda_top, method=check_method(method, capturable))
 
 
 @torch.no_grad()
 def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None = None,
         sign_method: str = "polar_express", precision: str | None = None,
-        capturable: bool = False) -> torch.Tensor:
-    """Singular-value soft-thresholding ``U (S - t)_+ V^T = (W - t Q) P_top(t)``, without an SVD.
+        capturable: bool = False, method: str = "auto") -> torch.Tensor:
+    """Singular-value soft-thresholding ``U (S - t)_+ V^T = (W - t Q) P_top(t)``.
 
-    Exact in exact arithmetic; numerically limited by the polar factor's design bound and by the
-    gap of the singular values around ``t`` (as for :func:`band_projectors`): a mode the sign steps
-    do not resolve comes out as ``pi (s - t)`` with ``pi`` in [0, 1], an error of at most ``|s - t|``.
+    ``method="gram"`` (no SVD): exact in exact arithmetic; numerically limited by the polar factor's
+    design bound and by the gap of the singular values around ``t`` (as for :func:`band_projectors`):
+    a mode the sign steps do not resolve comes out as ``pi (s - t)`` with ``pi`` in [0, 1], an error
+    of at most ``|s - t|``. ``"svd"``/``"eigh"``: mode by mode; ``"auto"``: see :func:`check_method`.
     """
     _validated(W, capturable=capturable)
     check_coefficient(t, "t", positive=True, sync=not capturable)
@@ -260,7 +272,8 @@ def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None 
     check_precision(precision)
     if W.numel() == 0:
         return W.clone()
-    return plan.svt(dispatch.kernels_for("svt", W), W, t, polar_c, sign_c, precision, sync=not capturable)
+    return plan.svt(dispatch.kernels_for("svt", W), W, t, polar_c, sign_c, precision, sync=not capturable,
+                    method=check_method(method, capturable))
 
 
 @torch.no_grad()

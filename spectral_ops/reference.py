@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .linalg import power_weights, svd_spectral_power
+from .linalg import factorised_spectral_power, power_weights
 
 
 def _svd(W):
@@ -18,7 +18,7 @@ def _svd(W):
 
 def spectral_power_svd(W: torch.Tensor, p: int) -> torch.Tensor:
     """``U diag(s^p) V^T``."""
-    return svd_spectral_power(W, p, torch.float64)
+    return factorised_spectral_power(W, p, torch.float64, "svd")
 
 
 def polar_svd(W: torch.Tensor) -> torch.Tensor:

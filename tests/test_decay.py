@@ -351,7 +351,8 @@ def test_a_decay_costs_its_direction_and_at_most_three_squarings(mode, p, shape)
     # 0.5 at s_max, and >= 0.5 (sqrt(r) / 2)^(p - 1) >= 1.2 by the Frobenius bound for p >= 2, r >= 24.
     for lr, settled in ((1e-6, True), (0.5 / max(p, 1), p < 2)):
         decayed = W.clone()
-        flops = _flops(lambda: so.spectral_decay_(decayed, p, lr, 1.0, stability=stability, capturable=capturable))
+        flops = _flops(lambda: so.spectral_decay_(decayed, p, lr, 1.0, stability=stability, capturable=capturable,
+                                                  method="gram"))
         extra = flops - direction
         if p < 2 or (settled and not capturable):
             assert extra == 0
@@ -371,3 +372,76 @@ def test_a_bands_former_coefficient_name_still_works_with_a_deprecation_warning(
     assert old == from_dict == so.Band(1.0, "two_band", spectral_weight_decay_bot=0.3)
     with pytest.raises(TypeError, match="both"):
         so.Band(1.0, spectral_weight_decay_bot=0.1, weight_decay_bot=0.3)
+
+
+# ----- the routes: a decay computes its direction as plan.route says, by iteration or factorisation
+
+DECAY_FORMS = {
+    "p0": dict(p=0), "p2": dict(p=2), "p3": dict(p=3), "prox": dict(p=0, p0_mode="prox"),
+    "band-top": dict(p=2, band=so.Band(0.6)),
+    "two-band": dict(p=2, band=so.Band(0.6, "two_band", p_bot=0, spectral_weight_decay_bot=0.05)),
+}
+
+
+def decay_oracle(W, form, lr, wd, ordinary):
+    """The FP64 SVD's decay of every form: ``W - lr (wd D + ordinary W)`` with ``D`` the form's direction
+    (two_band weights its bands itself; prox replaces ``W - lr wd D`` by the soft-threshold)."""
+    band = form.get("band")
+    if band is None:
+        return reference.spectral_decay_svd(W, form["p"], lr, wd, ordinary, form.get("p0_mode", "explicit"))
+    W64 = W.double()
+    if band.mode == "two_band":
+        spectral = lr * reference.band_direction_svd(W64, band.tau, form["p"], "two_band", p_bot=band.p_bot,
+                                                     lambda_top=wd, lambda_bot=band.spectral_weight_decay_bot)
+    else:
+        spectral = lr * wd * reference.band_direction_svd(W64, band.tau, form["p"], band.mode)
+    return W64 - spectral - lr * ordinary * W64
+
+
+@pytest.mark.parametrize("method", ["auto", "gram", "svd", "eigh"])
+@pytest.mark.parametrize("form", list(DECAY_FORMS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_every_route_decays_to_the_svd_oracle(dtype, form, method):
+    """Every form on every route against the FP64 SVD (kappa 10, where eigh's ``1 / s`` at ``p = 0`` is
+    accurate to ``eps kappa^2``, within the budget): the tolerance of the iterations' chain bounds the
+    factorisations, which round once per product of a backward-stable decomposition."""
+    W = weights(dtype=dtype, seed=5)
+    lr, wd, ordinary = 0.05, 0.2, 0.1
+    decayed = W.clone()
+    so.spectral_decay_(decayed, lr=lr, spectral_weight_decay=wd, ordinary_weight_decay=ordinary, method=method,
+                       **DECAY_FORMS[form])
+    assert relative_error(decayed, decay_oracle(W, DECAY_FORMS[form], lr, wd, ordinary)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("form, factorisation", [("p2", "eigh"), ("p3", "eigh"), ("p0", "svd"), ("prox", "svd"),
+                                                 ("band-top", "svd"), ("two-band", "svd")])
+def test_on_a_cpu_auto_factorises_where_that_is_faster(form, factorisation):
+    """plan.route's CPU choice for a decay (docs/backends.md): eigh for S_p with p >= 2 (p = 0 at 24 x 16
+    is below Polar Express's winning sides: the SVD), the SVD for every thresholded form. Bit for bit:
+    "auto" is that route, not a similar one."""
+    W = weights(dtype=torch.float32, seed=6)
+    auto, chosen = W.clone(), W.clone()
+    so.spectral_decay_(auto, lr=0.05, spectral_weight_decay=0.2, **DECAY_FORMS[form])
+    so.spectral_decay_(chosen, lr=0.05, spectral_weight_decay=0.2, method=factorisation, **DECAY_FORMS[form])
+    assert torch.equal(auto, chosen)
+
+
+def test_the_guard_clamps_the_same_on_every_route():
+    """The guard's bound comes from the Gram plan under every route, so a violating step is clamped by the
+    same factors whether its direction is iterated or factorised."""
+    W = weights((3, 24, 16), torch.float32, seed=7, scale=4.0)
+    factors = {}
+    for method in ("gram", "eigh", "svd"):
+        factors[method] = []
+        so.spectral_decay_(W.clone(), 2, 1.0, 0.5, stability="clamp", method=method, clamp_factors=factors[method])
+    assert (factors["gram"][0] < 1).all()
+    assert torch.equal(factors["gram"][0], factors["eigh"][0]) and torch.equal(factors["gram"][0], factors["svd"][0])
+
+
+def test_a_factorisation_is_refused_where_the_host_may_not_be_read():
+    W = weights(dtype=torch.float32)
+    for method in ("svd", "eigh"):
+        with pytest.raises(ValueError, match="capturable=True needs method='gram' or 'auto'"):
+            so.spectral_decay_(W, 2, 0.1, 0.1, stability="clamp", capturable=True, method=method)
+    with pytest.raises(ValueError, match="method must be one of"):
+        so.spectral_decay_(W, 2, 0.1, 0.1, method="qr")

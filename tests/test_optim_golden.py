@@ -2,7 +2,9 @@
 multi-tensor and compile-friendly must not change one bit of them.
 
 ``tests/data/optim_golden.pt`` was recorded with the optimizers as they were before [capturable], and
-again when [portable] folded the polar iteration's normalisation margin into its first step;
+again when [portable] folded the polar iteration's normalisation margin into its first step, and when
+[compile] let a CPU's ``decay_method="auto"`` factorise (the earlier cases pin ``"gram"`` and kept
+every bit; the ``-auto`` cases were added);
 ``python tests/test_optim_golden.py`` records it again after a deliberate change. How results are
 compared: ``tests/golden.py``.
 """
@@ -36,24 +38,30 @@ def _attached(model, **options):
     return host
 
 
+GRAM = {"decay_method": "gram"}  # the iterations' arithmetic; "auto" factorises on a CPU (the -auto cases)
+
 OPTIMIZERS = {
     "adamw-p1": lambda m: SpectralAdamW(m.parameters(), lr=1e-2, weight_decay=0.1),
-    "adamw-p2": lambda m: SpectralAdamW(m.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5),
+    "adamw-p2": lambda m: SpectralAdamW(m.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5, **GRAM),
     "adamw-p0-tensor-lr": lambda m: SpectralAdamW(m.parameters(), lr=torch.tensor(1e-2), p=0,
-                                                  spectral_weight_decay=0.5),
+                                                  spectral_weight_decay=0.5, **GRAM),
     "adamw-band": lambda m: SpectralAdamW(m.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5,
-                                          band=so.Band(0.5)),
+                                          band=so.Band(0.5), **GRAM),
     # p * kappa = 2.8: the golden pins the arithmetic of a step that reorders the top modes, which the
     # guard (p * kappa < 1) now refuses unless told to ignore it.
     "adamw-independent": lambda m: SpectralAdamW(m.parameters(), lr=1e-2, p=3, spectral_weight_decay=0.5,
-                                                 convention="independent", stability="ignore"),
+                                                 convention="independent", stability="ignore", **GRAM),
     "sgd-nesterov": lambda m: SpectralSGD(m.parameters(), lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.1,
-                                          p=2, spectral_weight_decay=0.5),
-    "sgd-tensor-lr": lambda m: SpectralSGD(m.parameters(), lr=torch.tensor(5e-2), p=0, spectral_weight_decay=0.5),
-    "muon-p2": lambda m: _muon(m, p=2, spectral_weight_decay=0.5, precision="fp32"),
+                                          p=2, spectral_weight_decay=0.5, **GRAM),
+    "sgd-tensor-lr": lambda m: SpectralSGD(m.parameters(), lr=torch.tensor(5e-2), p=0, spectral_weight_decay=0.5,
+                                           **GRAM),
+    "muon-p2": lambda m: _muon(m, p=2, spectral_weight_decay=0.5, precision="fp32", **GRAM),
     "muon-heads": lambda m: _muon(m, heads=2, precision="fp32"),
     "muon-quintic": lambda m: _muon(m, ns_coefficients=so.MUON_QUINTIC, precision="fp32"),
-    "decay-attached": lambda m: _attached(m, p=2, spectral_weight_decay=0.5),
+    "decay-attached": lambda m: _attached(m, p=2, spectral_weight_decay=0.5, **GRAM),
+    "adamw-p2-auto": lambda m: SpectralAdamW(m.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5),
+    "adamw-band-auto": lambda m: SpectralAdamW(m.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5,
+                                               band=so.Band(0.5)),
 }
 
 

@@ -85,9 +85,10 @@ def _run(name, steps=2, **options):
 @pytest.mark.parametrize("primitive", ["symmetric", "product", "poly_step", "decay_epilogue_"])
 def test_a_failing_primitive_leaves_every_weight_and_state_unchanged(monkeypatch, name, primitive):
     """Fault injection: the primitive fails at its last call of the step (after earlier matrices and
-    groups were computed), so a step that wrote as it went would be caught half-way."""
+    groups were computed), so a step that wrote as it went would be caught half-way. The decay runs
+    the Gram route, whose primitives the faults go into (a CPU's "auto" factorises S_2)."""
     with so.use_backend("torch"):
-        model, optimizer = _run(name)
+        model, optimizer = _run(name, decay_method="gram")
         calls = []
         original = getattr(TorchBackend, primitive)
         monkeypatch.setattr(TorchBackend, primitive, lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
@@ -95,7 +96,7 @@ def test_a_failing_primitive_leaves_every_weight_and_state_unchanged(monkeypatch
         total = len(calls)
         assert total, f"{primitive} is not used by {name}'s step"
 
-        model, optimizer = _run(name)
+        model, optimizer = _run(name, decay_method="gram")
         before = _snapshot(model, optimizer)
         count = iter(range(total))
 
@@ -151,10 +152,13 @@ def test_an_unstable_second_group_raises_before_the_first_is_written(name):
 def test_a_non_finite_matrix_is_skipped_counted_and_the_others_updated(monkeypatch, name, where, bad):
     """NaN/Inf in one matrix's gradient, weight, or a product computed for it: that parameter and its
     state keep their bits, the skip is counted, the other parameters get exactly the step they get
-    when the bad parameter has no gradient at all, and the next finite step is normal."""
+    when the bad parameter has no gradient at all, and the next finite step is normal. A bad weight
+    takes the factorised route a CPU's "auto" runs (LAPACK must not fail the whole step); a bad product
+    is injected into the Gram route's."""
+    options = {"decay_method": "gram"} if where == "intermediate" else {}
     with so.use_backend("torch"):
-        model, optimizer = _run(name)
-        reference_model, reference = _run(name)
+        model, optimizer = _run(name, **options)
+        reference_model, reference = _run(name, **options)
         target = model[2].weight  # 4 x 16: a shape no other matrix has
         reference_model[2].weight.grad = None
         if where == "gradient":
@@ -356,6 +360,22 @@ def test_a_group_can_decay_in_gram_space():
     assert torch.equal(weight.detach(), expected)
     with pytest.raises(ValueError, match="iteration must be one of"):
         SpectralSGD([weight], p=2, spectral_weight_decay=0.5, decay_iteration="gram")
+
+
+@pytest.mark.parametrize("method", ["gram", "svd", "eigh"])
+def test_a_group_chooses_how_its_decay_is_computed(method):
+    """decay_method reaches the decay as spectral_decay_'s method (SGD without momentum: the update is
+    the decay and lr * g); a factorisation is refused at construction where the step is capturable."""
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(64, 16) / 8)
+    expected = weight.detach().clone()
+    weight.grad = torch.zeros_like(weight)
+    SpectralSGD([weight], lr=0.1, momentum=0.0, p=2, spectral_weight_decay=0.5, decay_method=method).step()
+    so.spectral_decay_(expected, 2, 0.1, 0.5, method=method)
+    assert torch.equal(weight.detach(), expected)
+    if method != "gram":
+        with pytest.raises(ValueError, match="capturable=True needs method='gram' or 'auto'"):
+            SpectralSGD([weight], p=2, spectral_weight_decay=0.5, decay_method=method, capturable=True)
 
 
 # The stability clamp, counted and logged per parameter (SPEC 1.5; the op itself: test_decay.py).

@@ -246,20 +246,34 @@ def test_auto_takes_gram_space_where_it_is_cheaper_and_accurate(p, shape, precis
 
 
 def test_auto_is_the_default_and_polar_stays_on_the_rectangle():
-    """spectral_power and spectral_decay_ follow "auto" (here Gram space: 4:1, fp32); polar, Muon's
+    """spectral_power and spectral_decay_ iterate as "auto" says (here Gram space: 4:1, fp32); polar, Muon's
     orthogonalisation, is torch.optim.Muon's iteration on the rectangle whatever the shape."""
     W = torch.randn(96, 24)
     assert torch.equal(so.spectral_power(W, 2, method="gram"),
                        so.spectral_power(W, 2, method="gram", iteration="gram_space"))
     assert torch.equal(so.polar(W), so.spectral_power(W, 0, method="gram", iteration="rectangle"))
     decayed, expected = W.clone(), W.clone()
-    so.spectral_decay_(decayed, 2, 0.05, 0.2)
-    so.spectral_decay_(expected, 2, 0.05, 0.2, iteration="gram_space")
+    so.spectral_decay_(decayed, 2, 0.05, 0.2, method="gram")
+    so.spectral_decay_(expected, 2, 0.05, 0.2, method="gram", iteration="gram_space")
     assert torch.equal(decayed, expected)
     with pytest.raises(ValueError, match="iteration must be one of"):
         so.spectral_decay_(torch.randn(8, 4), 2, 0.1, 0.1, iteration="gram")
     with pytest.raises(ValueError, match="iteration of method='gram'"):
         so.spectral_power(W, 2, method="svd", iteration="gram_space")
+
+
+def test_a_cpu_factorises_only_where_torch_would_run_the_products():
+    """The CPU rules of plan.route (docs/backends.md): eigh for S_p with p >= 2, the SVD for a thresholded
+    form at any power; the Gram route on a GPU, under capturable, and where another provider would run
+    the products (a forced backend asks for its kernels); an explicit method is kept."""
+    def method(device="cpu", p=2, **options):
+        return plan.route((128, 64), torch.float32, device, p, "fp32", **options).method
+
+    assert method() == "eigh" and method(band=True) == "svd" and method(p=0, band=True) == "svd"
+    assert method("cuda") == method("cuda", band=True) == "gram"
+    assert method(capturable=True) == method(capturable=True, band=True) == "gram"
+    assert method(provider="triton") == method(band=True, provider="triton") == "gram"
+    assert method(method="eigh", band=True) == "eigh"
 
 
 def test_auto_takes_a_backends_fused_chain_first(monkeypatch):
@@ -272,9 +286,9 @@ def test_auto_takes_a_backends_fused_chain_first(monkeypatch):
     gram_plan, coefficients = plan.GramPlan(W, None, "fp32"), so.coefficients.polar_express_coefficients()
     chosen = plan.route(W.shape, W.dtype, "cpu", 2, "fp32")
     assert chosen.iteration == "gram_space" and chosen.chain
-    assert plan.power_direction(None, gram_plan, 2, coefficients, "auto") is chained
+    assert gram_plan.scaled_direction(2, coefficients, "auto") is chained
     monkeypatch.setattr(plan.GramPlan, "scaled_power", lambda self, p, coefficients, iteration: iteration)
-    assert plan.power_direction(None, gram_plan, 2, coefficients, "gram_space") == "gram_space"
+    assert gram_plan.scaled_direction(2, coefficients, "gram_space") == "gram_space"
 
 
 def test_the_polar_factor_starts_from_the_margin_without_a_pass_over_the_matrix():

@@ -43,5 +43,8 @@ class CountingBackend:
     def small_chain(self, X, p, coefficients, precision=None, sign=False):
         return None
 
+    def provider_of(self, primitive, dtype, shape, precision=None) -> str:
+        return "counting"
+
     def decay_epilogue_(self, W, D, keep, step):
         return W

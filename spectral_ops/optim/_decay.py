@@ -23,7 +23,7 @@ from .distributed import local, owner_decay
 # Decay keys every optimizer of the family accepts per parameter group; each constructor gives their
 # defaults, as keyword arguments of its own.
 DECAY_KEYS = ("p", "spectral_weight_decay", "convention", "band", "p0_mode", "stability", "decay_steps",
-              "decay_precision", "decay_iteration", "capturable", "strict")
+              "decay_precision", "decay_iteration", "decay_method", "capturable", "strict")
 
 
 # Group keys renamed since, and their names now: the old name still works in a constructor or a group
@@ -69,6 +69,7 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> DecayOpti
         precision=group["decay_precision"],
         capturable=forbids_host_reads(group),
         iteration=group["decay_iteration"],
+        method=group["decay_method"],
         names=(spectral, ordinary),
     )
     spectral_direction = needs_direction(options.p, group[spectral], options.band)

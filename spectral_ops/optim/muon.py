@@ -106,7 +106,7 @@ class SpectralMuon(SpectralOptimizer):
     def __init__(self, params, lr=1e-3, momentum=0.95, nesterov=True, ns_coefficients=None, ns_steps=None,
                  adjust_lr_fn="match_rms_adamw", weight_decay=0.1, p=1, spectral_weight_decay=0.0,
                  convention="decoupled", band=None, p0_mode="explicit", stability="clamp", decay_steps=None,
-                 decay_precision=None, decay_iteration="auto", precision="bf16",
+                 decay_precision=None, decay_iteration="auto", decay_method="auto", precision="bf16",
                  heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8,
                  capturable=False, strict=False, process_group=None, polar_steps=None):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
@@ -114,7 +114,7 @@ class SpectralMuon(SpectralOptimizer):
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,
                         decay_steps=decay_steps, polar_steps=polar_steps, decay_precision=decay_precision,
-                        decay_iteration=decay_iteration, precision=precision,
+                        decay_iteration=decay_iteration, decay_method=decay_method, precision=precision,
                         heads=heads, splits=splits, recipe=recipe,
                         algorithm=algorithm, betas=betas, eps=eps, capturable=capturable, strict=strict)
         super().__init__(params, defaults, process_group=process_group)
