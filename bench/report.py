@@ -83,14 +83,16 @@ def selection_table(entries) -> list[str]:
             table[(info["op"][len("select_"):], tuple(info["shape"]), info["dtype"])][info["implementation"]] = e["stats"]["median"]
     if not table:
         return []
-    lines = ["| p | shape | dtype | gram | svd | eigh | auto | fastest | auto / fastest |",
+    lines = ["| op | shape | dtype | gram | svd | eigh | auto | fastest | auto / fastest |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for (p, shape, dtype), times in sorted(table.items()):
+    for (selection, shape, dtype), times in sorted(table.items()):
         candidates = {m: t for m, t in times.items() if m != "auto"}
         best = min(candidates, key=candidates.get)
         cells = [seconds(times[m]) if m in times else "-" for m in ("gram", "svd", "eigh", "auto")]
         ratio = times["auto"] / candidates[best] if "auto" in times else float("nan")
-        lines.append(f"| {p[1:]} | {shape_text(shape)} | {dtype} | {' | '.join(cells)} | {best} | {ratio:.2f} |")
+        # "p2": spectral_power's; else a band form (test_band_method_selection).
+        op = f"S_{selection[1:]}" if selection[0] == "p" and selection[1:].isdigit() else selection
+        lines.append(f"| {op} | {shape_text(shape)} | {dtype} | {' | '.join(cells)} | {best} | {ratio:.2f} |")
     return lines
 
 
@@ -103,6 +105,8 @@ AGAINST_TORCH = {
                                 "optimizer", "AdamW step"),
     "schedule_vs_rectangle": ("Gram-space iteration against the rectangle (interleaved, same run)", "schedule",
                               "rectangle"),
+    "decay_vs_spectral_power": ("spectral_decay_ against spectral_power (interleaved, same run)", "decay",
+                                "spectral_power"),
 }
 
 
@@ -155,7 +159,7 @@ def render(results: dict) -> str:
     body = main_table(entries) if any(e["extra_info"]["op"] not in AGAINST_TORCH for e in entries) else []
     body += against_torch_tables(entries)
     if selection:
-        body += ["", "### Method selection (`spectral_power`, CPU)", ""] + selection
+        body += ["", "### Method selection (`spectral_power` and the band forms, CPU)", ""] + selection
     return "\n".join(header + body) + "\n"
 
 

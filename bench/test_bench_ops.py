@@ -26,7 +26,7 @@ from baselines import (
     textbook_spectral_power,
     torch_muon_newton_schulz,
 )
-from settings import ALL_SHAPES, DEVICE, DTYPES, synchronize
+from settings import ALL_SHAPES, DEVICE, DTYPES, interleaved_medians, synchronize
 from flops import op_bytes, op_flops
 
 DECAY_LR, DECAY_WD = 1e-3, 0.1  # small enough that repeated timing rounds stay stable
@@ -185,3 +185,43 @@ def test_method_selection(benchmark, p, shape, dtype, method):
                                 dtype=str(dtype)[6:], device="cpu", flops=op_flops(f"spectral_power_p{p}", shape,
                                                                       precision=resolve_precision(None, dtype)))
     benchmark(so.spectral_power, W, p, method)
+
+
+# CPU method selection for the thresholded forms (plan.route's band rule): each form's Gram route
+# adds a sign iteration; the factorisations compute it mode by mode.
+BAND_SELECTION_SHAPES = [(128, 64), (256, 128), (512, 256), (1024, 512), (1024, 1024)]
+BAND_FORMS = {
+    "band_direction": lambda W, method: so.band_direction(W, 1.0, 2, "top", method=method),
+    "svt": lambda W, method: so.svt(W, 1.0, method=method),
+    "band_projectors": lambda W, method: so.band_projectors(W, 1.0, method=method),
+}
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the crossover table is a CPU measurement")
+@pytest.mark.parametrize("method", ["gram", "svd", "eigh", "auto"])
+@pytest.mark.parametrize("shape", BAND_SELECTION_SHAPES, ids=lambda shape: "x".join(map(str, shape)))
+@pytest.mark.parametrize("form", list(BAND_FORMS))
+def test_band_method_selection(benchmark, form, shape, method):
+    # Singular values over [1e-2, 10], the threshold 1 inside them (the iterations' cost does not depend on it).
+    W = matrix_with_spectrum(shape, torch.logspace(1, -2, min(shape), dtype=torch.float64), torch.float32, seed=0)
+    benchmark.extra_info.update(op=f"select_{form}", implementation=method, shape=list(shape), dtype="float32",
+                                device="cpu")
+    benchmark(BAND_FORMS[form], W, method)
+
+
+@pytest.mark.parametrize("p", [0, 2])
+@pytest.mark.parametrize("shape", [(128, 64), (512, 256)], ids=lambda shape: "x".join(map(str, shape)))
+def test_decay_against_spectral_power(benchmark, p, shape):
+    """``spectral_decay_`` is ``spectral_power``'s direction plus the guard, the checks of its input and
+    of the new values, and the write: its time over ``spectral_power``'s, both with ``method="auto"``,
+    timed in the same interleaved rounds. Goal (issue [compile]): at most 1.2x at 128 x 64 on a CPU."""
+    W = weight(shape, torch.float32)
+    decayed = W.clone()
+    steps = {"ours": lambda: so.spectral_decay_(decayed, p, DECAY_LR, DECAY_WD),
+             "theirs": lambda: so.spectral_power(W, p)}
+    rounds = 1 if benchmark.disabled else (400 if max(shape) <= 128 else 100)
+    medians = interleaved_medians(benchmark, steps, rounds, warmup_rounds=0 if benchmark.disabled else 20)
+    benchmark.extra_info.update(op="decay_vs_spectral_power", implementation=f"spectral_decay_ p={p}",
+                                case="x".join(map(str, shape)), shape=list(shape), dtype="float32",
+                                precision="fp32", device=DEVICE.type, ours_median_s=medians["ours"],
+                                torch_median_s=medians["theirs"], ratio=medians["ours"] / medians["theirs"])
