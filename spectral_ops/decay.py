@@ -223,8 +223,8 @@ def spectral_decay_(
 
     ``iteration``: how an even ``p >= 2`` iterates (see :func:`spectral_ops.ops.check_iteration`).
     ``method``: how the direction is computed, as in :func:`spectral_ops.spectral_power` (``"auto"``:
-    the Gram route on GPUs and under ``capturable``, a factorisation on CPUs where that is faster; the
-    guard is the same on every route).
+    the Gram route on GPUs, a factorisation on CPUs where that is faster; the guard's ``s_max`` is then
+    the factorisation's, exact to its rounding, where the Gram route bounds it from its squares).
 
     ``weight_decay`` is a deprecated alias of ``spectral_weight_decay`` (the name of ``lambda_1`` in
     every optimizer of the family).

@@ -116,7 +116,7 @@ def power_weights(s: torch.Tensor, p: int, size: int) -> torch.Tensor:
 class SpectralFactors:
     """The singular values ``s`` (``(..., r)``) of a wide unit-norm ``Xn`` and its small side's singular
     vectors ``U``, from a thin SVD (``method="svd"``) or an eigendecomposition of the Gram
-    ``Xn Xn^T = U diag(s^2) U^T`` (``"eigh"``, given as ``gram`` where the caller has it).
+    ``Xn Xn^T = U diag(s^2) U^T`` (``"eigh"``).
 
     Any spectral form is then a function of ``s`` applied mode by mode (:meth:`modes`). ``eigh``
     squares the singular values, which halves the precision of the small ones: ``V^T = diag(1/s) U^T Xn``
@@ -124,7 +124,7 @@ class SpectralFactors:
     for forms whose every mode's weight is at most about ``s`` (``p >= 1``).
     """
 
-    def __init__(self, Xn: torch.Tensor, method: str, gram: torch.Tensor | None = None):
+    def __init__(self, Xn: torch.Tensor, method: str):
         self.method, self.Xn = method, Xn
         if method == "svd":
             # Of the tall transpose: LAPACK takes 1.3-1.5x longer on the wide orientation (measured at
@@ -132,7 +132,7 @@ class SpectralFactors:
             left, self.s, right = torch.linalg.svd(Xn.mT, full_matrices=False)
             self.vectors, self._Vh = right.mT, left.mT
         else:
-            eigenvalues, self.vectors = torch.linalg.eigh(Xn @ Xn.mT if gram is None else gram)
+            eigenvalues, self.vectors = torch.linalg.eigh(Xn @ Xn.mT)
             self.s = eigenvalues.clamp_min(0).sqrt()
 
     def modes(self, weights: torch.Tensor) -> torch.Tensor:

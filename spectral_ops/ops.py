@@ -45,8 +45,9 @@ def check_method(method: str, capturable: bool = False, iteration: str = "auto")
     (SPEC 1.2-1.4); ``"svd"`` and ``"eigh"`` factorise: a thin SVD, or an eigendecomposition of the small
     Gram, which sees ``s^2`` (accurate for powers ``p >= 1``, not for ``p = 0``, nor for a band's
     threshold far below ``s_max``); ``"auto"`` takes the fastest accurate one
-    (:func:`spectral_ops.plan.route`: the Gram route on GPUs and under ``capturable``; on CPUs a
-    factorisation where it is faster, the SVD for every band form)."""
+    (:func:`spectral_ops.plan.route`: the Gram route on GPUs; on CPUs a factorisation where it is
+    faster, the SVD for every band form). An explicit factorisation refuses ``capturable=True``; "auto"
+    factorises under it on a CPU only, which has no graph to capture."""
     check_choice(method, "method", plan.METHODS)
     if iteration == "gram_space" and method in plan.FACTORISATIONS:
         raise ValueError(f"iteration={iteration!r} is an iteration of method='gram', not of {method!r}")

@@ -573,8 +573,9 @@ class FactorisedPlan(GramPlan):
     iterations: each is its definition (SPEC 1.1-1.4), a function of the singular values applied mode by
     mode (:class:`~spectral_ops.linalg.SpectralFactors`), exact up to the factorisation's rounding at
     every threshold. The coefficient arguments are not read. The factorisations report their errors to
-    the host, so this plan is never capturable. The guard's bounds come from the :class:`GramPlan`
-    underneath, at the compute dtype's accuracy, so that a decay clamps the same on every route.
+    the host: a GPU's capturable step never takes this plan (a CPU's may: it has no graph to break).
+    The guard's bound on ``s_max`` is ``||X||_F`` (free) and then the factorisation's own ``s_max``
+    (:meth:`spectral_norm_levels`): no Gram squarings.
     """
 
     def __init__(self, W: torch.Tensor, kernels, method: str, precision: str | None = None):
@@ -587,13 +588,22 @@ class FactorisedPlan(GramPlan):
     def factors(self) -> SpectralFactors:
         if self._factors is None:
             # A NaN or Inf weight (an optimizer's step skips it once its new value is checked) would make
-            # LAPACK raise for the whole stack: that matrix is factorised as zeros instead.
+            # LAPACK raise for the whole stack: that matrix is factorised as zeros instead (without a
+            # host read, which a compiled step would break its graph at).
             unusable = torch.isnan(self.log_scale) | (self.log_scale == math.inf)
-            if bool(unusable.any()):  # one host read; the factorisation reports to the host anyway
-                self._factors = SpectralFactors(torch.where(unusable, 0.0, self.Xn), self.method)
-            else:
-                self._factors = SpectralFactors(self.Xn, self.method, self.gram if self.method == "eigh" else None)
+            self._factors = SpectralFactors(torch.where(unusable, 0.0, self.Xn), self.method)
         return self._factors
+
+    def spectral_norm_levels(self, squarings: int = GUARD_SQUARINGS, keep: int | None = None):
+        """``||X||_F`` (free), then ``s_max`` from the factorisation, widened by its rounding (a relative
+        ``r`` units of the compute dtype, far above LAPACK's): the guard settles most steps at the
+        first level, and the factorisation it may need is the direction's own."""
+        levels = super().spectral_norm_levels(0)
+        yield next(levels)
+        levels.close()
+        log_s_max = self.log_scale[..., 0, 0] + self.factors.s.amax(-1).double().log()
+        widening = math.log1p(self.shape[-2] * torch.finfo(self.dtype).eps)
+        yield log_s_max - widening, log_s_max + widening
 
     def _mode_powers(self, q: int) -> torch.Tensor:
         """The unscaled ``s^q`` of each mode (float64, ``(..., r)``; ``q = 0``: 1 on the non-zero modes)."""
@@ -679,7 +689,7 @@ def spectral_power(kernels, W: torch.Tensor, p: int, polar_coefficients, precisi
     :func:`route`'s (``"auto"`` routes here)."""
     if p == 1:
         return W.clone()  # S_1(W) = W, and the result must never alias the input
-    method = routed(kernels, W, p, precision, method, iteration=iteration, capturable=not sync)
+    method = routed(kernels, W, p, precision, method, iteration=iteration)
     if p == 0 and method == "gram":
         return polar_factor(kernels, W, polar_coefficients, precision, iteration)
     plan = plan_for(W, kernels, precision, method)
@@ -711,7 +721,7 @@ def msign(kernels, A: torch.Tensor, sign_coefficients, precision: str | None = N
 
 def band_projectors(kernels, W: torch.Tensor, tau, sign_coefficients, precision: str | None = None,
                     capturable: bool = False, method: str = "gram"):
-    method = routed(kernels, W, 1, precision, method, capturable=capturable, band=True)
+    method = routed(kernels, W, 1, precision, method, band=True)
     plan = plan_for(W, kernels, precision, method)
     P_top = plan.top_projector(tau, sign_coefficients)
     return P_top.to(W.dtype), (plan.identity() - P_top).to(W.dtype)
@@ -719,7 +729,7 @@ def band_projectors(kernels, W: torch.Tensor, tau, sign_coefficients, precision:
 
 def band_direction(kernels, W: torch.Tensor, p: int, band: Band, polar_coefficients, sign_coefficients,
                    precision: str | None = None, sync: bool = True, top: Scale = 1.0, method: str = "gram"):
-    method = routed(kernels, W, p, precision, method, capturable=not sync, band=True)
+    method = routed(kernels, W, p, precision, method, band=True)
     plan = plan_for(W, kernels, precision, method)
     result = plan.oriented(plan.band(p, band, polar_coefficients, sign_coefficients, top)).to(W.dtype)
     return checked_finite(result, "band_direction") if sync else result
@@ -727,7 +737,7 @@ def band_direction(kernels, W: torch.Tensor, p: int, band: Band, polar_coefficie
 
 def svt(kernels, W: torch.Tensor, t, polar_coefficients, sign_coefficients, precision: str | None = None,
         sync: bool = True, method: str = "gram"):
-    method = routed(kernels, W, 0, precision, method, capturable=not sync, band=True)
+    method = routed(kernels, W, 0, precision, method, band=True)
     plan = plan_for(W, kernels, precision, method)
     result = plan.oriented(scaled_(*plan.scaled_svt(t, polar_coefficients, sign_coefficients))).to(W.dtype)
     return checked_finite(result, "svt") if sync else result
@@ -768,15 +778,16 @@ class Route:
 
 
 def route(shape, dtype: torch.dtype, device_type: str, p: int, precision: str, *, method: str = "auto",
-          iteration: str = "auto", capturable: bool = False, steps: int = 8, band: bool = False,
-          provider: str = "torch") -> Route:
+          iteration: str = "auto", steps: int = 8, band: bool = False, provider: str = "torch") -> Route:
     """Every choice of algorithm, from the shape, dtype, device, power and precision (dispatch
     chooses providers, this chooses what they compute).
 
-    * ``method="auto"``: the Gram route on a GPU, under ``capturable`` (the factorisations report to
-      the host), for ``iteration="gram_space"``, and where the products would run on a ``provider``
-      other than torch's (a forced backend: the measurements weighed LAPACK against torch's composed
-      products, and forcing a backend asks for its kernels). On a CPU the faster accurate one of the
+    * ``method="auto"``: the Gram route on a GPU (the factorisations report to the host, which a
+      capturable step may not read: on a CPU, which has no graphs to capture, a capturable or
+      compiled step factorises as an eager one does, without a graph break), for
+      ``iteration="gram_space"``, and where the products would run on a ``provider`` other than
+      torch's (a forced backend: the measurements weighed LAPACK against torch's composed products,
+      and forcing a backend asks for its kernels). On a CPU the faster accurate one of the
       measurements (docs/backends.md): for ``S_p``, the Gram route for ``p = 1``, ``eigh`` for
       ``p >= 2``, and for ``p = 0`` Polar Express or the SVD by :data:`CPU_POLAR_SIDES`. A ``band`` form
       (the band ops, soft-thresholding, a band or prox decay) splits the modes at a threshold: the SVD,
@@ -796,7 +807,7 @@ def route(shape, dtype: torch.dtype, device_type: str, p: int, precision: str, *
     *_, m, n = shape
     r, side = min(m, n), max(m, n)
     if method == "auto":
-        if capturable or iteration == "gram_space" or device_type != "cpu" or provider != "torch":
+        if iteration == "gram_space" or device_type != "cpu" or provider != "torch":
             method = "gram"
         elif band:
             method = "svd"
@@ -826,16 +837,14 @@ CHAIN_POWER_RANGE_BITS = 100
 
 
 def routed(kernels, W: torch.Tensor, p: int, precision: str | None, method: str, *, iteration: str = "auto",
-           capturable: bool = False, band: bool = False) -> str:
-    """:func:`route`'s method for a call on ``W`` with ``kernels``. A call torch.compile traces counts as
-    capturable: a factorisation's host reads would break its graph."""
+           band: bool = False) -> str:
+    """:func:`route`'s method for a call on ``W`` with ``kernels``."""
     precision = resolve_precision(precision, W.dtype)
-    capturable = capturable or torch.compiler.is_compiling()
     # Asked only where it can decide: it routes (and may self-check) a provider.
-    asks = method == "auto" and W.device.type == "cpu" and not capturable
+    asks = method == "auto" and W.device.type == "cpu"
     provider = kernels.provider_of("product", OPERAND_DTYPES[precision], W.shape, precision) if asks else "torch"
-    return route(W.shape, W.dtype, W.device.type, p, precision, method=method, iteration=iteration,
-                 capturable=capturable, band=band, provider=provider).method
+    return route(W.shape, W.dtype, W.device.type, p, precision, method=method, iteration=iteration, band=band,
+                 provider=provider).method
 
 
 @constant_when_traced  # read off the plan on meta tensors, not traced (nor its cache, which Dynamo would skip)
@@ -941,7 +950,7 @@ def decay_(kernels, W: torch.Tensor, request: DecayRequest) -> DecayOutcome:
         return DecayOutcome(None, {})
     prox = p == 0 and request.p0_mode == "prox" and band is None
     method = routed(kernels, W, p, request.precision, request.method, iteration=request.iteration,
-                    capturable=request.capturable, band=band is not None or prox)
+                    band=band is not None or prox)
     plan = plan_for(W, kernels, request.precision, method)
     clamp, clamped = stability_clamp(plan, request)
     two_band = band is not None and band.mode == "two_band"
@@ -1019,7 +1028,8 @@ def stability_clamp(plan: GramPlan, request: DecayRequest):
     ``||W||_F`` for free (the plan's scale), then from the plan's own Gram (the direction's too), then
     from each of at most three squarings of it (shared with the direction's ``G^k``), stopping at the
     first level that settles the condition. The guard therefore never misses a violation and can only
-    be conservative by the bounds' ratio.
+    be conservative by the bounds' ratio. A factorised plan's second level is its own ``s_max``
+    (:meth:`FactorisedPlan.spectral_norm_levels`).
 
     ``"clamp"`` scales a violating matrix's coefficient to ``p * kappa = CLAMP_ORDER = 1/2`` rather
     than to the boundary: ``f' >= 1/2`` on ``[0, s_max]`` then, so no gap between two modes more than
@@ -1028,7 +1038,7 @@ def stability_clamp(plan: GramPlan, request: DecayRequest):
     stay inside the condition instead of being clamped again. A matrix that satisfies the condition
     is left exactly as asked, as ``"raise"`` would.
 
-    ``capturable``: ``"clamp"`` is applied on the device, with the Gram-squaring bound always computed
+    ``capturable``: ``"clamp"`` is applied on the device, with the plan's whole bound always computed
     (no host decision to skip it): the same factors as the eager path, and no log. Validation refuses
     the host-side policies there, except in a step torch.compile traces (Dynamo marks every traced
     step capturable), where they read the whole bound once, at one graph break.

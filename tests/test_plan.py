@@ -264,14 +264,13 @@ def test_auto_is_the_default_and_polar_stays_on_the_rectangle():
 
 def test_a_cpu_factorises_only_where_torch_would_run_the_products():
     """The CPU rules of plan.route (docs/backends.md): eigh for S_p with p >= 2, the SVD for a thresholded
-    form at any power; the Gram route on a GPU, under capturable, and where another provider would run
-    the products (a forced backend asks for its kernels); an explicit method is kept."""
+    form at any power; the Gram route on a GPU and where another provider would run the products (a
+    forced backend asks for its kernels); an explicit method is kept."""
     def method(device="cpu", p=2, **options):
         return plan.route((128, 64), torch.float32, device, p, "fp32", **options).method
 
     assert method() == "eigh" and method(band=True) == "svd" and method(p=0, band=True) == "svd"
     assert method("cuda") == method("cuda", band=True) == "gram"
-    assert method(capturable=True) == method(capturable=True, band=True) == "gram"
     assert method(provider="triton") == method(band=True, provider="triton") == "gram"
     assert method(method="eigh", band=True) == "eigh"
 
