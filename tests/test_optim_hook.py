@@ -9,7 +9,7 @@ import spectral_ops as so
 from spectral_ops.optim import SpectralAdamW, SpectralDecay
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 
-from optim_models import assert_same_trajectory, tiny_model, train
+from optim_models import assert_same_trajectory, batch, tiny_model, train
 
 
 def matrices(model):
@@ -223,3 +223,33 @@ def test_two_standalone_decays_cannot_decay_a_parameter_twice_in_one_step():
     second.step()  # after an update: each round decays once
     second = SpectralDecay([W], p=2, spectral_weight_decay=0.1, lr=1e-2)  # made again: the old one is gone
     second.step()
+
+
+def test_a_host_that_is_not_a_torch_optimizer_is_refused_and_the_recipe_does_what_attach_does():
+    """attach needs torch's step pre-hooks; another optimizer class calls the op at the start of its own
+    step (the recipe in docs/optimizers.md), which is what attach does for torch's SGD, bit for bit."""
+    class PlainSGD:  # an optimizer that is not a torch.optim.Optimizer
+        def __init__(self, params, lr):
+            self.params, self.lr = list(params), lr
+            self.matrices = [p for p in self.params if p.ndim == 2]
+
+        @torch.no_grad()
+        def step(self):
+            so.spectral_decay_(self.matrices, p=2, lr=self.lr, spectral_weight_decay=0.05, stability="clamp")
+            for param in self.params:
+                param.add_(param.grad, alpha=-self.lr)
+
+    with pytest.raises(TypeError, match="needs a torch.optim.Optimizer .* got PlainSGD.*spectral_decay_"):
+        SpectralDecay([torch.nn.Parameter(torch.randn(4, 4))], p=2, spectral_weight_decay=0.05).attach(
+            PlainSGD([], lr=0.1))
+    models = [tiny_model(), tiny_model()]
+    custom = PlainSGD(models[0].parameters(), lr=0.1)
+    host = torch.optim.SGD(models[1].parameters(), lr=0.1)
+    SpectralDecay(matrices(models[1]), p=2, spectral_weight_decay=0.05).attach(host)
+    for step in range(3):
+        for model, optimizer in zip(models, (custom, host)):
+            inputs, targets = batch(step)
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs), targets).backward()
+            optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))

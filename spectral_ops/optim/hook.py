@@ -118,7 +118,14 @@ class SpectralDecay(SpectralOptimizer):
         """Decay before every ``optimizer.step()``, following that optimizer's current lr.
 
         Refused where a parameter would be decayed spectrally twice: by another SpectralDecay attached
-        to ``optimizer``, or by ``optimizer`` itself (a family optimizer with a spectral decay)."""
+        to ``optimizer``, or by ``optimizer`` itself (a family optimizer with a spectral decay); and
+        where ``optimizer`` is not a ``torch.optim.Optimizer``, which has no step pre-hooks to attach to."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"SpectralDecay.attach needs a torch.optim.Optimizer (it registers a step pre-hook), got "
+                            f"{type(optimizer).__name__}. For another optimizer class, call "
+                            "spectral_ops.spectral_decay_(matrices, p, lr, spectral_weight_decay, stability='clamp') "
+                            "at the start of its step, with its lr (docs/optimizers.md, 'Optimizers that are not "
+                            "torch.optim.Optimizer')")
         if self._hook is not None:
             raise RuntimeError("this SpectralDecay is already attached; call detach() first")
         self._check_no_second_decay(optimizer)
