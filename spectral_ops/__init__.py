@@ -16,7 +16,7 @@ compat.warn_if_unsupported()
 from . import analysis, metrics, optim, reference
 from ._version import __version__
 from .coefficients import MUON_QUINTIC, NEWTON_SCHULZ_SIGN, polar_express_coefficients
-from .decay import Band, SpectralStabilityError, spectral_decay_
+from .decay import Band, SpectralStabilityError, spectral_decay, spectral_decay_
 from .dispatch import BackendUnavailableError, backend_for, backend_status, last_backend, use_backend
 from .ops import (
     band_direction,
@@ -48,6 +48,7 @@ __all__ = [
     "polar",
     "polar_express_coefficients",
     "reference",
+    "spectral_decay",
     "spectral_decay_",
     "spectral_norm_bounds",
     "spectral_power",

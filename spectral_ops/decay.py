@@ -274,6 +274,14 @@ def spectral_decay_(
     return W
 
 
+def spectral_decay(W, p: int, lr, spectral_weight_decay=None, **options):
+    """:func:`spectral_decay_` out of place (torch's naming): the decayed value of ``W`` (a new tensor,
+    or a list of them for a list), computed as the in-place call computes it, with the same arguments,
+    guard, conventions, clamp factors and checks; ``W`` itself is not written."""
+    copies = W.clone() if isinstance(W, torch.Tensor) else [t.clone() for t in _as_list(W)]
+    return spectral_decay_(copies, p, lr, spectral_weight_decay, **options)
+
+
 @dataclass
 class PendingDecay:
     """A decay with every check passed and every spectral direction computed, not yet written.

@@ -457,3 +457,26 @@ def test_a_factorisation_is_refused_where_the_host_may_not_be_read():
             so.spectral_decay_(W, 2, 0.1, 0.1, stability="clamp", capturable=True, method=method)
     with pytest.raises(ValueError, match="method must be one of"):
         so.spectral_decay_(W, 2, 0.1, 0.1, method="qr")
+
+
+@pytest.mark.parametrize("form", ["p2", "prox", "band-top"])
+def test_the_out_of_place_decay_is_the_in_place_one_on_a_copy(form):
+    """spectral_decay returns what spectral_decay_ writes, bit for bit, for a tensor and a list, with
+    the same clamp factors, and leaves its input alone; a refused call refuses the same way."""
+    W = weights((2, 24, 16), torch.float32, seed=9, scale=4.0)
+    lone = weights((16, 24), torch.float32, seed=10)
+    options = dict(lr=0.3, spectral_weight_decay=0.5, stability="clamp", **DECAY_FORMS[form])
+    before, lone_before = W.clone(), lone.clone()
+    factors, in_place_factors = [], []
+    result = so.spectral_decay(W, clamp_factors=factors, **options)
+    expected = W.clone()
+    so.spectral_decay_(expected, clamp_factors=in_place_factors, **options)
+    assert torch.equal(result, expected) and torch.equal(W, before)
+    assert all(torch.equal(a, b) for a, b in zip(factors, in_place_factors))
+    results = so.spectral_decay([W, lone], **options)
+    expected = [W.clone(), lone.clone()]
+    so.spectral_decay_(expected, **options)
+    assert all(torch.equal(a, b) for a, b in zip(results, expected))
+    assert torch.equal(W, before) and torch.equal(lone, lone_before)
+    with pytest.raises(so.SpectralStabilityError):
+        so.spectral_decay(W, p=2, lr=1.0, spectral_weight_decay=5.0)
