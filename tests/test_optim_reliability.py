@@ -466,3 +466,16 @@ def test_clamp_counts_are_saved_and_loaded(tmp_path):
     assert torch.equal(saved.smallest_factor, loaded.smallest_factor)
     fresh.step()
     assert int(fresh.clamped[name].count) == 3
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_meta_parameters_build_and_their_step_is_refused_before_any_state(name):
+    """A model on the meta device (FSDP2's initialisation, before to_empty) builds every optimizer; a
+    step before the weights are materialised raises a precise error and creates no state."""
+    model = tiny_model().to("meta")
+    optimizer = OPTIMIZERS[name](list(model.parameters()))
+    for param in model.parameters():
+        param.grad = torch.empty_like(param)
+    with pytest.raises(ValueError, match=r"meta-tensor parameter, which has no values: materialise the model"):
+        optimizer.step()
+    assert not optimizer.state

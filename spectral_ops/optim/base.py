@@ -330,6 +330,11 @@ class SpectralOptimizer(Optimizer):
         fresh = [param for param in params if not self._counts.tracks(param)]
         if not fresh:
             return
+        meta = next((param for param in fresh if param.device.type == "meta"), None)
+        if meta is not None:  # before any state exists: the step has nothing to compute with
+            raise ValueError(f"{type(self).__name__} was asked to step a {tuple(meta.shape)} meta-tensor parameter, "
+                             "which has no values: materialise the model first (module.to_empty(device=...), then "
+                             "initialise it, as FSDP2's meta-device recipe does)")
         had_state = [bool(self.state.get(param)) for param in fresh]
         self.init_state([param for param, had in zip(fresh, had_state) if not had], group)
         clamps = group["stability"] == "clamp" and stability_terms(options.p, group[self.spectral_key], options.band)
