@@ -192,6 +192,7 @@ def spectral_decay_(
     method: str = "auto",
     clamp_factors: list | None = None,
     weight_decay=None,
+    _increment: bool = False,
 ):
     """Decay ``W`` in place: ``W <- W - s * (spectral_weight_decay * S_p(W) + ordinary_weight_decay * W)``.
 
@@ -258,7 +259,7 @@ def spectral_decay_(
     if sync:
         check_finite(tensors, "W")
     pending = prepare_decay(tensors, options, scale=scale, spectral_weight_decay=spectral_weight_decay,
-                            ordinary_weight_decay=ordinary_weight_decay, capturable=capturable)
+                            ordinary_weight_decay=ordinary_weight_decay, capturable=capturable, increment=_increment)
     if sync and pending.decayed:
         # A finite weight never becomes non-finite: the decayed values are checked before any is written.
         check_finite(pending.new_values(), "W", reason="would not be finite after this decay (its exact value "
@@ -274,12 +275,23 @@ def spectral_decay_(
     return W
 
 
-def spectral_decay(W, p: int, lr, spectral_weight_decay=None, **options):
+def spectral_decay(W, p: int, lr, spectral_weight_decay=None, *, increment: bool = False, **options):
     """:func:`spectral_decay_` out of place (torch's naming): the decayed value of ``W`` (a new tensor,
     or a list of them for a list), computed as the in-place call computes it, with the same arguments,
-    guard, conventions, clamp factors and checks; ``W`` itself is not written."""
+    guard, conventions, clamp factors and checks; ``W`` itself is not written.
+
+    ``increment=True`` returns the step itself, ``-s (lambda_p S_p(W) + lambda_1 W)``, each term formed
+    as such: ``W + increment`` is the decayed value to one rounding, and a step far below ``W``'s
+    rounding (a small lr, bf16 weights) is not lost to cancellation, as the decayed value less ``W``
+    would lose it. For clients that add it to their own update or to a higher-precision copy of the
+    weights. ``p0_mode="prox"`` refuses it: the soft-threshold is a new matrix, not ``W`` plus a term,
+    so its increment would carry ``W``'s reconstruction rounding."""
+    if increment and options.get("p0_mode") == "prox" and p == 0:
+        raise ValueError("increment=True is not available with p0_mode='prox': the soft-threshold rebuilds W, so "
+                         "its increment would carry W's rounding; take the decayed value (increment=False), or "
+                         "p0_mode='explicit', whose increment is -s * lambda_0 * Q")
     copies = W.clone() if isinstance(W, torch.Tensor) else [t.clone() for t in _as_list(W)]
-    return spectral_decay_(copies, p, lr, spectral_weight_decay, **options)
+    return spectral_decay_(copies, p, lr, spectral_weight_decay, _increment=increment, **options)
 
 
 @dataclass
@@ -328,21 +340,23 @@ class PendingDecay:
 
 
 def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, spectral_weight_decay,
-                  ordinary_weight_decay, capturable: bool) -> PendingDecay:
+                  ordinary_weight_decay, capturable: bool, increment: bool = False) -> PendingDecay:
     """The decay of :func:`spectral_decay_` on validated arguments (optimizers validate theirs once),
     computed but not written: distinct matrices on one device, ``options`` from
     :func:`check_decay_options`, ``scale`` the lr or the schedule. Same-shape weights are decayed as
-    one stack, by :func:`spectral_ops.plan.decay_` (the guard, the direction and the write)."""
+    one stack, by :func:`spectral_ops.plan.decay_` (the guard, the direction and the write).
+    ``increment``: the step's increment instead of the new value (see :func:`spectral_decay`)."""
     nonempty = [i for i, t in enumerate(tensors) if t.numel()]
     if not needs_direction(options.p, spectral_weight_decay, options.band):
         # One multi-tensor scaling at commit, as torch's AdamW decays.
-        return PendingDecay(tensors, nonempty, plain_factor(scale, spectral_weight_decay, ordinary_weight_decay), {})
+        return PendingDecay(tensors, nonempty,
+                            plain_factor(scale, spectral_weight_decay, ordinary_weight_decay, increment), {})
     request = DecayRequest(
         p=options.p, scale=scale, spectral_weight_decay=spectral_weight_decay,
         ordinary_weight_decay=ordinary_weight_decay, band=options.band, p0_mode=options.p0_mode,
         polar_coefficients=options.polar_coefficients, sign_coefficients=options.sign_coefficients,
         precision=options.precision, iteration=options.iteration, stability=options.stability,
-        capturable=capturable, method=options.method,
+        capturable=capturable, method=options.method, increment=increment,
     )
     groups = defaultdict(list)
     for i in nonempty:

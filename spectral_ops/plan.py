@@ -105,7 +105,8 @@ class DecayRequest:
     ``"two_band"`` band, ``spectral_weight_decay`` and the band's ``spectral_weight_decay_bot`` weight
     the two bands. ``stability``: what the guard does with a step that would reorder the singular
     values (:data:`STABILITY_POLICIES`); ``capturable``: no host synchronisation. ``method``: how the
-    direction is computed (:func:`route`).
+    direction is computed (:func:`route`). ``increment``: write the step's increment (the new value less
+    ``W``, each term formed as such: no cancellation) instead of the new value.
     """
 
     p: int
@@ -121,6 +122,7 @@ class DecayRequest:
     stability: str = "ignore"
     capturable: bool = False
     method: str = "gram"
+    increment: bool = False
 
 
 OPS = ("polar", "msign", "spectral_power", "band_projectors", "band_direction", "svt", "spectral_norm_bounds",
@@ -916,9 +918,11 @@ def needs_direction(p: int, spectral_weight_decay, band: Band | None) -> bool:
     return band is not None or (p != 1 and not is_zero(spectral_weight_decay))
 
 
-def plain_factor(scale, spectral_weight_decay, ordinary_weight_decay):
-    """The one multiply a decay without a direction is: ``W <- (1 - scale (lambda_1 + lambda_p)) W``."""
-    return 1.0 - scale * ordinary_weight_decay - scale * spectral_weight_decay
+def plain_factor(scale, spectral_weight_decay, ordinary_weight_decay, increment: bool = False):
+    """The one multiply a decay without a direction is: ``W <- (1 - scale (lambda_1 + lambda_p)) W``;
+    ``increment``: the factor of the increment, ``-scale (lambda_1 + lambda_p)``, formed without the 1
+    (``1 - x`` then ``- 1`` would cancel)."""
+    return (0.0 if increment else 1.0) - scale * ordinary_weight_decay - scale * spectral_weight_decay
 
 
 @dataclass
@@ -946,7 +950,7 @@ def decay_(kernels, W: torch.Tensor, request: DecayRequest) -> DecayOutcome:
     p, band = request.p, request.band
     if not needs_direction(p, request.spectral_weight_decay, band):
         kernels.decay_epilogue_(wide(W), None, plain_factor(request.scale, request.spectral_weight_decay,
-                                                            request.ordinary_weight_decay), 0.0)
+                                                            request.ordinary_weight_decay, request.increment), 0.0)
         return DecayOutcome(None, {})
     prox = p == 0 and request.p0_mode == "prox" and band is None
     method = routed(kernels, W, p, request.precision, request.method, iteration=request.iteration,
@@ -961,10 +965,10 @@ def decay_(kernels, W: torch.Tensor, request: DecayRequest) -> DecayOutcome:
     ordinary = request.scale * request.ordinary_weight_decay
     if prox:
         # The spectral part is the soft-threshold itself: W <- prox - ordinary W.
-        keep, step = -ordinary, 1.0
+        keep, step = (-1.0 if request.increment else 0.0) - ordinary, 1.0
         direction, log_factor = plan.scaled_svt(spectral, request.polar_coefficients, request.sign_coefficients)
     else:
-        keep, step = 1.0 - ordinary, -spectral
+        keep, step = (0.0 if request.increment else 1.0) - ordinary, -spectral
         if band is not None:
             top = request.spectral_weight_decay if two_band else 1.0
             direction = plan.band(p, band, request.polar_coefficients, request.sign_coefficients, top)

@@ -388,19 +388,27 @@ DECAY_FORMS = {
 }
 
 
-def decay_oracle(W, form, lr, wd, ordinary):
-    """The FP64 SVD's decay of every form: ``W - lr (wd D + ordinary W)`` with ``D`` the form's direction
-    (two_band weights its bands itself; prox replaces ``W - lr wd D`` by the soft-threshold)."""
-    band = form.get("band")
-    if band is None:
-        return reference.spectral_decay_svd(W, form["p"], lr, wd, ordinary, form.get("p0_mode", "explicit"))
-    W64 = W.double()
-    if band.mode == "two_band":
+def decay_increment_oracle(W, form, lr, wd, ordinary):
+    """The FP64 SVD's step of every form, each term formed as such: ``-lr (wd D + ordinary W)`` with ``D``
+    the form's direction (two_band weights its bands itself; prox: the soft-threshold less ``W``, which
+    is ``-U diag(min(s, lr wd)) V^T``)."""
+    band, W64 = form.get("band"), W.double()
+    if form.get("p0_mode") == "prox":
+        U, s, Vh = torch.linalg.svd(W64, full_matrices=False)
+        spectral = (U * s.clamp_max(lr * wd)[..., None, :]) @ Vh
+    elif band is None:
+        spectral = lr * wd * reference.spectral_power_svd(W64, form["p"])
+    elif band.mode == "two_band":
         spectral = lr * reference.band_direction_svd(W64, band.tau, form["p"], "two_band", p_bot=band.p_bot,
                                                      lambda_top=wd, lambda_bot=band.spectral_weight_decay_bot)
     else:
         spectral = lr * wd * reference.band_direction_svd(W64, band.tau, form["p"], band.mode)
-    return W64 - spectral - lr * ordinary * W64
+    return -spectral - lr * ordinary * W64
+
+
+def decay_oracle(W, form, lr, wd, ordinary):
+    """The FP64 SVD's decay of every form: ``W`` plus :func:`decay_increment_oracle`."""
+    return W.double() + decay_increment_oracle(W, form, lr, wd, ordinary)
 
 
 @pytest.mark.parametrize("method", ["auto", "gram", "svd", "eigh"])
@@ -480,3 +488,26 @@ def test_the_out_of_place_decay_is_the_in_place_one_on_a_copy(form):
     assert torch.equal(W, before) and torch.equal(lone, lone_before)
     with pytest.raises(so.SpectralStabilityError):
         so.spectral_decay(W, p=2, lr=1.0, spectral_weight_decay=5.0)
+
+
+@pytest.mark.parametrize("form", ["p1", "p0", "p2", "p3", "band-top", "two-band"])
+def test_the_increment_is_the_step_without_cancellation(form):
+    """W + increment is the decayed value to a rounding of it; and at an lr far below fp32's rounding of
+    W (1e-12), where the decayed value equals W and their difference is 0, the increment is the exact
+    step (the FP64 SVD's) to fp32 accuracy, because each of its terms is formed as such."""
+    options = dict(DECAY_FORMS.get(form, {"p": 1}), spectral_weight_decay=0.2, ordinary_weight_decay=0.1)
+    W = weights(dtype=torch.float32, seed=11)
+    step = so.spectral_decay(W, lr=0.05, increment=True, **options)
+    decayed = so.spectral_decay(W, lr=0.05, **options)
+    eps = torch.finfo(torch.float32).eps
+    assert (W + step - decayed).abs().max() <= 4 * eps * decayed.abs().max()
+    lr = 1e-12
+    tiny = so.spectral_decay(W, lr=lr, increment=True, **options)
+    assert torch.equal(so.spectral_decay(W, lr=lr, **options), W)  # the new value itself rounds back to W
+    form = {key: value for key, value in options.items() if key in ("p", "band", "p0_mode")}
+    assert relative_error(tiny, decay_increment_oracle(W, form, lr, 0.2, 0.1)) < TOLERANCE[torch.float32]
+
+
+def test_a_soft_thresholds_increment_is_refused():
+    with pytest.raises(ValueError, match="not available with p0_mode='prox'"):
+        so.spectral_decay(weights(), 0, 0.1, 0.1, p0_mode="prox", increment=True)
