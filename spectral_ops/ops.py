@@ -210,7 +210,7 @@ def band_projectors(W: torch.Tensor, tau, sign_steps: int | None = None, sign_me
         empty = W.new_zeros(*W.shape[:-2], r, r)
         return empty, empty.clone()
     return plan.band_projectors(dispatch.kernels_for("band_projectors", W), W, tau, coefficients, precision,
-                                capturable=capturable, method=method)
+                                method=method)
 
 
 def check_band(band: plan.Band, sync: bool = True,

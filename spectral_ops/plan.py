@@ -722,7 +722,7 @@ def msign(kernels, A: torch.Tensor, sign_coefficients, precision: str | None = N
 
 
 def band_projectors(kernels, W: torch.Tensor, tau, sign_coefficients, precision: str | None = None,
-                    capturable: bool = False, method: str = "gram"):
+                    method: str = "gram"):
     method = routed(kernels, W, 1, precision, method, band=True)
     plan = plan_for(W, kernels, precision, method)
     P_top = plan.top_projector(tau, sign_coefficients)
@@ -795,8 +795,9 @@ def route(shape, dtype: torch.dtype, device_type: str, p: int, precision: str, *
       (the band ops, soft-thresholding, a band or prox decay) splits the modes at a threshold: the SVD,
       which resolves one anywhere above its rounding (``eps s_max``), where the Gram route's sign
       iteration and ``eigh`` both see ``s^2`` (a threshold ``tau`` loses modes once ``tau^2 / s_max^2``
-      nears their resolution: the design bound 1e-3, or eigh's rounding over the gap); it was also
-      1.3-2.4x faster than the Gram route at every measured shape.
+      nears their resolution: the design bound 1e-3, or eigh's rounding over the gap). It was also
+      1.1-2.2x faster than the Gram route for ``band_direction`` and ``svt`` at every measured shape,
+      and up to 2.2x slower for ``band_projectors`` (no polar factor on the Gram route): accuracy first.
     * ``iteration="auto"``: Gram space for an even ``p`` at a precision where it is as accurate as the
       rectangle (:data:`GRAM_SPACE_PRECISIONS`) and where :func:`cost` says it saves at least
       :data:`GRAM_SPACE_SAVING` of the op's FLOPs (an aspect ratio of about 3.5 or more; on a square
