@@ -101,22 +101,24 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "decay_epilogue_",
-      [](const DescArgs& w_args, const DescArgs& d_args, double keep, double step, bool stochastic_rounding,
-         uint64_t seed, uint64_t offset, uintptr_t stream, const std::optional<DescArgs>& keep_per_matrix,
-         const std::optional<DescArgs>& step_per_matrix) {
+      [](const DescArgs& w_args, const DescArgs& d_args, double keep, double step, uintptr_t stream,
+         const std::optional<DescArgs>& keep_per_matrix, const std::optional<DescArgs>& step_per_matrix,
+         const std::optional<DescArgs>& noise_args) {
         const spectral_ops::TensorDesc w = to_desc("w", w_args);
         const spectral_ops::TensorDesc d = to_desc("d", d_args);
         const spectral_ops::ScaleArg keep_arg = to_scale("keep_per_matrix", keep, keep_per_matrix);
         const spectral_ops::ScaleArg step_arg = to_scale("step_per_matrix", step, step_per_matrix);
+        std::optional<spectral_ops::TensorDesc> noise;
+        if (noise_args) noise = to_desc("noise", *noise_args);
         py::gil_scoped_release release;
-        spectral_ops::decay_epilogue_(w, d, keep_arg, step_arg, stochastic_rounding, seed, offset, to_stream(stream));
+        spectral_ops::decay_epilogue_(w, d, keep_arg, step_arg, noise ? &*noise : nullptr, to_stream(stream));
       },
-      py::arg("w"), py::arg("d"), py::arg("keep"), py::arg("step"), py::arg("stochastic_rounding"), py::arg("seed"),
-      py::arg("offset"), py::arg("stream"), py::arg("keep_per_matrix") = py::none(),
-      py::arg("step_per_matrix") = py::none(),
+      py::arg("w"), py::arg("d"), py::arg("keep"), py::arg("step"), py::arg("stream"),
+      py::arg("keep_per_matrix") = py::none(), py::arg("step_per_matrix") = py::none(), py::arg("noise") = py::none(),
       "W <- keep * W + step * D in place on `stream` (an integer cudaStream_t). w and d are tensor descriptors\n"
       "(data_ptr, shape, strides, dtype_code, device_index); keep/step may each be multiplied by a float32\n"
-      "per-matrix vector descriptor. See csrc/ops.h for the full contract.");
+      "per-matrix vector descriptor; an int16 noise descriptor of w's shape rounds a float16/bfloat16 w\n"
+      "stochastically. See csrc/ops.h for the full contract.");
 
   m.def("gemm", &matmul_binding<spectral_ops::gemm>, py::arg("a"), py::arg("b"), py::arg("out"), py::arg("y"),
         py::arg("alpha"), py::arg("alpha_per_matrix"), py::arg("beta"), py::arg("beta_per_matrix"),

@@ -29,6 +29,8 @@ enum class DType : int {
   kFloat16 = 1,
   kBFloat16 = 2,
   kFloat64 = 3,
+  // Only the random bits of a stochastic rounding (decay_epilogue_'s noise): no kernel computes on it.
+  kInt16 = 4,
 };
 
 inline const char* dtype_name(DType dtype) {
@@ -37,6 +39,7 @@ inline const char* dtype_name(DType dtype) {
     case DType::kFloat16: return "float16";
     case DType::kBFloat16: return "bfloat16";
     case DType::kFloat64: return "float64";
+    case DType::kInt16: return "int16";
   }
   return "unknown";
 }
@@ -45,7 +48,8 @@ inline const char* dtype_name(DType dtype) {
 __host__ __device__ inline int64_t element_size(DType dtype) {
   switch (dtype) {
     case DType::kFloat16:
-    case DType::kBFloat16: return 2;
+    case DType::kBFloat16:
+    case DType::kInt16: return 2;
     case DType::kFloat32: return 4;
     case DType::kFloat64: return 8;
   }
@@ -102,9 +106,9 @@ struct TensorDesc {
 // Builds a descriptor and checks everything that can be checked about one tensor on its own.
 inline TensorDesc make_tensor_desc(const char* name, uint64_t data, std::vector<int64_t> shape,
                                    std::vector<int64_t> strides, int dtype_code, int device) {
-  if (dtype_code < 0 || dtype_code > static_cast<int>(DType::kFloat64)) {
+  if (dtype_code < 0 || dtype_code > static_cast<int>(DType::kInt16)) {
     throw TypeError(std::string(name) + ": unknown dtype code " + std::to_string(dtype_code) +
-                    " (0=float32, 1=float16, 2=bfloat16, 3=float64)");
+                    " (0=float32, 1=float16, 2=bfloat16, 3=float64, 4=int16)");
   }
   TensorDesc desc{name, data, std::move(shape), std::move(strides), static_cast<DType>(dtype_code), device};
   if (desc.shape.size() != desc.strides.size()) {

@@ -73,9 +73,8 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 round_nearest<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // Stochastic rounding: round away from zero with probability (|v| - |toward-zero neighbour|) / gap,
-// so the stored value is unbiased. `bits` is uniform over 32 bits. Nothing reaches it yet: it is kept
-// for the [weights] issue's rounding="stochastic" (an upcoming option of spectral_decay_ and the
-// optimizers' groups), so do not delete it as dead code.
+// so the stored value is unbiased. `bits` is the element's 16 random bits (unsigned); the rule is the
+// torch provider's round_stochastic, bit for bit.
 template <typename W>
 __device__ __forceinline__ W round_stochastic(float v, uint32_t bits);
 
@@ -85,7 +84,7 @@ __device__ __forceinline__ __nv_bfloat16 round_stochastic<__nv_bfloat16>(float v
   // Noise in the low bits of a NaN could carry it into an infinity.
   if ((u & 0x7f800000u) == 0x7f800000u) return __float2bfloat16_rn(v);
   // bfloat16 is float32 without the low 16 bits: add 16 noise bits there and let the carry decide.
-  u += bits >> 16;
+  u += bits;
   return __ushort_as_bfloat16(static_cast<unsigned short>(u >> 16));
 }
 
@@ -97,30 +96,17 @@ __device__ __forceinline__ __half round_stochastic<__half>(float v, uint32_t bit
   const float low = __half2float(toward_zero);
   // Exact: v and low share sign and exponent range (Sterbenz), or low is 0.
   const float residual = fabsf(v - low);
-  if (residual == 0.0f) return toward_zero;
   const __half away = __ushort_as_half(static_cast<unsigned short>(__half_as_ushort(toward_zero) + 1));
   const float gap = fabsf(__half2float(away) - low);
-  const float uniform = static_cast<float>(bits >> 8) * 0x1p-24f;
+  const float uniform = static_cast<float>(bits) * 0x1p-16f;
   return uniform * gap < residual ? away : toward_zero;
 }
 
-__host__ __device__ __forceinline__ uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// Counter-based (splitmix64 keyed by the mixed seed): the bits of element i depend on
-// (seed, offset + i) only, never on the launch configuration or on W's strides.
-__device__ __forceinline__ uint32_t random_bits(uint64_t key, uint64_t counter) {
-  return static_cast<uint32_t>(mix64(key + counter * 0x9e3779b97f4a7c15ull) >> 32);
-}
-
 template <typename W, typename D, bool kStochastic>
-__device__ __forceinline__ W decay_element(W w, D d, Math<W> keep, Math<W> step, uint64_t key, uint64_t counter) {
+__device__ __forceinline__ W decay_element(W w, D d, Math<W> keep, Math<W> step, const int16_t* noise, int64_t i) {
   const Math<W> v = fma(step, static_cast<Math<W>>(to_math(d)), keep * to_math(w));
   if constexpr (kStochastic) {
-    return round_stochastic<W>(v, random_bits(key, counter));
+    return round_stochastic<W>(v, static_cast<uint16_t>(noise[i]));
   } else {
     return round_nearest<W>(v);
   }
@@ -128,7 +114,7 @@ __device__ __forceinline__ W decay_element(W w, D d, Math<W> keep, Math<W> step,
 
 template <typename W, typename D, bool kStochastic, bool kPerMatrix>
 __global__ void __launch_bounds__(kThreads)
-    decay_contiguous_kernel(W* w, const D* d, int64_t n, Scales<W> scales, uint64_t key, uint64_t offset) {
+    decay_contiguous_kernel(W* w, const D* d, int64_t n, Scales<W> scales, const int16_t* noise) {
   constexpr int vec = kVec<W>;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -145,7 +131,7 @@ __global__ void __launch_bounds__(kThreads)
         for (; p * vec + j >= next; next += scales.matrix_numel) ++matrix;
       }
       wp.v[j] = decay_element<W, D, kStochastic>(wp.v[j], dp.v[j], scales.keep_of(matrix), scales.step_of(matrix),
-                                                 key, offset + p * vec + j);
+                                                 noise, p * vec + j);
     }
     reinterpret_cast<Pack<W, vec>*>(w)[p] = wp;
   }
@@ -153,14 +139,13 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t i = n_packs * vec + first;
   const int64_t matrix = kPerMatrix ? i / scales.matrix_numel : 0;
   if (i < n) {
-    w[i] = decay_element<W, D, kStochastic>(w[i], d[i], scales.keep_of(matrix), scales.step_of(matrix), key,
-                                            offset + i);
+    w[i] = decay_element<W, D, kStochastic>(w[i], d[i], scales.keep_of(matrix), scales.step_of(matrix), noise, i);
   }
 }
 
 template <typename W, typename D, bool kStochastic, bool kPerMatrix>
 __global__ void __launch_bounds__(kThreads) decay_strided_kernel(W* w, const D* d, int64_t n, StridedLayout layout,
-                                                                 Scales<W> scales, uint64_t key, uint64_t offset) {
+                                                                 Scales<W> scales, const int16_t* noise) {
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = first; i < n; i += stride) {
@@ -175,7 +160,7 @@ __global__ void __launch_bounds__(kThreads) decay_strided_kernel(W* w, const D* 
     }
     const int64_t matrix = kPerMatrix ? i / scales.matrix_numel : 0;
     w[w_offset] = decay_element<W, D, kStochastic>(w[w_offset], d[i], scales.keep_of(matrix), scales.step_of(matrix),
-                                                   key, offset + i);
+                                                   noise, i);
   }
 }
 
@@ -192,7 +177,7 @@ struct Call {
   const float* keep_per_matrix;
   const float* step_per_matrix;
   int64_t matrix_numel;
-  uint64_t key, offset;
+  const int16_t* noise;  // null: round to nearest
   cudaStream_t stream;
 };
 
@@ -207,7 +192,7 @@ void launch(const Call& call) {
       call.w.data % alignof(Pack<W, kVec<W>>) == 0 && call.d.data % alignof(Pack<D, kVec<W>>) == 0;
   if (contiguous && aligned) {
     launch_kernel(decay_contiguous_kernel<W, D, kStochastic, kPerMatrix>, blocks_for(n / kVec<W>), kThreads, 0,
-                  call.stream, call.w.ptr<W>(), call.d.ptr<const D>(), n, scales, call.key, call.offset);
+                  call.stream, call.w.ptr<W>(), call.d.ptr<const D>(), n, scales, call.noise);
   } else {
     StridedLayout layout{};
     layout.ndim = static_cast<int>(dims.size());
@@ -216,7 +201,7 @@ void launch(const Call& call) {
       layout.strides[k] = dims[dims.size() - 1 - k].stride;
     }
     launch_kernel(decay_strided_kernel<W, D, kStochastic, kPerMatrix>, blocks_for(n), kThreads, 0, call.stream,
-                  call.w.ptr<W>(), call.d.ptr<const D>(), n, layout, scales, call.key, call.offset);
+                  call.w.ptr<W>(), call.d.ptr<const D>(), n, layout, scales, call.noise);
   }
 }
 
@@ -230,26 +215,28 @@ void launch_scales(const Call& call) {
 }
 
 template <typename W, typename D>
-void launch_rounding(bool stochastic_rounding, const Call& call) {
+void launch_rounding(const Call& call) {
   if constexpr (std::is_same_v<W, __half> || std::is_same_v<W, __nv_bfloat16>) {
-    if (stochastic_rounding) return launch_scales<W, D, true>(call);
+    if (call.noise != nullptr) return launch_scales<W, D, true>(call);
   }
   launch_scales<W, D, false>(call);
 }
 
 template <typename W>
-void launch_typed(bool stochastic_rounding, const Call& call) {
+void launch_typed(const Call& call) {
   if (call.d.dtype == DType::kFloat32) {
-    launch_rounding<W, float>(stochastic_rounding, call);
+    launch_rounding<W, float>(call);
   } else {
-    launch_rounding<W, W>(stochastic_rounding, call);
+    launch_rounding<W, W>(call);
   }
 }
 
 }  // namespace
 
 void decay_epilogue_(const TensorDesc& w, const TensorDesc& d, const ScaleArg& keep, const ScaleArg& step,
-                     bool stochastic_rounding, uint64_t seed, uint64_t offset, cudaStream_t stream) {
+                     const TensorDesc* noise, cudaStream_t stream) {
+  check_dtype(w, {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat64},
+              "w is a float32, float16, bfloat16 or float64 weight");
   if (d.dtype != DType::kFloat32 && d.dtype != w.dtype) {
     throw TypeError(std::string("d: dtype ") + dtype_name(d.dtype) + " must be float32 or w's dtype (" +
                     dtype_name(w.dtype) + ")");
@@ -259,6 +246,15 @@ void decay_epilogue_(const TensorDesc& w, const TensorDesc& d, const ScaleArg& k
                                 format_dims(d.shape));
   }
   check_same_device(w, d);
+  if (noise != nullptr) {
+    check_dtype(*noise, {DType::kInt16}, "noise holds 16 random bits per element of w");
+    if (noise->shape != w.shape) {
+      throw std::invalid_argument("shape mismatch: w has shape " + format_dims(w.shape) + " but noise has shape " +
+                                  format_dims(noise->shape));
+    }
+    check_same_device(w, *noise);
+    if (noise->numel() > 0) check_contiguous(*noise);
+  }
   const std::vector<Dim> dims = merged_dims(w);
   // An empty tensor has no elements to overlap or to order.
   if (w.numel() > 0) {
@@ -285,13 +281,14 @@ void decay_epilogue_(const TensorDesc& w, const TensorDesc& d, const ScaleArg& k
   require_device(kOp, w.device);
   if (w.numel() == 0) return;
   DeviceGuard guard(kOp, w.device);
-  const Call call{w, d, dims, keep.value, step.value, keep_per_matrix, step_per_matrix, matrix_numel, mix64(seed),
-                  offset, stream};
+  const Call call{w, d, dims, keep.value, step.value, keep_per_matrix, step_per_matrix, matrix_numel,
+                  noise == nullptr ? nullptr : noise->ptr<const int16_t>(), stream};
   switch (w.dtype) {
-    case DType::kFloat32: launch_typed<float>(stochastic_rounding, call); break;
-    case DType::kFloat16: launch_typed<__half>(stochastic_rounding, call); break;
-    case DType::kBFloat16: launch_typed<__nv_bfloat16>(stochastic_rounding, call); break;
-    case DType::kFloat64: launch_typed<double>(stochastic_rounding, call); break;
+    case DType::kFloat32: launch_typed<float>(call); break;
+    case DType::kFloat16: launch_typed<__half>(call); break;
+    case DType::kBFloat16: launch_typed<__nv_bfloat16>(call); break;
+    case DType::kFloat64: launch_typed<double>(call); break;
+    case DType::kInt16: break;  // refused above
   }
   SPECTRAL_OPS_CUDA_CHECK(kOp, cudaGetLastError());
 }

@@ -20,13 +20,14 @@ namespace spectral_ops {
 //   w: float32, float16, bfloat16 or float64; any non-overlapping strides (views are fine).
 //   d: contiguous, same shape, float32 or w's dtype.
 // keep and step may carry a per-matrix vector (w must then have >= 2 dims; matrix = the leading
-// index, row-major). Math is fp32 (fp64 when w is float64). Stores round to nearest even, or, with
-// stochastic_rounding and a float16/bfloat16 w, stochastically: element i (row-major) draws its bits
-// from hash(seed, offset + i), so a call is deterministic for a given (seed, offset). Advance offset
-// by w.numel() between calls to draw fresh bits under one seed. Wider dtypes do not round, so for them
-// the flag has no effect.
+// index, row-major). Math is fp32 (fp64 when w is float64). Stores round to nearest even, or, given
+// noise (int16, contiguous, w's shape) and a float16/bfloat16 w, stochastically: element i (row-major)
+// decides with the 16 bits noise[i], read as unsigned, by the rule of the torch provider's
+// round_stochastic (spectral_ops/backends/torch_backend.py), so every provider rounds alike for the
+// same bits. The caller draws them (torch's generator: seeded, and capturable in a CUDA graph). Wider
+// dtypes do not round, so for them noise has no effect.
 void decay_epilogue_(const TensorDesc& w, const TensorDesc& d, const ScaleArg& keep, const ScaleArg& step,
-                     bool stochastic_rounding, uint64_t seed, uint64_t offset, cudaStream_t stream);
+                     const TensorDesc* noise, cudaStream_t stream);
 
 // gemm.cu: out = alpha * (a @ b) + beta * y, batched over equal leading dims, fp32 accumulation.
 //   a (..., m, k), b (..., k, n), out and y (..., m, n): float32, float16 or bfloat16, any strides;

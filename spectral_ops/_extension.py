@@ -26,7 +26,8 @@ from .build_config import BUILD_INFO_FILENAME
 from .coefficients import NORMALIZATION_MARGIN
 
 # spectral_ops::DType in csrc/common.h. The codes are ABI: append only.
-DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+# int16: only a stochastic rounding's random bits (decay_epilogue_'s noise); the kernels refuse it elsewhere.
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3, torch.int16: 4}
 # spectral_ops::Precision in csrc/matmul.h: how float32 operands of gemm/syrk use the tensor cores.
 PRECISION_CODES = {"ieee": 0, "tf32x3": 1, "tf32": 2}
 
@@ -127,11 +128,11 @@ def _custom_op(name: str, mutates: tuple[str, ...]):
 @_custom_op("cuda_decay_epilogue", mutates=("w",))
 def _decay_epilogue_op(w: torch.Tensor, d: torch.Tensor, keep: float, step: float,
                        keep_per_matrix: Optional[torch.Tensor], step_per_matrix: Optional[torch.Tensor],
-                       stochastic_rounding: bool, seed: int, offset: int) -> None:
+                       noise: Optional[torch.Tensor]) -> None:
     _require_extension().decay_epilogue_(
-        w=tensor_descriptor(w), d=tensor_descriptor(d), keep=keep, step=step,
-        stochastic_rounding=stochastic_rounding, seed=seed, offset=offset, stream=_stream(w),
+        w=tensor_descriptor(w), d=tensor_descriptor(d), keep=keep, step=step, stream=_stream(w),
         keep_per_matrix=_optional_descriptor(keep_per_matrix), step_per_matrix=_optional_descriptor(step_per_matrix),
+        noise=_optional_descriptor(noise),
     )
 
 
@@ -189,23 +190,21 @@ def decay_epilogue_(
     *,
     keep_per_matrix: torch.Tensor | None = None,
     step_per_matrix: torch.Tensor | None = None,
-    stochastic_rounding: bool = False,
-    seed: int = 0,
-    offset: int = 0,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``w <- keep * w + step * d`` in place on the current stream; returns ``w``.
 
     ``w``: float32/float16/bfloat16/float64, any non-overlapping strides. ``d``: contiguous, same
     shape, float32 or ``w``'s dtype. ``keep_per_matrix``/``step_per_matrix``: optional float32
     tensors with one factor per matrix of ``w``'s leading dims (row-major), multiplying ``keep``/``step``.
-    Stochastic rounding (float16/bfloat16 ``w`` only) is a deterministic function of
-    ``(seed, offset + row-major element index)``: advance ``offset`` by ``w.numel()`` per call for
-    fresh bits under one seed. See csrc/ops.h.
+    ``noise``: int16 random bits of ``w``'s shape (contiguous), with which a float16/bfloat16 ``w`` is
+    rounded stochastically, element ``i`` (row-major) by ``noise``'s element ``i``, by the rule of
+    :func:`spectral_ops.backends.torch_backend.round_stochastic`. See csrc/ops.h.
     """
     _require_extension()
     keep, step = _number("decay_epilogue_", "keep", keep), _number("decay_epilogue_", "step", step)
     _writable("decay_epilogue_", "w", w)
-    _decay_epilogue_op(w, d, keep, step, keep_per_matrix, step_per_matrix, bool(stochastic_rounding), seed, offset)
+    _decay_epilogue_op(w, d, keep, step, keep_per_matrix, step_per_matrix, noise)
     return w
 
 

@@ -7,6 +7,7 @@ half-updated.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ from ._checks import (
 from .coefficients import resolve_polar_coefficients
 from .ops import check_band, check_iteration, check_method, check_precision, sign_coefficients
 from .plan import (  # noqa: F401  (SpectralStabilityError: the decay's public name)
+    ROUNDINGS,
     STABILITY_POLICIES,
+    STOCHASTICALLY_ROUNDED,
     Band,
     DecayRequest,
     SpectralStabilityError,
@@ -38,6 +41,59 @@ from .plan import (  # noqa: F401  (SpectralStabilityError: the decay's public n
 
 CONVENTIONS = ("decoupled", "independent")
 P0_MODES = ("explicit", "prox")
+# How a tensor of more than two dimensions holds matrices (SPEC 1.8): "batch", its leading dims index
+# independent matrices (experts, heads, banks: the torch.linalg convention); "flatten", it is one matrix
+# of dim 0's rows by the product of the other sizes (conv filters, as Muon reads them).
+MATRIX_VIEWS = ("batch", "flatten")
+
+
+def batched(shape, matrix_view) -> bool:
+    """Whether a tensor of ``shape`` is read as a stack of matrices (rather than one)."""
+    return len(shape) > 2 and matrix_view == "batch"
+
+
+def matrix_dims(shape, matrix_view) -> tuple[int, int]:
+    """``(rows, columns)`` of each matrix a tensor of ``shape`` holds under ``matrix_view``."""
+    if batched(shape, matrix_view):
+        return shape[-2], shape[-1]
+    return shape[0], math.prod(shape[1:])
+
+
+def as_matrices(tensor: torch.Tensor, matrix_view, shape=None) -> torch.Tensor:
+    """``tensor`` as the matrices it holds, a view of it (so that writing it writes ``tensor``):
+    ``(rows, columns)`` for one matrix, ``(*batch, rows, columns)`` for a stack. ``shape``: the shape
+    of the tensor ``tensor`` is a row block of, or a flattened form of (a shard of a parameter, as the
+    distributed step moves it), where it is not ``tensor``'s own. Sizes are spelt out, not -1, which
+    an empty shard (no rows on this rank) leaves ambiguous."""
+    shape = tuple(tensor.shape if shape is None else shape)
+    if len(shape) <= 2 and tensor.ndim == len(shape):
+        return tensor
+    if batched(shape, matrix_view):
+        return tensor.view(tensor.shape[0], *shape[1:])
+    if tensor.ndim > 2 and not tensor.is_contiguous():
+        raise ValueError(f"a {tuple(tensor.shape)} tensor read with matrix_view='flatten' must be contiguous: its "
+                         "matrix is a view of it, which in-place writes go through")
+    return tensor.view(tensor.shape[0], math.prod(shape[1:]))
+
+
+def row_block(matrices: torch.Tensor, rows) -> torch.Tensor:
+    """The rows ``(start, stop)`` of every matrix of ``matrices`` (None: all of them), a view."""
+    return matrices if rows is None else matrices[..., rows[0]:rows[1], :]
+
+
+def matrix_index(batch_shape, position: int) -> tuple | None:
+    """The index in a stack of batch shape ``batch_shape`` of its matrix at flat ``position`` (None
+    for one matrix)."""
+    if not batch_shape:
+        return None
+    return tuple(int(k) for k in torch.unravel_index(torch.tensor(position), tuple(batch_shape)))
+
+
+def check_matrix_view(matrix_view, optional: bool = False):
+    """``matrix_view`` is one of :data:`MATRIX_VIEWS` (or None where ``optional``: not said)."""
+    if optional and matrix_view is None:
+        return None
+    return check_choice(matrix_view, "matrix_view", MATRIX_VIEWS)
 
 
 def _as_list(W):
@@ -113,11 +169,13 @@ class DecayOptions:
     stability: str
     iteration: str = "auto"
     method: str = "auto"
+    rounding: str = "nearest"
 
 
 def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, convention="decoupled", band=None,
                         p0_mode="explicit", steps=None, coefficients=None, stability="raise",
                         precision=None, capturable=False, sync=True, iteration="auto", method="auto",
+                        rounding="nearest",
                         names=("spectral_weight_decay", "ordinary_weight_decay")) -> DecayOptions:
     """Validate every decay hyper-parameter (optimizers call this at construction time).
 
@@ -133,6 +191,7 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
     check_choice(convention, "convention", CONVENTIONS)
     check_choice(p0_mode, "p0_mode", P0_MODES)
     check_choice(stability, "stability", STABILITY_POLICIES)
+    check_choice(rounding, "rounding", ROUNDINGS)
     band = Band.coerce(band)
     if capturable and stability in ("raise", "warn") and stability_terms(p, spectral_weight_decay, band):
         raise ValueError(f"stability={stability!r} needs the host to read the stability guard, which "
@@ -152,7 +211,22 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
         stability=stability,
         iteration=iteration,
         method=method,
+        rounding=rounding,
     )
+
+
+def check_generator(generator, tensors: list[torch.Tensor]) -> None:
+    """A stochastic rounding's ``generator`` (None: the device's default) is a ``torch.Generator`` on
+    the weights' device: torch would refuse another device's only once the decay is computed."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    devices = {t.device for t in tensors}
+    if any(device.type != generator.device.type for device in devices):
+        raise ValueError(f"generator is on {generator.device} but the weights are on "
+                         f"{', '.join(sorted(map(str, devices)))}: give a generator of their device, e.g. "
+                         "torch.Generator(device=W.device).manual_seed(seed)")
 
 
 def renamed_spectral_coefficient(caller: str, spectral_weight_decay, weight_decay, stacklevel: int):
@@ -190,6 +264,10 @@ def spectral_decay_(
     capturable: bool = False,
     iteration: str = "auto",
     method: str = "auto",
+    matrix_view: str = "batch",
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    mantissa=None,
     clamp_factors: list | None = None,
     weight_decay=None,
     _increment: bool = False,
@@ -200,8 +278,11 @@ def spectral_decay_(
     as torch's AdamW) and ``schedule`` (``eta_t``, the lr divided by the peak lr) under
     ``"independent"``. The direction comes from the weights before the update.
 
-    ``W`` is one tensor ``(..., m, n)`` or a list of them; same-shape tensors of a list are decayed
-    as one batch. Returns ``W``. ``band`` (a :class:`Band` or dict) makes the decay band-selective;
+    ``W`` is one tensor or a list of them; same-shape tensors of a list are decayed as one batch.
+    Returns ``W``. ``matrix_view`` says which matrices a tensor of more than two dimensions holds
+    (SPEC 1.8): ``"batch"`` (the default, the ``torch.linalg`` convention: ``(..., m, n)``, leading
+    dims index independent matrices, as MoE experts, heads or banks) or ``"flatten"`` (one matrix,
+    dim 0's rows by the product of the other sizes: a conv filter ``(out, in, kh, kw)``, as Muon reads it). ``band`` (a :class:`Band` or dict) makes the decay band-selective;
     ``p0_mode="prox"`` replaces the explicit ``p = 0`` step by exact soft-thresholding. For
     ``p > 1``, ``stability`` decides what happens if the step would reorder the singular values
     (``p * kappa >= 1``, ``kappa = scale * spectral_weight_decay * s_max^(p-1)``):
@@ -227,6 +308,19 @@ def spectral_decay_(
     the Gram route on GPUs, a factorisation on CPUs where that is faster; the guard's ``s_max`` is then
     the factorisation's, exact to its rounding, where the Gram route bounds it from its squares).
 
+    ``rounding``: how the result, computed in fp32, is rounded into bf16 and fp16 weights:
+    ``"nearest"``, or ``"stochastic"`` (unbiased: up or down with probabilities that make the expected
+    weight the exact one, so that a step below half a unit of the weight, which rounding to nearest
+    loses every time, is kept on average), with random bits from ``generator`` (a ``torch.Generator``
+    on the weights' device; None: the device's default one, which ``torch.manual_seed`` seeds). A seed
+    gives the same bits on every provider, bit for bit, and a captured graph draws fresh ones at each
+    replay. Wider weights are written as computed.
+
+    ``mantissa``: the low 16 bits of fp32 weights kept as a bf16 ``W`` plus a ``uint16`` (or
+    ``int16``) tensor of its shape (modded-nanogpt's layout: the fp32 value's bits are
+    ``(W's bits << 16) | mantissa``), or a list of them, one per weight. The pair is decayed as that
+    fp32 value and written back as a pair, so no step is lost to bf16's rounding.
+
     ``weight_decay`` is a deprecated alias of ``spectral_weight_decay`` (the name of ``lambda_1`` in
     every optimizer of the family).
     """
@@ -234,10 +328,19 @@ def spectral_decay_(
                                                          stacklevel=3)
     if spectral_weight_decay is None:
         raise TypeError("spectral_decay_ needs spectral_weight_decay (the spectral coefficient lambda_p)")
+    if mantissa is not None:
+        return _decay_with_mantissa(
+            W, mantissa, p, lr, spectral_weight_decay, ordinary_weight_decay=ordinary_weight_decay,
+            convention=convention, schedule=schedule, band=band, p0_mode=p0_mode, steps=steps,
+            coefficients=coefficients, stability=stability, precision=precision, capturable=capturable,
+            iteration=iteration, method=method, matrix_view=matrix_view, rounding=rounding, generator=generator,
+            clamp_factors=clamp_factors, increment=_increment)
     tensors = _as_list(W)
     names = ["W"] if isinstance(W, torch.Tensor) else [f"W[{i}]" for i in range(len(tensors))]
+    check_matrix_view(matrix_view)
     for t, name in zip(tensors, names):
         check_matrix(t, name)
+    tensors = [as_matrices(t, matrix_view) for t in tensors]
     check_same_device(tensors)
     _check_writable(tensors, names)
     sync = not capturable
@@ -245,8 +348,10 @@ def spectral_decay_(
     options = check_decay_options(
         p, spectral_weight_decay, ordinary_weight_decay=ordinary_weight_decay, convention=convention, band=band,
         p0_mode=p0_mode, steps=steps, coefficients=coefficients, stability=stability, precision=precision,
-        capturable=capturable, sync=sync, iteration=iteration, method=method,
+        capturable=capturable, sync=sync, iteration=iteration, method=method, rounding=rounding,
     )
+    if rounding == "stochastic":
+        check_generator(generator, tensors)
     if convention == "independent":
         if schedule is None:
             raise ValueError("convention='independent' needs schedule= (eta_t: the current lr / the peak lr)")
@@ -259,16 +364,16 @@ def spectral_decay_(
     if sync:
         check_finite(tensors, "W")
     pending = prepare_decay(tensors, options, scale=scale, spectral_weight_decay=spectral_weight_decay,
-                            ordinary_weight_decay=ordinary_weight_decay, capturable=capturable, increment=_increment)
+                            ordinary_weight_decay=ordinary_weight_decay, capturable=capturable, increment=_increment,
+                            generator=generator)
     if sync and pending.decayed:
         # A finite weight never becomes non-finite: the decayed values are checked before any is written.
         check_finite(pending.new_values(), "W", reason="would not be finite after this decay (its exact value "
                      "exceeds the weights' dtype); nothing was written", error=OverflowError)
     pending.commit()
     for i, position, factor, order in pending.clamped:
-        batch = tensors[i].shape[:-2]
-        where = f"{[int(k) for k in torch.unravel_index(torch.tensor(position), batch)]}" if batch else ""
-        log_clamp(f"{names[i]}{where} {tuple(tensors[i].shape[-2:])}", factor, order)
+        index = matrix_index(tensors[i].shape[:-2], position)
+        log_clamp(f"{names[i]}{list(index) if index else ''} {tuple(tensors[i].shape[-2:])}", factor, order)
     if clamp_factors is not None:
         clamp_factors.extend(pending.clamp_factors.get(i, torch.ones(t.shape[:-2], dtype=torch.float64,
                                                                      device=t.device)) for i, t in enumerate(tensors))
@@ -290,8 +395,68 @@ def spectral_decay(W, p: int, lr, spectral_weight_decay=None, *, increment: bool
         raise ValueError("increment=True is not available with p0_mode='prox': the soft-threshold rebuilds W, so "
                          "its increment would carry W's rounding; take the decayed value (increment=False), or "
                          "p0_mode='explicit', whose increment is -s * lambda_0 * Q")
+    if options.get("mantissa") is not None:
+        raise ValueError("spectral_decay (out of place) does not take mantissa=: the pair is one fp32 value, so decay "
+                         "it in place with spectral_decay_(W, ..., mantissa=mantissa), or decay "
+                         "spectral_ops.decay.with_mantissa(W, mantissa), the fp32 value, out of place")
     copies = W.clone() if isinstance(W, torch.Tensor) else [t.clone() for t in _as_list(W)]
     return spectral_decay_(copies, p, lr, spectral_weight_decay, _increment=increment, **options)
+
+
+MANTISSA_DTYPES = (torch.uint16, torch.int16)
+
+
+def with_mantissa(W: torch.Tensor, mantissa: torch.Tensor) -> torch.Tensor:
+    """The fp32 value a bf16 ``W`` and its ``mantissa`` (its low 16 bits, uint16 or int16) hold: a new
+    tensor, whose bits are ``(W's bits << 16) | mantissa`` (modded-nanogpt's layout)."""
+    high = W.view(torch.int16).to(torch.int32) << 16
+    return (high | (mantissa.view(torch.int16).to(torch.int32) & 0xFFFF)).view(torch.float32)
+
+
+def split_mantissa_(value: torch.Tensor, W: torch.Tensor, mantissa: torch.Tensor) -> None:
+    """Write the fp32 ``value`` into the pair: its high 16 bits into ``W`` (bf16, so ``W`` alone is the
+    value truncated towards zero), its low 16 into ``mantissa``. Exact: ``with_mantissa`` reads it back."""
+    bits = value.view(torch.int32)
+    W.view(torch.int16).copy_((bits >> 16).to(torch.int16))
+    mantissa.view(torch.int16).copy_((bits & 0xFFFF).to(torch.int16))
+
+
+def _check_mantissa(weights: list, mantissas: list) -> None:
+    if len(weights) != len(mantissas):
+        raise ValueError(f"mantissa= needs one tensor per weight: {len(mantissas)} for {len(weights)} weights")
+    for i, (w, m) in enumerate(zip(weights, mantissas)):
+        where = "" if len(weights) == 1 else f"[{i}]"
+        if not isinstance(m, torch.Tensor):
+            raise TypeError(f"mantissa{where} must be a tensor, got {type(m).__name__}")
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16:
+            raise TypeError(f"mantissa= holds the low bits of bf16 weights, but W{where} is "
+                            f"{getattr(w, 'dtype', type(w).__name__)}")
+        if m.dtype not in MANTISSA_DTYPES:
+            raise TypeError(f"mantissa{where} must be uint16 or int16 (the fp32 value's low 16 bits), got {m.dtype}")
+        if m.shape != w.shape or m.device != w.device:
+            raise ValueError(f"mantissa{where} is {tuple(m.shape)} on {m.device}, W{where} {tuple(w.shape)} on "
+                             f"{w.device}: each must match its weight")
+
+
+def _decay_with_mantissa(W, mantissa, p, lr, spectral_weight_decay, *, rounding, clamp_factors, increment,
+                         **options):
+    """:func:`spectral_decay_` of bf16 weights with their low bits: the fp32 values decayed, every check
+    passed, then each pair written."""
+    if rounding != "nearest":
+        raise ValueError("mantissa= keeps the weights' fp32 value exactly, so there is nothing to round: leave "
+                         "rounding='nearest' (stochastic rounding is for bf16 weights without a mantissa)")
+    if increment:
+        raise ValueError("mantissa= writes the decayed pair in place; for the increment, decay "
+                         "spectral_ops.decay.with_mantissa(W, mantissa) with spectral_decay(..., increment=True)")
+    weights, mantissas = _as_list(W), _as_list(mantissa)
+    _check_mantissa(weights, mantissas)
+    _check_writable(weights + mantissas, [f"W[{i}]" for i in range(len(weights))] +
+                    [f"mantissa[{i}]" for i in range(len(mantissas))])
+    values = [with_mantissa(w, m) for w, m in zip(weights, mantissas)]
+    spectral_decay_(values, p, lr, spectral_weight_decay, clamp_factors=clamp_factors, **options)
+    for value, w, m in zip(values, weights, mantissas):
+        split_mantissa_(value, w, m)
+    return W
 
 
 @dataclass
@@ -340,14 +505,17 @@ class PendingDecay:
 
 
 def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, spectral_weight_decay,
-                  ordinary_weight_decay, capturable: bool, increment: bool = False) -> PendingDecay:
+                  ordinary_weight_decay, capturable: bool, increment: bool = False, generator=None) -> PendingDecay:
     """The decay of :func:`spectral_decay_` on validated arguments (optimizers validate theirs once),
     computed but not written: distinct matrices on one device, ``options`` from
     :func:`check_decay_options`, ``scale`` the lr or the schedule. Same-shape weights are decayed as
     one stack, by :func:`spectral_ops.plan.decay_` (the guard, the direction and the write).
-    ``increment``: the step's increment instead of the new value (see :func:`spectral_decay`)."""
+    ``increment``: the step's increment instead of the new value (see :func:`spectral_decay`).
+    ``generator``: a stochastic rounding's random bits (None: the device's default generator)."""
     nonempty = [i for i, t in enumerate(tensors) if t.numel()]
-    if not needs_direction(options.p, spectral_weight_decay, options.band):
+    rounds_stochastically = options.rounding == "stochastic" and any(
+        tensors[i].dtype in STOCHASTICALLY_ROUNDED for i in nonempty)
+    if not needs_direction(options.p, spectral_weight_decay, options.band) and not rounds_stochastically:
         # One multi-tensor scaling at commit, as torch's AdamW decays.
         return PendingDecay(tensors, nonempty,
                             plain_factor(scale, spectral_weight_decay, ordinary_weight_decay, increment), {})
@@ -356,7 +524,8 @@ def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, 
         ordinary_weight_decay=ordinary_weight_decay, band=options.band, p0_mode=options.p0_mode,
         polar_coefficients=options.polar_coefficients, sign_coefficients=options.sign_coefficients,
         precision=options.precision, iteration=options.iteration, stability=options.stability,
-        capturable=capturable, method=options.method, increment=increment,
+        capturable=capturable, method=options.method, increment=increment, rounding=options.rounding,
+        generator=generator,
     )
     groups = defaultdict(list)
     for i in nonempty:

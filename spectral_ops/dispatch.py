@@ -322,8 +322,9 @@ class Kernels:
         backend = self._backend("small_chain", X, precision, optional=True, steps=len(coefficients), call=call)
         return None if backend is None else backend.small_chain(X, p, coefficients, precision, sign=sign)
 
-    def decay_epilogue_(self, W, D, keep, step):
-        return self._backend("decay_epilogue_", W, call=((W, D, keep, step), {})).decay_epilogue_(W, D, keep, step)
+    def decay_epilogue_(self, W, D, keep, step, noise=None):
+        return self._backend("decay_epilogue_", W, call=((W, D, keep, step), {"noise": noise})).decay_epilogue_(
+            W, D, keep, step, noise=noise)
 
 
 class PinnedKernels:

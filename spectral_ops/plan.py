@@ -106,7 +106,9 @@ class DecayRequest:
     the two bands. ``stability``: what the guard does with a step that would reorder the singular
     values (:data:`STABILITY_POLICIES`); ``capturable``: no host synchronisation. ``method``: how the
     direction is computed (:func:`route`). ``increment``: write the step's increment (the new value less
-    ``W``, each term formed as such: no cancellation) instead of the new value.
+    ``W``, each term formed as such: no cancellation) instead of the new value. ``rounding``: how the
+    fp32 result is rounded to bf16/fp16 weights (:data:`ROUNDINGS`), ``"stochastic"`` drawing its bits
+    from ``generator`` (None: the device's default generator).
     """
 
     p: int
@@ -123,6 +125,26 @@ class DecayRequest:
     capturable: bool = False
     method: str = "gram"
     increment: bool = False
+    rounding: str = "nearest"
+    generator: torch.Generator | None = None
+
+
+# How the decay rounds its fp32 result into bf16/fp16 weights: to the nearest value, or stochastically
+# (unbiased: a step below half a unit of the weight survives on average instead of vanishing).
+ROUNDINGS = ("nearest", "stochastic")
+# The dtypes stochastic rounding acts on: the decay's arithmetic is in fp32, so wider weights keep it.
+STOCHASTICALLY_ROUNDED = (torch.bfloat16, torch.float16)
+
+
+def rounding_noise(W: torch.Tensor, request: DecayRequest) -> torch.Tensor | None:
+    """The random bits of a stochastically rounded decay of ``W``: 16 per element, as an int16 tensor
+    of ``W``'s shape (the epilogue primitives read element ``i`` of ``W`` in row-major order with
+    element ``i`` of it), drawn from the request's generator, on the device without a host read (a
+    CUDA generator advances its offset on the device, so a captured graph draws afresh at each
+    replay). None where nothing rounds stochastically."""
+    if request.rounding != "stochastic" or W.dtype not in STOCHASTICALLY_ROUNDED:
+        return None
+    return torch.randint(-2**15, 2**15, W.shape, dtype=torch.int16, device=W.device, generator=request.generator)
 
 
 OPS = ("polar", "msign", "spectral_power", "band_projectors", "band_direction", "svt", "spectral_norm_bounds",
@@ -951,7 +973,8 @@ def decay_(kernels, W: torch.Tensor, request: DecayRequest) -> DecayOutcome:
     p, band = request.p, request.band
     if not needs_direction(p, request.spectral_weight_decay, band):
         kernels.decay_epilogue_(wide(W), None, plain_factor(request.scale, request.spectral_weight_decay,
-                                                            request.ordinary_weight_decay, request.increment), 0.0)
+                                                            request.ordinary_weight_decay, request.increment), 0.0,
+                                noise=rounding_noise(wide(W), request))
         return DecayOutcome(None, {})
     prox = p == 0 and request.p0_mode == "prox" and band is None
     method = routed(kernels, W, p, request.precision, request.method, iteration=request.iteration,
@@ -979,7 +1002,7 @@ def decay_(kernels, W: torch.Tensor, request: DecayRequest) -> DecayOutcome:
             direction = direction.to(plan.dtype)  # p = 0's polar factor comes in the operand dtype
     step = scaled_step(step, log_factor).to(plan.dtype)
     del plan  # Xn, Q and the Gram squares: the epilogue needs only the direction
-    kernels.decay_epilogue_(wide(W), direction, keep, step)
+    kernels.decay_epilogue_(wide(W), direction, keep, step, noise=rounding_noise(wide(W), request))
     return DecayOutcome(clamp, clamped)
 
 

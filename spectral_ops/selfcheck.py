@@ -74,6 +74,8 @@ def self_check_cases(primitive: str, dtype: torch.dtype, device, precision: str 
         D = torch.randn(wide(W).shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(
             device=device, dtype=compute_dtype(dtype))
         per_matrix = torch.tensor([0.5, -1.5], device=device).reshape(2, 1, 1)
+        noise = torch.randint(-2**15, 2**15, wide(W).shape, dtype=torch.int16,
+                              generator=torch.Generator().manual_seed(6)).to(device)
         scales = [(0.9, -0.1), (per_matrix, torch.tensor(-0.25, device=device)), (1.1, per_matrix)]
 
         def run(b):
@@ -84,7 +86,10 @@ def self_check_cases(primitive: str, dtype: torch.dtype, device, precision: str 
                 results.append(decayed)
             scaled = W.clone()
             b.decay_epilogue_(wide(scaled), None, per_matrix, 0.0)
-            return (*results, scaled)
+            # Stochastic rounding: the same bits give the same result on every provider.
+            rounded = W.clone()
+            b.decay_epilogue_(wide(rounded), D, 0.9, -0.1, noise=noise)
+            return (*results, scaled, rounded)
 
         return [against_reference(run)]
     raise ValueError(f"no self-check for primitive {primitive!r}")

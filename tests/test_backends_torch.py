@@ -82,3 +82,29 @@ def test_epilogues_copy_only_their_added_term(dtype, layout):
     A = backend.symmetric(X, X.mT)
     assert copied_bytes(lambda: backend.poly_step(A, -4.775, 2.0315)) == nbytes(A)
     assert copied_bytes(lambda: backend.product(A, X, Y=X, beta=3.4445)) == nbytes(X)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stochastic_rounding_is_unbiased_and_keeps_the_edges(dtype):
+    from spectral_ops.backends.torch_backend import round_stochastic
+
+    # Values across the range, subnormals included, each drawn 20,000 times: every draw is one of the
+    # two neighbours, and their mean is the value within 5 sigma (sigma <= gap / (2 sqrt(N))).
+    tiny = torch.finfo(dtype).smallest_normal
+    values = torch.tensor([1 + 1 / 3, -(1 + 1 / 3), 3e-3, -7.1, 0.3 * tiny, 1e4 + 0.37]).double()
+    draws = 20_000
+    noise = torch.randint(-2**15, 2**15, (draws, len(values)), dtype=torch.int16,
+                          generator=torch.Generator().manual_seed(0))
+    rounded = round_stochastic(values.float().expand(draws, -1).contiguous(), dtype, noise).double()
+    low = values.float().to(dtype).double()
+    gap = (low - values).abs() + (rounded - values).abs().amax(0)
+    assert ((rounded - values).abs() <= gap).all()
+    assert ((rounded.mean(0) - values.float().double()).abs() <= 5 * gap / (2 * draws**0.5)).all()
+    # Exact values, zeros, Inf and NaN pass unchanged. Beyond fp16's largest value round to nearest
+    # decides (fp32 to bf16 keeps the exponent range: only values within a unit of the top can overflow).
+    edges = torch.tensor([0.0, -0.0, 1.0, float("inf"), -float("inf"), float("nan")])
+    same = round_stochastic(edges, dtype, torch.full((6,), -1, dtype=torch.int16))
+    assert torch.equal(same[:5], edges[:5].to(dtype)) and same[5].isnan()
+    if dtype == torch.float16:
+        huge = torch.tensor([7e4, -1e6])
+        assert torch.equal(round_stochastic(huge, dtype, torch.zeros(2, dtype=torch.int16)), huge.to(dtype))

@@ -257,6 +257,23 @@ def test_decay_epilogue_per_matrix(transposed):
     assert relative_error(w, expected) < 1e-7
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_decay_epilogue_rounds_stochastically_as_the_torch_reference(dtype, transposed):
+    # The same fp32 values and random bits: the kernel's rule (both kernels: vector and strided) is
+    # the torch provider's, bit for bit. The values lie within a few units of the weights' rounding
+    # of each other, so the rounding decides, and near 65504 for fp16's overflow rule.
+    g = torch.Generator().manual_seed(9)
+    base = (torch.randn(2, 30, 44, generator=g) * (3e4 if dtype == torch.float16 else 1.0)).to(dtype)
+    w = base.mT.contiguous().mT if transposed else base.clone()
+    d = torch.randn(2, 30, 44, generator=g) * 1e-2
+    noise = torch.randint(-2**15, 2**15, (2, 30, 44), dtype=torch.int16, generator=g)
+    _extension.decay_epilogue_(w, d, 0.999, -1.0, noise=noise)
+    expected = base.clone()
+    TORCH.decay_epilogue_(expected, d, 0.999, -1.0, noise=noise)
+    assert torch.equal(w, expected)
+
+
 # --- the backend, with and without its chain ---------------------------------------------------
 
 
@@ -320,7 +337,8 @@ def run_everything():
     G = torch.empty(2, 140, 140)
     results.append(_extension.syrk(X.mT, X, G))
     d = torch.randn(2, 100, 140, generator=torch.Generator().manual_seed(0))
-    results.append(_extension.decay_epilogue_(X.clone(), d, 0.9, -0.1, stochastic_rounding=True, seed=3))
+    noise = torch.randint(-2**15, 2**15, X.shape, dtype=torch.int16, generator=torch.Generator().manual_seed(3))
+    results.append(_extension.decay_epilogue_(X.clone(), d, 0.9, -0.1, noise=noise))
     return results
 
 
@@ -358,7 +376,9 @@ def test_the_custom_ops_pass_opcheck():
                               precision)),
         (ops.cuda_small_chain, (a.mT, torch.empty(2, 12, 20), torch.empty(2, 12, 20), torch.empty(2, 12, 12), 2, flat,
                                 1 / 1.01)),
-        (ops.cuda_decay_epilogue, (y.clone(), b.new_ones(2, 20, 30), 0.9, -0.1, per_matrix, None, False, 0, 0)),
+        (ops.cuda_decay_epilogue, (y.clone(), b.new_ones(2, 20, 30), 0.9, -0.1, per_matrix, None, None)),
+        (ops.cuda_decay_epilogue, (y.bfloat16(), b.new_ones(2, 20, 30), 0.9, -0.1, None, None,
+                                   torch.randint(-2**15, 2**15, (2, 20, 30), dtype=torch.int16, generator=g))),
     ]
     for op, args in samples:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

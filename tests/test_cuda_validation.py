@@ -234,7 +234,7 @@ def test_chain_limits_and_shared_memory(C):
 
 def test_decay_with_per_matrix_scales_reaches_the_device_check(no_gpu):
     with pytest.raises(RuntimeError, match=NO_DEVICE):
-        no_gpu.decay_epilogue_(desc([3, 4, 5]), desc([3, 4, 5], address=OTHER), 1.0, -0.1, False, 0, 0, 0,
+        no_gpu.decay_epilogue_(desc([3, 4, 5]), desc([3, 4, 5], address=OTHER), 1.0, -0.1, 0,
                                desc([3], address=THIRD), desc([3], address=FOURTH))
 
 
@@ -248,7 +248,7 @@ def test_decay_with_per_matrix_scales_reaches_the_device_check(no_gpu):
 )
 def test_decay_per_matrix_validation(C, w, keep_pm, error, match):
     with pytest.raises(error, match=match):
-        C.decay_epilogue_(w, desc(w[1], address=OTHER), 1.0, -0.1, False, 0, 0, 0, keep_pm, None)
+        C.decay_epilogue_(w, desc(w[1], address=OTHER), 1.0, -0.1, 0, keep_pm, None)
 
 
 # --- the Python wrappers ----------------------------------------------------------------------

@@ -511,3 +511,162 @@ def test_the_increment_is_the_step_without_cancellation(form):
 def test_a_soft_thresholds_increment_is_refused():
     with pytest.raises(ValueError, match="not available with p0_mode='prox'"):
         so.spectral_decay(weights(), 0, 0.1, 0.1, p0_mode="prox", increment=True)
+
+
+# --- which matrices a tensor holds (SPEC 1.8) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(4, 24, 16), (2, 2, 24, 16)])
+def test_batch_decays_each_matrix_of_a_stack_and_flatten_one_matrix(shape):
+    # fp32 weights: the tolerance of a float32 decay (see TOLERANCE), against the FP64 SVD of each
+    # reading. The two readings differ by far more than that, so the test tells them apart.
+    W = weights(shape, torch.float32)
+    batched = so.spectral_decay_(W.clone(), 2, 0.05, 0.2, matrix_view="batch")
+    flattened = so.spectral_decay_(W.clone(), 2, 0.05, 0.2, matrix_view="flatten")
+    assert torch.equal(batched, so.spectral_decay_(W.clone(), 2, 0.05, 0.2))  # "batch" is the default
+    assert relative_error(batched, reference.spectral_decay_svd(W, 2, 0.05, 0.2)) < TOLERANCE[torch.float32]
+    as_one = reference.spectral_decay_svd(W.reshape(shape[0], -1), 2, 0.05, 0.2).reshape(shape)
+    assert relative_error(flattened, as_one) < TOLERANCE[torch.float32]
+    assert relative_error(batched, flattened) > 1e-2
+
+
+def test_a_conv_filter_flattened_is_decayed_as_its_output_by_input_matrix():
+    W = weights((16, 48), torch.float32).reshape(16, 3, 4, 4)  # (out, in, kh, kw)
+    so.spectral_decay_(decayed := W.clone(), 0, 0.05, 0.2, matrix_view="flatten")
+    expected = reference.spectral_decay_svd(W.reshape(16, 48), 0, 0.05, 0.2).reshape(W.shape)
+    assert relative_error(decayed, expected) < TOLERANCE[torch.float32]
+
+
+def test_matrix_view_is_checked_before_anything_is_written():
+    W = weights((4, 24, 16))
+    original = W.clone()
+    with pytest.raises(ValueError, match="matrix_view must be one of"):
+        so.spectral_decay_(W, 2, 0.05, 0.2, matrix_view="experts")
+    channels_last = weights((8, 36), torch.float32).reshape(8, 4, 3, 3).to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        so.spectral_decay_(channels_last, 2, 0.05, 0.2, matrix_view="flatten")
+    assert torch.equal(W, original)
+
+
+# --- stochastic rounding ----------------------------------------------------------------------------------------
+
+
+def _ulp(x: torch.Tensor) -> torch.Tensor:
+    """The gap between ``x`` (bf16/fp16) and its neighbour away from zero, in float64."""
+    away = (x.view(torch.int16) + 1).view(x.dtype)  # magnitude + 1 unit, same sign
+    return (away.double() - x.double()).abs()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stochastic_rounding_is_unbiased_over_many_draws(dtype):
+    # A step of a tenth of the weights' unit: rounding to nearest loses all of it, stochastic rounding
+    # keeps it on average. The exact value is the fp32 decay of the same weights (precision="fp32":
+    # the same arithmetic as for the bf16/fp16 weights up to the final rounding, which the test then
+    # isolates). Each draw is within one unit of it, so the mean of N draws is within 5 sigma =
+    # 5 ulp / (2 sqrt(N)) of it, element by element (2,048 elements: a 5-sigma miss has odds ~1e-3).
+    W = weights((64, 32), torch.float32).to(dtype)
+    lr = 0.1 * float(_ulp(W).min()) / float(W.double().abs().max()) / 0.2
+    exact = so.spectral_decay(W.float(), 2, lr, 0.2, precision="fp32").double()
+    draws = 400
+    generator = torch.Generator().manual_seed(0)
+    total = torch.zeros_like(exact)
+    for _ in range(draws):
+        rounded = so.spectral_decay(W, 2, lr, 0.2, precision="fp32", rounding="stochastic", generator=generator)
+        assert ((rounded.double() - exact).abs() <= _ulp(W)).all()
+        total += rounded.double()
+    bound = 5 * _ulp(W) / (2 * draws**0.5)
+    assert ((total / draws - exact).abs() <= bound).all()
+    nearest = so.spectral_decay(W, 2, lr, 0.2, precision="fp32")
+    assert torch.equal(nearest, W), "the step was meant to be below half a unit"
+
+
+def test_stochastic_rounding_is_reproducible_per_seed_and_the_same_captured():
+    W = weights((4, 24, 16), torch.float32).bfloat16()
+
+    def decayed(seed, **options):
+        generator = torch.Generator().manual_seed(seed)
+        return so.spectral_decay(W, 2, 1e-3, 0.1, rounding="stochastic", generator=generator, **options)
+
+    assert torch.equal(decayed(3), decayed(3))
+    assert not torch.equal(decayed(3), decayed(4))
+    # capturable: no host read, the same bits from the same generator state (a CPU has no graph to
+    # capture; a CUDA generator advances its offset on the device, which torch's graphs replay).
+    assert torch.equal(decayed(3, capturable=True, stability="clamp"), decayed(3))
+    torch.manual_seed(5)
+    default = so.spectral_decay(W, 2, 1e-3, 0.1, rounding="stochastic")
+    torch.manual_seed(5)
+    assert torch.equal(default, so.spectral_decay(W, 2, 1e-3, 0.1, rounding="stochastic"))
+
+
+def test_stochastic_rounding_leaves_wider_weights_as_computed_and_reaches_the_plain_decay():
+    W = weights((24, 16), torch.float32)
+    assert torch.equal(so.spectral_decay(W, 2, 1e-3, 0.1, rounding="stochastic"), so.spectral_decay(W, 2, 1e-3, 0.1))
+    # p = 1 needs no direction, but a bf16 weight still rounds stochastically: a shrink by 1e-3, below
+    # half of bf16's relative unit (2^-9 to 2^-8), which rounding to nearest loses, moves a weight
+    # down with odds of 1/8 to 1/4 per draw: after 64 draws, all but a few weights have moved.
+    bf16 = W.bfloat16()
+    ordinary = torch.stack([so.spectral_decay(bf16, 1, 1e-2, 0.1, rounding="stochastic",
+                                              generator=torch.Generator().manual_seed(seed)) for seed in range(64)])
+    assert torch.equal(so.spectral_decay(bf16, 1, 1e-2, 0.1), bf16)
+    assert (ordinary.double().mean(0).abs() < bf16.double().abs()).float().mean() > 0.9
+
+
+def test_the_rounding_and_its_generator_are_checked_first():
+    W = weights((24, 16), torch.float32).bfloat16()
+    original = W.clone()
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        so.spectral_decay_(W, 2, 1e-3, 0.1, rounding="truncate")
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        so.spectral_decay_(W, 2, 1e-3, 0.1, rounding="stochastic", generator=5)
+    assert torch.equal(W, original)
+
+
+# --- bf16 weights with their mantissa ---------------------------------------------------------------------------
+
+
+def _pair(shape, seed=0):
+    """A bf16 weight and its uint16 mantissa holding an fp32 value (modded-nanogpt's layout), and that value."""
+    from spectral_ops.decay import split_mantissa_
+
+    value = weights(shape, torch.float32, seed=seed)
+    W, mantissa = torch.empty(shape, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.uint16)
+    split_mantissa_(value, W, mantissa)
+    return W, mantissa, value
+
+
+@pytest.mark.parametrize("shape, matrix_view", [((24, 16), "batch"), ((4, 24, 16), "batch"), ((4, 24, 16), "flatten")])
+def test_a_decayed_pair_is_the_decayed_fp32_value_split_bit_for_bit(shape, matrix_view):
+    from spectral_ops.decay import split_mantissa_, with_mantissa
+
+    W, mantissa, value = _pair(shape)
+    assert torch.equal(with_mantissa(W, mantissa), value)  # the round trip is exact
+    assert torch.equal(W, value.to(torch.bfloat16, copy=True).view(torch.int16).sub(
+        (value.bfloat16().float().abs() > value.abs()).to(torch.int16)).view(torch.bfloat16))  # W: truncated value
+    so.spectral_decay_(W, 2, 1e-3, 0.1, mantissa=mantissa, matrix_view=matrix_view)
+    expected = so.spectral_decay_(value.clone(), 2, 1e-3, 0.1, matrix_view=matrix_view)
+    expected_W, expected_mantissa = torch.empty_like(W), torch.empty_like(mantissa)
+    split_mantissa_(expected, expected_W, expected_mantissa)
+    assert torch.equal(W, expected_W) and torch.equal(mantissa, expected_mantissa)
+
+
+def test_a_list_of_pairs_and_the_mantissas_checks():
+    pairs = [_pair((24, 16), seed) for seed in range(3)]
+    weights_, mantissas = [W for W, _, _ in pairs], [m for _, m, _ in pairs]
+    originals = [(W.clone(), m.clone()) for W, m in zip(weights_, mantissas)]
+    for bad, error, match in [
+        (dict(mantissa=mantissas[:2]), ValueError, "one tensor per weight"),
+        (dict(mantissa=[m.float() for m in mantissas]), TypeError, "must be uint16 or int16"),
+        (dict(mantissa=[m[:, :8] for m in mantissas]), ValueError, "must match its weight"),
+        (dict(mantissa=mantissas, rounding="stochastic"), ValueError, "nothing to round"),
+        (dict(mantissa=mantissas, lr=100.0, stability="raise", p=4), so.SpectralStabilityError, None),
+    ]:
+        options = {"p": 2, "lr": 1e-3, **bad}
+        with pytest.raises(error, match=match):
+            so.spectral_decay_(weights_, options.pop("p"), options.pop("lr"), 1.0, **options)
+        assert all(torch.equal(W, a) and torch.equal(m, b) for W, m, (a, b) in zip(weights_, mantissas, originals))
+    with pytest.raises(TypeError, match="bf16 weights"):
+        so.spectral_decay_([W.float() for W in weights_], 2, 1e-3, 0.1, mantissa=mantissas)
+    with pytest.raises(ValueError, match="does not take mantissa"):
+        so.spectral_decay(weights_, 2, 1e-3, 0.1, mantissa=mantissas)
+    so.spectral_decay_(weights_, 2, 1e-3, 0.1, mantissa=[m.view(torch.int16) for m in mantissas])  # int16 works too
+    assert not torch.equal(mantissas[0], originals[0][1])

@@ -59,8 +59,8 @@ class ToyBackend(TorchBackend):
                   else plan.spectral_power(reference, X.float(), p, coefficients, "fp32"))
         return self._maybe_wrong("small_chain", result)
 
-    def decay_epilogue_(self, W, D, keep, step):
-        super().decay_epilogue_(W, D, keep, step)
+    def decay_epilogue_(self, W, D, keep, step, noise=None):
+        super().decay_epilogue_(W, D, keep, step, noise=noise)
         if self.corrupt == "decay_epilogue_":
             W.mul_(1.5)
         self.calls.append("decay_epilogue_")

@@ -46,8 +46,8 @@ def desc(shape, strides=None, dtype=0, device=0, address=ADDRESS):
     return (address, list(shape), list(strides), dtype, device)
 
 
-def call(C, w, d, *, keep=0.5, step=-0.25, stochastic_rounding=False):
-    C.decay_epilogue_(w, d, keep, step, stochastic_rounding, 0, 0, 0)
+def call(C, w, d, *, keep=0.5, step=-0.25, noise=None):
+    C.decay_epilogue_(w, d, keep, step, 0, None, None, noise)
 
 
 def test_compiled_archs_match_the_build_record(C):
@@ -85,9 +85,27 @@ def test_valid_arguments_reach_the_device_check(no_gpu, w, d):
         call(no_gpu, w, d)
 
 
-def test_stochastic_rounding_reaches_the_device_check(no_gpu):
+INT16 = 4  # the dtype code of a stochastic rounding's random bits
+
+
+@pytest.mark.parametrize("dtype", [1, 2, 0])  # float16 and bfloat16 round with it; float32 ignores it
+def test_stochastic_rounding_reaches_the_device_check(no_gpu, dtype):
     with pytest.raises(RuntimeError, match=NO_DEVICE):
-        call(no_gpu, desc([8], dtype=2), desc([8]), stochastic_rounding=True)
+        call(no_gpu, desc([2, 8], dtype=dtype), desc([2, 8]), noise=desc([2, 8], dtype=INT16))
+
+
+@pytest.mark.parametrize(
+    "w, noise, error, match",
+    [
+        (desc([2, 8], dtype=2), desc([2, 8], dtype=2), TypeError, "noise: dtype bfloat16 .* 16 random bits"),
+        (desc([2, 8], dtype=2), desc([8, 2], dtype=INT16), ValueError, r"w has shape \[2, 8\] but noise has shape"),
+        (desc([2, 8], dtype=2), desc([2, 8], strides=[1, 2], dtype=INT16), ValueError, "noise .*must be contiguous"),
+        (desc([2, 8], dtype=INT16), desc([2, 8], dtype=INT16), TypeError, "w: dtype int16 is not supported"),
+    ],
+)
+def test_stochastic_rounding_validation(C, w, noise, error, match):
+    with pytest.raises(error, match=match):
+        call(C, w, desc([2, 8], dtype=0 if w[3] == INT16 else w[3]), noise=noise)
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,10 @@ from process_results import judge, run_ranks
 
 # Uneven on purpose: 41 rows split 21/20 on 2 ranks and 11/11/11/8 on 4; (5, 3) leaves a rank of 4
 # without a row; the (16, 41) and (41, 16) pair share a Gram size but not a shape; (5, 2, 3), a conv
-# filter bank, is a 5 x 6 matrix view, empty on that rank too.
+# filter bank, is read as one 5 x 6 matrix (matrix_view="flatten"), empty on that rank too.
+# STACKS: stacks of matrices (matrix_view="batch": MoE experts, banks), spread by their batch: 5
+# experts split 3/2 and 2/2/1/0, and a 2 x 2 bank whose rows of dim 0 are pairs of matrices.
+STACKS = [(5, 6, 4), (3, 4, 6), (5, 6, 4), (2, 2, 5, 3), (41,)]
 SHAPES = [(41, 16), (16, 41), (41, 16), (8, 8), (48, 16), (5, 3), (5, 2, 3), (41,)]
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
@@ -113,15 +116,27 @@ def _muon(params, **options):
     return SpectralMuon([{"params": fused, "heads": 2, "splits": (16, 16, 16), "recipe": "HHF"},
                          {"params": others},
                          {"params": vectors, "algorithm": "adamw", "weight_decay": 0.0}],
-                        lr=2e-2, p=2, spectral_weight_decay=0.5, precision="fp32", **options)
+                        lr=2e-2, p=2, spectral_weight_decay=0.5, precision="fp32", matrix_view="flatten", **options)
 
 
-def _adamw(p, **more):
-    return lambda params, **o: SpectralAdamW(params, lr=1e-2, p=p, spectral_weight_decay=0.5, **more, **o)
+def _muon_stacks(params, **options):
+    """Muon on stacks: head-wise and fused blocks split every matrix of a stack, in its rows (dim -2)."""
+    fused = [p for p in params if p.ndim >= 2 and p.shape[-2] == 48]
+    others = [p for p in params if p.ndim >= 2 and p.shape[-2] != 48]
+    vectors = [p for p in params if p.ndim < 2]
+    return SpectralMuon([{"params": fused, "heads": 2, "splits": (16, 16, 16), "recipe": "HHF"},
+                         {"params": others},
+                         {"params": vectors, "algorithm": "adamw", "weight_decay": 0.0}],
+                        lr=2e-2, p=2, spectral_weight_decay=0.5, precision="fp32", matrix_view="batch", **options)
+
+
+def _adamw(p, matrix_view="flatten", **more):
+    return lambda params, **o: SpectralAdamW(params, lr=1e-2, p=p, spectral_weight_decay=0.5, matrix_view=matrix_view,
+                                             **more, **o)
 
 
 def _band(mode):
-    return lambda params, **o: SpectralDecay(params, p=2, spectral_weight_decay=0.3, lr=0.1,
+    return lambda params, **o: SpectralDecay(params, p=2, spectral_weight_decay=0.3, lr=0.1, matrix_view="flatten",
                                              band={"tau": 1.0, "mode": mode, "spectral_weight_decay_bot": 0.2}, **o)
 
 
@@ -132,7 +147,7 @@ def _scenario_skip(mesh, rank, world):
     weights, grads = _tensors(3, steps=1)
     grads[0][0][0, 0] = float("nan")  # row 0: on rank 0 only
     spread = [torch.nn.Parameter(_spread(w, mesh, Shard(0))) for w in weights]
-    optimizer = SpectralAdamW(spread, lr=1e-2, p=2, spectral_weight_decay=0.5)
+    optimizer = SpectralAdamW(spread, lr=1e-2, p=2, spectral_weight_decay=0.5, matrix_view="flatten")
     for param, grad in zip(spread, grads[0]):
         param.grad = _spread(grad, mesh, Shard(0))
     with warnings.catch_warnings():
@@ -151,7 +166,7 @@ def _scenario_error(mesh, rank, world):
 
     weights, grads = _tensors(4, steps=1, scale=1.0)
     spread = [torch.nn.Parameter(_spread(w, mesh, Shard(0))) for w in weights]
-    optimizer = SpectralAdamW(spread, lr=1.0, p=4, spectral_weight_decay=50.0, stability="raise")
+    optimizer = SpectralAdamW(spread, lr=1.0, p=4, spectral_weight_decay=50.0, stability="raise", matrix_view="flatten")
     for param, grad in zip(spread, grads[0]):
         param.grad = _spread(grad, mesh, Shard(0))
     try:
@@ -170,6 +185,14 @@ def _scenario_clamp(mesh, rank, world):
     expected, actual, reference, spread = _compare(_adamw(4, stability="clamp"), mesh, seed=5, scale=1.0)
     counts = {name: int(record.count) for name, record in expected.clamped.items()}
     assert counts and any(counts.values()), "the scenario does not clamp"
+    assert {name: int(record.count) for name, record in actual.clamped.items()} == counts
+
+
+def _scenario_clamp_stacks(mesh, rank, world):
+    """A stack's clamps, one per matrix, computed on its owner: the same counts on every rank as in one process."""
+    expected, actual, _, _ = _compare(_adamw(4, "batch", stability="clamp"), mesh, seed=5, scale=1.0, shapes=STACKS)
+    counts = {name: int(record.count) for name, record in expected.clamped.items()}
+    assert any(count > 2 for count in counts.values()), f"no stack had more than one matrix clamped: {counts}"
     assert {name: int(record.count) for name, record in actual.clamped.items()} == counts
 
 
@@ -340,7 +363,12 @@ def _scenarios(folder: Path, world: int) -> dict:
            for p in (0, 1, 2, 4)},
         "muon head-wise and fused QKV": lambda mesh, rank, world: _compare(_muon, mesh, seed=11),
         "sgd": lambda mesh, rank, world: _compare(lambda params, **o: SpectralSGD(
-            params, lr=5e-2, momentum=0.9, nesterov=True, p=2, spectral_weight_decay=0.5, **o), mesh, seed=12),
+            params, lr=5e-2, momentum=0.9, nesterov=True, p=2, spectral_weight_decay=0.5, matrix_view="flatten", **o),
+            mesh, seed=12),
+        "stacks decayed per matrix": lambda mesh, rank, world: _compare(_adamw(2, "batch"), mesh, seed=20, shapes=STACKS),
+        "muon on stacks, head-wise and fused": lambda mesh, rank, world: _compare(
+            _muon_stacks, mesh, seed=21, shapes=[(3, 48, 16), (5, 8, 8), (5, 8, 8), (41,)]),
+        "stacks clamped per matrix": _scenario_clamp_stacks,
         **{f"band {mode}": (lambda mode: lambda mesh, rank, world: _compare(_band(mode), mesh, seed=13))(mode)
            for mode in ("top", "two_band")},
         "capturable": lambda mesh, rank, world: _compare(_adamw(2, capturable=True, stability="clamp"), mesh, seed=14),

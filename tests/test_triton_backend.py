@@ -253,7 +253,9 @@ def custom_op_samples():
         (ops.triton_poly_step, (G, 0.5, -0.25, "ieee")),
         (ops.triton_sign_step, (G / torch.linalg.matrix_norm(G)[..., None, None], 3.0, -3.2, 1.2, "ieee")),
         (ops.triton_small_chain, (X, 2, flat, False, "ieee")),
-        (ops.triton_decay_epilogue, (W.mT, torch.randn(2, 12, 20), 1.0, scales, -0.1, None, "ieee")),
+        (ops.triton_decay_epilogue, (W.mT, torch.randn(2, 12, 20), 1.0, scales, -0.1, None, "ieee", None)),
+        (ops.triton_decay_epilogue, (W.mT.half(), torch.randn(2, 12, 20), 1.0, scales, -0.1, None, "ieee",
+                                     torch.randint(-2**15, 2**15, (2, 12, 20), dtype=torch.int16))),
     ]
 
 
@@ -270,7 +272,7 @@ def test_a_custom_op_compiles_without_a_graph_break_and_writes_through_torch():
     def decay_step(W, X):
         G = torch.ops.spectral_ops.triton_symmetric(X, X.mT, "ieee")
         D = torch.ops.spectral_ops.triton_product(G, X, None, 1.0, 0.0, "ieee")
-        torch.ops.spectral_ops.triton_decay_epilogue(W.mT, D, 0.9, None, -0.1, None, "ieee")
+        torch.ops.spectral_ops.triton_decay_epilogue(W.mT, D, 0.9, None, -0.1, None, "ieee", None)
         return W
 
     torch._dynamo.reset()

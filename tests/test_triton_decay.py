@@ -40,3 +40,24 @@ def test_keep_alone_scales_the_weights():
     expected = W * 0.5
     decay_epilogue_(W, None, keep=0.5, cfg=SMALL_TILES)
     assert torch.equal(W, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_stochastic_rounding_matches_the_torch_reference_bit_for_bit(dtype, strided):
+    # The same fp32 values and the same random bits: the kernel's rounding rule and the torch
+    # provider's (the reference, tested for bias in test_backends_torch.py) agree on every element,
+    # whatever W's layout (a transposed W goes through the workspace, whose order is W's row-major one).
+    from spectral_ops.backends.torch_backend import TorchBackend
+
+    shape = (2, 20, 33)
+    base = (randn(shape[:-2] + shape[-1:] + shape[-2:-1]).mT if strided else randn(shape)).to(dtype)
+    D = randn(shape, seed=1) * 1e-3  # steps of a few units of the weights' rounding, and below one
+    noise = torch.randint(-2**15, 2**15, shape, dtype=torch.int16, generator=torch.Generator().manual_seed(2))
+    W, expected = base.clone(), base.clone()
+    decay_epilogue_(W, D, keep=0.999, step=-0.5, noise=noise, cfg=SMALL_TILES)
+    TorchBackend().decay_epilogue_(expected, D, 0.999, -0.5, noise=noise)
+    assert torch.equal(W, expected)
+    nearest = base.clone()
+    decay_epilogue_(nearest, D, keep=0.999, step=-0.5, cfg=SMALL_TILES)
+    assert not torch.equal(W, nearest), "the noise changed nothing"

@@ -44,14 +44,33 @@ def _epilogue_terms(Z, Y, b, rows, cols, inside, beta, gamma, s_zr, s_zc, s_yr, 
 
 
 @triton.jit
+def _round_stochastic(v, noise, DTYPE: tl.constexpr):
+    """fp32 ``v`` to bf16/fp16 ``DTYPE``, up or down with the probabilities that make it unbiased, each
+    element deciding with its 16 ``noise`` bits: the rule of
+    :func:`spectral_ops.backends.torch_backend.round_stochastic`, bit for bit."""
+    uniform = noise.to(tl.int32) & 0xFFFF
+    if DTYPE == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        finite = (bits & 0x7F800000) != 0x7F800000
+        truncated = ((bits + uniform) & -0x10000).to(tl.float32, bitcast=True).to(tl.bfloat16)
+        return tl.where(finite, truncated, v.to(tl.bfloat16))
+    toward_zero = v.to(tl.float16, fp_downcast_rounding="rtz")
+    low = toward_zero.to(tl.float32)
+    away = (toward_zero.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
+    rounded = tl.where(uniform.to(tl.float32) * (1.0 / 65536.0) * tl.abs(away.to(tl.float32) - low) < tl.abs(v - low),
+                       away, toward_zero)
+    return tl.where(tl.abs(v) <= 65504.0, rounded, v.to(tl.float16))
+
+
+@triton.jit
 def product_kernel(
-    M, Z, Y, OUT, alpha, beta, gamma,
+    M, Z, Y, OUT, NOISE, alpha, beta, gamma,
     r, n, n_row_tiles, n_col_tiles,
     s_mb, s_mr, s_mc, s_zb, s_zr, s_zc, s_yb, s_yr, s_yc, s_ob, s_or, s_oc,
     ALPHA_PER_MATRIX: tl.constexpr, BETA_PER_MATRIX: tl.constexpr, GAMMA_PER_MATRIX: tl.constexpr,
     HAS_M: tl.constexpr, HAS_Y: tl.constexpr, HAS_Z_TERM: tl.constexpr, INIT_WITH_TERMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, WIDE: tl.constexpr,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, WIDE: tl.constexpr, STOCHASTIC: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tiles = n_row_tiles * n_col_tiles
@@ -77,7 +96,12 @@ def product_kernel(
             z, y, b, rows, cols, inside, beta, gamma, s_zr, s_zc, s_yr, s_yc,
             BETA_PER_MATRIX, GAMMA_PER_MATRIX, HAS_Y, HAS_Z_TERM, BLOCK_M, BLOCK_N)
 
-    tl.store(OUT + b * s_ob + rows[:, None] * s_or + cols[None, :] * s_oc, acc.to(OUT.dtype.element_ty), mask=inside)
+    if STOCHASTIC:
+        noise = tl.load(NOISE + b * r * n + rows[:, None] * n + cols[None, :], mask=inside, other=0)
+        value = _round_stochastic(acc, noise, OUT.dtype.element_ty)
+    else:
+        value = acc.to(OUT.dtype.element_ty)
+    tl.store(OUT + b * s_ob + rows[:, None] * s_or + cols[None, :] * s_oc, value, mask=inside)
 
 
 def _is_one(value) -> bool:
@@ -89,15 +113,20 @@ def _is_zero(value) -> bool:
 
 
 def product(M: torch.Tensor | None, Z: torch.Tensor, *, alpha=1.0, gamma=0.0, Y: torch.Tensor | None = None,
-            beta=0.0, out: torch.Tensor | None = None, input_precision: str = "ieee", cfg=None) -> torch.Tensor:
+            beta=0.0, out: torch.Tensor | None = None, input_precision: str = "ieee", noise=None,
+            cfg=None) -> torch.Tensor:
     """``out = alpha * (M @ Z) + beta * Y + gamma * Z`` for ``(..., r, r)`` ``M`` and ``(..., r, n)`` ``Z``, ``Y``.
 
     ``M=None`` drops the product. Scales are numbers or one value per matrix. ``Y`` (and ``Z``
     when there is no product) may be ``out`` itself, as the identical view: they are read only at
     the tile being written. If ``out`` overlaps anything else, the result goes through a workspace.
-    The output defaults to a new fp32 tensor.
+    The output defaults to a new fp32 tensor. ``noise`` (int16, ``out``'s shape): a bf16/fp16 ``out``
+    is rounded stochastically with these bits (see :func:`_round_stochastic`).
     """
     check_precision(input_precision)
+    stochastic = noise is not None and out is not None and out.dtype in (torch.bfloat16, torch.float16)
+    if stochastic and (noise.shape != out.shape or noise.dtype != torch.int16):
+        raise ValueError(f"noise must be int16 of out's shape {tuple(out.shape)}, got {noise.dtype} {tuple(noise.shape)}")
     r, n = Z.shape[-2:]
     if M is not None and M.shape[-2:] != (r, r):
         raise ValueError(f"M must be (..., {r}, {r}) for Z of shape {tuple(Z.shape)}, got {tuple(M.shape)}")
@@ -119,7 +148,7 @@ def product(M: torch.Tensor | None, Z: torch.Tensor, *, alpha=1.0, gamma=0.0, Y:
     (alpha_arg, alpha_per), (beta_arg, beta_per), (gamma_arg, gamma_per) = (
         scale_arg(v, batch, Z.device) for v in (alpha, beta, gamma))
     product_kernel[(batch * n_row_tiles * n_col_tiles,)](
-        Mb, Zb, Yb, Ob, alpha_arg, beta_arg, gamma_arg, r, n, n_row_tiles, n_col_tiles,
+        Mb, Zb, Yb, Ob, noise.contiguous() if stochastic else Ob, alpha_arg, beta_arg, gamma_arg, r, n, n_row_tiles, n_col_tiles,
         *Mb.stride(), *Zb.stride(), *Yb.stride(), *Ob.stride(),
         ALPHA_PER_MATRIX=alpha_per, BETA_PER_MATRIX=beta_per, GAMMA_PER_MATRIX=gamma_per,
         HAS_M=M is not None, HAS_Y=Y is not None, HAS_Z_TERM=not _is_zero(gamma),
@@ -127,7 +156,7 @@ def product(M: torch.Tensor | None, Z: torch.Tensor, *, alpha=1.0, gamma=0.0, Y:
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         UPCAST=M is not None and M.dtype != Z.dtype,
         INPUT_PRECISION=dot_precision(input_precision, Z.dtype, *([M.dtype] if M is not None else [])),
-        WIDE=wide_offsets(Mb, Zb, Yb, Ob),
+        WIDE=wide_offsets(Mb, Zb, Yb, Ob) or (stochastic and noise.numel() >= 2**31), STOCHASTIC=stochastic,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return target.finish()

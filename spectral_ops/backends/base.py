@@ -21,7 +21,11 @@ A backend provides primitives, never an algorithm. It is an object with
 ``sign=False)``                          matrix (Polar Express from ``X / (1.01 ||X||_F)`` for even ``p``);
                                          with ``sign``, ``msign`` of a symmetric ``X`` (``p = 0``, normalised
                                          by ``||X||_F``)
-``decay_epilogue_(W, D, keep, step)``    ``W <- keep * W + step * D`` in place, ``D`` None for ``keep * W``
+``decay_epilogue_(W, D, keep, step,``    ``W <- keep * W + step * D`` in place, ``D`` None for ``keep * W``;
+``noise=None)``                          with ``noise`` (int16, ``W``'s shape, row-major) a bf16/fp16 ``W``
+                                         is rounded stochastically, as
+                                         :func:`~spectral_ops.backends.torch_backend.round_stochastic`
+                                         does, bit for bit
 =======================================  ================================================================
 
 Every primitive takes the op's ``precision`` (:data:`spectral_ops.plan.PRECISIONS`), and its operands

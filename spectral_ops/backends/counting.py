@@ -46,5 +46,5 @@ class CountingBackend:
     def provider_of(self, primitive, dtype, shape, precision=None) -> str:
         return "counting"
 
-    def decay_epilogue_(self, W, D, keep, step):
+    def decay_epilogue_(self, W, D, keep, step, noise=None):
         return W

@@ -26,6 +26,7 @@ from .. import _extension as ext
 from .. import environment
 from ..coefficients import NORMALIZATION_MARGIN
 from .base import number_and_per_matrix
+from .torch_backend import TorchBackend
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_PRECISION = "tf32x3"
@@ -105,10 +106,10 @@ class CudaBackend:
         return ext.small_chain(X, self._empty(X, dtype=torch.float32), p, coefficients if p % 2 == 0 else (),
                                shrink=shrink)
 
-    def decay_epilogue_(self, W, D, keep, step):
-        if D is None:  # no direction: an in-place scaling is one pass in torch already
-            return W.mul_(keep)
+    def decay_epilogue_(self, W, D, keep, step, noise=None):
+        if D is None:  # no direction: a scaling is one element-wise pass in torch already
+            return TorchBackend().decay_epilogue_(W, None, keep, 0.0, noise=noise)
         (keep, keep_per_matrix), (step, step_per_matrix) = (
             number_and_per_matrix(value, W.shape[:-2], W.device) for value in (keep, step))
         return ext.decay_epilogue_(W, D.contiguous(), keep, step, keep_per_matrix=keep_per_matrix,
-                                   step_per_matrix=step_per_matrix)
+                                   step_per_matrix=step_per_matrix, noise=noise)

@@ -50,20 +50,46 @@ class TorchBackend:
         a, b, c = coefficient
         return self.product(self.poly_step(self.symmetric(Z, Z.mT), b, c), Z, Y=Z, beta=a)
 
-    def decay_epilogue_(self, W, D, keep, step):
+    def decay_epilogue_(self, W, D, keep, step, noise=None):
         X = W.to(compute_dtype(W.dtype))
         if D is None:
-            W.copy_(X * keep)
-            return W
-        # keep X + step D with each product rounded once, as one expression would, in one temporary
-        # (two with a keep): the sum commutes, and a keep of 1 would multiply X by 1 exactly.
-        new = D * step
-        if isinstance(keep, (int, float)) and keep == 1.0:
-            new += X
+            new = X * keep
         else:
-            new += X.mul_(keep) if X is not W else X * keep
-        W.copy_(new)
+            # keep X + step D with each product rounded once, as one expression would, in one temporary
+            # (two with a keep): the sum commutes, and a keep of 1 would multiply X by 1 exactly.
+            new = D * step
+            if isinstance(keep, (int, float)) and keep == 1.0:
+                new += X
+            else:
+                new += X.mul_(keep) if X is not W else X * keep
+        W.copy_(new if noise is None else round_stochastic(new, W.dtype, noise))
         return W
+
+
+def round_stochastic(value: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) -> torch.Tensor:
+    """fp32 ``value`` rounded to bf16/fp16 ``dtype`` away from zero with probability (distance to the
+    neighbour towards zero) / (the gap between the two), so that the rounded value is unbiased; each
+    element decides with its 16 ``noise`` bits (an int16 tensor of ``value``'s shape, read as
+    unsigned), as the Triton and CUDA epilogues do, bit for bit. Wider dtypes do not round."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return value
+    uniform = noise.to(torch.int32) & 0xFFFF
+    if dtype == torch.bfloat16:
+        # bf16 is fp32 less its low 16 bits: add 16 random bits there, let the carry decide, truncate
+        # (exact). An Inf or NaN takes no noise, which could turn one into the other.
+        bits = value.view(torch.int32)
+        finite = (bits & 0x7F800000) != 0x7F800000
+        truncated = ((bits + uniform) & -0x10000).view(torch.float32).to(dtype)
+        return torch.where(finite, truncated, value.to(dtype))
+    # fp16: the neighbour towards zero is the nearest value, or the one before it where that rounded up.
+    nearest = value.to(dtype)
+    bits = nearest.view(torch.int16).to(torch.int32) - (nearest.float().abs() > value.abs()).to(torch.int32)
+    toward_zero, away = (b.to(torch.int16).view(dtype) for b in (bits, bits + 1))
+    low = toward_zero.float()
+    residual, gap = (value - low).abs(), (away.float() - low).abs()
+    rounded = torch.where(uniform.float() * 2.0**-16 * gap < residual, away, toward_zero)
+    # Beyond the largest half (and for Inf/NaN) round-to-nearest decides whether to overflow.
+    return torch.where(value.abs() <= torch.finfo(dtype).max, rounded, nearest)
 
 
 def _matrices(t: torch.Tensor) -> torch.Tensor:

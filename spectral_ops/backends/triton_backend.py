@@ -124,13 +124,14 @@ def _(X, p, coefficients, sign, precision):
 
 @torch.library.custom_op("spectral_ops::triton_decay_epilogue", mutates_args=("W",))
 def _decay_epilogue(W: torch.Tensor, D: Optional[torch.Tensor], keep: float, keep_per_matrix: Optional[torch.Tensor],
-                    step: float, step_per_matrix: Optional[torch.Tensor], precision: str) -> None:
+                    step: float, step_per_matrix: Optional[torch.Tensor], precision: str,
+                    noise: Optional[torch.Tensor]) -> None:
     kernels.decay.decay_epilogue_(W, D, keep=_scale(keep, keep_per_matrix), step=_scale(step, step_per_matrix),
-                                  input_precision=precision)
+                                  input_precision=precision, noise=noise)
 
 
 @_decay_epilogue.register_fake
-def _(W, D, keep, keep_per_matrix, step, step_per_matrix, precision):
+def _(W, D, keep, keep_per_matrix, step, step_per_matrix, precision, noise):
     return None
 
 
@@ -190,8 +191,8 @@ class TritonBackend:
         flat = [float(v) for triple in coefficients for v in triple]
         return _small_chain(X, p, flat, sign, self._dot_precision(precision))
 
-    def decay_epilogue_(self, W, D, keep, step):
+    def decay_epilogue_(self, W, D, keep, step, noise=None):
         batch = W.shape[:-2]
         _decay_epilogue(W, D, *number_and_per_matrix(keep, batch, W.device), *number_and_per_matrix(step, batch, W.device),
-                        self.input_precision)
+                        self.input_precision, noise)
         return W

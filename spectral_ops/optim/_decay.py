@@ -1,9 +1,10 @@
 """The decay half of every optimizer step (SPEC 1.5), shared by the whole family: a group's options,
 validated, and its decay computed but not written.
 
-Per parameter group: matrices (``ndim >= 2``; conv-style ``ndim > 2`` weights are viewed as
-``(shape[0], -1)``, as Muon does) get ``lambda_p * S_p(W)`` plus the ordinary ``lambda_1 * W`` in one
-batched :func:`spectral_ops.spectral_decay_` call per group (same shapes share a batch); vectors
+Per parameter group: matrices (``ndim >= 2``; a parameter of more dimensions holds the matrices its
+group's ``matrix_view`` says, SPEC 1.8: a stack of them, ``"batch"``, or one, ``"flatten"``) get
+``lambda_p * S_p(W)`` plus the ordinary ``lambda_1 * W`` in one batched
+:func:`spectral_ops.spectral_decay_` call per group (same shapes share a batch); vectors
 (biases, norm gains) get only the ordinary term, since ``S_p`` is defined for matrices. A matrix
 spread over processes is decayed on its owner (:func:`spectral_ops.optim.distributed.owner_decay`).
 """
@@ -11,19 +12,19 @@ spread over processes is decayed on its owner (:func:`spectral_ops.optim.distrib
 from __future__ import annotations
 
 import dataclasses
-import math
-
 import torch
 
 from .._checks import check_same_device, renamed_argument
-from ..decay import DecayOptions, PendingDecay, check_decay_options, prepare_decay
+from ..decay import (DecayOptions, PendingDecay, as_matrices, check_decay_options, check_matrix_view,
+                     prepare_decay, row_block)
 from ..plan import is_zero, needs_direction, plain_factor
 from .distributed import local, owner_decay
 
 # Decay keys every optimizer of the family accepts per parameter group; each constructor gives their
 # defaults, as keyword arguments of its own.
 DECAY_KEYS = ("p", "spectral_weight_decay", "convention", "band", "p0_mode", "stability", "decay_steps",
-              "decay_precision", "decay_iteration", "decay_method", "capturable", "strict")
+              "decay_precision", "decay_iteration", "decay_method", "matrix_view", "rounding", "capturable",
+              "strict")
 
 
 # Group keys renamed since, and their names now: the old name still works in a constructor or a group
@@ -70,12 +71,17 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> DecayOpti
         capturable=forbids_host_reads(group),
         iteration=group["decay_iteration"],
         method=group["decay_method"],
+        rounding=group["rounding"],
         names=(spectral, ordinary),
     )
     spectral_direction = needs_direction(options.p, group[spectral], options.band)
-    for param in group["params"]:
-        if param.ndim > 2 and not param.is_contiguous():
-            raise ValueError(f"a {param.ndim}-d parameter must be contiguous to be decayed as a matrix view")
+    view = check_matrix_view(group["matrix_view"], optional=True)
+    for index, param in enumerate(group["params"]):
+        if spectral_direction:
+            check_matrices_said(param, group, index, "its spectral decay")
+        if param.ndim > 2 and view == "flatten" and not param.is_contiguous():
+            raise ValueError(f"a {tuple(param.shape)} parameter read with matrix_view='flatten' must be contiguous: "
+                             "its matrix is a view of it, which the decay writes through")
         if spectral_direction and param.is_complex() and param.ndim >= 2:
             raise TypeError(f"a complex {tuple(param.shape)} parameter cannot take the spectral decay (p={options.p}"
                             f"{', band' if options.band is not None else ''}): S_p is implemented for real matrices "
@@ -84,19 +90,23 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> DecayOpti
     return options
 
 
+def check_matrices_said(param: torch.Tensor, group: dict, index: int, reader: str) -> None:
+    """A parameter of more than two dimensions needs its group's ``matrix_view``: the two readings
+    give different maths (SPEC 1.8), and neither is safe to guess. ``reader``: what reads its matrices."""
+    if param.ndim <= 2 or group["matrix_view"] is not None:
+        return
+    names = group.get("param_names")
+    name = f"parameter {names[index]!r}" if names else f"parameter {index} of its group"
+    raise ValueError(
+        f"{name} has shape {tuple(param.shape)}: say which matrices {reader} reads in it with the group key "
+        "matrix_view: 'batch' (leading dims index independent matrices: MoE experts, heads, parameter banks) or "
+        "'flatten' (one matrix, dim 0's rows by the other sizes: conv filters). "
+        "spectral_ops.optim.param_groups_by_module(model) sets it per module")
+
+
 def schedule_multiplier(lr, peak_lr):
     """``eta_t = lr / peak_lr`` (0 when the peak is 0)."""
     return 0.0 if is_zero(peak_lr) else lr / peak_lr
-
-
-def matrix_shape(param: torch.Tensor) -> tuple[int, int]:
-    """A parameter's shape as a matrix: its rows by the product of its other sizes (spelt out, not
-    -1, which an empty shard (no rows on this rank) leaves ambiguous)."""
-    return param.shape[0], math.prod(param.shape[1:])
-
-
-def matrix_view(param: torch.Tensor) -> torch.Tensor:
-    return param if param.ndim == 2 else param.view(matrix_shape(param))
 
 
 @dataclasses.dataclass
@@ -131,9 +141,9 @@ class ParameterDecay:
 
 
 def row_blocks_of(param: torch.Tensor, blocks) -> list:
-    """The ``(start, stop)`` rows of each matrix the decay sees in ``param``'s matrix view: ``blocks``
-    (a function of the parameter giving ``(start, size)`` pairs, or None) splits it, as Muon's fused
-    projections are; else the whole view (None)."""
+    """The ``(start, stop)`` rows of each block the decay takes as matrices of their own in each
+    matrix ``param`` holds: ``blocks`` (a function of the parameter giving ``(start, size)`` pairs, or
+    None) splits them, as Muon's fused projections are; else the whole matrices (None)."""
     splits = blocks(param) if blocks is not None else None
     return [None] if not splits else [(start, start + size) for start, size in splits]
 
@@ -148,6 +158,8 @@ def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, lr, p
     schedule = schedule_multiplier(lr, peak_lr) if group["convention"] == "independent" else None
     scale = lr if schedule is None else schedule
     layouts = layouts or [None] * len(params)
+    # Not said: no parameter needs it (check_decay_group), so any reading gives the same element-wise decay.
+    view = group["matrix_view"] or "batch"
     decay = ParameterDecay()
     matrices = [i for i, param in enumerate(params) if param.ndim >= 2]
     if matrices and not (is_zero(spectral) and is_zero(ordinary) and group["band"] is None):
@@ -156,21 +168,24 @@ def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, lr, p
         spread = [i for i in matrices if layouts[i] is not None]
         if spread and needs_direction(options.p, spectral, options.band):
             entries = [(k, rows) for k, i in enumerate(spread) for rows in row_blocks_of(params[i], blocks)]
-            views = [matrix_view(local(params[i])) for i in spread]
-            pending = owner_decay(exchange, views, [layouts[i] for i in spread], entries, options, arguments,
-                                  eager=not capturable(group))
+            pending = owner_decay(exchange, [local(params[i]) for i in spread], [layouts[i] for i in spread], entries,
+                                  options, arguments, matrix_view=view, eager=not capturable(group))
             decay.parts.append(DecayPart(pending, tuple(spread[k] for k, _ in entries),
                                          tuple(rows for _, rows in entries)))
             matrices = [i for i in matrices if layouts[i] is None]
         entries = [(i, rows) for i in matrices for rows in row_blocks_of(params[i], blocks)]
         if entries:
-            views = [matrix_view(local(params[i])) for i, _ in entries]
-            tensors = [view if rows is None else view[rows[0]:rows[1]] for view, (_, rows) in zip(views, entries)]
+            tensors = [row_block(as_matrices(local(params[i]), view), rows) for i, rows in entries]
             decay.parts.append(DecayPart(prepare_decay(tensors, options, **arguments),
                                          tuple(i for i, _ in entries), tuple(rows for _, rows in entries)))
     vectors = [i for i, param in enumerate(params) if param.ndim < 2]
     if vectors and not is_zero(ordinary):
-        pending = PendingDecay([local(params[i]) for i in vectors], list(range(len(vectors))),
-                              plain_factor(scale, 0.0, ordinary), {})
+        if options.rounding == "stochastic":  # rounded by the decay's epilogue, which writes matrices
+            pending = prepare_decay([local(params[i]).view(1, -1) for i in vectors], options, scale=scale,
+                                    spectral_weight_decay=0.0, ordinary_weight_decay=ordinary,
+                                    capturable=capturable(group))
+        else:
+            pending = PendingDecay([local(params[i]) for i in vectors], list(range(len(vectors))),
+                                   plain_factor(scale, 0.0, ordinary), {})
         decay.parts.append(DecayPart(pending, tuple(vectors), (None,) * len(vectors)))
     return decay

@@ -438,10 +438,12 @@ class SpectralOptimizer(Optimizer):
         return {self.parameter_name(group, param): per_parameter[param] for group in self.param_groups
                 for param in group["params"] if param in per_parameter}
 
-    def matrix_name(self, group: dict, param: torch.Tensor, rows) -> str:
-        """:meth:`parameter_name`, with the ``rows = (start, stop)`` of the block of the parameter's
-        matrix view that was decayed as a matrix (Muon's Q/K/V splits; None: the whole parameter)."""
+    def matrix_name(self, group: dict, param: torch.Tensor, rows, index=None) -> str:
+        """:meth:`parameter_name`, with the ``index`` of the matrix in a stack (``matrix_view="batch"``;
+        None: the parameter is one matrix) and the ``rows = (start, stop)`` of the block of it that was
+        decayed as a matrix (Muon's Q/K/V splits; None: all its rows)."""
         name = self.parameter_name(group, param)
+        name = name if index is None else f"{name} matrix {list(index)}"
         return name if rows is None else f"{name} rows {rows[0]}:{rows[1]}"
 
     def parameter_name(self, group: dict, param: torch.Tensor) -> str:

@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..decay import log_clamp
+from ..decay import log_clamp, matrix_index
 
 # The entries of state_dict() (and of pickled or copied state) that are the family's, not torch's.
 COUNT_KEYS = ("skipped", "clamped")
@@ -83,12 +83,13 @@ class StepCounts:
         of ``params``) in the parameters ``keep`` wrote (on the device), and log the eager ones, named
         by ``matrix_name(param, rows)``."""
         for part in decay.parts:
-            for index, _, factor, order in part.pending.clamped:
+            for index, position, factor, order in part.pending.clamped:
                 owner = part.owners[index]
                 if keep[owner] is True:
                     # A run clamps the same matrices step after step: each one's first clamp is a
                     # warning, the later ones are debug records (their count is in `clamped`).
-                    name = matrix_name(params[owner], part.rows[index])
+                    stack = params[owner].shape[:-2] if part.pending.tensors[index].ndim > 2 else ()
+                    name = matrix_name(params[owner], part.rows[index], matrix_index(stack, position))
                     first = name not in self.logged_clamps
                     self.logged_clamps.add(name)
                     log_clamp(name, factor, order, logging.WARNING if first else logging.DEBUG,
@@ -100,8 +101,9 @@ class StepCounts:
                 if keep[owner] is not True:
                     factor = torch.where(keep[owner], factor, 1.0)
                 record = self.clamp_record(params[owner])
-                record.count.add_((factor < 1).to(torch.int32))
-                record.smallest_factor.copy_(torch.minimum(record.smallest_factor, factor))
+                # A stack of matrices (matrix_view="batch") counts each of its matrices' clamps.
+                record.count.add_((factor < 1).sum(dtype=torch.int32))
+                record.smallest_factor.copy_(torch.minimum(record.smallest_factor, factor.amin()))
 
     def state(self, params: list) -> dict:
         """The counts by position in ``params`` (the optimizer's, in torch's order), keys with no count

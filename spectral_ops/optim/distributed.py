@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .. import plan
-from ..decay import PendingDecay, prepare_decay
+from ..decay import PendingDecay, as_matrices, batched, matrix_dims, prepare_decay, row_block
 
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -150,6 +150,14 @@ def local_slice(start: int, stop: int, span) -> slice:
     return slice(low - first, max(low, min(stop, end)) - first)
 
 
+def local_block(matrices: torch.Tensor, start: int, stop: int, span, stacked: bool) -> torch.Tensor:
+    """This rank's part of rows ``[start, stop)`` of each matrix, from its part ``matrices`` of a
+    parameter (see :func:`spectral_ops.decay.as_matrices`): those rows of every matrix it holds,
+    where the parameter is a stack of matrices spread by its batch (``stacked``: each matrix is whole
+    on one rank), else its rows ``span = (first, end)`` of the one matrix that fall in the block."""
+    return matrices[..., start:stop, :] if stacked else matrices[local_slice(start, stop, span)]
+
+
 def local(tensor):
     """A DTensor's shard on this rank (its storage: writing it writes the DTensor), else the tensor."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -222,11 +230,13 @@ class Exchange:
         the results, each on this rank's rows, by position; ``costs`` are the matrices' FLOPs."""
         self.jobs.append((fn, sources, layouts, costs, then))
 
-    def clamp_slots(self, group, pending, entries, eager: bool, device) -> torch.Tensor:
-        """One factor for each matrix ``pending.tensors[i]``, ``i`` in ``entries`` (matrices of ``group``),
-        which the matrix's owner sets and :meth:`agree` hands to every rank, as ``pending.clamp_factors[i]``."""
-        factors = torch.ones(len(entries), dtype=torch.float64, device=device)
-        self.clamp_slots_of[group].append((pending, entries, factors, eager))
+    def clamp_slots(self, group, pending, entries, batch_shapes, eager: bool, device) -> torch.Tensor:
+        """The clamp factors of the matrices ``pending.tensors[i]`` stands for, ``i`` in ``entries``
+        (of ``group``), one after another, each entry's of shape ``batch_shapes[i]`` (``()``: one
+        matrix): the matrices' owners set them and :meth:`agree` hands them to every rank, as
+        ``pending.clamp_factors[i]``."""
+        factors = torch.ones(sum(math.prod(shape) for shape in batch_shapes), dtype=torch.float64, device=device)
+        self.clamp_slots_of[group].append((pending, list(zip(entries, batch_shapes)), factors, eager))
         return factors
 
     def run(self) -> None:
@@ -292,10 +302,13 @@ class Exchange:
             offset = 1 + len(indices)
             for pending, entries, factors, eager_factors in slots:
                 factors.copy_(reduced[offset:offset + len(factors)])
-                for position, index in enumerate(entries):
+                start = 0
+                for index, shape in entries:
+                    count = math.prod(shape)
                     # Eager: only the clamped ones, as one process records them; capturable: all.
-                    if not eager_factors or values[offset + position] < 1:
-                        pending.clamp_factors[index] = factors[position]
+                    if not eager_factors or min(values[offset + start:offset + start + count]) < 1:
+                        pending.clamp_factors[index] = factors[start:start + count].view(shape)
+                    start += count
                 offset += len(factors)
             _let_go(group, [reduced])
         return decisions
@@ -312,53 +325,69 @@ class Exchange:
         raise error
 
 
-def owner_decay(exchange: Exchange, views, layouts, entries, options, arguments: dict, *,
+def owner_decay(exchange: Exchange, sources, layouts, entries, options, arguments: dict, *, matrix_view: str,
                 eager: bool) -> PendingDecay:
-    """The decay of spread matrices, to commit on this rank: ``views[k]`` is this rank's part of the
-    ``k``-th matrix, spread as ``layouts[k]``, and each ``(k, rows)`` of ``entries`` a matrix the decay
-    sees in it (``rows``: a block ``(start, stop)`` of its rows, None: all of them). Each whole matrix
-    is decayed on its owner when ``exchange`` runs, its blocks as matrices of their own, with
-    ``prepare_decay(..., options, **arguments)``; this rank keeps its rows of each entry
-    (``pending.tensors[i]`` is those of ``entries[i]``, maybe none). ``eager``: the clamp factors are
-    read on the host (see :meth:`Exchange.clamp_slots`)."""
+    """The decay of spread parameters, to commit on this rank: ``sources[k]`` is this rank's part of
+    the ``k``-th parameter (its rows of dim 0), spread as ``layouts[k]``, holding the matrices
+    ``matrix_view`` says (:func:`spectral_ops.decay.as_matrices`); each ``(k, rows)`` of ``entries``
+    is a block the decay takes as matrices of their own (``rows``: ``(start, stop)`` of each matrix's
+    rows, None: all of them). Each whole parameter is decayed on its owner when ``exchange`` runs,
+    with ``prepare_decay(..., options, **arguments)``; this rank keeps its part of each entry
+    (``pending.tensors[i]`` is that of ``entries[i]``, maybe empty). A stack of matrices is spread by
+    dim 0, its batch: a rank holds some of the matrices, each whole; one matrix is spread by its rows.
+    ``eager``: the clamp factors are read on the host (see :meth:`Exchange.clamp_slots`)."""
     spans = [layout.local_rows for layout in layouts]
-    entry_rows = [rows if rows is not None else (0, layouts[k].rows) for k, rows in entries]
-    pieces = [local_slice(start, stop, spans[k]) for (k, _), (start, stop) in zip(entries, entry_rows)]
-    pending = PendingDecay([views[k][piece] for (k, _), piece in zip(entries, pieces)], [], 1.0, {})
-    slot_of = {}  # entry index -> (its group's clamp factors, its position there)
+    stacked = [batched(source.shape, matrix_view) for source in sources]
+    shapes = [(layout.rows, *source.shape[1:]) for layout, source in zip(layouts, sources)]
+    entry_rows = [rows if rows is not None else (0, matrix_dims(shapes[k], matrix_view)[0]) for k, rows in entries]
+
+    def part(k, matrices, start, stop):
+        return local_block(matrices, start, stop, spans[k], stacked[k])
+
+    pending = PendingDecay([part(k, as_matrices(sources[k], matrix_view), *rows)
+                            for (k, _), rows in zip(entries, entry_rows)], [], 1.0, {})
+    # One clamp factor per matrix: a stack's entry has one per matrix of the whole stack.
+    counts = [math.prod(shapes[k][:-2]) if stacked[k] else 1 for k, _ in entries]
+    slot_of = {}  # entry index -> (its group's clamp factors, where its own start)
     if options.stability == "clamp":
         by_group = defaultdict(list)
         for index, (k, _) in enumerate(entries):
             by_group[layouts[k].group].append(index)
         for group, members in by_group.items():
-            factors = exchange.clamp_slots(group, pending, members, eager, views[0].device)
-            slot_of.update((index, (factors, position)) for position, index in enumerate(members))
+            factors = exchange.clamp_slots(group, pending, members, [shapes[entries[i][0]][:-2] if stacked[entries[i][0]]
+                                                                    else () for i in members], eager, sources[0].device)
+            starts = [0]
+            for index in members:
+                starts.append(starts[-1] + counts[index])
+            slot_of.update((index, (factors, start)) for start, index in zip(starts, members))
     entries_of = defaultdict(list)
     for index, (k, _) in enumerate(entries):
         entries_of[k].append(index)
 
-    def decay_whole(positions, matrices):
+    def decay_whole(positions, wholes):
         indices = [index for k in positions for index in entries_of[k]]
-        whole = prepare_decay([matrix[slice(*entry_rows[index])] for k, matrix in zip(positions, matrices)
-                               for index in entries_of[k]], options, **arguments)
+        whole = prepare_decay([row_block(as_matrices(tensor, matrix_view), entry_rows[index])
+                               for k, tensor in zip(positions, wholes) for index in entries_of[k]],
+                              options, **arguments)
         values = whole.new_values()
         for position, factor in whole.clamp_factors.items():
-            factors, slot = slot_of[indices[position]]
-            factors[slot] = factor
+            factors, start = slot_of[indices[position]]
+            factors[start:start + counts[indices[position]]] = factor.reshape(-1)
         pending.clamped.extend((indices[position], *report) for position, *report in whole.clamped)
         value_of = dict(zip(indices, values))
         blocks = [[value_of[index] for index in entries_of[k]] for k in positions]
-        return [block[0] if len(block) == 1 else torch.cat(block) for block in blocks]
+        return [block[0] if len(block) == 1 else torch.cat(block, dim=-2) for block in blocks]
 
-    costs = [0.0] * len(views)
-    for (k, _), (start, stop) in zip(entries, entry_rows):
-        costs[k] += decay_flops((stop - start, views[k].shape[1]), options, views[k].dtype)
+    costs = [0.0] * len(sources)
+    for (k, _), (start, stop), count in zip(entries, entry_rows, counts):
+        costs[k] += count * decay_flops((stop - start, matrix_dims(shapes[k], matrix_view)[1]), options,
+                                        sources[k].dtype)
 
-    def keep_rows(results):
-        for index, ((k, _), piece) in enumerate(zip(entries, pieces)):
-            pending.decayed[index] = results[k][piece]
+    def keep_part(results):
+        for index, ((k, _), rows) in enumerate(zip(entries, entry_rows)):
+            pending.decayed[index] = part(k, as_matrices(results[k], matrix_view), *rows)
 
-    exchange.map(decay_whole, views, layouts, costs, keep_rows)
+    exchange.map(decay_whole, sources, layouts, costs, keep_part)
     return pending
 
 

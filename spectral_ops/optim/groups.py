@@ -42,10 +42,22 @@ def parameter_role(name: str, param: torch.Tensor, patterns=None) -> str:
     return "matrix"
 
 
+def matrix_view_of(module: torch.nn.Module, param: torch.Tensor) -> str | None:
+    """How a parameter of ``module`` holds matrices (SPEC 1.8): None for a vector or a matrix (nothing to
+    say), ``"flatten"`` for a convolution's filters (one matrix of output channels by the rest, as Muon
+    reads them), ``"batch"`` for any other tensor of 3 or more dimensions (stacked experts, heads,
+    parameter banks: leading dims index independent matrices)."""
+    if param.ndim <= 2:
+        return None
+    return "flatten" if isinstance(module, torch.nn.modules.conv._ConvNd) else "batch"
+
+
 def param_groups_by_module(model: torch.nn.Module, overrides=None, *, patterns=None,
                            non_matrix=None) -> list[dict]:
-    """One parameter group per role present in ``model``, each tagged with ``"role"`` and holding torch's
-    ``"param_names"`` (so that messages name a parameter by its module path).
+    """One parameter group per role present in ``model`` (and per ``matrix_view`` within a role), each
+    tagged with ``"role"`` and holding torch's ``"param_names"`` (so that messages name a parameter by
+    its module path). Parameters of more than two dimensions get the group key ``matrix_view`` from
+    their module (:func:`matrix_view_of`): a convolution's filters ``"flatten"``, other stacks ``"batch"``.
 
     ``overrides`` maps a role (or ``"attention"`` / ``"mlp"`` for all of theirs) to group options,
     e.g. from :func:`module_wise_powers` or :func:`full_v_extra_decay`. Non-matrix roles get the
@@ -58,13 +70,20 @@ def param_groups_by_module(model: torch.nn.Module, overrides=None, *, patterns=N
     if unknown:  # a typo would otherwise leave its options silently unused
         raise ValueError(f"overrides name unknown roles {unknown}; known: {sorted(known)}")
     non_matrix = {"algorithm": "adamw", "weight_decay": 0.0} if non_matrix is None else non_matrix
-    by_role: dict[str, list] = {}
-    for name, param in model.named_parameters():
-        if param.requires_grad:
-            by_role.setdefault(parameter_role(name, param, patterns), []).append((name, param))
+    by_role: dict[tuple, list] = {}
+    seen = set()  # a parameter shared by two modules (tied weights) is listed once, as named_parameters does
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                key = (parameter_role(name, param, patterns), matrix_view_of(module, param))
+                by_role.setdefault(key, []).append((name, param))
     groups = []
-    for role, named in by_role.items():
+    for (role, matrix_view), named in by_role.items():
         options = dict(non_matrix) if role in NON_MATRIX_ROLES else {}
+        if matrix_view is not None:
+            options["matrix_view"] = matrix_view
         family = "attention" if role in ATTENTION_ROLES else "mlp" if role in MLP_ROLES else None
         options.update(overrides.get(family, {}) if family else {})
         options.update(overrides.get(role, {}))

@@ -70,7 +70,8 @@ class SpectralDecay(SpectralOptimizer):
 
     def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
                  band=None, p0_mode="explicit", stability="clamp", decay_steps=None, decay_precision=None,
-                 decay_iteration="auto", decay_method="auto", lr=None, capturable=False, strict=False,
+                 decay_iteration="auto", decay_method="auto", matrix_view=None,
+                 rounding="nearest", lr=None, capturable=False, strict=False,
                  weight_decay=None, process_group=None, polar_steps=None):
         spectral_weight_decay = renamed_spectral_coefficient("SpectralDecay", spectral_weight_decay, weight_decay,
                                                              stacklevel=2)
@@ -84,7 +85,8 @@ class SpectralDecay(SpectralOptimizer):
         defaults = dict(p=p, ordinary_weight_decay=ordinary_weight_decay, convention=convention,
                         band=band, p0_mode=p0_mode, stability=stability, decay_steps=decay_steps,
                         polar_steps=polar_steps, decay_precision=decay_precision, decay_iteration=decay_iteration,
-                        decay_method=decay_method, lr=lr, capturable=capturable, strict=strict)
+                        decay_method=decay_method, matrix_view=matrix_view,
+                        rounding=rounding, lr=lr, capturable=capturable, strict=strict)
         # None: not given, which a group that needs a spectral direction refuses (check_group).
         defaults["spectral_weight_decay"] = spectral_weight_decay
         super().__init__(params, defaults, process_group=process_group)

@@ -18,10 +18,11 @@ from .._checks import check_choice, check_steps
 from ..coefficients import polar_express_coefficients, resolve_polar_coefficients, without_normalization_margin
 from ..ops import check_precision, polar
 from ..plan import OPERAND_DTYPES, resolve_precision
-from ._decay import capturable, matrix_shape, matrix_view
+from ..decay import as_matrices, batched, matrix_dims
+from ._decay import capturable, check_matrices_said
 from .adamw import adam_update_, check_adam_options, init_adam_state, prepare_adam_step
 from .base import PreparedStep, SpectralOptimizer, add_scaled_, commit_element_wise, device_masks, scalar, step_scalar
-from .distributed import local, local_slice, polar_blocks_flops
+from .distributed import local, local_block, polar_blocks_flops
 
 ALGORITHMS = ("muon", "adamw")
 ADJUST_LR_FNS = ("original", "match_rms_adamw", "spectral")
@@ -106,7 +107,8 @@ class SpectralMuon(SpectralOptimizer):
     def __init__(self, params, lr=1e-3, momentum=0.95, nesterov=True, ns_coefficients=None, ns_steps=None,
                  adjust_lr_fn="match_rms_adamw", weight_decay=0.1, p=1, spectral_weight_decay=0.0,
                  convention="decoupled", band=None, p0_mode="explicit", stability="clamp", decay_steps=None,
-                 decay_precision=None, decay_iteration="auto", decay_method="auto", precision="bf16",
+                 decay_precision=None, decay_iteration="auto", decay_method="auto", matrix_view=None,
+                 rounding="nearest", precision="bf16",
                  heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8,
                  capturable=False, strict=False, process_group=None, polar_steps=None):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
@@ -114,7 +116,8 @@ class SpectralMuon(SpectralOptimizer):
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,
                         decay_steps=decay_steps, polar_steps=polar_steps, decay_precision=decay_precision,
-                        decay_iteration=decay_iteration, decay_method=decay_method, precision=precision,
+                        decay_iteration=decay_iteration, decay_method=decay_method, matrix_view=matrix_view,
+                        rounding=rounding, precision=precision,
                         heads=heads, splits=splits, recipe=recipe,
                         algorithm=algorithm, betas=betas, eps=eps, capturable=capturable, strict=strict)
         super().__init__(params, defaults, process_group=process_group)
@@ -136,18 +139,18 @@ class SpectralMuon(SpectralOptimizer):
         heads = group["heads"]
         if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
             raise ValueError(f"heads must be a positive integer or None, got {heads!r}")
-        for param in group["params"]:
+        for index, param in enumerate(group["params"]):
             if param.ndim < 2:
                 raise ValueError(f"Muon updates matrices; put the {tuple(param.shape)} parameter in a group "
                                  "with algorithm='adamw'")
             if param.is_complex():
                 raise TypeError(f"Muon's polar factor is implemented for real matrices only; put the complex "
                                 f"{tuple(param.shape)} parameter in a group with algorithm='adamw'")
-            self._check_blocks(param.shape, group)
+            check_matrices_said(param, group, index, "Muon's update")
+            self._check_blocks(matrix_dims(param.shape, group["matrix_view"])[0], group)
 
     @staticmethod
-    def _check_blocks(shape, group) -> None:
-        rows = shape[0]
+    def _check_blocks(rows: int, group) -> None:
         splits, recipe, heads = group["splits"], group["recipe"], group["heads"]
         if splits is not None and (sum(splits) != rows or any(s < 1 for s in splits)):
             raise ValueError(f"splits {tuple(splits)} must be positive and sum to the {rows} rows of the parameter")
@@ -192,14 +195,17 @@ class SpectralMuon(SpectralOptimizer):
                 continue
             if masks is not None:
                 direction = torch.where(masks[index], direction, 0)
-            target = matrix_view(local(param))
-            rows = param.shape[0]  # the matrix view's, whole (a DTensor's shape is the global one)
+            view = group["matrix_view"]
+            target = as_matrices(local(param), view)
+            # Each matrix's, whole (a DTensor's shape is the global one).
+            rows, cols = matrix_dims(param.shape, view)
             layout = self.layout(param)
-            span = (0, rows) if layout is None else layout.local_rows
+            span = (0, param.shape[0]) if layout is None else layout.local_rows
+            stacked = batched(param.shape, view)
             for start, size, _ in row_blocks(rows, group):
-                scale = adjusted_lr(lr, group["adjust_lr_fn"], (size, target.shape[1]))
-                piece = local_slice(start, start + size, span)
-                add_scaled_(target[piece], direction[piece], scale)
+                scale = adjusted_lr(lr, group["adjust_lr_fn"], (size, cols))
+                add_scaled_(local_block(target, start, start + size, span, stacked),
+                            local_block(direction, start, start + size, span, stacked), scale)
 
     def _update(self, param, group) -> torch.Tensor:
         """Muon's update (this rank's shard) in a temporary of its own: the momentum buffer after this
@@ -211,7 +217,8 @@ class SpectralMuon(SpectralOptimizer):
         update = local(self.state[param]["momentum_buffer"]).lerp(grad, 1 - group["momentum"])
         if group["nesterov"]:
             torch.lerp(grad, update, group["momentum"], out=update)
-        return update.reshape(matrix_shape(update))  # a copy only where no view has the matrix's shape
+        # A copy only where the update's layout has no view of its matrices (a channels-last filter).
+        return as_matrices(update.contiguous(), group["matrix_view"])
 
     def _advance_momentum(self, param, group, mask) -> None:
         """Store the momentum buffer after this step, in place (a captured graph replays into the
@@ -228,7 +235,8 @@ class SpectralMuon(SpectralOptimizer):
         """The rows the decay takes as matrices of their own: each block of a fused projection."""
         if not group["splits"]:
             return None
-        return lambda param: [(start, size) for start, size, _ in row_blocks(param.shape[0], group)]
+        return lambda param: [(start, size) for start, size, _ in
+                              row_blocks(matrix_dims(param.shape, group["matrix_view"])[0], group)]
 
     def _directions(self, params, updates, group) -> tuple[list, list]:
         """Each update's polar factors (this rank's rows of them): computed here, or, for a spread
@@ -249,7 +257,9 @@ class SpectralMuon(SpectralOptimizer):
         alone = [i for i in range(len(params)) if layouts[i] is None]
         keep(alone, self._orthogonalize([updates[i] for i in alone], group))
         if spread:
-            costs = [direction_flops((params[i].shape[0], updates[i].shape[1]), group) for i in spread]
+            costs = [direction_flops(matrix_dims(params[i].shape, group["matrix_view"]), group)
+                     * (params[i].shape[:-2].numel() if batched(params[i].shape, group["matrix_view"]) else 1)
+                     for i in spread]
             self.exchange.map(lambda positions, matrices: self._orthogonalize(matrices, group),
                               [updates[i] for i in spread], [layouts[i] for i in spread], costs,
                               lambda results: keep(spread, results))
@@ -268,13 +278,15 @@ class SpectralMuon(SpectralOptimizer):
         """
         coefficients, precision = orthogonalization_coefficients(group), group["precision"]
         operand_dtypes = [OPERAND_DTYPES[resolve_precision(precision, update.dtype)] for update in updates]
-        blocks = [row_blocks(update.shape[0], group) for update in updates]
+        blocks = [row_blocks(update.shape[-2], group) for update in updates]
         jobs = defaultdict(list)  # (block shape, dtype) -> [(update index, start, size, source (batch, r, c))]
         for index, update in enumerate(updates):
+            matrices = update.shape[:-2].numel()  # a stack's (matrix_view="batch"), 1 for one matrix
             for start, size, letter in blocks[index]:
                 count = group["heads"] if letter == "H" else 1
-                shape = (count, size // count, update.shape[1])
-                jobs[(*shape[1:], update.dtype)].append((index, start, size, update[start:start + size].reshape(shape)))
+                shape = (matrices * count, size // count, update.shape[-1])
+                jobs[(*shape[1:], update.dtype)].append((index, start, size,
+                                                         update[..., start:start + size, :].reshape(shape)))
         directions = [None if len(b) == 1 else torch.empty_like(u, dtype=dtype)
                       for u, b, dtype in zip(updates, blocks, operand_dtypes)]
         for (_, cols, _), members in jobs.items():
@@ -286,11 +298,11 @@ class SpectralMuon(SpectralOptimizer):
                                         operand_dtypes[members[0][0]])
             result = result.view(batch.shape)
             for (index, start, size, _), piece in zip(members, result.split([s.shape[0] for s in sources])):
-                piece = piece.reshape(size, cols)
+                piece = piece.reshape(*updates[index].shape[:-2], size, cols)
                 if directions[index] is None:
                     directions[index] = piece
                 else:
-                    directions[index][start:start + size].copy_(piece)
+                    directions[index][..., start:start + size, :].copy_(piece)
         return directions
 
 

@@ -18,13 +18,15 @@ class SpectralSGD(SpectralOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0, p=1,
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
-                 stability="clamp", decay_steps=None, decay_precision=None, decay_iteration="auto", decay_method="auto",
+                 stability="clamp", decay_steps=None, decay_precision=None, decay_iteration="auto", decay_method="auto", matrix_view=None,
+                 rounding="nearest",
                  capturable=False, strict=False, process_group=None, polar_steps=None):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,
                         decay_steps=decay_steps, polar_steps=polar_steps, decay_precision=decay_precision,
-                        decay_iteration=decay_iteration, decay_method=decay_method, capturable=capturable,
+                        decay_iteration=decay_iteration, decay_method=decay_method, matrix_view=matrix_view,
+                        rounding=rounding, capturable=capturable,
                         strict=strict)
         super().__init__(params, defaults, process_group=process_group)
 
