@@ -1,5 +1,5 @@
-"""Reference experiments (SPEC 7.1-7.3, the SPEC 5 feedback loop, the SPEC 4 width transfer, and the
-rectangle vs Gram-space iteration study).
+"""Reference experiments (SPEC 7.1-7.3, the SPEC 5 feedback loop, the SPEC 4 width transfer, the
+rectangle vs Gram-space iteration study, and the decay of bf16 weights by rounding and mantissa).
 
 ``python -m spectral_ops.experiments NAME --out DIR [--quick]`` writes ``NAME.md`` (the table, also
 printed), ``NAME.json`` (the data) and ``NAME.png`` (the figure) into ``DIR``. ``--quick`` runs
@@ -20,6 +20,7 @@ EXPERIMENTS = {
     "feedback-loop": "feedback_loop",
     "schedules": "schedules",
     "width-transfer": "width_transfer",
+    "bf16-decay": "bf16_decay",
 }
 
 
