@@ -89,6 +89,21 @@ def test_a_capturable_step_reads_nothing_back(name, options, tensor_lr):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("name", ["adamw", "muon", "decay"])
+def test_a_capturable_stochastically_rounded_step_reads_nothing_back(name):
+    # bf16 weights, so that the decay draws its random bits (fp32 ones round nothing).
+    model = tiny_model().bfloat16()
+    optimizer = FAMILY[name](model, lr=1e-2, p=2, spectral_weight_decay=0.5, stability="clamp", rounding="stochastic")
+    generator = torch.Generator().manual_seed(0)
+    for param in model.parameters():
+        param.grad = torch.randn(param.shape, generator=generator).bfloat16()
+    optimizer.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    with host_reads_forbidden():
+        optimizer.step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 @pytest.mark.parametrize("read", [lambda t: t.item(), lambda t: bool(t), lambda t: float(t), lambda t: int(t),
                                   lambda t: t.tolist(), lambda t: t.nonzero()])
 def test_the_detector_catches_every_host_read(read):
