@@ -59,21 +59,17 @@ def matrix_dims(shape, matrix_view) -> tuple[int, int]:
     return shape[0], math.prod(shape[1:])
 
 
-def as_matrices(tensor: torch.Tensor, matrix_view, shape=None) -> torch.Tensor:
+def as_matrices(tensor: torch.Tensor, matrix_view) -> torch.Tensor:
     """``tensor`` as the matrices it holds, a view of it (so that writing it writes ``tensor``):
-    ``(rows, columns)`` for one matrix, ``(*batch, rows, columns)`` for a stack. ``shape``: the shape
-    of the tensor ``tensor`` is a row block of, or a flattened form of (a shard of a parameter, as the
-    distributed step moves it), where it is not ``tensor``'s own. Sizes are spelt out, not -1, which
-    an empty shard (no rows on this rank) leaves ambiguous."""
-    shape = tuple(tensor.shape if shape is None else shape)
-    if len(shape) <= 2 and tensor.ndim == len(shape):
+    ``(rows, columns)`` for one matrix, ``(*batch, rows, columns)`` for a stack. A shard of a
+    parameter (its rows of dim 0) reads the same way. Sizes are spelt out, not -1, which an empty
+    shard (no rows on this rank) leaves ambiguous."""
+    if tensor.ndim <= 2 or batched(tensor.shape, matrix_view):
         return tensor
-    if batched(shape, matrix_view):
-        return tensor.view(tensor.shape[0], *shape[1:])
-    if tensor.ndim > 2 and not tensor.is_contiguous():
+    if not tensor.is_contiguous():
         raise ValueError(f"a {tuple(tensor.shape)} tensor read with matrix_view='flatten' must be contiguous: its "
                          "matrix is a view of it, which in-place writes go through")
-    return tensor.view(tensor.shape[0], math.prod(shape[1:]))
+    return tensor.view(tensor.shape[0], math.prod(tensor.shape[1:]))
 
 
 def row_block(matrices: torch.Tensor, rows) -> torch.Tensor:

@@ -162,12 +162,17 @@ def test_compile_only_builds_sm90_kernels_without_a_gpu(tmp_path):
     out = tmp_path / "compile.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--compile-only", "sm90", "--dry-run", "--only", "syrk X X^T,small path S_2",
-         "--json", str(out)], capture_output=True, text=True, env=env, timeout=600)
+        [sys.executable, str(SCRIPT), "--compile-only", "sm90", "--dry-run", "--only",
+         "syrk X X^T,small path S_2,stochastic rounding", "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads(out.read_text())["compile_only"]
     triton = [row for row in rows if row["source"] == "triton"]
-    assert {row["kernel"] for row in triton} == {"symmetric_kernel", "small_kernel"}
+    assert {row["kernel"] for row in triton} == {"symmetric_kernel", "small_kernel", "product_kernel"}
+    # The stochastic rounding of the decay's write, for both 16-bit weights (the interpreter accepted a
+    # return typed differently per branch, which the compiler refuses).
+    rounded = {row["operands"] for row in triton if row["constexprs"].get("STOCHASTIC")}
+    assert rounded == {"*bf16 *fp32 *i16", "*fp16 *fp32 *i16"}
     assert all(row["ok"] and row["shared"] > 0 and row["registers"] > 0 and row["stack"] >= 0 for row in triton)
     # The built extension's kernels, read from its sm_90 code; one skipped row where it was not built for sm_90.
     extension = [row for row in rows if row["source"] == "_C"]

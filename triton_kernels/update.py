@@ -49,17 +49,19 @@ def _round_stochastic(v, noise, DTYPE: tl.constexpr):
     element deciding with its 16 ``noise`` bits: the rule of
     :func:`spectral_ops.backends.torch_backend.round_stochastic`, bit for bit."""
     uniform = noise.to(tl.int32) & 0xFFFF
+    # One return: Triton types every return of a function alike, even in a branch it prunes.
     if DTYPE == tl.bfloat16:
         bits = v.to(tl.int32, bitcast=True)
         finite = (bits & 0x7F800000) != 0x7F800000
         truncated = ((bits + uniform) & -0x10000).to(tl.float32, bitcast=True).to(tl.bfloat16)
-        return tl.where(finite, truncated, v.to(tl.bfloat16))
-    toward_zero = v.to(tl.float16, fp_downcast_rounding="rtz")
-    low = toward_zero.to(tl.float32)
-    away = (toward_zero.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
-    rounded = tl.where(uniform.to(tl.float32) * (1.0 / 65536.0) * tl.abs(away.to(tl.float32) - low) < tl.abs(v - low),
-                       away, toward_zero)
-    return tl.where(tl.abs(v) <= 65504.0, rounded, v.to(tl.float16))
+        rounded = tl.where(finite, truncated, v.to(tl.bfloat16))
+    else:
+        toward_zero = v.to(tl.float16, fp_downcast_rounding="rtz")
+        low = toward_zero.to(tl.float32)
+        away = (toward_zero.to(tl.int16, bitcast=True) + 1).to(tl.float16, bitcast=True)
+        up = uniform.to(tl.float32) * (1.0 / 65536.0) * tl.abs(away.to(tl.float32) - low) < tl.abs(v - low)
+        rounded = tl.where(tl.abs(v) <= 65504.0, tl.where(up, away, toward_zero), v.to(tl.float16))
+    return rounded
 
 
 @triton.jit

@@ -191,10 +191,13 @@ def _op_case(name, call, shapes, tiny_shapes, dtypes=ALL_DTYPES, backend=TRITON,
                   baseline_name="torch backend", headline=list(headline)))
 
 
-def _decay(p, band=None, precision=None, iteration="auto"):
-    request = DecayRequest(p, 1.0, 0.1, 0.01, band, "explicit", POLAR, POLAR, precision, iteration)
-
+def _decay(p, band=None, precision=None, iteration="auto", rounding="nearest"):
     def decayed(kernels, d):
+        # A generator seeded afresh per call: a stochastic rounding draws the same bits for the case and
+        # its reference, so that they differ only as their directions do.
+        generator = torch.Generator(d["W"].device).manual_seed(0)
+        request = DecayRequest(p, 1.0, 0.1, 0.01, band, "explicit", POLAR, POLAR, precision, iteration,
+                               rounding=rounding, generator=generator)
         plan.decay_(kernels, d["W"], request)  # in place, as the weights are
         return d["W"]
     return decayed
@@ -226,6 +229,11 @@ register(Case(
     baseline_name="torch backend", headline=BIG + HEADS, ran_on=lambda: so.last_backend("decay_"),
 ))
 _op_case("decay_ p=2 band top", _decay(2, Band(0.6, "top")), ODD, TINY)
+# Stochastic rounding of 16-bit weights in the Triton and CUDA epilogues, from the same random bits.
+_op_case("decay_ p=2 stochastic rounding", _decay(2, rounding="stochastic"), ODD, TINY,
+         dtypes=(torch.bfloat16, torch.float16))
+_op_case("decay_ p=2 stochastic rounding", _decay(2, rounding="stochastic"), ODD, [], backend=CudaBackend(),
+         label="cuda", dtypes=(torch.bfloat16, torch.float16))
 # The iteration "auto" (the default) picks for fp32 16384x4096 is Gram space (#15); bf16 stays on the
 # rectangle. This row is the rectangle at fp32, to compare with the "decay_ p=2" fp32 rows above (the
 # FLOP model, symmetric products at half: 112 r^3 against 76, so Gram space about 1.47x faster).

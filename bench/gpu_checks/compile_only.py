@@ -99,7 +99,10 @@ def compile_launches(launches: dict, arch: str) -> list[dict]:
             compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
                                       options=options.__dict__)
         except Exception as error:
-            rows.append({**row, "ok": False, "status": "failed", "reason": f"{type(error).__name__}: {error}"[:500]})
+            # Triton's message is the source around the failure, then the cause: keep the cause.
+            message = str(error)
+            reason = message if len(message) <= 500 else "..." + message[-500:]
+            rows.append({**row, "ok": False, "status": "failed", "reason": f"{type(error).__name__}: {reason}"})
             continue
         with tempfile.TemporaryDirectory() as folder:
             cubin = Path(folder) / "kernel.cubin"

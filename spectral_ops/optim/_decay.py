@@ -12,6 +12,7 @@ spread over processes is decayed on its owner (:func:`spectral_ops.optim.distrib
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 
 from .._checks import check_same_device, renamed_argument

@@ -347,15 +347,16 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
     pending = PendingDecay([part(k, as_matrices(sources[k], matrix_view), *rows)
                             for (k, _), rows in zip(entries, entry_rows)], [], 1.0, {})
     # One clamp factor per matrix: a stack's entry has one per matrix of the whole stack.
-    counts = [math.prod(shapes[k][:-2]) if stacked[k] else 1 for k, _ in entries]
+    batch_shapes = [shapes[k][:-2] if stacked[k] else () for k, _ in entries]
+    counts = [math.prod(shape) for shape in batch_shapes]
     slot_of = {}  # entry index -> (its group's clamp factors, where its own start)
     if options.stability == "clamp":
         by_group = defaultdict(list)
         for index, (k, _) in enumerate(entries):
             by_group[layouts[k].group].append(index)
         for group, members in by_group.items():
-            factors = exchange.clamp_slots(group, pending, members, [shapes[entries[i][0]][:-2] if stacked[entries[i][0]]
-                                                                    else () for i in members], eager, sources[0].device)
+            factors = exchange.clamp_slots(group, pending, members, [batch_shapes[i] for i in members], eager,
+                                           sources[0].device)
             starts = [0]
             for index in members:
                 starts.append(starts[-1] + counts[index])
