@@ -42,12 +42,7 @@ _spec.loader.exec_module(sass)
 
 # Demangled-name substring -> why the kernel may keep a stack frame. Not register pressure, else the
 # kernel would need fixing instead.
-SPILL_EXCEPTIONS = {
-    "decay_contiguous_kernel<__nv_bfloat16, __nv_bfloat16, true, true>": (
-        "8-byte stack frame (48 registers, so not pressure): one value saved across the calls to the 64-bit "
-        "division routine that finds each element's matrix for the per-matrix scales"
-    ),
-}
+SPILL_EXCEPTIONS = {}
 
 NVCC = find_nvcc(dict(os.environ))
 CUOBJDUMP = sass.find_cuobjdump()

@@ -67,9 +67,9 @@ class TimedBackend(TorchBackend):
         self._tick("sign_step", Z)
         return super().sign_step(Z, coefficient, precision)
 
-    def decay_epilogue_(self, W, D, keep, step):
+    def decay_epilogue_(self, W, D, keep, step, noise=None):
         self._tick("decay_epilogue_", W, D)
-        return super().decay_epilogue_(W, D, keep, step)
+        return super().decay_epilogue_(W, D, keep, step, noise=noise)
 
 
 class TimedReference(TimedBackend):
