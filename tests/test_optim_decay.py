@@ -84,9 +84,10 @@ def test_a_stack_needs_no_reading_where_its_decay_is_element_wise():
         optimizer.step()
 
 
-def test_muon_splits_every_matrix_of_a_stack_into_its_fused_blocks_for_the_decay_and_the_update():
-    # A stack of 3 fused QKV projections (rows q | k | v), head-wise Q and K, full-matrix V: each block of
-    # each matrix is decayed and orthogonalised as a matrix of its own, as separate parameters would be.
+def test_muon_splits_every_matrix_of_a_stack_into_its_heads_and_blocks_for_the_decay_and_the_update():
+    # A stack of 3 fused QKV projections (rows q | k | v), head-wise Q and K, full-matrix V: each head of
+    # Q and K and the whole V of each matrix is decayed and orthogonalised as a matrix of its own, as
+    # separate parameters would be.
     d, heads = 16, 2
     W = stack((3, 3 * d, 24))
     grad = torch.randn(W.shape, generator=torch.Generator().manual_seed(1))
@@ -101,7 +102,7 @@ def test_muon_splits_every_matrix_of_a_stack_into_its_fused_blocks_for_the_decay
             rows = slice(block * d, (block + 1) * d)
             alone = torch.nn.Parameter(W[index, rows].clone())
             alone.grad = grad[index, rows].clone()
-            # adjust_lr_fn sees each block's shape in both runs; heads split only the update.
+            # adjust_lr_fn sees each block's shape in both runs; heads split the update and the decay.
             SpectralMuon([{"params": [alone], "heads": heads if recipe == "H" else None}], **options).step()
             torch.testing.assert_close(fused.detach()[index, rows], alone.detach(), **AGAINST_OP)
 
@@ -126,6 +127,18 @@ def test_module_groups_read_conv_filters_flattened_and_other_stacks_batched():
         expected = so.spectral_decay(before[name], 2, LR, SPECTRAL, matrix_view=view, stability="clamp")
         torch.testing.assert_close(dict(model.named_parameters())[name].detach(), expected, **AGAINST_OP)
     assert torch.equal(model["conv"].bias.detach(), before["conv.bias"])  # vectors: the ordinary decay, 0 here
+
+
+def test_muon_decays_each_head_of_a_head_wise_block():
+    # The decay of one head-wise Q, against the op on each head: p = 0 (the polar factor of each head,
+    # not of the whole Q, whose heads it would mix). A zero gradient leaves the decay alone.
+    W = stack((4 * 8, 24))
+    param = torch.nn.Parameter(W.clone())
+    param.grad = torch.zeros_like(param)
+    SpectralMuon([param], lr=LR, weight_decay=0.0, p=0, spectral_weight_decay=SPECTRAL, heads=4).step()
+    per_head = so.spectral_decay(W.reshape(4, 8, 24), 0, LR, SPECTRAL).reshape(W.shape)
+    torch.testing.assert_close(param.detach(), per_head, **AGAINST_OP)
+    assert relative_error(so.spectral_decay(W, 0, LR, SPECTRAL), per_head) > 1e-3  # the whole Q differs
 
 
 def test_clamps_of_a_stack_are_counted_and_named_per_matrix(caplog):

@@ -93,7 +93,8 @@ class SpectralMuon(SpectralOptimizer):
       ``(rows / heads) x cols`` block separately; ``splits`` gives the row sizes of a fused
       projection (e.g. ``(d, d, d)`` for fused QKV) and ``recipe`` marks each block head-wise
       ``"H"`` or full-matrix ``"F"`` (``"HHF"``). Head-wise blocks keep the full block's
-      ``adjust_lr_fn`` scale; spectral decay acts on each block as a whole matrix;
+      ``adjust_lr_fn`` scale. The spectral decay takes the same matrices as the update: each head
+      of a head-wise block, each full block (a fused QKV with ``"HHF"``: the heads of Q and K, and V);
     * ``weight_decay`` (``lambda_1``), ``p``, ``spectral_weight_decay`` (``lambda_p``),
       ``convention``, ``band``, ``p0_mode``, ``stability``, ``decay_precision``: as in
       :class:`SpectralAdamW`. Decay uses the unadjusted lr, as torch.optim.Muon does;
@@ -232,11 +233,16 @@ class SpectralMuon(SpectralOptimizer):
 
     @staticmethod
     def _decay_blocks(group):
-        """The rows the decay takes as matrices of their own: each block of a fused projection."""
-        if not group["splits"]:
+        """The rows the decay takes as matrices of their own, the update's: each head of a head-wise
+        block, each full block of a fused projection."""
+        if not group["splits"] and not group["heads"]:
             return None
-        return lambda param: [(start, size) for start, size, _ in
-                              row_blocks(matrix_dims(param.shape, group["matrix_view"])[0], group)]
+
+        def blocks(param):
+            rows = matrix_dims(param.shape, group["matrix_view"])[0]
+            return [(start + head * (size // count), size // count) for start, size, letter in row_blocks(rows, group)
+                    for count in [group["heads"] if letter == "H" else 1] for head in range(count)]
+        return blocks
 
     def _directions(self, params, updates, group) -> tuple[list, list]:
         """Each update's polar factors (this rank's rows of them): computed here, or, for a spread
