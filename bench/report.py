@@ -107,6 +107,8 @@ AGAINST_TORCH = {
                               "rectangle"),
     "decay_vs_spectral_power": ("spectral_decay_ against spectral_power (interleaved, same run)", "decay",
                                 "spectral_power"),
+    "stochastic_vs_nearest_rounding": ("spectral_decay_ of bf16 weights rounded stochastically against rounded to "
+                                       "nearest (interleaved, same run)", "stochastic", "nearest"),
     "compiled_step_vs_eager": ("The default step under torch.compile against the same step eager (interleaved, "
                                "same run)", "compiled", "eager step"),
 }

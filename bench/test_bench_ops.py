@@ -225,3 +225,21 @@ def test_decay_against_spectral_power(benchmark, p, shape):
                                 case="x".join(map(str, shape)), shape=list(shape), dtype="float32",
                                 precision="fp32", device=DEVICE.type, ours_median_s=medians["ours"],
                                 torch_median_s=medians["theirs"], ratio=medians["ours"] / medians["theirs"])
+
+
+@pytest.mark.parametrize("shape", [(512, 256), (8, 128, 64)], ids=lambda shape: "x".join(map(str, shape)))
+def test_stochastic_rounding_against_nearest(benchmark, shape):
+    """The decay of a bf16 weight rounded stochastically over the same decay rounded to nearest: the
+    cost of drawing 16 random bits per entry and rounding with them, timed in the same interleaved
+    rounds (fp32 operands for both, so that a CPU without native bf16 times the rounding, not its
+    emulated bf16 products)."""
+    nearest, rounded = weight(shape, torch.bfloat16), weight(shape, torch.bfloat16)
+    options = dict(precision="fp32", stability="clamp")
+    steps = {"ours": lambda: so.spectral_decay_(rounded, 2, DECAY_LR, DECAY_WD, rounding="stochastic", **options),
+             "theirs": lambda: so.spectral_decay_(nearest, 2, DECAY_LR, DECAY_WD, **options)}
+    rounds = 1 if benchmark.disabled else 100
+    medians = interleaved_medians(benchmark, steps, rounds, warmup_rounds=0 if benchmark.disabled else 10)
+    benchmark.extra_info.update(op="stochastic_vs_nearest_rounding", implementation="spectral_decay_ p=2",
+                                case="x".join(map(str, shape)), shape=list(shape), dtype="bfloat16",
+                                precision="fp32", device=DEVICE.type, ours_median_s=medians["ours"],
+                                torch_median_s=medians["theirs"], ratio=medians["ours"] / medians["theirs"])

@@ -144,7 +144,10 @@ def rounding_noise(W: torch.Tensor, request: DecayRequest) -> torch.Tensor | Non
     replay). None where nothing rounds stochastically."""
     if request.rounding != "stochastic" or W.dtype not in STOCHASTICALLY_ROUNDED:
         return None
-    return torch.randint(-2**15, 2**15, W.shape, dtype=torch.int16, device=W.device, generator=request.generator)
+    # Drawn as 32-bit words, two entries' bits each: half the generator calls of 16-bit draws.
+    words = torch.randint(-2**31, 2**31, ((W.numel() + 1) // 2,), dtype=torch.int32, device=W.device,
+                          generator=request.generator)
+    return words.view(torch.int16)[:W.numel()].view(W.shape)
 
 
 OPS = ("polar", "msign", "spectral_power", "band_projectors", "band_direction", "svt", "spectral_norm_bounds",
