@@ -196,6 +196,34 @@ def _scenario_clamp_stacks(mesh, rank, world):
     assert {name: int(record.count) for name, record in actual.clamped.items()} == counts
 
 
+def _scenario_stochastic_rounding_keeps_replicas_equal(mesh, rank, world):
+    """DDP with bf16 weights rounded stochastically, each rank's generator seeded apart: a replicated
+    matrix is decayed and rounded once, on its owner, and every rank takes that result, so the replicas
+    stay equal (with or without a spectral direction); a replicated vector, which each rank would round
+    itself, is refused."""
+    torch.manual_seed(100 + rank)
+    weights, grads = _tensors(22, shapes=[(41, 16), (16, 41), (5, 2, 3)], steps=2)
+    for p, spectral in ((1, 0.0), (2, 0.5)):
+        params = [torch.nn.Parameter(w.bfloat16()) for w in weights]
+        optimizer = SpectralAdamW(params, lr=1e-2, weight_decay=0.5, p=p, spectral_weight_decay=spectral,
+                                  rounding="stochastic", matrix_view="flatten", process_group=dist.group.WORLD)
+        for step_grads in grads:
+            for param, grad in zip(params, step_grads):
+                param.grad = grad.bfloat16()
+            optimizer.step()
+        for param in params:
+            replicas = [torch.empty(param.shape) for _ in range(world)]
+            dist.all_gather(replicas, param.detach().float())
+            assert all(torch.equal(replica, replicas[0]) for replica in replicas), f"p={p}: the replicas differ"
+    vector = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    try:
+        SpectralAdamW([vector], weight_decay=0.1, rounding="stochastic", process_group=dist.group.WORLD)
+    except ValueError as error:
+        assert "drift apart" in str(error), str(error)
+    else:
+        raise AssertionError("a replicated vector rounded stochastically was accepted")
+
+
 def _scenario_ddp_splits_the_work(mesh, rank, world):
     """DDP: the results equal one process's, and this rank decayed only its share of the matrices."""
     from spectral_ops.optim import _decay, distributed
@@ -369,6 +397,7 @@ def _scenarios(folder: Path, world: int) -> dict:
         "muon on stacks, head-wise and fused": lambda mesh, rank, world: _compare(
             _muon_stacks, mesh, seed=21, shapes=[(3, 48, 16), (5, 8, 8), (5, 8, 8), (41,)]),
         "stacks clamped per matrix": _scenario_clamp_stacks,
+        "stochastic rounding keeps replicas equal": _scenario_stochastic_rounding_keeps_replicas_equal,
         **{f"band {mode}": (lambda mode: lambda mesh, rank, world: _compare(_band(mode), mesh, seed=13))(mode)
            for mode in ("top", "two_band")},
         "capturable": lambda mesh, rank, world: _compare(_adamw(2, capturable=True, stability="clamp"), mesh, seed=14),

@@ -105,6 +105,20 @@ def check_matrices_said(param: torch.Tensor, group: dict, index: int, reader: st
         "spectral_ops.optim.param_groups_by_module(model) sets it per module")
 
 
+def check_replicas_round_alike(group: dict, params, layouts, ordinary) -> None:
+    """Stochastic rounding draws its bits on the rank that computes a decay. A matrix replicated on
+    every rank (DDP, a ``Replicate()`` DTensor) is decayed on its owner, whose result every rank takes;
+    a replicated vector is decayed by each rank itself, so its replicas would round apart and drift:
+    refused, before anything is written."""
+    if group["rounding"] != "stochastic" or is_zero(ordinary):
+        return
+    for param, layout in zip(params, layouts):
+        if param.ndim < 2 and layout is not None and layout.replicated:
+            raise ValueError(f"rounding='stochastic' would round the {tuple(param.shape)} vector differently on each "
+                             "rank that holds a replica of it, and the replicas would drift apart: put the vectors in "
+                             "a group with rounding='nearest' (or no weight decay)")
+
+
 def schedule_multiplier(lr, peak_lr):
     """``eta_t = lr / peak_lr`` (0 when the peak is 0)."""
     return 0.0 if is_zero(peak_lr) else lr / peak_lr
@@ -166,20 +180,25 @@ def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, lr, p
     if matrices and not (is_zero(spectral) and is_zero(ordinary) and group["band"] is None):
         arguments = dict(scale=scale, spectral_weight_decay=spectral, ordinary_weight_decay=ordinary,
                          capturable=capturable(group))
-        spread = [i for i in matrices if layouts[i] is not None]
-        if spread and needs_direction(options.p, spectral, options.band):
+        # On their owners: spread matrices that need whole-matrix work, and replicated ones rounded
+        # stochastically (one draw of the bits, which every rank then takes).
+        direction = needs_direction(options.p, spectral, options.band)
+        spread = [i for i in matrices if layouts[i] is not None
+                  and (direction or (options.rounding == "stochastic" and layouts[i].replicated))]
+        if spread:
             entries = [(k, rows) for k, i in enumerate(spread) for rows in row_blocks_of(params[i], blocks)]
             pending = owner_decay(exchange, [local(params[i]) for i in spread], [layouts[i] for i in spread], entries,
                                   options, arguments, matrix_view=view, eager=not capturable(group))
             decay.parts.append(DecayPart(pending, tuple(spread[k] for k, _ in entries),
                                          tuple(rows for _, rows in entries)))
-            matrices = [i for i in matrices if layouts[i] is None]
+            matrices = [i for i in matrices if i not in spread]
         entries = [(i, rows) for i in matrices for rows in row_blocks_of(params[i], blocks)]
         if entries:
             tensors = [row_block(as_matrices(local(params[i]), view), rows) for i, rows in entries]
             decay.parts.append(DecayPart(prepare_decay(tensors, options, **arguments),
                                          tuple(i for i, _ in entries), tuple(rows for _, rows in entries)))
     vectors = [i for i, param in enumerate(params) if param.ndim < 2]
+    check_replicas_round_alike(group, [params[i] for i in vectors], [layouts[i] for i in vectors], ordinary)
     if vectors and not is_zero(ordinary):
         if options.rounding == "stochastic":  # rounded by the decay's epilogue, which writes matrices
             pending = prepare_decay([local(params[i]).view(1, -1) for i in vectors], options, scale=scale,

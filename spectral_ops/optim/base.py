@@ -22,8 +22,8 @@ from torch.optim import Optimizer
 from .._checks import check_coefficient, conjunction, finite_limit, within_limits
 from ..decay import Band, DecayOptions
 from ..plan import stability_terms
-from ._decay import (DECAY_KEYS, ParameterDecay, capturable, check_decay_group, forbids_host_reads,
-                     prepare_parameter_decay, renamed_group_keys)
+from ._decay import (DECAY_KEYS, ParameterDecay, capturable, check_decay_group, check_replicas_round_alike,
+                     forbids_host_reads, prepare_parameter_decay, renamed_group_keys)
 from .counts import COUNT_KEYS, StepCounts
 from .distributed import Exchange, layout_of, local
 
@@ -236,8 +236,9 @@ class SpectralOptimizer(Optimizer):
         if group["lr"] is not None or not self.lr_optional:
             check_coefficient(group["lr"], "lr")
         self.decay_options(group)
-        for param in group["params"]:
-            self.layout(param)  # refuses a DTensor layout the owner compute does not handle
+        # layout() refuses a DTensor layout the owner compute does not handle.
+        check_replicas_round_alike(group, group["params"], [self.layout(param) for param in group["params"]],
+                                   group[self.ordinary_key])
         if capturable(group):
             check_on_parameter_device(group, ("lr", self.spectral_key, self.ordinary_key, "peak_lr"))
 
