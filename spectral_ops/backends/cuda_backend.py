@@ -108,7 +108,7 @@ class CudaBackend:
 
     def decay_epilogue_(self, W, D, keep, step, noise=None):
         if D is None:  # no direction: a scaling is one element-wise pass in torch already
-            return TorchBackend().decay_epilogue_(W, None, keep, 0.0, noise=noise)
+            return W.mul_(keep) if noise is None else TorchBackend().decay_epilogue_(W, None, keep, 0.0, noise=noise)
         (keep, keep_per_matrix), (step, step_per_matrix) = (
             number_and_per_matrix(value, W.shape[:-2], W.device) for value in (keep, step))
         return ext.decay_epilogue_(W, D.contiguous(), keep, step, keep_per_matrix=keep_per_matrix,
