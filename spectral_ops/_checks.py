@@ -115,13 +115,16 @@ def check_same_device(tensors: Iterable[torch.Tensor], name: str = "W") -> None:
 
 
 def check_power(p, name: str = "p") -> int:
-    """A non-negative integer power (bools and floats with a fraction are rejected)."""
-    if isinstance(p, bool) or not isinstance(p, numbers.Integral):
-        if isinstance(p, numbers.Real) and not isinstance(p, bool) and float(p).is_integer():
-            raise TypeError(f"{name} must be an int, got the float {p!r}; pass {int(p)}")
+    """A non-negative integer power, as an int: an integral float is that integer (``2.0`` is 2);
+    bools, fractions and negative powers are refused."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise ValueError(f"{name} must be a non-negative integer, got {p!r}")
+    if not float(p).is_integer():
+        raise ValueError(f"{name} must be a non-negative integer (an integral float such as 2.0 counts), got {p!r}: "
+                         "powers with a fraction are not implemented")
     if p < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {p}")
+        raise ValueError(f"{name} must be a non-negative integer, got {p}: S_p with p < 0 blows up the small singular "
+                         "values (and a decay with p < 0 would grow them)")
     return int(p)
 
 

@@ -278,6 +278,33 @@ def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None 
 
 
 @torch.no_grad()
+def spectral_clip(W: torch.Tensor, min=None, max=None, *, steps: int | None = None, sign_steps: int | None = None,
+                  sign_method: str = "polar_express", precision: str | None = None, capturable: bool = False,
+                  method: str = "auto") -> torch.Tensor:
+    """``U diag(clamp(s, min, max)) V^T``: the singular values clamped, as ``torch.clamp`` clamps
+    entries. ``max=`` alone is the spectral hard cap (``s -> min(s, max)``); ``min=`` lifts the small
+    modes (those with ``s = 0`` have no singular vectors and stay 0). Each bound is a number or a 0-d
+    tensor, positive, ``min <= max``. ``method`` as in :func:`check_method`: ``"gram"`` is
+    ``W - P_top(max) (W - max Q) + P_bot(min) (min Q - W)``, with the band projectors' accuracy near
+    each bound (see :func:`svt`); ``"auto"`` takes a factorisation on a CPU, exact at any bound."""
+    _validated(W, capturable=capturable)
+    if min is None and max is None:
+        raise ValueError("spectral_clip needs min= or max= (or both): without them it would return W itself")
+    for bound, name in ((min, "min"), (max, "max")):
+        if bound is not None:
+            check_coefficient(bound, name, positive=True, sync=not capturable)
+    if min is not None and max is not None and not capturable and float(min) > float(max):
+        raise ValueError(f"spectral_clip needs min <= max, got min={float(min)} > max={float(max)}")
+    polar_c = resolve_polar_coefficients(check_steps(steps), None)
+    sign_c = sign_coefficients(sign_steps, sign_method)
+    check_precision(precision)
+    if W.numel() == 0:
+        return W.clone()
+    return plan.spectral_clip(dispatch.kernels_for("spectral_clip", W), W, min, max, polar_c, sign_c, precision,
+                              sync=not capturable, method=check_method(method, capturable))
+
+
+@torch.no_grad()
 def spectral_norm_bounds(W: torch.Tensor, squarings: int = 3, *, capturable: bool = False):
     """Per-matrix ``(lower, upper)`` bounds on the largest singular value, without an SVD.
 

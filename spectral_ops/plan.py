@@ -150,7 +150,8 @@ def rounding_noise(W: torch.Tensor, request: DecayRequest) -> torch.Tensor | Non
     return words.view(torch.int16)[:W.numel()].view(W.shape)
 
 
-OPS = ("polar", "msign", "spectral_power", "band_projectors", "band_direction", "svt", "spectral_norm_bounds",
+OPS = ("polar", "msign", "spectral_power", "band_projectors", "band_direction", "svt", "spectral_clip",
+       "spectral_norm_bounds",
        "decay_")
 PRECISIONS = ("fp64", "fp32", "tf32", "bf16", "fp16")
 OPERAND_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
@@ -574,6 +575,26 @@ class GramPlan:
         return self._final_product(P_top, self.Xn - shift * self.polar(polar_coefficients).to(self.dtype)), \
             self.log_scale
 
+    def scaled_clip(self, low, high, polar_coefficients, sign_coefficients):
+        """``U diag(clamp(s, low, high)) V^T``, scaled: ``(D, ln c)``; a bound that is None is not applied.
+
+        ``X - P_top(high) (X - high Q)`` caps the modes above ``high`` (the soft-threshold at ``high``
+        taken off), and ``+ P_bot(low) (low Q - X)`` lifts those below ``low``: two rectangular products
+        by the projectors, which commute with ``Q`` and ``X``'s spectrum. A mode with ``s = 0`` has no
+        singular vectors (``Q`` is 0 there) and stays 0. ``high / c`` above 1 caps nothing, as surely as
+        the exact one; ``low / c`` is not capped (a floor above ``s_max`` lifts every mode to it)."""
+        Q = self.polar(polar_coefficients).to(self.dtype)
+        clipped = self.Xn
+        if high is not None:
+            shift = ratio(high, self.log_scale, 1.0, self.dtype)
+            clipped = self._final_product(self.top_projector(high, sign_coefficients), clipped - shift * Q,
+                                          alpha=-1.0, Y=clipped)
+        if low is not None:
+            below = ratio(low, self.log_scale, math.inf, self.dtype) * Q - self.Xn
+            clipped = self._final_product(self.top_projector(low, sign_coefficients), below, alpha=-1.0,
+                                          Y=clipped + below)
+        return clipped, self.log_scale
+
     def _final_product(self, M, Z, **epilogue):
         """The one rectangular product of a band form, on unscaled weights: in the compute dtype, whose
         range the scale ``c^p`` needs, at fp32 accuracy (fp64 for fp64)."""
@@ -678,6 +699,17 @@ class FactorisedPlan(GramPlan):
         shift = ratio(t, self.log_scale, 1.0, torch.float64)[..., 0]
         return self.factors.modes((self.factors.s.double() - shift).clamp_min(0)), self.log_scale
 
+    def scaled_clip(self, low, high, polar_coefficients, sign_coefficients):
+        s = self.factors.s.double()
+        clipped = s
+        if high is not None:
+            clipped = torch.minimum(clipped, ratio(high, self.log_scale, 1.0, torch.float64)[..., 0])
+        if low is not None:
+            floor = ratio(low, self.log_scale, math.inf, torch.float64)[..., 0]
+            # Modes with s = 0 have no singular vectors to lift, as the iterations' Q is 0 there.
+            clipped = torch.where(power_weights(s, 0, self.shape[-1]) > 0, torch.maximum(clipped, floor), clipped)
+        return self.factors.modes(clipped), self.log_scale
+
 
 def per_mode(value: Scale, like: torch.Tensor) -> torch.Tensor:
     """A coefficient (a number, a 0-d tensor or one per matrix, ``(..., 1, 1)``) as float64 that
@@ -768,6 +800,16 @@ def svt(kernels, W: torch.Tensor, t, polar_coefficients, sign_coefficients, prec
     plan = plan_for(W, kernels, precision, method)
     result = plan.oriented(scaled_(*plan.scaled_svt(t, polar_coefficients, sign_coefficients))).to(W.dtype)
     return checked_finite(result, "svt") if sync else result
+
+
+def spectral_clip(kernels, W: torch.Tensor, low, high, polar_coefficients, sign_coefficients,
+                  precision: str | None = None, sync: bool = True, method: str = "gram"):
+    """``U diag(clamp(s, low, high)) V^T`` (``low``/``high`` None: that side unbounded)."""
+    method = routed(kernels, W, 0, precision, method, band=True)
+    plan = plan_for(W, kernels, precision, method)
+    clipped = plan.scaled_clip(low, high, polar_coefficients, sign_coefficients)
+    result = plan.oriented(scaled_(*clipped)).to(W.dtype)
+    return checked_finite(result, "spectral_clip") if sync else result
 
 
 def spectral_norm_bounds(kernels, W: torch.Tensor, squarings: int):
@@ -910,6 +952,8 @@ def _counted(op, shape, p, precision, iteration, steps, sign_steps, band_mode, p
         "band_direction": lambda: band_direction(kernels, W, p, band, polar_coefficients, sign_coefficients,
                                                  precision, sync=False),
         "svt": lambda: svt(kernels, W, 1.0, polar_coefficients, sign_coefficients, precision, sync=False),
+        "spectral_clip": lambda: spectral_clip(kernels, W, 0.5, 1.0, polar_coefficients, sign_coefficients, precision,
+                                               sync=False),
         "spectral_norm_bounds": lambda: spectral_norm_bounds(kernels, W, GUARD_SQUARINGS),
         "decay_": lambda: decay_(kernels, W, DecayRequest(
             p, 1.0, 1.0, band=band, polar_coefficients=polar_coefficients, sign_coefficients=sign_coefficients,

@@ -79,6 +79,14 @@ def svt_svd(W: torch.Tensor, t) -> torch.Tensor:
     return _per_mode(W, lambda s: (s - t).clamp_min(0))
 
 
+def spectral_clip_svd(W: torch.Tensor, low=None, high=None) -> torch.Tensor:
+    """``U diag(clamp(s, low, high)) V^T``, modes with ``s = 0`` (below an SVD's round-off) left at 0."""
+    def clipped(s):
+        nonzero = power_weights(s, 0, max(W.shape[-2:])) > 0
+        return torch.where(nonzero, s.clamp(min=low, max=high), s)
+    return _per_mode(W, clipped)
+
+
 def spectral_decay_svd(W, p, scale, weight_decay, ordinary_weight_decay=0.0, p0_mode="explicit"):
     """The out-of-place decay step ``W - scale * (wd * S_p(W) + wd_1 * W)`` (prox: SVT at scale * wd)."""
     W64 = W.to(torch.float64)

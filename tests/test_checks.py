@@ -18,6 +18,7 @@ PUBLIC_OPS = {
     "band_projectors": lambda W: so.band_projectors(W, 1.0),
     "band_direction": lambda W: so.band_direction(W, 1.0, 2),
     "svt": lambda W: so.svt(W, 1.0),
+    "spectral_clip": lambda W: so.spectral_clip(W, max=1.0),
     "spectral_decay_": lambda W: so.spectral_decay_(W, 2, 0.1, 0.1),
     "spectral_norm_bounds": lambda W: so.spectral_norm_bounds(W),
 }
@@ -52,12 +53,21 @@ def test_not_a_tensor():
         so.polar([[1.0, 2.0], [3.0, 4.0]])
 
 
-@pytest.mark.parametrize("p, error", [(-1, ValueError), (1.5, ValueError), (2.0, TypeError), (True, ValueError),
-                                      ("2", ValueError)])
-def test_invalid_power(p, error):
-    for call in (lambda: so.spectral_power(good(), p), lambda: so.spectral_decay_(good(), p, 0.1, 0.1)):
-        with pytest.raises(error, match="p"):
+@pytest.mark.parametrize("p, match", [(-1, "p < 0"), (1.5, "with a fraction"), (float("inf"), "with a fraction"),
+                                      (True, "integer, got True"), ("2", "integer, got '2'")])
+def test_invalid_power(p, match):
+    W = good()
+    for call in (lambda: so.spectral_power(W, p), lambda: so.spectral_decay_(W, p, 0.1, 0.1)):
+        with pytest.raises(ValueError, match=match):
             call()
+    assert torch.equal(W, good())
+
+
+@pytest.mark.parametrize("p", [0, 2, 3])
+def test_an_integral_float_power_is_that_integer(p):
+    # Schedules and configs give p as a float; 2.0 is the integer 2, bit for bit.
+    assert torch.equal(so.spectral_power(good(), float(p)), so.spectral_power(good(), p))
+    assert torch.equal(so.spectral_decay(good(), float(p), 0.1, 0.1), so.spectral_decay(good(), p, 0.1, 0.1))
 
 
 @pytest.mark.parametrize("steps", [0, -3, 2.5, True])

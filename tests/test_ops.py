@@ -323,6 +323,46 @@ def test_on_a_cpu_the_band_ops_hold_at_any_threshold(threshold):
         assert relative_error(W - so.svt(W, threshold, method="gram"), expected) > 1e-2
 
 
+@pytest.mark.parametrize("method", BAND_METHODS)
+@pytest.mark.parametrize("shape", [(30, 12), (12, 30), (3, 16, 16)], ids=str)
+@pytest.mark.parametrize("low, high", [(None, 1.0), (1.0, None), (0.5, 2.0)])
+def test_spectral_clip_equals_the_svd_clamp(shape, method, low, high):
+    # Singular values in [0.3, 0.7] and [1.4, 3]: every bound has a gap around it, which the Gram
+    # route's sign iteration resolves to fp64's rounding.
+    W = gapped_matrix(shape, 1.0, seed=4)
+    expected = reference.spectral_clip_svd(W, low, high)
+    assert relative_error(so.spectral_clip(W, low, high, method=method), expected) < 1e-10
+    assert relative_error(so.spectral_clip(W.mT, low, high, method=method), expected.mT) < 1e-10
+
+
+def test_a_clip_to_one_value_is_that_value_times_the_polar_factor():
+    W = gapped_matrix((20, 12), 1.0, seed=5)
+    assert relative_error(so.spectral_clip(W, 1.0, 1.0, method="gram"), so.polar(W, steps=12)) < 1e-10
+
+
+@pytest.mark.parametrize("low, high", [(None, 2.0), (None, 0.1), (0.5, None), (0.035, 0.5)])
+def test_on_a_cpu_spectral_clip_holds_at_any_threshold(low, high):
+    """The issue's hard-cap case: a 128 x 64 with ``s`` log-spaced over [1e-2, 10], fp32. "auto" (the SVD
+    on a CPU) clamps ``s`` to fp32's rounding at any bound; the Gram route loses the modes near a bound
+    once its square nears the sign iteration's design bound (``bound < s_max / 30``), the documented
+    limit of the band ops."""
+    W = matrix_with_spectrum((128, 64), torch.logspace(1, -2, 64, dtype=torch.float64), torch.float32, seed=0)
+    expected = reference.spectral_clip_svd(W.double(), low, high)
+    assert relative_error(so.spectral_clip(W, low, high), expected) < 1e-5
+    if min(bound for bound in (low, high) if bound is not None) < 0.3:
+        assert relative_error(so.spectral_clip(W, low, high, method="gram"), expected) > 1e-3
+
+
+def test_spectral_clip_refuses_what_it_cannot_mean():
+    W = gapped_matrix((12, 8), 1.0)
+    with pytest.raises(ValueError, match="needs min= or max="):
+        so.spectral_clip(W)
+    with pytest.raises(ValueError, match="min <= max"):
+        so.spectral_clip(W, 2.0, 1.0)
+    with pytest.raises(ValueError, match="max must be > 0"):
+        so.spectral_clip(W, max=0.0)
+
+
 def test_spectral_norm_bounds_bracket_the_largest_singular_value():
     W = matrix_with_spectrum((4, 64, 48), log_spaced_spectrum(48, 30) * 3.0, torch.float64, seed=9)
     lower, upper = so.spectral_norm_bounds(W)

@@ -188,7 +188,8 @@ def test_the_cost_counts_gram_space_with_symmetric_products_at_half():
 
 
 OP_COST_CASES = [
-    ("polar", {}), ("msign", {}), ("band_projectors", {}), ("svt", {}), ("spectral_norm_bounds", {}),
+    ("polar", {}), ("msign", {}), ("band_projectors", {}), ("svt", {}), ("spectral_clip", {}),
+    ("spectral_norm_bounds", {}),
     *[("spectral_power", {"p": p, "iteration": it}) for p in (0, 1, 2, 3, 4, 5) for it in ("rectangle", "gram_space")],
     *[("band_direction", {"p": 2, "band_mode": mode, "p_bot": 0}) for mode in ("top", "bot", "two_band")],
     *[("decay_", {"p": p, "iteration": it, "guard": guard}) for p in (0, 1, 2, 3, 4) for it in ("rectangle", "gram_space")
@@ -218,6 +219,7 @@ def test_the_cost_at_full_is_torchs_count_of_the_same_call(shape, op, options):
         "msign": lambda: plan.msign(kernels, W, sign_c, "fp32"),
         "band_projectors": lambda: plan.band_projectors(kernels, W, 0.5, sign_c, "fp32"),
         "svt": lambda: plan.svt(kernels, W, 0.5, polar_c, sign_c, "fp32"),
+        "spectral_clip": lambda: plan.spectral_clip(kernels, W, 0.5, 1.0, polar_c, sign_c, "fp32"),
         "spectral_norm_bounds": lambda: plan.spectral_norm_bounds(kernels, W, plan.GUARD_SQUARINGS),
         "spectral_power": lambda: plan.spectral_power(kernels, W, p, polar_c, "fp32", iteration=iteration),
         "band_direction": lambda: plan.band_direction(kernels, W, p, band, polar_c, sign_c, "fp32"),
