@@ -227,6 +227,9 @@ def _backend_runs(band_weight):
     yield "band_direction", "band_direction", lambda b, W: plan.band_direction(b, W, 2, band, POLAR, POLAR, top=0.5), \
         lambda W: plan.band_direction(TORCH, W, 2, band, POLAR, POLAR, top=0.5)
     yield "svt", "svt", lambda b, W: plan.svt(b, W, TAU, POLAR, POLAR), lambda W: plan.svt(TORCH, W, TAU, POLAR, POLAR)
+    # Both bounds at the gap: each branch of the clip runs (the result is TAU Q).
+    yield "spectral_clip", "spectral_clip", lambda b, W: plan.spectral_clip(b, W, TAU, TAU, POLAR, POLAR), \
+        lambda W: plan.spectral_clip(TORCH, W, TAU, TAU, POLAR, POLAR)
     yield "spectral_norm_bounds", "spectral_norm_bounds", \
         lambda b, W: torch.stack(plan.spectral_norm_bounds(b, W, plan.GUARD_SQUARINGS)), \
         lambda W: torch.stack(plan.spectral_norm_bounds(TORCH, W, plan.GUARD_SQUARINGS))

@@ -225,6 +225,12 @@ def check_band(band: plan.Band, sync: bool = True,
     return band
 
 
+def _thresholded_coefficients(steps, sign_steps, sign_method: str, precision) -> tuple:
+    """A thresholded op's polar and sign coefficients, with its ``precision`` checked."""
+    check_precision(precision)
+    return resolve_polar_coefficients(check_steps(steps), None), sign_coefficients(sign_steps, sign_method)
+
+
 @torch.no_grad()
 def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: int = 1,
                    lambda_top=1.0, lambda_bot=1.0, steps: int | None = None,
@@ -246,9 +252,7 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
     check_coefficient(lambda_top, "lambda_top", sync=not capturable)
     band = check_band(plan.Band(tau, mode, p_bot=p_bot, spectral_weight_decay_bot=lambda_bot), sync=not capturable,
                       bottom_name="lambda_bot")
-    polar_c = resolve_polar_coefficients(check_steps(steps), None)
-    sign_c = sign_coefficients(sign_steps, sign_method)
-    check_precision(precision)
+    polar_c, sign_c = _thresholded_coefficients(steps, sign_steps, sign_method, precision)
     if W.numel() == 0:
         return W.clone()
     return plan.band_direction(dispatch.kernels_for("band_direction", W), W, p, band, polar_c, sign_c, precision,
@@ -268,9 +272,7 @@ def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None 
     """
     _validated(W, capturable=capturable)
     check_coefficient(t, "t", positive=True, sync=not capturable)
-    polar_c = resolve_polar_coefficients(check_steps(steps), None)
-    sign_c = sign_coefficients(sign_steps, sign_method)
-    check_precision(precision)
+    polar_c, sign_c = _thresholded_coefficients(steps, sign_steps, sign_method, precision)
     if W.numel() == 0:
         return W.clone()
     return plan.svt(dispatch.kernels_for("svt", W), W, t, polar_c, sign_c, precision, sync=not capturable,
@@ -295,9 +297,7 @@ def spectral_clip(W: torch.Tensor, min=None, max=None, *, steps: int | None = No
             check_coefficient(bound, name, positive=True, sync=not capturable)
     if min is not None and max is not None and not capturable and float(min) > float(max):
         raise ValueError(f"spectral_clip needs min <= max, got min={float(min)} > max={float(max)}")
-    polar_c = resolve_polar_coefficients(check_steps(steps), None)
-    sign_c = sign_coefficients(sign_steps, sign_method)
-    check_precision(precision)
+    polar_c, sign_c = _thresholded_coefficients(steps, sign_steps, sign_method, precision)
     if W.numel() == 0:
         return W.clone()
     return plan.spectral_clip(dispatch.kernels_for("spectral_clip", W), W, min, max, polar_c, sign_c, precision,
