@@ -195,7 +195,7 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
     if band is not None:
         if p == 0 and p0_mode == "prox":
             raise ValueError("p0_mode='prox' soft-thresholds the whole spectrum; it cannot be combined with band")
-        check_band(band, sync=sync)
+        check_band(band, p, sync=sync)
     return DecayOptions(
         p=p,
         band=band,

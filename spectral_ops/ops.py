@@ -26,7 +26,7 @@ SIGN_METHODS = ("newton_schulz", "polar_express")
 # Newton-Schulz's quintic converges only linearly near 1 (p'(1) = -3/5): 30 steps take a mode at
 # 1e-3 of ||A||_F to within ~1e-5 of its sign. Polar Express needs 8 for the same range.
 DEFAULT_SIGN_STEPS = {"newton_schulz": 30, "polar_express": 8}
-BAND_MODES = ("top", "bot", "top_only", "bot_only", "two_band")
+BAND_MODES = ("top", "bot", "top_only", "bot_only", "two_band", "clip")
 
 
 def _validated(W, name: str = "W", capturable: bool = False) -> torch.Tensor:
@@ -213,13 +213,16 @@ def band_projectors(W: torch.Tensor, tau, sign_steps: int | None = None, sign_me
                                 method=method)
 
 
-def check_band(band: plan.Band, sync: bool = True,
+def check_band(band: plan.Band, p: int, sync: bool = True,
                bottom_name: str = "band.spectral_weight_decay_bot") -> plan.Band:
-    """Validate a band rule (shared by :func:`band_direction` and :func:`spectral_decay_`); ``sync``
-    as in :func:`~spectral_ops._checks.check_coefficient`; ``bottom_name``: what the caller calls the
-    bottom band's coefficient."""
+    """Validate a band rule for the power ``p`` (shared by :func:`band_direction` and
+    :func:`spectral_decay_`); ``sync`` as in :func:`~spectral_ops._checks.check_coefficient`;
+    ``bottom_name``: what the caller calls the bottom band's coefficient."""
     _check_tau(band.tau, sync=sync)
     check_choice(band.mode, "mode", BAND_MODES)
+    if band.mode == "clip" and p != 1:
+        raise ValueError(f"mode='clip' pulls each singular value above tau towards it by its excess (s - tau), "
+                         f"whatever the power: pass p=1, not p={p}")
     check_power(band.p_bot, "p_bot")
     check_coefficient(band.spectral_weight_decay_bot, bottom_name, sync=sync)
     return band
@@ -245,12 +248,13 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
     ``top_only`` ``S_p(W) P_top``
     ``bot_only`` ``S_p(W) P_bot``
     ``two_band`` ``lambda_top S_p(W) P_top + lambda_bot S_{p_bot}(W) P_bot``
+    ``clip``     ``(W - tau Q) P_top = U (s - tau)_+ V^T`` (``p = 1``: the soft-threshold)
     ========== ================================================
     """
     _validated(W, capturable=capturable)
     p = check_power(p)
     check_coefficient(lambda_top, "lambda_top", sync=not capturable)
-    band = check_band(plan.Band(tau, mode, p_bot=p_bot, spectral_weight_decay_bot=lambda_bot), sync=not capturable,
+    band = check_band(plan.Band(tau, mode, p_bot=p_bot, spectral_weight_decay_bot=lambda_bot), p, sync=not capturable,
                       bottom_name="lambda_bot")
     polar_c, sign_c = _thresholded_coefficients(steps, sign_steps, sign_method, precision)
     if W.numel() == 0:

@@ -59,7 +59,9 @@ class Band:
     """Band-selective decay (SPEC 1.4), split at singular value ``tau``.
 
     ``mode`` is ``"top"`` (the spectral rule above ``tau``, ordinary decay below), ``"bot"``,
-    ``"top_only"``, ``"bot_only"`` or ``"two_band"``. In ``"two_band"`` the call's ``p`` and
+    ``"top_only"``, ``"bot_only"``, ``"two_band"`` or ``"clip"``: ``U (s - tau)_+ V^T``, each singular
+    value's excess over ``tau`` (with ``p = 1``), so that a decay by it is the clipped decay
+    ``s -> s - c (s - tau)_+`` (``c`` = the step's ``lr lambda``; ``c = 1`` caps at ``tau``). In ``"two_band"`` the call's ``p`` and
     ``spectral_weight_decay`` act on the top band and ``p_bot``/``spectral_weight_decay_bot`` on the
     bottom one. ``sign_steps``/``sign_method`` configure the sign iteration of the projector.
     ``weight_decay_bot`` is the deprecated name of ``spectral_weight_decay_bot``.
@@ -562,6 +564,9 @@ class GramPlan:
             return product(P_top, S_top)
         if band.mode == "bot_only":
             return product(P_top, S_top, alpha=-1.0, Y=S_top)
+        if band.mode == "clip":  # S_top is X (p = 1): the soft-threshold at tau, unscaled
+            tau = as_float64(band.tau, X.device).to(self.dtype)
+            return product(P_top, X - tau * self.polar(polar_coefficients).to(self.dtype))
         S_bot = self.power(band.p_bot, polar_coefficients) * band.spectral_weight_decay_bot
         return product(P_top, S_top * top - S_bot, Y=S_bot)
 
@@ -689,6 +694,8 @@ class FactorisedPlan(GramPlan):
             weights = above * self._mode_powers(p)
         elif band.mode == "bot_only":
             weights = below * self._mode_powers(p)
+        elif band.mode == "clip":
+            weights = above * (self._mode_powers(1) - per_mode(band.tau, self.log_scale))
         else:
             weights = (above * per_mode(top, self.log_scale) * self._mode_powers(p)
                        + below * per_mode(band.spectral_weight_decay_bot, self.log_scale)

@@ -68,6 +68,7 @@ def band_direction_svd(W, tau, p, mode="top", *, p_bot=1, lambda_top=1.0, lambda
             "top_only": powered(s, p) * top,
             "bot_only": powered(s, p) * bot,
             "two_band": lambda_top * powered(s, p) * top + lambda_bot * powered(s, p_bot) * bot,
+            "clip": (s - tau).clamp_min(0),
         }
         return rules[mode]
 

@@ -284,15 +284,16 @@ def test_backend_passes_the_dispatch_self_check(primitive, dtype):
     assert error <= dispatch.SELF_CHECK_TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("mode", ["top", "bot", "top_only", "bot_only", "two_band"])
+@pytest.mark.parametrize("mode", ["top", "bot", "top_only", "bot_only", "two_band", "clip"])
 def test_band_directions_over_several_tiles(mode):
     # r = 130: a 2 x 2 lower-triangle grid with partial tiles for every symmetric product.
     W = matrix_with_spectrum((2, 130, 140), torch.cat([torch.linspace(0.4, 0.6, 65), torch.linspace(0.9, 1.0, 65)]),
                              torch.float32, seed=2)
     band = Band(0.75, mode, p_bot=0, spectral_weight_decay_bot=2.0)
     sign = polar_express_coefficients()
-    got = on_cuda(functools.partial(plan.band_direction, top=0.5), W, 2, band, COEFFICIENTS, sign, precision="ieee")
-    expected = plan.band_direction(TORCH, W, 2, band, COEFFICIENTS, sign, top=0.5)
+    p = 1 if mode == "clip" else 2
+    got = on_cuda(functools.partial(plan.band_direction, top=0.5), W, p, band, COEFFICIENTS, sign, precision="ieee")
+    expected = plan.band_direction(TORCH, W, p, band, COEFFICIENTS, sign, top=0.5)
     assert relative_error(got, expected) < 1e-5
 
 

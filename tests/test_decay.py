@@ -385,6 +385,7 @@ DECAY_FORMS = {
     "p0": dict(p=0), "p2": dict(p=2), "p3": dict(p=3), "prox": dict(p=0, p0_mode="prox"),
     "band-top": dict(p=2, band=so.Band(0.6)),
     "two-band": dict(p=2, band=so.Band(0.6, "two_band", p_bot=0, spectral_weight_decay_bot=0.05)),
+    "clip": dict(p=1, band=so.Band(0.6, "clip")),
 }
 
 
@@ -670,3 +671,19 @@ def test_a_list_of_pairs_and_the_mantissas_checks():
         so.spectral_decay(weights_, 2, 1e-3, 0.1, mantissa=mantissas)
     so.spectral_decay_(weights_, 2, 1e-3, 0.1, mantissa=[m.view(torch.int16) for m in mantissas])  # int16 works too
     assert not torch.equal(mantissas[0], originals[0][1])
+
+
+def test_the_clipped_decay_pulls_each_mode_above_the_threshold_by_its_excess():
+    # s -> s - c (s - beta)_+ with c = lr lambda (Emerging-Optimizers' spectral_clipped_weight_decay);
+    # c = 1 is the hard cap at beta, spectral_clip(max=beta).
+    W = weights((24, 16), seed=6, scale=3.0)
+    beta = 1.0
+    U, s, Vh = torch.linalg.svd(W, full_matrices=False)
+    for lr, wd in ((0.1, 0.5), (1.0, 1.0)):
+        c = lr * wd
+        expected = (U * (s - c * (s - beta).clamp_min(0))[..., None, :]) @ Vh
+        decayed = so.spectral_decay(W, 1, lr, wd, band={"tau": beta, "mode": "clip"})
+        assert relative_error(decayed, expected) < TOLERANCE[torch.float64]
+    assert relative_error(decayed, so.spectral_clip(W, max=beta)) < TOLERANCE[torch.float64]
+    with pytest.raises(ValueError, match="pass p=1"):
+        so.spectral_decay_(W.clone(), 2, 0.1, 0.5, band={"tau": beta, "mode": "clip"})

@@ -290,6 +290,17 @@ def test_band_direction(mode, shape, method):
     assert relative_error(result, expected) < 1e-10
 
 
+@pytest.mark.parametrize("method", BAND_METHODS)
+def test_the_clip_band_is_the_soft_threshold(method):
+    # mode="clip" takes each singular value's excess over tau, with p = 1 (the power plays no part).
+    W = gapped_matrix((30, 12), 0.8, seed=2)
+    result = so.band_direction(W, 0.8, 1, "clip", method=method)
+    assert relative_error(result, reference.svt_svd(W, 0.8)) < 1e-10
+    assert relative_error(result, reference.band_direction_svd(W, 0.8, 1, "clip")) < 1e-10
+    with pytest.raises(ValueError, match="pass p=1, not p=2"):
+        so.band_direction(W, 0.8, 2, "clip")
+
+
 def test_two_band_with_p_one_and_equal_coefficients_is_ordinary_decay():
     W = gapped_matrix((20, 14), 1.0, seed=2)
     result = so.band_direction(W, 1.0, 1, "two_band", p_bot=1, lambda_top=0.3, lambda_bot=0.3)

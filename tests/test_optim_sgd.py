@@ -40,18 +40,19 @@ def test_prox_mode_is_singular_value_soft_thresholding():
     assert relative_error(param.detach(), so.reference.svt_svd(W0, 1.0)) < 1e-10
 
 
-@pytest.mark.parametrize("mode", ["top", "bot", "top_only", "bot_only", "two_band"])
+@pytest.mark.parametrize("mode", ["top", "bot", "top_only", "bot_only", "two_band", "clip"])
 def test_band_options(mode):
     W0 = gapped(3)
     param = torch.nn.Parameter(W0.clone())
     param.grad = torch.zeros_like(W0)
     band = {"tau": 1.0, "mode": mode, "p_bot": 0, "spectral_weight_decay_bot": 0.2}
-    SpectralSGD([param], lr=0.1, momentum=0.0, p=2, spectral_weight_decay=0.3, band=band).step()
+    p = 1 if mode == "clip" else 2  # the clipped decay: s -> s - c (s - tau)_+, whatever p would say
+    SpectralSGD([param], lr=0.1, momentum=0.0, p=p, spectral_weight_decay=0.3, band=band).step()
     if mode == "two_band":
         direction = so.reference.band_direction_svd(W0, 1.0, 2, mode, p_bot=0, lambda_top=0.3, lambda_bot=0.2)
         expected = W0 - 0.1 * direction
     else:
-        expected = W0 - 0.1 * 0.3 * so.reference.band_direction_svd(W0, 1.0, 2, mode)
+        expected = W0 - 0.1 * 0.3 * so.reference.band_direction_svd(W0, 1.0, p, mode)
     assert relative_error(param.detach(), expected) < 1e-10
 
 

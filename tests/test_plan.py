@@ -195,6 +195,7 @@ OP_COST_CASES = [
     *[("decay_", {"p": p, "iteration": it, "guard": guard}) for p in (0, 1, 2, 3, 4) for it in ("rectangle", "gram_space")
       for guard in (False, True)],
     ("decay_", {"p": 2, "band_mode": "top"}),
+    ("decay_", {"p": 1, "band_mode": "clip"}),
 ]
 
 
