@@ -324,21 +324,18 @@ def spectral_decay_(
                                                          stacklevel=3)
     if spectral_weight_decay is None:
         raise TypeError("spectral_decay_ needs spectral_weight_decay (the spectral coefficient lambda_p)")
-    if mantissa is not None:
-        return _decay_with_mantissa(
-            W, mantissa, p, lr, spectral_weight_decay, ordinary_weight_decay=ordinary_weight_decay,
-            convention=convention, schedule=schedule, band=band, p0_mode=p0_mode, steps=steps,
-            coefficients=coefficients, stability=stability, precision=precision, capturable=capturable,
-            iteration=iteration, method=method, matrix_view=matrix_view, rounding=rounding, generator=generator,
-            clamp_factors=clamp_factors, increment=_increment)
     tensors = _as_list(W)
     names = ["W"] if isinstance(W, torch.Tensor) else [f"W[{i}]" for i in range(len(tensors))]
     check_matrix_view(matrix_view)
     for t, name in zip(tensors, names):
         check_matrix(t, name)
+    mantissas = None if mantissa is None else _checked_mantissas(tensors, mantissa, rounding, _increment)
+    _check_writable(tensors + (mantissas or []), names + [f"mantissa[{i}]" for i in range(len(mantissas or []))])
+    if mantissas is not None:  # decayed as the fp32 values the pairs hold, then written back as pairs
+        weights, tensors = tensors, [with_mantissa(w, m) for w, m in zip(tensors, mantissas)]
+    values = tensors
     tensors = [as_matrices(t, matrix_view) for t in tensors]
     check_same_device(tensors)
-    _check_writable(tensors, names)
     sync = not capturable
     check_coefficient(lr, "lr", sync=sync)
     options = check_decay_options(
@@ -367,6 +364,9 @@ def spectral_decay_(
         check_finite(pending.new_values(), "W", reason="would not be finite after this decay (its exact value "
                      "exceeds the weights' dtype); nothing was written", error=OverflowError)
     pending.commit()
+    if mantissas is not None:
+        for value, w, m in zip(values, weights, mantissas):
+            split_mantissa_(value, w, m)
     for i, position, factor, order in pending.clamped:
         index = matrix_index(tensors[i].shape[:-2], position)
         log_clamp(f"{names[i]}{list(index) if index else ''} {tuple(tensors[i].shape[-2:])}", factor, order)
@@ -417,42 +417,29 @@ def split_mantissa_(value: torch.Tensor, W: torch.Tensor, mantissa: torch.Tensor
     mantissa.view(torch.int16).copy_((bits & 0xFFFF).to(torch.int16))
 
 
-def _check_mantissa(weights: list, mantissas: list) -> None:
-    if len(weights) != len(mantissas):
-        raise ValueError(f"mantissa= needs one tensor per weight: {len(mantissas)} for {len(weights)} weights")
-    for i, (w, m) in enumerate(zip(weights, mantissas)):
-        where = "" if len(weights) == 1 else f"[{i}]"
-        if not isinstance(m, torch.Tensor):
-            raise TypeError(f"mantissa{where} must be a tensor, got {type(m).__name__}")
-        if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16:
-            raise TypeError(f"mantissa= holds the low bits of bf16 weights, but W{where} is "
-                            f"{getattr(w, 'dtype', type(w).__name__)}")
-        if m.dtype not in MANTISSA_DTYPES:
-            raise TypeError(f"mantissa{where} must be uint16 or int16 (the fp32 value's low 16 bits), got {m.dtype}")
-        if m.shape != w.shape or m.device != w.device:
-            raise ValueError(f"mantissa{where} is {tuple(m.shape)} on {m.device}, W{where} {tuple(w.shape)} on "
-                             f"{w.device}: each must match its weight")
-
-
-def _decay_with_mantissa(W, mantissa, p, lr, spectral_weight_decay, *, rounding, clamp_factors, increment,
-                         **options):
-    """:func:`spectral_decay_` of bf16 weights with their low bits: the fp32 values decayed, every check
-    passed, then each pair written."""
+def _checked_mantissas(weights: list, mantissa, rounding: str, increment: bool) -> list:
+    """``mantissa`` (a tensor or a list) as one low-bits tensor per bf16 weight, checked."""
     if rounding != "nearest":
         raise ValueError("mantissa= keeps the weights' fp32 value exactly, so there is nothing to round: leave "
                          "rounding='nearest' (stochastic rounding is for bf16 weights without a mantissa)")
     if increment:
         raise ValueError("mantissa= writes the decayed pair in place; for the increment, decay "
                          "spectral_ops.decay.with_mantissa(W, mantissa) with spectral_decay(..., increment=True)")
-    weights, mantissas = _as_list(W), _as_list(mantissa)
-    _check_mantissa(weights, mantissas)
-    _check_writable(weights + mantissas, [f"W[{i}]" for i in range(len(weights))] +
-                    [f"mantissa[{i}]" for i in range(len(mantissas))])
-    values = [with_mantissa(w, m) for w, m in zip(weights, mantissas)]
-    spectral_decay_(values, p, lr, spectral_weight_decay, clamp_factors=clamp_factors, **options)
-    for value, w, m in zip(values, weights, mantissas):
-        split_mantissa_(value, w, m)
-    return W
+    mantissas = _as_list(mantissa)
+    if len(weights) != len(mantissas):
+        raise ValueError(f"mantissa= needs one tensor per weight: {len(mantissas)} for {len(weights)} weights")
+    for i, (w, m) in enumerate(zip(weights, mantissas)):
+        where = "" if len(weights) == 1 else f"[{i}]"
+        if not isinstance(m, torch.Tensor):
+            raise TypeError(f"mantissa{where} must be a tensor, got {type(m).__name__}")
+        if w.dtype != torch.bfloat16:
+            raise TypeError(f"mantissa= holds the low bits of bf16 weights, but W{where} is {w.dtype}")
+        if m.dtype not in MANTISSA_DTYPES:
+            raise TypeError(f"mantissa{where} must be uint16 or int16 (the fp32 value's low 16 bits), got {m.dtype}")
+        if m.shape != w.shape or m.device != w.device:
+            raise ValueError(f"mantissa{where} is {tuple(m.shape)} on {m.device}, W{where} {tuple(w.shape)} on "
+                             f"{w.device}: each must match its weight")
+    return mantissas
 
 
 @dataclass
