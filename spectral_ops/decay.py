@@ -329,13 +329,13 @@ def spectral_decay_(
     check_matrix_view(matrix_view)
     for t, name in zip(tensors, names):
         check_matrix(t, name)
+    check_same_device(tensors)
     mantissas = None if mantissa is None else _checked_mantissas(tensors, mantissa, rounding, _increment)
     _check_writable(tensors + (mantissas or []), names + [f"mantissa[{i}]" for i in range(len(mantissas or []))])
     if mantissas is not None:  # decayed as the fp32 values the pairs hold, then written back as pairs
         weights, tensors = tensors, [with_mantissa(w, m) for w, m in zip(tensors, mantissas)]
     values = tensors
     tensors = [as_matrices(t, matrix_view) for t in tensors]
-    check_same_device(tensors)
     sync = not capturable
     check_coefficient(lr, "lr", sync=sync)
     options = check_decay_options(
