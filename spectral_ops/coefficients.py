@@ -8,6 +8,7 @@ actually left is what makes the composition converge in 8 steps instead of Newto
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -29,49 +30,70 @@ NEWTON_SCHULZ_SIGN = (3.0, -16.0 / 5.0, 6.0 / 5.0)
 # which suits Muon's update but not a decay direction, so it is only ever used on request.
 MUON_QUINTIC = (3.4445, -4.7750, 2.0315)
 
-# The classical quintic with p(1) = 1, p'(1) = p''(1) = 0, used when a design interval has
-# collapsed to a point and no minimax problem is left to solve.
-_COLLAPSED_INTERVAL_QUINTIC = (15.0 / 8.0, -10.0 / 8.0, 3.0 / 8.0)
+# A design interval this narrow has collapsed to a point: no minimax problem is left to solve.
 _COLLAPSE_TOLERANCE = 5e-6
 
 
 def odd_quintic(coefficients, x):
     """Evaluate ``a x + b x^3 + c x^5`` (works for floats and numpy arrays)."""
+    return root_step(coefficients, x, 2)
+
+
+def root_step(coefficients, t, n: int = 2):
+    """Evaluate ``g(t) = t (a + b t^n + c t^(2n))``: one step of an inverse ``n``-th root iteration on
+    ``t = m^(1/n)`` (``m`` an eigenvalue of the iterated ``M``), of which ``n = 2`` is the polar factor's
+    odd quintic (``m = x^2``)."""
     a, b, c = coefficients
-    x2 = x * x
-    return x * (a + x2 * (b + c * x2))
+    y = t**n
+    return t * (a + y * (b + c * y))
 
 
 def minimax_quintic(lo: float, hi: float, *, max_iterations: int = 100):
-    """Odd quintic minimising ``max |1 - p(x)|`` on ``[lo, hi]`` by Remez exchange.
+    """Odd quintic minimising ``max |1 - p(x)|`` on ``[lo, hi]``: :func:`minimax_root_step` with ``n = 2``."""
+    return minimax_root_step(lo, hi, 2, max_iterations=max_iterations)
 
-    Returns ``((a, b, c), E, alternation_points)``. The optimum equioscillates at four points
-    ``lo < q < r < hi`` with ``p = 1-E, 1+E, 1-E, 1+E``; the interior points are the critical
-    points of ``p``, so each exchange moves ``q, r`` to the roots of ``p'``.
+
+def minimax_root_step(lo: float, hi: float, n: int = 2, *, max_iterations: int = 100):
+    """``g(t) = t (a + b t^n + c t^(2n))`` minimising ``max |1 - g(t)|`` on ``[lo, hi]`` by Remez exchange.
+
+    Returns ``((a, b, c), E, alternation_points)``. ``t, t^(n+1), t^(2n+1)`` is a Chebyshev system on
+    ``t > 0``, so the optimum equioscillates at four points ``lo < q < r < hi`` with ``g = 1-E, 1+E,
+    1-E, 1+E``; the interior points are the critical points of ``g``, the roots of
+    ``a + (n+1) b y + (2n+1) c y^2`` in ``y = t^n``, to which each exchange moves ``q, r``.
     """
     if not 0.0 < lo <= hi:
         raise ValueError(f"need 0 < lo <= hi, got lo={lo!r}, hi={hi!r}")
     if lo / hi > 1.0 - _COLLAPSE_TOLERANCE:
-        a, b, c = _COLLAPSED_INTERVAL_QUINTIC
-        return (a / hi, b / hi**3, c / hi**5), 0.0, (lo, lo, hi, hi)
+        a, b, c = _collapsed_interval_step(n)
+        return (a / hi, b / hi ** (n + 1), c / hi ** (2 * n + 1)), 0.0, (lo, lo, hi, hi)
 
     q, r = (3.0 * lo + hi) / 4.0, (lo + 3.0 * hi) / 4.0
     previous_error = math.inf
     for _ in range(max_iterations):
         points = np.array([lo, q, r, hi])
-        signs = np.array([1.0, -1.0, 1.0, -1.0])  # p(x_i) = 1 - signs_i * E
-        system = np.column_stack([points, points**3, points**5, signs])
+        signs = np.array([1.0, -1.0, 1.0, -1.0])  # g(t_i) = 1 - signs_i * E
+        system = np.column_stack([points, points ** (n + 1), points ** (2 * n + 1), signs])
         a, b, c, error = np.linalg.solve(system, np.ones(4))
-        # Critical points of p: 5c y^2 + 3b y + a = 0 with y = x^2.
-        discriminant = 9.0 * b * b - 20.0 * a * c
+        # In the order of the products that the quintic's (n = 2) coefficients were always computed in.
+        discriminant = (n + 1) ** 2 * b * b - 4.0 * (2 * n + 1) * a * c
         if c == 0.0 or discriminant < 0.0:
             raise ArithmeticError(f"Remez exchange lost its critical points on [{lo}, {hi}]")
-        roots = sorted((-3.0 * b + s * math.sqrt(discriminant)) / (10.0 * c) for s in (-1.0, 1.0))
-        q, r = math.sqrt(roots[0]), math.sqrt(roots[1])
+        roots = sorted((-(n + 1) * b + s * math.sqrt(discriminant)) / (2.0 * (2 * n + 1) * c) for s in (-1.0, 1.0))
+        if roots[0] <= 0.0:
+            raise ArithmeticError(f"Remez exchange lost its critical points on [{lo}, {hi}]")
+        q, r = (math.sqrt(y) if n == 2 else y ** (1.0 / n) for y in roots)
         if abs(error - previous_error) <= 1e-15 * max(1.0, abs(error)):
             break
         previous_error = error
     return (float(a), float(b), float(c)), abs(float(error)), (lo, q, r, hi)
+
+
+def _collapsed_interval_step(n: int):
+    """The step with ``g(1) = 1``, ``g'(1) = g''(1) = 0``, used where a design interval has collapsed to a
+    point: ``(a, b, c) = ((2n+1)(n+1), -2(2n+1), n+1) / (2 n^2)`` (for ``n = 2`` the classical quintic
+    ``(15, -10, 3) / 8``)."""
+    denominator = 2.0 * n * n
+    return ((2 * n + 1) * (n + 1) / denominator, -2.0 * (2 * n + 1) / denominator, (n + 1) / denominator)
 
 
 def polar_express_coefficients(steps: int = 8, lower: float = 1e-3, safety: float = 1.01):
@@ -97,39 +119,107 @@ _designed: dict[tuple, tuple] = {}
 # A pure function of its arguments, computed with numpy and remembered: torch.compile takes its
 # result as a constant instead of tracing the minimax solves (which branch on their results).
 @constant_when_traced
-def _greedy_coefficients(steps: int, lower: float, safety: float):
-    key = (steps, lower, safety)
+def _greedy_coefficients(steps: int | None, lower: float, safety: float, n: int = 2, tolerance: float = 0.0):
+    key = (steps, lower, safety, n, tolerance)
     if key not in _designed:
-        _designed[key] = _greedy_design(steps, lower, safety)
+        _designed[key] = _greedy_design(steps, lower, safety, n, tolerance)
     return _designed[key]
 
 
-def _greedy_design(steps: int, lower: float, safety: float):
+# A design that has not reached its tolerance after this many steps has a lower bound it cannot serve.
+_MAX_DESIGNED_STEPS = 40
+
+
+def _greedy_design(steps: int | None, lower: float, safety: float, n: int = 2, tolerance: float = 0.0):
+    """``steps`` greedy steps of :func:`root_step` from ``[lower, 1]`` in ``t``, or (``steps`` None) as
+    many as take the interval to within ``tolerance`` of 1."""
     lo, hi = lower, 1.0
     designed = []
-    for _ in range(steps):
+    while len(designed) < (steps or _MAX_DESIGNED_STEPS):
         design_lo = max(lo, CUSHION * hi)
-        coefficients, _, _ = minimax_quintic(design_lo, hi)
+        coefficients, _, _ = minimax_root_step(design_lo, hi, n)
         if design_lo > lo:
-            scale = 2.0 / (odd_quintic(coefficients, lo) + odd_quintic(coefficients, hi))
+            scale = 2.0 / (root_step(coefficients, lo, n) + root_step(coefficients, hi, n))
             coefficients = tuple(scale * k for k in coefficients)
         designed.append(coefficients)
-        lo = odd_quintic(coefficients, lo)
+        lo = root_step(coefficients, lo, n)
         hi = 2.0 - lo
+        if steps is None and 1.0 - lo <= tolerance:
+            break
+    else:
+        if steps is None:
+            raise ValueError(f"no design of up to {_MAX_DESIGNED_STEPS} steps reaches {tolerance} from {lower}")
 
     with_safety = [
-        (a / safety, b / safety**3, c / safety**5) for a, b, c in designed[:-1]
+        (a / safety, b / safety ** (n + 1), c / safety ** (2 * n + 1)) for a, b, c in designed[:-1]
     ] + [designed[-1]]
     return tuple(tuple(float(k) for k in step) for step in with_safety)
 
 
-def resolve_polar_coefficients(steps: int | None, coefficients):
+def inverse_root_coefficients(n: int, lower: float, tolerance: float, safety: float = 1.01):
+    """Per-step ``(a, b, c)`` of the coupled inverse ``n``-th root iteration of a symmetric ``A`` whose
+    eigenvalues are in ``[lower, 1]``: ``T = a I + b M + c M^2``, ``M <- T^n M``, ``Z <- Z T`` from
+    ``M = A``, ``Z = I``, so that ``M = Z^n A`` throughout and ``Z -> A^(-1/n)``.
+
+    On ``t = m^(1/n)`` a step is :func:`root_step`, ``t <- t (a + b t^n + c t^(2n))``; each is the
+    minimax one for the interval the previous steps leave (as Polar Express designs its quintics,
+    which are the case ``n = 2``), and there are as many as take ``[lower^(1/n), 1]`` to within
+    ``tolerance`` of 1. A larger ``n`` narrows the interval in ``t`` (``lower^(1/n)``) and costs
+    ``log2 n`` squarings of ``T`` per step. ``safety`` is Polar Express's margin on ``x``, i.e.
+    ``safety^2`` on the eigenvalue ``m``: ``safety^(2/n)`` on ``t``.
+    """
+    if n < 2 or n & (n - 1):
+        raise ValueError(f"n must be a power of two >= 2, got {n!r}")
+    if not 0.0 < lower < 1.0 or not 0.0 < tolerance < 1.0:
+        raise ValueError(f"need 0 < lower < 1 and 0 < tolerance < 1, got {lower!r}, {tolerance!r}")
+    return _greedy_coefficients(None, float(lower) ** (1.0 / n), float(safety) ** (2.0 / n), int(n), float(tolerance))
+
+
+def power_polynomial(gamma: float, lo: float, hi: float, tolerance: float):
+    """A polynomial ``F`` with ``|F(z) / z^gamma - 1| <= tolerance`` on ``[lo, hi]`` (``0 < lo < hi``), as
+    ``(coefficients, lo, hi)``: ``F(z) = sum_i coefficients[i] u^i`` in ``u = (2 z - hi - lo) / (hi - lo)``.
+
+    The Chebyshev interpolant of the lowest degree that meets ``tolerance`` (checked on a fine grid),
+    converted to powers of ``u``. ``z^gamma`` is analytic inside the ellipse through 0 with foci
+    ``lo, hi``, so the degree grows like ``ln(1/tolerance) / ln(rho)``, ``rho`` the ellipse's
+    parameter; for ``rho`` above ``1 + sqrt(2)`` the powers' coefficients decay, and evaluating them
+    loses no accuracy to cancellation.
+    """
+    return _power_polynomial(float(gamma), float(lo), float(hi), float(tolerance))
+
+
+@constant_when_traced
+@functools.lru_cache(maxsize=256)
+def _power_polynomial(gamma: float, lo: float, hi: float, tolerance: float):
+    if not 0.0 < lo < hi:
+        raise ValueError(f"need 0 < lo < hi, got {lo!r}, {hi!r}")
+    z = np.linspace(lo, hi, 4001)
+    target = z**gamma
+    for degree in range(1, 41):
+        series = np.polynomial.Chebyshev.interpolate(lambda x: x**gamma, degree, domain=[lo, hi])
+        if np.abs(series(z) / target - 1.0).max() <= tolerance:
+            return tuple(float(k) for k in np.polynomial.chebyshev.cheb2poly(series.coef)), lo, hi
+    raise ValueError(f"no polynomial of degree <= 40 approximates z^{gamma} on [{lo}, {hi}] to {tolerance}")
+
+
+# Real (non-integer) powers resolve the modes down to this fraction of an upper bound on s_max (the
+# inverse root's design interval), and their polar factor must be accurate down to it too: Polar
+# Express for this lower bound, one step more than the default's (9 steps: 2.5e-9 from 1e-4 up).
+REAL_POWER_LOWER = 1e-4
+REAL_POWER_POLAR_STEPS = 9
+
+
+def resolve_polar_coefficients(steps: int | None, coefficients, real_power: bool = False):
     """The coefficient list a polar call uses: explicit ones, or Polar Express for ``steps``.
 
     ``steps`` defaults to 8. ``coefficients`` may be one ``(a, b, c)`` triple, repeated ``steps``
     times (e.g. :data:`MUON_QUINTIC`), or a sequence of triples, whose length then fixes the
-    number of steps (``steps`` must be None or agree).
+    number of steps (``steps`` must be None or agree). ``real_power``: the polar factor of a real power,
+    designed by default for :data:`REAL_POWER_LOWER` (:data:`REAL_POWER_POLAR_STEPS` steps).
     """
+    if coefficients is None and real_power:
+        return polar_express_coefficients(REAL_POWER_POLAR_STEPS if steps is None else _checked_steps(steps),
+                                          lower=REAL_POWER_LOWER)
     if coefficients is None:
         return polar_express_coefficients(8 if steps is None else _checked_steps(steps))
     triples = _as_triples(coefficients)

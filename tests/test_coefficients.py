@@ -8,10 +8,14 @@ import pytest
 from spectral_ops.coefficients import (
     CUSHION,
     MUON_QUINTIC,
+    inverse_root_coefficients,
     minimax_quintic,
+    minimax_root_step,
     odd_quintic,
     polar_express_coefficients,
+    power_polynomial,
     resolve_polar_coefficients,
+    root_step,
 )
 
 
@@ -120,3 +124,39 @@ def test_resolve_coefficients():
         resolve_polar_coefficients(None, [(1.0, 2.0)])
     with pytest.raises(ValueError, match="finite"):
         resolve_polar_coefficients(None, (math.nan, 1.0, 1.0))
+
+
+@pytest.mark.parametrize("n", [2, 8, 16])
+@pytest.mark.parametrize("lo", [0.05, 0.3, 0.7])
+def test_minimax_root_step_equioscillates(n, lo):
+    # The defining property of the minimax step: |1 - g| peaks at E, alternating, at its four points.
+    (a, b, c), error, points = minimax_root_step(lo, 1.0, n)
+    values = np.array([root_step((a, b, c), t, n) for t in points])
+    assert np.allclose(values, 1.0 - error * np.array([1, -1, 1, -1]), atol=1e-10)
+    t = np.linspace(lo, 1.0, 20001)
+    assert np.abs(root_step((a, b, c), t, n) - 1.0).max() <= error * (1 + 1e-8)
+
+
+def test_the_root_step_of_order_two_is_the_odd_quintic():
+    assert minimax_root_step(0.1, 1.0, 2)[0] == minimax_quintic(0.1, 1.0)[0]
+
+
+@pytest.mark.parametrize("n, lower", [(8, 1e-4), (8, 1e-3), (16, 1e-7)])
+def test_inverse_root_design_reaches_its_tolerance(n, lower):
+    # Every eigenvalue m in [lower, 1] ends within the tolerance of 1 (t = m^(1/n) within it / n), the
+    # safety margin included (it costs a little of the last step's accuracy).
+    tolerance = 1e-7
+    t = np.geomspace(lower, 1.0, 20001) ** (1.0 / n)
+    for step in inverse_root_coefficients(n, lower, tolerance / n):
+        t = root_step(step, t, n)
+    assert np.abs(t**n - 1.0).max() <= 10 * tolerance
+
+
+@pytest.mark.parametrize("gamma", [-8.0, -0.924, 1.0, 2.0])
+def test_power_polynomial_meets_its_tolerance(gamma):
+    coefficients, lo, hi = power_polynomial(gamma, 1.0, 3.2, 1e-7)
+    z = np.linspace(lo, hi, 10007)
+    u = (2 * z - hi - lo) / (hi - lo)
+    assert np.abs(np.polynomial.polynomial.polyval(u, coefficients) / z**gamma - 1).max() <= 1e-7
+    # Decaying powers: evaluated at |u| <= 1 they cancel nothing.
+    assert max(abs(k) for k in coefficients[1:]) <= 2 * abs(coefficients[0]) + 1
