@@ -114,18 +114,27 @@ def check_same_device(tensors: Iterable[torch.Tensor], name: str = "W") -> None:
         raise ValueError(f"all tensors in {name} must be on one device, got {sorted(map(str, devices))}")
 
 
-def check_power(p, name: str = "p") -> int:
-    """A non-negative integer power, as an int: an integral float is that integer (``2.0`` is 2);
-    bools, fractions and negative powers are refused."""
-    if isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise ValueError(f"{name} must be a non-negative integer, got {p!r}")
-    if not float(p).is_integer():
-        raise ValueError(f"{name} must be a non-negative integer (an integral float such as 2.0 counts), got {p!r}: "
-                         "powers with a fraction are not implemented")
-    if p < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {p}: S_p with p < 0 blows up the small singular "
-                         "values (and a decay with p < 0 would grow them)")
-    return int(p)
+def check_power(p, name: str = "p", *, eps=None, decay: bool = False):
+    """A real power as the ops take it: an int where it is integral (``2.0`` is 2), else a float.
+
+    ``p < 0`` needs its floor ``eps`` (``U diag((s^2 + (eps s_max)^2)^(p/2)) V^T``: without one the
+    small singular values blow up) and is refused for a ``decay``, which it would turn into growth of
+    the small modes. An ``eps`` without a negative ``p`` is refused too: it would change nothing.
+    """
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not math.isfinite(p):
+        raise ValueError(f"{name} must be a finite real number, got {p!r}")
+    if p < 0 and decay:
+        raise ValueError(f"{name}={p} < 0 cannot be a decay: s -> s - c s^p would shrink the small singular values "
+                         "most and, as s -> 0, without bound (and grow them with c < 0); use p >= 0")
+    if p < 0 and eps is None:
+        raise ValueError(f"{name}={p} < 0 needs a floor: pass eps > 0 (relative to s_max) for "
+                         "U diag((s^2 + (eps s_max)^2)^(p/2)) V^T; without one the small singular values blow up")
+    if eps is not None:
+        if p >= 0:
+            raise ValueError(f"eps floors a negative power only, got {name}={p}: drop eps")
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
+            raise ValueError(f"eps must be a finite number > 0 (relative to s_max), got {eps!r}")
+    return int(p) if float(p).is_integer() else float(p)
 
 
 def check_steps(steps, name: str = "steps"):

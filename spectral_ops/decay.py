@@ -180,7 +180,7 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
     ``sync=False``: 0-d tensor coefficients are not read (see :func:`check_coefficient`). ``names``:
     what the caller calls the two coefficients, for the messages (``weight_decay`` in an optimizer).
     """
-    p = check_power(p)
+    p = check_power(p, decay=True)
     check_method(method, capturable, check_iteration(iteration))
     check_coefficient(spectral_weight_decay, names[0], sync=sync)
     check_coefficient(ordinary_weight_decay, names[1], sync=sync)
@@ -199,7 +199,8 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
     return DecayOptions(
         p=p,
         band=band,
-        polar_coefficients=resolve_polar_coefficients(check_steps(steps), coefficients),
+        polar_coefficients=resolve_polar_coefficients(check_steps(steps), coefficients,
+                                                      real_power=not isinstance(p, int)),
         sign_coefficients=sign_coefficients(band.sign_steps if band else None,
                                             band.sign_method if band else "polar_express"),
         precision=check_precision(precision),

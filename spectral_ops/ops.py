@@ -139,31 +139,34 @@ def _check_symmetric(A: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def spectral_power(W: torch.Tensor, p: int, method: str = "auto", *, steps: int | None = None,
+def spectral_power(W: torch.Tensor, p, method: str = "auto", *, steps: int | None = None,
                    coefficients=None, precision: str | None = None, capturable: bool = False,
-                   iteration: str = "auto") -> torch.Tensor:
-    """``S_p(W) = U diag(s^p) V^T`` for an integer ``p >= 0`` (SPEC 1.1-1.2).
+                   iteration: str = "auto", eps: float | None = None) -> torch.Tensor:
+    """``S_p(W) = U diag(s^p) V^T`` for a real ``p >= 0`` (SPEC 1.1-1.2), or ``p < 0`` with the floor
+    ``eps`` (relative to ``s_max``): ``U diag((s^2 + (eps s_max)^2)^(p/2)) V^T``.
 
     ``method="gram"``: the SVD-free route (odd ``p``: ``W G^k``; even: ``Q G^k``; ``G`` the
-    smaller Gram, powers by repeated squaring, ``G`` shared with the first Polar Express step).
+    smaller Gram, powers by repeated squaring, ``G`` shared with the first Polar Express step; a
+    real ``p``: a polynomial in an inverse root of ``|W|``, docs/real-powers.md).
     ``"svd"``: a thin SVD in the compute dtype. ``"eigh"``: an eigendecomposition of the Gram
     (accurate for ``p >= 1``; for ``p = 0`` it loses the modes below ``sqrt(eps) s_max``).
     ``"auto"``: the fastest accurate one for the device, dtype and shape (:func:`check_method`).
-    ``steps``/``coefficients`` configure the polar factor as in :func:`polar`. ``capturable=True``
-    needs ``"gram"`` (``"auto"`` means it then): the factorisations report errors to the host.
+    ``steps``/``coefficients`` configure the polar factor as in :func:`polar` (a real power's
+    default is Polar Express designed down to 1e-4, 9 steps). ``capturable=True`` needs ``"gram"``
+    (``"auto"`` means it then): the factorisations report errors to the host.
 
     ``iteration`` (``"gram"`` only; ``"gram_space"`` makes ``method="auto"`` mean ``"gram"``): how an
     even ``p`` iterates, see :func:`check_iteration`.
     """
     _validated(W, capturable=capturable)
-    p = check_power(p)
+    p = check_power(p, eps=eps)
     check_method(method, capturable, check_iteration(iteration))
-    polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
+    polar_c = resolve_polar_coefficients(check_steps(steps), coefficients, real_power=not isinstance(p, int))
     check_precision(precision)
     if W.numel() == 0:
         return W.clone()
     return plan.spectral_power(dispatch.kernels_for("spectral_power", W), W, p, polar_c, precision,
-                               sync=not capturable, iteration=iteration, method=method)
+                               sync=not capturable, iteration=iteration, method=method, eps=eps)
 
 
 def check_iteration(iteration) -> str:

@@ -47,7 +47,7 @@ import torch
 
 from ._checks import renamed_argument, user_stacklevel
 from ._compile import constant_when_traced
-from .coefficients import NORMALIZATION_MARGIN
+from .coefficients import NORMALIZATION_MARGIN, REAL_POWER_LOWER, inverse_root_coefficients, power_polynomial
 from .linalg import (SpectralFactors, as_float64, compute_dtype, frobenius_normalized, is_tall, power_weights, ratio,
                      scaled_, wide)
 
@@ -285,6 +285,84 @@ def coupled_inverse_root(kernels, G: torch.Tensor, coefficients, precision: str,
     return Z
 
 
+# Real powers: the order n of the inverse root Z = A^(-1/n) a polynomial of which gives A^f. n = 8 was
+# the cheapest at the design bound 1e-4 (docs/real-powers.md): 5 steps of 6 products, and Z's
+# eigenvalues within 1e-4^(-1/8) = 3.2 of each other, where a polynomial of degree ~10 suffices. A
+# lower design bound (a negative power's floor) doubles n until Z's spread is that again.
+ROOT_ORDER = 8
+ROOT_SPREAD = REAL_POWER_LOWER ** (-1.0 / ROOT_ORDER)
+
+
+def root_order(lower: float) -> int:
+    """The order of the inverse root for eigenvalues in ``[lower, 1]`` (:data:`ROOT_ORDER`, doubled while
+    ``lower^(-1/n)`` exceeds :data:`ROOT_SPREAD`)."""
+    n = ROOT_ORDER
+    while lower ** (-1.0 / n) > ROOT_SPREAD * (1 + 1e-12):
+        n *= 2
+    return n
+# The relative accuracy the root's steps and the polynomial are designed for, per precision: below the
+# products' own rounding, so that the construction adds nothing measurable to it.
+REAL_POWER_TOLERANCE = {"fp64": 1e-13, "fp32": 1e-7, "tf32": 1e-4, "bf16": 1e-3, "fp16": 1e-4}
+
+
+def inverse_root(kernels, A: torch.Tensor, n: int, coefficients, precision: str,
+                 identity: torch.Tensor) -> torch.Tensor:
+    """``Z -> A^(-1/n)`` for a symmetric ``A`` with eigenvalues in the design interval of
+    ``coefficients`` (:func:`~spectral_ops.coefficients.inverse_root_coefficients`): ``T = a I + b M +
+    c M^2``, ``Z <- Z T``, ``M <- T^n M`` from ``M = A``, ``Z = I``, so that ``M = Z^n A`` and ``M -> I``.
+
+    ``M`` is iterated with ``Z`` (coupled) rather than formed as ``Z^n A``, which would amplify ``A``'s
+    rounding by its condition number; ``T^n M`` and ``Z T`` are full products (commuting symmetric
+    factors, as in :func:`coupled_inverse_root`), ``T^n`` by squarings."""
+    M, Z, identity = A, None, identity.to(A.dtype)
+    for step, (a, b, c) in enumerate(coefficients):
+        T = kernels.poly_step(M, b, c, precision) + a * identity
+        Z = T if Z is None else kernels.product(Z, T, precision)
+        if step < len(coefficients) - 1:  # the last M is not needed
+            power = T
+            for _ in range(n.bit_length() - 1):
+                power = kernels.symmetric(power, power, precision)
+            M = kernels.product(power, M, precision)
+    return Z
+
+
+def symmetric_polynomial(kernels, U: torch.Tensor, coefficients, precision: str,
+                         identity: torch.Tensor) -> torch.Tensor:
+    """``sum_i coefficients[i] U^i`` for a symmetric ``U`` (Paterson-Stockmeyer): the powers up to
+    ``U^s`` with ``s ~ sqrt(degree)``, then Horner's rule in ``U^s`` over blocks of ``s`` coefficients,
+    about ``2 sqrt(degree)`` products instead of ``degree``."""
+    degree = len(coefficients) - 1
+    size = max(1, math.isqrt(degree + 1))
+    powers = [identity.to(U.dtype), U]
+    while len(powers) <= size:
+        powers.append(kernels.symmetric(powers[-1], U, precision))
+
+    def block(start):
+        return sum(c * powers[i] for i, c in enumerate(coefficients[start:start + size]))
+
+    starts = list(range(0, degree + 1, size))
+    result = block(starts[-1])
+    for start in reversed(starts[:-1]):
+        result = kernels.product(result, powers[size], precision) + block(start)
+    return result
+
+
+def matrix_power_of_root(kernels, Z: torch.Tensor, gamma: float, lo: float, hi: float, tolerance: float,
+                         precision: str, identity: torch.Tensor) -> torch.Tensor:
+    """``Z^gamma`` for a symmetric ``Z`` with eigenvalues in ``[lo, hi]``: ``z^(gamma / 2^j)`` by a
+    polynomial (:func:`~spectral_ops.coefficients.power_polynomial`), then ``j`` squarings, with ``j``
+    the least that brings the exponent to at most 1 (a steep ``z^gamma`` needs a high degree, its
+    square root a low one; each squaring doubles the polynomial's relative error, which it is
+    designed for)."""
+    squarings = max(0, math.ceil(math.log2(abs(gamma)))) if gamma else 0
+    coefficients, lo, hi = power_polynomial(gamma / 2**squarings, lo, hi, tolerance / 2**squarings)
+    U = (2.0 / (hi - lo)) * Z - ((hi + lo) / (hi - lo)) * identity.to(Z.dtype)
+    F = symmetric_polynomial(kernels, U, coefficients, precision, identity)
+    for _ in range(squarings):
+        F = kernels.symmetric(F, F, precision)
+    return F
+
+
 def matrix_sign(kernels, A: torch.Tensor, coefficients, precision: str) -> torch.Tensor:
     """``msign`` of a symmetric ``A`` (SPEC 1.4): normalise by ``||A||_F``, then one sign step per triple.
 
@@ -506,15 +584,18 @@ class GramPlan:
             self._gram_polar = (Z, X)
         return self._gram_polar
 
-    def scaled_power(self, p: int, coefficients, iteration: str = "rectangle"):
+    def scaled_power(self, p, coefficients, iteration: str = "rectangle", eps=None):
         """``S_p`` (wide, compute dtype) scaled, ``(D, ln f)``: ``D = M Q`` for ``p = 2k`` and ``M Xn`` for
         ``2k + 1``, with ``Gn^k = g M`` and ``f = c^p g``; ``(X, 0)`` for ``p = 1``. With
         ``iteration="gram_space"`` the polar factor of an even ``p`` comes from :meth:`gram_polar` as
-        ``Q = Z Xj``, and ``D = (M Z) Xj``: one product by the rectangle instead of two.
+        ``Q = Z Xj``, and ``D = (M Z) Xj``: one product by the rectangle instead of two. A ``p`` that is
+        not an int (a real power, or a floored negative one with ``eps``) is :meth:`scaled_real_power`'s.
 
         ``p = 0``'s ``D``, the polar factor itself, stays in the operand dtype: its caller rounds it
         once, to where it goes (a Muon step adds the bf16 iterate to its weights as torch.optim.Muon
         does, without a full-size fp32 copy of it)."""
+        if not isinstance(p, int):
+            return self.scaled_real_power(p, coefficients, iteration, eps)
         if p == 1:
             return self.X, torch.zeros_like(self.log_scale)
         if iteration == "gram_space" and p % 2 == 0:
@@ -529,9 +610,79 @@ class GramPlan:
         M, log_gram = self.gram_power(p // 2)
         return self.product(M, base).to(self.dtype), p * self.log_scale + log_gram
 
+    def scaled_real_power(self, p: float, coefficients, iteration: str = "rectangle", eps=None):
+        """``S_p`` scaled, ``(D, ln f)``, for a real ``p >= 0`` that is not an integer, or ``p < 0`` floored:
+        ``U diag((s^2 + (eps s_max)^2)^(p/2)) V^T`` (docs/real-powers.md).
+
+        ``P = |Xn| = Xn Q^T = U diag(s) U^T`` (one product from the polar factor: its spectrum is ``s``,
+        not the Gram's ``s^2``, whose rounding would cost the small modes twice the digits) is scaled
+        into ``[0, 1]`` by ``b = ||Gn||_F^(1/2)`` (``s_max <= b <= r^(1/4) s_max``). Its inverse root
+        ``Z = A^(-1/8)`` (:func:`inverse_root`) has eigenvalues within ``1e-4^(-1/8) = 3.2`` of each other
+        over the design interval, where ``A^f = Z^(-8 f)`` is a low-degree polynomial
+        (:func:`matrix_power_of_root`). Then ``S_p = c^p b^f A^f S_k`` with ``k = floor(p)``, ``f = p - k``
+        and ``S_k`` the integer power (``Q`` for ``k = 0``); for ``p < 0``, ``A = P^2 + e^2 I`` scaled and
+        ``S_p = A^(p/2) Q`` (``Q`` is 0 on a zero mode, which has no singular vectors: it stays 0).
+        Modes below :data:`~spectral_ops.coefficients.REAL_POWER_LOWER` of ``b`` are outside the design
+        (as Polar Express's below its bound): the polynomial takes them to about the bound's value.
+        ``A^e`` is ``Z^(-n e)`` (``e = f``, or ``p / 2`` for the floored power)."""
+        precision, identity = self.precision, self.identity()
+        operand = OPERAND_DTYPES[precision]
+        Q = self.scaled_power(0, coefficients, iteration)[0].to(operand)
+        P = self.symmetric(self.Xo, Q.mT)
+        self._gram_square(1)
+        bound_sq = (self._square_norm(1)[..., None, None] * NORMALIZATION_MARGIN**2).clamp_min(
+            torch.finfo(self.dtype).tiny)
+        if p > 0:
+            whole, fraction = math.floor(p), p - math.floor(p)
+            A = P * bound_sq.rsqrt().to(operand)
+            lower, exponent = REAL_POWER_LOWER, fraction
+            if whole == 0:
+                base, log_base = Q, torch.zeros_like(self.log_scale)
+            elif whole == 1:
+                base, log_base = self.Xo, self.log_scale
+            else:
+                base, log_base = self.scaled_power(whole, coefficients, iteration)
+            log_factor = log_base + fraction * (self.log_scale + 0.5 * bound_sq.double().log())
+        else:
+            floor_sq = (eps * self.spectral_norm_estimate()) ** 2
+            norm = bound_sq + floor_sq
+            A = (self.product(P, P) + floor_sq.to(operand) * identity.to(operand)) * norm.reciprocal().to(operand)
+            # A's smallest eigenvalue e^2 / (s_max^2 + e^2) is at least this, since b^2 <= r^(1/2) s_max^2.
+            lower = eps**2 / (math.sqrt(self.shape[-2]) * NORMALIZATION_MARGIN**2 + eps**2)
+            exponent, base = p / 2, Q
+            log_factor = p * self.log_scale + (p / 2) * norm.double().log()
+        tolerance, n = REAL_POWER_TOLERANCE[precision], root_order(lower)
+        root = inverse_root_coefficients(n, lower, tolerance / n)
+        Z = inverse_root(self.kernels, A, n, root, precision, identity)
+        # Z's eigenvalues: from 1 (A's top) to lower^(-1/n) at the design bound, and at most the product of
+        # the steps' a (the lift of a mode below it, which the polynomial then takes to about the
+        # bound's value, bounded, instead of extrapolating), widened for the residual and rounding.
+        widening = 1.0 + max(1e-3, 10 * tolerance)
+        largest = max(math.prod(a for a, _, _ in root), lower ** (-1.0 / n))
+        F = matrix_power_of_root(self.kernels, Z, -n * exponent, 1.0 / widening, largest * widening, tolerance,
+                                 precision, identity)
+        return self.product(F, base.to(operand)).to(self.dtype), log_factor
+
+    def spectral_norm_estimate(self, sweeps: int = 8) -> torch.Tensor:
+        """``s_max(Xn)`` per matrix (compute dtype, ``(..., 1, 1)``), from below: the Rayleigh quotient of
+        ``Gn`` at ``v = Gn^(8 (sweeps + 1)) e_j``, from the column ``j`` of ``Gn^8`` (three squarings) of
+        largest norm and ``sweeps`` matrix-vector products by it. ``v`` weighs mode ``i`` by
+        ``(s_i / s_max)^(16 (sweeps + 1))``, so the quotient misses ``s_max^2`` by at most about
+        ``1 / (16 e (sweeps + 1))`` of it (0.3% with 8 sweeps; the modes that weigh most are those that
+        miss least). It sets a floor's scale (``eps s_max``)."""
+        M, _ = self._gram_square(8)
+        M = M.to(self.dtype)
+        column = torch.linalg.vector_norm(M, dim=-2).argmax(-1)
+        v = torch.take_along_dim(M, column[..., None, None], dim=-1)
+        tiny = torch.finfo(self.dtype).tiny
+        for _ in range(sweeps):
+            v = M @ (v / torch.linalg.vector_norm(v, dim=-2, keepdim=True).clamp_min(tiny))
+        quotient = (v * (self.gram.to(self.dtype) @ v)).sum((-2, -1), keepdim=True)
+        return (quotient / (v * v).sum((-2, -1), keepdim=True).clamp_min(tiny)).sqrt()
+
     def power(self, p: int, coefficients) -> torch.Tensor:
         """``S_p`` (wide, compute dtype), non-finite only where it overflows the compute dtype."""
-        if p <= 1:
+        if p in (0, 1):  # unscaled already
             return self.scaled_power(p, coefficients)[0].to(self.dtype)
         return scaled_(*self.scaled_power(p, coefficients))
 
@@ -606,7 +757,7 @@ class GramPlan:
         exact = "fp64" if self.dtype == torch.float64 else "fp32"
         return self.kernels.product(M, Z, exact, **epilogue)
 
-    def scaled_direction(self, p: int, polar_coefficients, iteration: str):
+    def scaled_direction(self, p, polar_coefficients, iteration: str, eps=None):
         """``S_p`` scaled, ``(D, ln f)``, as :func:`route` says: a backend's fused chain first where it may
         run, else the plan's iteration."""
         chosen = route(self.shape, self.dtype, self.log_scale.device.type, p, self.precision, method="gram",
@@ -615,7 +766,7 @@ class GramPlan:
             chained = chained_power(self.kernels, self, p, polar_coefficients)
             if chained is not None:
                 return chained
-        return self.scaled_power(p, polar_coefficients, chosen.iteration)
+        return self.scaled_power(p, polar_coefficients, chosen.iteration, eps)
 
     def oriented(self, S: torch.Tensor) -> torch.Tensor:
         return S.mT if self.transposed else S
@@ -671,14 +822,18 @@ class FactorisedPlan(GramPlan):
         threshold = ratio(tau, self.log_scale, math.sqrt(2.0), torch.float64)[..., 0]
         return (torch.sign(self.factors.s.double() - threshold) + 1) / 2
 
-    def scaled_power(self, p: int, coefficients=(), iteration: str = "rectangle"):
+    def scaled_power(self, p, coefficients=(), iteration: str = "rectangle", eps=None):
         if p == 1:
             return super().scaled_power(p, coefficients)
-        direction = self.factors.modes(power_weights(self.factors.s, p, self.shape[-1]))
+        s = self.factors.s
+        if p < 0:  # floored: (s^2 + (eps s_max)^2)^(p/2) on the non-zero modes, scaled by c^p
+            floored = (s.double() ** 2 + (eps * s.double().amax(-1, keepdim=True)) ** 2) ** (p / 2)
+            return self.factors.modes(power_weights(s, 0, self.shape[-1]) * floored), p * self.log_scale
+        direction = self.factors.modes(power_weights(s, p, self.shape[-1]))
         return direction, p * self.log_scale if p else torch.zeros_like(self.log_scale)
 
-    def scaled_direction(self, p: int, polar_coefficients, iteration: str):
-        return self.scaled_power(p)
+    def scaled_direction(self, p, polar_coefficients, iteration: str, eps=None):
+        return self.scaled_power(p, eps=eps)
 
     def top_projector(self, tau, sign_coefficients) -> torch.Tensor:
         return self.factors.projector(self._above(tau))
@@ -748,18 +903,19 @@ def chained_power(kernels, plan: GramPlan, p: int, polar_coefficients):
     return chained.to(plan.dtype), p * plan.log_scale
 
 
-def spectral_power(kernels, W: torch.Tensor, p: int, polar_coefficients, precision: str | None = None,
-                   sync: bool = True, iteration: str = "auto", method: str = "gram"):
+def spectral_power(kernels, W: torch.Tensor, p, polar_coefficients, precision: str | None = None,
+                   sync: bool = True, iteration: str = "auto", method: str = "gram", eps=None):
     """``sync``: check the result for overflow (OverflowError); the capturable path passes False and
     gets Inf where the result exceeds the dtype. ``iteration``: one of :data:`ITERATIONS`; ``method``:
-    :func:`route`'s (``"auto"`` routes here)."""
+    :func:`route`'s (``"auto"`` routes here). ``p``: an int, a real ``p > 0``, or ``p < 0`` with its
+    floor ``eps`` (:meth:`GramPlan.scaled_real_power`)."""
     if p == 1:
         return W.clone()  # S_1(W) = W, and the result must never alias the input
     method = routed(kernels, W, p, precision, method, iteration=iteration)
     if p == 0 and method == "gram":
         return polar_factor(kernels, W, polar_coefficients, precision, iteration)
     plan = plan_for(W, kernels, precision, method)
-    direction, log_factor = plan.scaled_direction(p, polar_coefficients, iteration)
+    direction, log_factor = plan.scaled_direction(p, polar_coefficients, iteration, eps)
     result = plan.oriented(scaled_(direction, log_factor)).to(W.dtype)
     return checked_finite(result, "spectral_power") if sync else result
 
@@ -890,19 +1046,25 @@ def route(shape, dtype: torch.dtype, device_type: str, p: int, precision: str, *
             method = "svd"
         elif p == 1:
             method = "gram"
-        elif p >= 2:
+        elif p > 1:
             method = "eigh"
+        elif p != 0:  # a real power below 1, or a floored negative one: the SVD resolves every mode
+            method = "svd"
         else:
             polar_sides = CPU_POLAR_SIDES[0] <= r <= CPU_POLAR_SIDES[1]
             if compute_dtype(dtype) == torch.float32:
                 method = "gram" if polar_sides or r >= CPU_POLAR_LARGE_SIDE else "svd"
             else:
                 method = "gram" if m == n and polar_sides else "svd"
-    chain = iteration != "gram_space" and p // 2 * math.log2(max(r, 2)) <= CHAIN_POWER_RANGE_BITS
+    chain = iteration != "gram_space" and isinstance(p, int) and p // 2 * math.log2(max(r, 2)) <= CHAIN_POWER_RANGE_BITS
     if iteration == "auto":
         iteration = "rectangle"
-        if p % 2 == 0 and precision in GRAM_SPACE_PRECISIONS:
-            flops = {it: cost("spectral_power", (r, side), p=p, iteration=it, steps=steps, symmetric_at_half=True)
+        # An even power and a real one (p = 0's polar factor is its base) iterate a polar factor.
+        if (p % 2 == 0 or not isinstance(p, int)) and precision in GRAM_SPACE_PRECISIONS:
+            # A real power's iteration is its polar factor's: the rest costs the same either way.
+            p_iterated = p if isinstance(p, int) else 0
+            flops = {it: cost("spectral_power", (r, side), p=p_iterated, iteration=it, steps=steps,
+                              symmetric_at_half=True)
                      for it in ("gram_space", "rectangle")}
             if flops["gram_space"] <= (1 - GRAM_SPACE_SAVING) * flops["rectangle"]:
                 iteration = "gram_space"
@@ -925,9 +1087,9 @@ def routed(kernels, W: torch.Tensor, p: int, precision: str | None, method: str,
 
 
 @constant_when_traced  # read off the plan on meta tensors, not traced (nor its cache, which Dynamo would skip)
-def cost(op: str, shape: tuple, *, p: int = 0, precision: str = "fp32", iteration: str = "rectangle",
+def cost(op: str, shape: tuple, *, p=0, precision: str = "fp32", iteration: str = "rectangle",
          steps: int = 8, sign_steps: int = 8, band_mode: str | None = None, p_bot: int = 1, guard: bool = False,
-         symmetric_at_half: bool = False) -> float:
+         symmetric_at_half: bool = False, eps: float | None = None) -> float:
     """The matrix FLOPs of one call of ``op`` (one of :data:`OPS`) on a float32 tensor of ``shape``
     (a batch counts each matrix), read off the plan: it runs on meta tensors with
     :class:`~spectral_ops.backends.counting.CountingBackend`, which counts each primitive.
@@ -935,16 +1097,16 @@ def cost(op: str, shape: tuple, *, p: int = 0, precision: str = "fp32", iteratio
     At full cost this is what ``FlopCounterMode`` counts of the torch backend; ``symmetric_at_half``
     gives the GPU kernels' count, each symmetric product (the Gram, ``A A``, the sign steps) at half.
     ``p``, ``iteration`` (``"auto"`` routes as a call would), ``steps``, ``sign_steps``, ``band_mode``
-    and ``p_bot`` configure the op; ``guard``: a decay's stability bound is formed (a capturable
+    and ``p_bot`` configure the op (``eps``: a negative ``p``'s floor); ``guard``: a decay's stability bound is formed (a capturable
     step's clamp, every step; an eager one forms it only where ``||W||_F`` does not settle the
     guard). The fused chains are not counted: their products are the composed plan's.
     """
     return _counted(op, tuple(shape), p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard,
-                    symmetric_at_half)
+                    symmetric_at_half, eps)
 
 
 @functools.lru_cache(maxsize=4096)
-def _counted(op, shape, p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard, symmetric_at_half):
+def _counted(op, shape, p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard, symmetric_at_half, eps):
     from .backends.counting import CountingBackend
 
     kernels = CountingBackend(symmetric_at_half)
@@ -954,7 +1116,8 @@ def _counted(op, shape, p, precision, iteration, steps, sign_steps, band_mode, p
     calls = {
         "polar": lambda: polar(kernels, W, polar_coefficients, precision),
         "msign": lambda: msign(kernels, W, sign_coefficients, precision),
-        "spectral_power": lambda: spectral_power(kernels, W, p, polar_coefficients, precision, False, iteration),
+        "spectral_power": lambda: spectral_power(kernels, W, p, polar_coefficients, precision, False, iteration,
+                                                 eps=eps),
         "band_projectors": lambda: band_projectors(kernels, W, 1.0, sign_coefficients, precision),
         "band_direction": lambda: band_direction(kernels, W, p, band, polar_coefficients, sign_coefficients,
                                                  precision, sync=False),

@@ -53,13 +53,27 @@ def test_not_a_tensor():
         so.polar([[1.0, 2.0], [3.0, 4.0]])
 
 
-@pytest.mark.parametrize("p, match", [(-1, "p < 0"), (1.5, "with a fraction"), (float("inf"), "with a fraction"),
-                                      (True, "integer, got True"), ("2", "integer, got '2'")])
+@pytest.mark.parametrize("p, match", [(float("inf"), "finite real"), (float("nan"), "finite real"),
+                                      (True, "real number, got True"), ("2", "real number, got '2'")])
 def test_invalid_power(p, match):
     W = good()
     for call in (lambda: so.spectral_power(W, p), lambda: so.spectral_decay_(W, p, 0.1, 0.1)):
         with pytest.raises(ValueError, match=match):
             call()
+    assert torch.equal(W, good())
+
+
+def test_a_negative_power_needs_its_floor_and_is_never_a_decay():
+    W = good()
+    with pytest.raises(ValueError, match="needs a floor: pass eps"):
+        so.spectral_power(W, -0.25)
+    with pytest.raises(ValueError, match="eps floors a negative power only"):
+        so.spectral_power(W, 0.5, eps=1e-3)
+    for eps in (0.0, -1e-3, float("inf"), True):
+        with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+            so.spectral_power(W, -0.25, eps=eps)
+    with pytest.raises(ValueError, match="cannot be a decay"):
+        so.spectral_decay_(W, -0.25, 0.1, 0.1)
     assert torch.equal(W, good())
 
 

@@ -256,5 +256,5 @@ def test_options_are_validated_at_construction_and_again_only_when_changed(monke
     optimizer.step()
     assert len(calls) == 2 and calls[-1][0] == 3
     optimizer.param_groups[0]["p"] = -1
-    with pytest.raises(ValueError, match="p must be a non-negative integer"):
+    with pytest.raises(ValueError, match="p=-1 < 0 cannot be a decay"):
         optimizer.step()

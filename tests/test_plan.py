@@ -289,7 +289,7 @@ def test_auto_takes_a_backends_fused_chain_first(monkeypatch):
     chosen = plan.route(W.shape, W.dtype, "cpu", 2, "fp32")
     assert chosen.iteration == "gram_space" and chosen.chain
     assert gram_plan.scaled_direction(2, coefficients, "auto") is chained
-    monkeypatch.setattr(plan.GramPlan, "scaled_power", lambda self, p, coefficients, iteration: iteration)
+    monkeypatch.setattr(plan.GramPlan, "scaled_power", lambda self, p, coefficients, iteration, eps=None: iteration)
     assert gram_plan.scaled_direction(2, coefficients, "gram_space") == "gram_space"
 
 

@@ -1,0 +1,127 @@
+"""Real and floored negative powers on the Gram route (plan.GramPlan.scaled_real_power), against the
+FP64 SVD. Tolerances: fp64 runs show the construction's own error (its stages are designed for 1e-13
+relative, so 1e-9 leaves room for the products' rounding); fp32 ones are the issue's goals where they
+hold, and the measured limits documented in docs/real-powers.md where they do not (the inverse root's
+rounding, about sqrt(r) eps per product, is raised to the power 8 f by the polynomial)."""
+
+import math
+
+import pytest
+import torch
+
+import spectral_ops as so
+from spectral_ops import plan
+
+
+def matrix(m, n, kappa, seed=0, batch=()):
+    generator = torch.Generator().manual_seed(seed)
+    r = min(m, n)
+    U = torch.linalg.qr(torch.randn(*batch, m, r, dtype=torch.float64, generator=generator))[0]
+    V = torch.linalg.qr(torch.randn(*batch, n, r, dtype=torch.float64, generator=generator))[0]
+    s = torch.logspace(0, -math.log10(kappa), r, dtype=torch.float64)
+    return (U * s) @ V.mT, U, s, V
+
+
+def reference(U, s, V, p, eps=None):
+    weights = s**p if eps is None else (s**2 + (eps * s.amax(-1, keepdim=True)) ** 2) ** (p / 2)
+    return (U * weights) @ V.mT
+
+
+def relative_error(result, expected):
+    return float((result.double() - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("p", [0.5, 1.5, 2.5, 0.1155, 0.25])
+@pytest.mark.parametrize("kappa", [10, 1e3])
+def test_the_construction_is_exact_in_fp64(p, kappa):
+    W, U, s, V = matrix(96, 48, kappa)
+    assert relative_error(so.spectral_power(W, p, method="gram"), reference(U, s, V, p)) < 1e-9
+
+
+@pytest.mark.parametrize("shape", [(128, 64), (64, 128)])
+@pytest.mark.parametrize("p, kappa, bound", [
+    # The issue's goals, met: 2e-5 for p in {0.5, 1.5, 2.5} at kappa 10, 1e-4 for {0.1155, 0.25} at 10 and 1e3.
+    (0.5, 10, 2e-5), (1.5, 10, 3e-5), (2.5, 10, 3e-5), (0.1155, 10, 1e-4), (0.25, 10, 1e-4),
+    (0.1155, 1e3, 1e-4), (0.25, 1e3, 1e-4),
+    # Not met (2e-5): 4e-5 to 8e-5 measured; the documented limit.
+    (0.5, 1e3, 2e-4), (1.5, 1e3, 2e-4), (2.5, 1e3, 2e-4),
+])
+def test_fp32_accuracy(shape, p, kappa, bound):
+    W, U, s, V = matrix(*shape, kappa)
+    result = so.spectral_power(W.float(), p, method="gram", precision="fp32")
+    assert relative_error(result, reference(U, s, V, p)) < bound
+
+
+def test_modes_below_the_design_bound_stay_bounded():
+    # kappa 1e6: the modes under 1e-4 s_max are outside the design; the polynomial takes them to about the
+    # bound's value instead of extrapolating (it gave errors of 5e3 before it covered their lift).
+    W, U, s, V = matrix(128, 64, 1e6)
+    for p in (0.5, 0.1155, 1.5):
+        result = so.spectral_power(W.float(), p, method="gram")
+        assert torch.isfinite(result).all()
+        assert relative_error(result, reference(U, s, V, p)) < 0.5
+
+
+def test_powers_compose():
+    # S_p S_q^T S_r = S_(p+q+r) on a full-rank matrix: U s^p V^T V s^q U^T U s^r V^T.
+    W, U, s, V = matrix(80, 40, 100)
+    S = {p: so.spectral_power(W, p, method="gram") for p in (0.5, 0.25, 1.25)}
+    assert relative_error(S[0.5] @ S[0.25].mT @ S[1.25], reference(U, s, V, 2)) < 1e-9
+
+
+def test_batches_and_transposes():
+    W, U, s, V = matrix(48, 24, 50, batch=(3,))
+    stacked = so.spectral_power(W, 0.75, method="gram")
+    for i in range(3):
+        single = so.spectral_power(W[i], 0.75, method="gram")
+        assert relative_error(stacked[i], single.double()) < 1e-12
+    assert relative_error(so.spectral_power(W.mT, 0.75, method="gram").mT, reference(U, s, V, 0.75)) < 1e-9
+
+
+def test_integral_floats_are_the_integer_powers():
+    W = matrix(48, 24, 10)[0].float()
+    assert torch.equal(so.spectral_power(W, 2.0, method="gram"), so.spectral_power(W, 2, method="gram"))
+
+
+@pytest.mark.parametrize("eps", [1e-1, 1e-2, 1e-3])
+@pytest.mark.parametrize("kappa", [10, 1e3])
+def test_floored_negative_power(eps, kappa):
+    W, U, s, V = matrix(96, 48, kappa)
+    expected = reference(U, s, V, -0.25, eps)
+    assert relative_error(so.spectral_power(W, -0.25, method="gram", eps=eps), expected) < 1e-9
+    assert relative_error(so.spectral_power(W, -0.25, method="svd", eps=eps), expected) < 1e-12
+
+
+def test_zero_and_rank_deficient_matrices():
+    assert torch.equal(so.spectral_power(torch.zeros(16, 8), 0.5, method="gram"), torch.zeros(16, 8))
+    W, U, s, V = matrix(32, 16, 10)
+    s[8:] = 0  # the zero modes have no singular vectors: they stay 0, as the SVD's s^p does
+    W = (U * s) @ V.mT
+    result = so.spectral_power(W, 0.5, method="gram")
+    assert relative_error(result, reference(U, s, V, 0.5)) < 1e-9
+    assert torch.isfinite(so.spectral_power(W, -0.5, method="gram", eps=1e-2)).all()
+
+
+def test_the_real_power_route_is_capturable_in_form():
+    # No host read: the same numbers as the synchronising call.
+    W = matrix(64, 32, 10)[0].float()
+    assert torch.equal(so.spectral_power(W, 0.5, method="gram", capturable=True),
+                       so.spectral_power(W, 0.5, method="gram"))
+
+
+@pytest.mark.parametrize("shape", [(128, 64), (1024, 4096), (768, 128)])
+def test_flops_within_two_and_a_half_times_s2(shape):
+    # The issue's budget, from the FLOPs the plan runs (Polar Express's 9 steps for the real power).
+    s2 = plan.cost("spectral_power", shape, p=2, iteration="auto")
+    for p in (0.5, 0.1155, 1.5, 2.5):
+        assert plan.cost("spectral_power", shape, p=p, iteration="auto", steps=9) <= 2.5 * s2
+
+
+def test_real_power_decay_matches_the_svd():
+    W, U, s, V = matrix(64, 32, 100)
+    for p in (0.5, 1.5):
+        for method in ("gram", "svd"):
+            X = W.clone()
+            so.spectral_decay_(X, p, 0.1, 0.01, method=method)
+            expected = W - 0.001 * reference(U, s, V, p)
+            assert relative_error(X - W, expected - W) < 1e-9
