@@ -113,7 +113,7 @@ class DecayRequest:
     from ``generator`` (None: the device's default generator).
     """
 
-    p: int
+    p: float  # an int where integral (a real power, SPEC 1.1)
     scale: Scale
     spectral_weight_decay: Scale
     ordinary_weight_decay: Scale = 0.0
@@ -333,7 +333,7 @@ def symmetric_polynomial(kernels, U: torch.Tensor, coefficients, precision: str,
     about ``2 sqrt(degree)`` products instead of ``degree``."""
     degree = len(coefficients) - 1
     size = max(1, math.isqrt(degree + 1))
-    powers = [identity.to(U.dtype), U]
+    powers = [identity.to(U.dtype).expand_as(U), U]  # a block of the constant term alone is a stack too
     while len(powers) <= size:
         powers.append(kernels.symmetric(powers[-1], U, precision))
 

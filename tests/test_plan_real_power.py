@@ -102,11 +102,24 @@ def test_zero_and_rank_deficient_matrices():
     assert torch.isfinite(so.spectral_power(W, -0.5, method="gram", eps=1e-2)).all()
 
 
-def test_the_real_power_route_is_capturable_in_form():
-    # No host read: the same numbers as the synchronising call.
-    W = matrix(64, 32, 10)[0].float()
-    assert torch.equal(so.spectral_power(W, 0.5, method="gram", capturable=True),
-                       so.spectral_power(W, 0.5, method="gram"))
+@pytest.mark.parametrize("p, eps", [(0.5, None), (2.5, None), (-0.25, 1e-2)])
+def test_a_capturable_real_power_reads_nothing_back(p, eps):
+    from test_optim_capturable import host_reads_forbidden
+
+    W = matrix(64, 32, 10, batch=(2,))[0].float()
+    with host_reads_forbidden():
+        captured = so.spectral_power(W, p, method="gram", capturable=True, eps=eps)
+    assert torch.equal(captured, so.spectral_power(W, p, method="gram", eps=eps))
+
+
+@pytest.mark.parametrize("mode", ["top", "bot", "two_band"])
+def test_band_directions_take_real_powers(mode):
+    # The band forms multiply the real power by the projector; p_bot may be real too.
+    W, U, s, V = matrix(60, 30, 10)
+    tau = float(s[10] + s[11]) / 2  # between two modes, 4% from each
+    result = so.band_direction(W, tau, 0.5, mode, p_bot=1.5, lambda_bot=0.3, method="gram", sign_steps=12)
+    expected = so.reference.band_direction_svd(W, tau, 0.5, mode, p_bot=1.5, lambda_bot=0.3)
+    assert relative_error(result, expected.double()) < 1e-9
 
 
 @pytest.mark.parametrize("shape", [(128, 64), (1024, 4096), (768, 128)])
