@@ -195,12 +195,13 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
     if band is not None:
         if p == 0 and p0_mode == "prox":
             raise ValueError("p0_mode='prox' soft-thresholds the whole spectrum; it cannot be combined with band")
-        check_band(band, p, sync=sync)
+        band = check_band(band, p, sync=sync)
+    powers = (p,) if band is None else (p, band.p_bot)
     return DecayOptions(
         p=p,
         band=band,
         polar_coefficients=resolve_polar_coefficients(check_steps(steps), coefficients,
-                                                      real_power=not isinstance(p, int)),
+                                                      real_power=not all(isinstance(q, int) for q in powers)),
         sign_coefficients=sign_coefficients(band.sign_steps if band else None,
                                             band.sign_method if band else "polar_express"),
         precision=check_precision(precision),

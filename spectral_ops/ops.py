@@ -6,6 +6,8 @@ any strides), runs without autograd and returns a new tensor of the input's dtyp
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from . import dispatch, plan
@@ -226,15 +228,18 @@ def check_band(band: plan.Band, p: int, sync: bool = True,
     if band.mode == "clip" and p != 1:
         raise ValueError(f"mode='clip' pulls each singular value above tau towards it by its excess (s - tau), "
                          f"whatever the power: pass p=1, not p={p}")
-    check_power(band.p_bot, "p_bot")
     check_coefficient(band.spectral_weight_decay_bot, bottom_name, sync=sync)
-    return band
+    # An integral float p_bot is the integer, as p is (the plan takes a float for a real power).
+    return dataclasses.replace(band, p_bot=check_power(band.p_bot, "p_bot", decay=True))
 
 
-def _thresholded_coefficients(steps, sign_steps, sign_method: str, precision) -> tuple:
-    """A thresholded op's polar and sign coefficients, with its ``precision`` checked."""
+def _thresholded_coefficients(steps, sign_steps, sign_method: str, precision, powers=()) -> tuple:
+    """A thresholded op's polar and sign coefficients, with its ``precision`` checked; ``powers``: those
+    of its directions (a real one's polar factor is designed further down)."""
     check_precision(precision)
-    return resolve_polar_coefficients(check_steps(steps), None), sign_coefficients(sign_steps, sign_method)
+    real_power = not all(isinstance(q, int) for q in powers)
+    return (resolve_polar_coefficients(check_steps(steps), None, real_power=real_power),
+            sign_coefficients(sign_steps, sign_method))
 
 
 @torch.no_grad()
@@ -255,11 +260,11 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
     ========== ================================================
     """
     _validated(W, capturable=capturable)
-    p = check_power(p)
+    p = check_power(p, decay=True)
     check_coefficient(lambda_top, "lambda_top", sync=not capturable)
     band = check_band(plan.Band(tau, mode, p_bot=p_bot, spectral_weight_decay_bot=lambda_bot), p, sync=not capturable,
                       bottom_name="lambda_bot")
-    polar_c, sign_c = _thresholded_coefficients(steps, sign_steps, sign_method, precision)
+    polar_c, sign_c = _thresholded_coefficients(steps, sign_steps, sign_method, precision, (p, band.p_bot))
     if W.numel() == 0:
         return W.clone()
     return plan.band_direction(dispatch.kernels_for("band_direction", W), W, p, band, polar_c, sign_c, precision,
