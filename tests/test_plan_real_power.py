@@ -81,6 +81,11 @@ def test_batches_and_transposes():
 def test_integral_floats_are_the_integer_powers():
     W = matrix(48, 24, 10)[0].float()
     assert torch.equal(so.spectral_power(W, 2.0, method="gram"), so.spectral_power(W, 2, method="gram"))
+    # A band's bottom power too (it took the real route, a polynomial of exponent 0, before).
+    assert torch.equal(so.band_direction(W, 0.5, 2, "two_band", p_bot=2.0, method="gram"),
+                       so.band_direction(W, 0.5, 2, "two_band", p_bot=2, method="gram"))
+    with pytest.raises(ValueError, match="p_bot=-1 < 0 cannot be a decay"):
+        so.band_direction(W, 0.5, 2, "two_band", p_bot=-1)
 
 
 @pytest.mark.parametrize("eps", [1e-1, 1e-2, 1e-3])
