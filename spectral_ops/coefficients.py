@@ -113,6 +113,17 @@ def polar_express_coefficients(steps: int = 8, lower: float = 1e-3, safety: floa
     return _greedy_coefficients(int(steps), float(lower), float(safety))
 
 
+def polar_express_design(lower: float, tolerance: float, safety: float = 1.01):
+    """Polar Express for ``[lower, 1]`` with the fewest steps whose design takes the interval to within
+    ``tolerance`` of 1: the same triples as :func:`polar_express_coefficients` for that count (the greedy
+    construction does not depend on how many steps follow)."""
+    if not (isinstance(lower, (int, float)) and 0.0 < lower < 1.0):
+        raise ValueError(f"lower must be a float in (0, 1), got {lower!r}")
+    if not (isinstance(tolerance, (int, float)) and 0.0 < tolerance < 1.0):
+        raise ValueError(f"tolerance must be a float in (0, 1), got {tolerance!r}")
+    return _greedy_coefficients(None, float(lower), float(safety), 2, float(tolerance))
+
+
 _designed: dict[tuple, tuple] = {}
 
 

@@ -25,7 +25,8 @@ from ._checks import (
     check_steps,
 )
 from .coefficients import resolve_polar_coefficients
-from .ops import check_band, check_iteration, check_method, check_precision, sign_coefficients
+from .ops import (check_band, check_iteration, check_method, check_precision, threshold_sign_coefficients,
+                  thresholded_polar_coefficients)
 from .plan import (  # noqa: F401  (SpectralStabilityError: the decay's public name)
     ROUNDINGS,
     STABILITY_POLICIES,
@@ -158,8 +159,8 @@ class DecayOptions:
 
     p: int
     band: Band | None
-    polar_coefficients: tuple
-    sign_coefficients: tuple
+    polar_coefficients: tuple | None  # None: designed for the band's threshold (a band decay's)
+    sign_coefficients: tuple | None
     precision: str | None
     p0_mode: str
     stability: str
@@ -201,9 +202,10 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
         p=p,
         band=band,
         polar_coefficients=resolve_polar_coefficients(check_steps(steps), coefficients,
-                                                      real_power=not all(isinstance(q, int) for q in powers)),
-        sign_coefficients=sign_coefficients(band.sign_steps if band else None,
-                                            band.sign_method if band else "polar_express"),
+                                                      real_power=not all(isinstance(q, int) for q in powers))
+        if band is None else thresholded_polar_coefficients(steps, coefficients, powers),
+        sign_coefficients=threshold_sign_coefficients(band.sign_steps if band else None,
+                                                      band.sign_method if band else "polar_express"),
         precision=check_precision(precision),
         p0_mode=p0_mode,
         stability=stability,

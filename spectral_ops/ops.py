@@ -79,6 +79,16 @@ def sign_coefficients(steps=None, method: str = "newton_schulz") -> tuple:
     return (NEWTON_SCHULZ_SIGN,) * steps
 
 
+def threshold_sign_coefficients(steps=None, method: str = "polar_express"):
+    """A band op's sign iteration: None (designed for the threshold by the plan,
+    :func:`spectral_ops.plan.threshold_design`) for Polar Express at no given count; else the user's
+    count (or Newton-Schulz), which runs as given."""
+    check_choice(method, "sign_method", SIGN_METHODS)
+    if check_steps(steps) is None and method == "polar_express":
+        return None
+    return sign_coefficients(steps, method)
+
+
 @torch.no_grad()
 def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, precision: str | None = None,
           capturable: bool = False, dtype: torch.dtype | None = None, overwrite_input: bool = False) -> torch.Tensor:
@@ -208,14 +218,14 @@ def band_projectors(W: torch.Tensor, tau, sign_steps: int | None = None, sign_me
     check_method(method, capturable)
     _validated(W, capturable=capturable)
     _check_tau(tau, sync=not capturable)
-    coefficients = sign_coefficients(sign_steps, sign_method)
+    coefficients = threshold_sign_coefficients(sign_steps, sign_method)
     check_precision(precision)
     if W.numel() == 0:
         r = min(W.shape[-2:])
         empty = W.new_zeros(*W.shape[:-2], r, r)
         return empty, empty.clone()
     return plan.band_projectors(dispatch.kernels_for("band_projectors", W), W, tau, coefficients, precision,
-                                method=method)
+                                method=method, sync=not capturable)
 
 
 def check_band(band: plan.Band, p: int, sync: bool = True,
@@ -233,13 +243,21 @@ def check_band(band: plan.Band, p: int, sync: bool = True,
     return dataclasses.replace(band, p_bot=check_power(band.p_bot, "p_bot", decay=True))
 
 
-def _thresholded_coefficients(steps, sign_steps, sign_method: str, precision, powers=()) -> tuple:
-    """A thresholded op's polar and sign coefficients, with its ``precision`` checked; ``powers``: those
-    of its directions (a real one's polar factor is designed further down)."""
-    check_precision(precision)
+def thresholded_polar_coefficients(steps, coefficients=None, powers=()):
+    """A thresholded op's polar coefficients: None (designed for its threshold by the plan) where
+    neither ``steps`` nor ``coefficients`` is given and every power is an integer; ``powers``: those of
+    its directions (a real one's polar factor is designed further down, :data:`REAL_POWER_LOWER`)."""
     real_power = not all(isinstance(q, int) for q in powers)
-    return (resolve_polar_coefficients(check_steps(steps), None, real_power=real_power),
-            sign_coefficients(sign_steps, sign_method))
+    if check_steps(steps) is None and coefficients is None and not real_power:
+        return None
+    return resolve_polar_coefficients(steps, coefficients, real_power=real_power)
+
+
+def _thresholded_coefficients(steps, sign_steps, sign_method: str, precision, powers=()) -> tuple:
+    """A thresholded op's polar and sign coefficients (None: designed for its thresholds), with its
+    ``precision`` checked."""
+    check_precision(precision)
+    return thresholded_polar_coefficients(steps, None, powers), threshold_sign_coefficients(sign_steps, sign_method)
 
 
 @torch.no_grad()

@@ -47,7 +47,8 @@ import torch
 
 from ._checks import renamed_argument, user_stacklevel
 from ._compile import constant_when_traced
-from .coefficients import NORMALIZATION_MARGIN, REAL_POWER_LOWER, inverse_root_coefficients, power_polynomial
+from .coefficients import (NORMALIZATION_MARGIN, REAL_POWER_LOWER, inverse_root_coefficients, polar_express_coefficients,
+                           polar_express_design, power_polynomial)
 from .linalg import (SpectralFactors, as_float64, compute_dtype, frobenius_normalized, is_tall, power_weights, ratio,
                      scaled_, wide)
 
@@ -110,7 +111,9 @@ class DecayRequest:
     direction is computed (:func:`route`). ``increment``: write the step's increment (the new value less
     ``W``, each term formed as such: no cancellation) instead of the new value. ``rounding``: how the
     fp32 result is rounded to bf16/fp16 weights (:data:`ROUNDINGS`), ``"stochastic"`` drawing its bits
-    from ``generator`` (None: the device's default generator).
+    from ``generator`` (None: the device's default generator). Coefficients None: designed for the
+    band's threshold (:func:`threshold_design`), at ``threshold_ratio = tau / ||W||_F`` where that is
+    known (the cost model's meta stacks) or read from ``W`` (eager).
     """
 
     p: float  # an int where integral (a real power, SPEC 1.1)
@@ -129,6 +132,7 @@ class DecayRequest:
     increment: bool = False
     rounding: str = "nearest"
     generator: torch.Generator | None = None
+    threshold_ratio: float | None = None
 
 
 # How the decay rounds its fp32 result into bf16/fp16 weights: to the nearest value, or stochastically
@@ -363,6 +367,68 @@ def matrix_power_of_root(kernels, Z: torch.Tensor, gamma: float, lo: float, hi: 
     return F
 
 
+# ----- thresholds (docs/real-powers.md, "Thresholds at any depth"): where the band ops' sign iteration
+# runs and with how many steps, so that every mode at least THRESHOLD_RESOLUTION (relatively) from the
+# threshold is resolved, from tau = s_max down to s_max / 1000 and below.
+
+THRESHOLD_RESOLUTION = 0.01
+# Polar Express's default design bound (8 steps), which the polar factor and the Gram's sign keep where
+# the threshold needs no more: there the band ops are what they were, bit for bit.
+DEFAULT_LOWER = 1e-3
+DEFAULT_STEPS = 8
+# A capturable call cannot read ||W||_F: its fixed design covers tau >= s_max / 1000, whatever the
+# spectrum (s_max >= ||W||_F / sqrt(r), so tau / ||W||_F >= CAPTURABLE_DEPTH / sqrt(r)).
+CAPTURABLE_DEPTH = 1e-3
+# The design error of the designed steps: below the rounding of the band's final product (fp32 or fp64,
+# :meth:`GramPlan._final_product`), whatever the operands' precision.
+THRESHOLD_TOLERANCE = {torch.float32: 1e-7, torch.float64: 1e-13}
+
+
+@dataclass(frozen=True)
+class ThresholdDesign:
+    """How a band op resolves one threshold: ``absolute``: the sign iteration runs on ``|Xn| - t I``
+    (else on ``Gn - t^2 I``); ``sign``/``polar``: the coefficients of the sign iteration and of the
+    polar factor."""
+
+    absolute: bool
+    sign: tuple
+    polar: tuple
+
+
+def threshold_design(t: float | None, r: int, dtype: torch.dtype, polar_coefficients=None,
+                     sign_coefficients=None) -> ThresholdDesign:
+    """The design for the smallest ``t = tau / ||X||_F`` of a stack of ``r``-side matrices (None: not
+    known on the host, the capturable design). Given coefficients (a user's count, Newton-Schulz) are
+    kept as they are, on the Gram; None ones are designed here.
+
+    ``msign`` normalises by the Frobenius norm, and a mode ``1%`` from ``t`` has a relative gap of
+    ``0.0199 t^2 / ||Gn - t^2 I||_F`` on the Gram but ``0.01 t / || |Xn| - t I ||_F`` on ``|Xn|``, with
+    ``||Gn - t^2 I||_F^2 = 1 - 2 t^2 + r t^4`` (``tr Gn = 1``) and ``|| |Xn| - t I ||_F^2 <= 1 - 2 t + r t^2``
+    (``tr |Xn| >= 1``). The Gram is kept while its gap is within :data:`DEFAULT_LOWER` (the default steps
+    resolve it, and fp32's rounding of ``Gn`` stays below the fp32 bound: it costs the projector about
+    ``u / gap``); deeper, ``|Xn|`` (one product from the polar factor) with Polar Express designed for
+    its gap. The polar factor must resolve the modes down to the threshold, ``0.99 t / 1.01`` after
+    :func:`polar`'s margin. No gap is designed for below the compute dtype's epsilon, which no
+    iteration in it resolves."""
+    if t is None:
+        t = CAPTURABLE_DEPTH / math.sqrt(r)
+    near, tolerance, floor = THRESHOLD_RESOLUTION, THRESHOLD_TOLERANCE[dtype], torch.finfo(dtype).eps
+
+    def designed(lower):
+        return polar_express_design(max(lower, floor), tolerance) if lower < DEFAULT_LOWER else \
+            polar_express_coefficients(DEFAULT_STEPS)
+
+    if polar_coefficients is None:
+        polar_coefficients = designed((1 - near) * t / NORMALIZATION_MARGIN)
+    if sign_coefficients is not None:
+        return ThresholdDesign(False, sign_coefficients, polar_coefficients)
+    gram_gap = (1 - (1 - near) ** 2) * t * t / math.sqrt(max(1 - 2 * t * t + r * t**4, floor))
+    if gram_gap >= DEFAULT_LOWER:
+        return ThresholdDesign(False, designed(gram_gap), polar_coefficients)
+    gap = near * t / math.sqrt(max(1 - 2 * t + r * t * t, floor))
+    return ThresholdDesign(True, designed(gap), polar_coefficients)
+
+
 def matrix_sign(kernels, A: torch.Tensor, coefficients, precision: str) -> torch.Tensor:
     """``msign`` of a symmetric ``A`` (SPEC 1.4): normalise by ``||A||_F``, then one sign step per triple.
 
@@ -412,12 +478,17 @@ class GramPlan:
     """
 
     def __init__(self, W: torch.Tensor, kernels, precision: str, restart_every: int = GRAM_SPACE_BLOCK,
-                 overwrite_input: bool = False, polar_only: bool = False):
+                 overwrite_input: bool = False, polar_only: bool = False, capturable: bool = False,
+                 threshold_ratio: float | None = None):
         """``overwrite_input``: ``W`` is the caller's temporary, normalised in place (``X`` is then
         ``Xn``, and the plan has no ``X`` of its own). ``polar_only``: the plan is asked for the polar
         factor and nothing else, so :meth:`polar` hands its operand to the iteration instead of holding
-        it (and its Gram) through every step, as torch.optim.Muon's iteration holds neither."""
+        it (and its Gram) through every step, as torch.optim.Muon's iteration holds neither.
+        ``capturable``: no host reads, so a threshold takes the fixed design (:func:`threshold_design`);
+        ``threshold_ratio``: ``tau / ||W||_F`` where the caller knows it (the cost model's meta tensors)."""
         self.kernels = kernels
+        self.capturable = capturable
+        self.known_threshold_ratio = threshold_ratio
         self.polar_only = polar_only
         self.restart_every = restart_every
         self.precision = precision
@@ -628,7 +699,7 @@ class GramPlan:
         precision, identity = self.precision, self.identity()
         operand = OPERAND_DTYPES[precision]
         Q = self.scaled_power(0, coefficients, iteration)[0].to(operand)
-        P = self.symmetric(self.Xo, Q.mT)
+        P = self.absolute(Q)
         self._gram_square(1)
         bound_sq = (self._square_norm(1)[..., None, None] * NORMALIZATION_MARGIN**2).clamp_min(
             torch.finfo(self.dtype).tiny)
@@ -663,6 +734,10 @@ class GramPlan:
                                  precision, identity)
         return self.product(F, base.to(operand)).to(self.dtype), log_factor
 
+    def absolute(self, Q: torch.Tensor) -> torch.Tensor:
+        """``|Xn| = Xn Q^T = U diag(s) U^T`` from the polar factor ``Q`` (operand dtype): one product."""
+        return self.symmetric(self.Xo, Q.mT)
+
     def spectral_norm_estimate(self, sweeps: int = 8) -> torch.Tensor:
         """``s_max(Xn)`` per matrix (compute dtype, ``(..., 1, 1)``), from below: the Rayleigh quotient of
         ``Gn`` at ``v = Gn^(8 (sweeps + 1)) e_j``, from the column ``j`` of ``Gn^8`` (three squarings) of
@@ -686,15 +761,38 @@ class GramPlan:
             return self.scaled_power(p, coefficients)[0].to(self.dtype)
         return scaled_(*self.scaled_power(p, coefficients))
 
-    def top_projector(self, tau, sign_coefficients) -> torch.Tensor:
-        """``P_top = (I + msign(Gn - (tau / c)^2 I)) / 2`` on the small side (compute dtype).
+    def threshold_ratio(self, tau) -> float | None:
+        """The smallest ``tau / c`` of the stack on the host (one read), or None where the plan may not
+        read (capturable, or traced by torch.compile) or cannot (a non-finite weight)."""
+        if self.known_threshold_ratio is not None:
+            return self.known_threshold_ratio
+        if self.capturable or torch.compiler.is_compiling():
+            return None
+        t = float(ratio(tau, self.log_scale, math.sqrt(2.0), torch.float64).min())
+        return t if math.isfinite(t) and t > 0 else None
 
-        ``Gn``'s eigenvalues are in [0, 1], so a shift above 2 gives ``P_top = 0`` as surely as the exact one
-        (which can exceed the dtype: ``tau / c = 1e60`` for ``tau = 1e30``, ``c = 1e-30``)."""
-        ratio_sq = ratio(tau, self.log_scale, math.sqrt(2.0), self.dtype) ** 2
-        shifted = self.gram.to(self.dtype) - ratio_sq * self.identity()
-        J = matrix_sign(self.kernels, shifted, sign_coefficients, self.precision).to(self.dtype)
+    def design(self, tau, polar_coefficients, sign_coefficients) -> ThresholdDesign:
+        """:func:`threshold_design` for ``tau`` on this stack."""
+        return threshold_design(self.threshold_ratio(tau), self.shape[-2], self.dtype, polar_coefficients,
+                                sign_coefficients)
+
+    def projector(self, tau, design: ThresholdDesign) -> torch.Tensor:
+        """``P_top = (I + msign(Gn - (tau / c)^2 I)) / 2``, or ``(I + msign(|Xn| - (tau / c) I)) / 2`` as
+        ``design`` says, on the small side (compute dtype).
+
+        The eigenvalues of ``Gn`` and ``|Xn|`` are in [0, 1], so a shift above 2 gives ``P_top = 0`` as surely
+        as the exact one (which can exceed the dtype: ``tau / c = 1e60`` for ``tau = 1e30``, ``c = 1e-30``)."""
+        t = ratio(tau, self.log_scale, math.sqrt(2.0), self.dtype)
+        if design.absolute:
+            shifted = self.absolute(self.polar(design.polar)).to(self.dtype) - t * self.identity()
+        else:
+            shifted = self.gram.to(self.dtype) - t * t * self.identity()
+        J = matrix_sign(self.kernels, shifted, design.sign, self.precision).to(self.dtype)
         return (J + self.identity()) * 0.5
+
+    def top_projector(self, tau, polar_coefficients, sign_coefficients) -> torch.Tensor:
+        """:meth:`projector` with the design for ``tau`` (None coefficients: designed for it)."""
+        return self.projector(tau, self.design(tau, polar_coefficients, sign_coefficients))
 
     def band(self, p: int, band: Band, polar_coefficients, sign_coefficients, top: Scale = 1.0) -> torch.Tensor:
         """A band-selective direction (SPEC 1.4) with one rectangular product by ``P_top``; ``"two_band"``
@@ -704,7 +802,9 @@ class GramPlan:
         ``P_top S_p + P_bot X = X + P_top (S_p - X)``. ``S_p`` is formed unscaled, so a band form is
         finite only where ``S_p(W)`` itself fits the compute dtype.
         """
-        P_top = self.top_projector(band.tau, sign_coefficients)
+        design = self.design(band.tau, polar_coefficients, sign_coefficients)
+        polar_coefficients = design.polar
+        P_top = self.projector(band.tau, design)
         S_top = self.power(p, polar_coefficients)
         product, X = self._final_product, self.X
         if band.mode == "top":
@@ -726,9 +826,10 @@ class GramPlan:
 
         Every singular value is at most ``c``, so a ``t / c`` above 1 gives zero as surely as the exact
         one, and is capped there (it can exceed the dtype)."""
-        P_top = self.top_projector(t, sign_coefficients)
+        design = self.design(t, polar_coefficients, sign_coefficients)
+        P_top = self.projector(t, design)
         shift = ratio(t, self.log_scale, 1.0, self.dtype)
-        return self._final_product(P_top, self.Xn - shift * self.polar(polar_coefficients).to(self.dtype)), \
+        return self._final_product(P_top, self.Xn - shift * self.polar(design.polar).to(self.dtype)), \
             self.log_scale
 
     def scaled_clip(self, low, high, polar_coefficients, sign_coefficients):
@@ -738,16 +839,19 @@ class GramPlan:
         taken off), and ``+ P_bot(low) (low Q - X)`` lifts those below ``low``: two rectangular products
         by the projectors, which commute with ``Q`` and ``X``'s spectrum. A mode with ``s = 0`` has no
         singular vectors (``Q`` is 0 there) and stays 0. ``high / c`` above 1 caps nothing, as surely as
-        the exact one; ``low / c`` is not capped (a floor above ``s_max`` lifts every mode to it)."""
-        Q = self.polar(polar_coefficients).to(self.dtype)
+        the exact one; ``low / c`` is not capped (a floor above ``s_max`` lifts every mode to it). The
+        polar factor is designed for the lower bound (the deeper one: ``low <= high``)."""
+        high_design, low_design = (None if bound is None else self.design(bound, polar_coefficients, sign_coefficients)
+                                   for bound in (high, low))
+        Q = self.polar((low_design or high_design).polar).to(self.dtype)
         clipped = self.Xn
         if high is not None:
             shift = ratio(high, self.log_scale, 1.0, self.dtype)
-            clipped = self._final_product(self.top_projector(high, sign_coefficients), clipped - shift * Q,
+            clipped = self._final_product(self.projector(high, high_design), clipped - shift * Q,
                                           alpha=-1.0, Y=clipped)
         if low is not None:
             below = ratio(low, self.log_scale, math.inf, self.dtype) * Q - self.Xn
-            clipped = self._final_product(self.top_projector(low, sign_coefficients), below, alpha=-1.0,
+            clipped = self._final_product(self.projector(low, low_design), below, alpha=-1.0,
                                           Y=clipped + below)
         return clipped, self.log_scale
 
@@ -835,7 +939,7 @@ class FactorisedPlan(GramPlan):
     def scaled_direction(self, p, polar_coefficients, iteration: str, eps=None):
         return self.scaled_power(p, eps=eps)
 
-    def top_projector(self, tau, sign_coefficients) -> torch.Tensor:
+    def top_projector(self, tau, polar_coefficients, sign_coefficients) -> torch.Tensor:
         return self.factors.projector(self._above(tau))
 
     def band(self, p: int, band: Band, polar_coefficients, sign_coefficients, top: Scale = 1.0) -> torch.Tensor:
@@ -880,11 +984,14 @@ def per_mode(value: Scale, like: torch.Tensor) -> torch.Tensor:
     return value[..., 0] if value.dim() >= 2 else value
 
 
-def plan_for(W: torch.Tensor, kernels, precision: str | None, method: str) -> GramPlan:
-    """The plan of a routed ``method``: the iterations (``"gram"``) or a factorisation."""
+def plan_for(W: torch.Tensor, kernels, precision: str | None, method: str, capturable: bool = False,
+             threshold_ratio: float | None = None) -> GramPlan:
+    """The plan of a routed ``method``: the iterations (``"gram"``) or a factorisation; ``capturable``
+    and ``threshold_ratio`` as in :class:`GramPlan`."""
     if method in FACTORISATIONS:
         return FactorisedPlan(W, kernels, method, precision)
-    return GramPlan(W, kernels, resolve_precision(precision, W.dtype))
+    return GramPlan(W, kernels, resolve_precision(precision, W.dtype), capturable=capturable,
+                    threshold_ratio=threshold_ratio)
 
 
 # ----- the ops: (validated) inputs in, a new tensor of the input's dtype out; precision None resolves here
@@ -941,35 +1048,41 @@ def msign(kernels, A: torch.Tensor, sign_coefficients, precision: str | None = N
     return matrix_sign(kernels, A.to(compute_dtype(A.dtype, precision)), sign_coefficients, precision).to(A.dtype)
 
 
+# The band ops: None coefficients are designed for the threshold (threshold_design); ``sync=False`` (the
+# capturable path) neither checks the result nor reads the threshold's ratio on the host;
+# ``threshold_ratio``: a known tau / ||W||_F (the cost model's).
+
 def band_projectors(kernels, W: torch.Tensor, tau, sign_coefficients, precision: str | None = None,
-                    method: str = "gram"):
+                    method: str = "gram", sync: bool = True, threshold_ratio: float | None = None):
     method = routed(kernels, W, 1, precision, method, band=True)
-    plan = plan_for(W, kernels, precision, method)
-    P_top = plan.top_projector(tau, sign_coefficients)
+    plan = plan_for(W, kernels, precision, method, not sync, threshold_ratio)
+    P_top = plan.top_projector(tau, None, sign_coefficients)
     return P_top.to(W.dtype), (plan.identity() - P_top).to(W.dtype)
 
 
 def band_direction(kernels, W: torch.Tensor, p: int, band: Band, polar_coefficients, sign_coefficients,
-                   precision: str | None = None, sync: bool = True, top: Scale = 1.0, method: str = "gram"):
+                   precision: str | None = None, sync: bool = True, top: Scale = 1.0, method: str = "gram",
+                   threshold_ratio: float | None = None):
     method = routed(kernels, W, p, precision, method, band=True)
-    plan = plan_for(W, kernels, precision, method)
+    plan = plan_for(W, kernels, precision, method, not sync, threshold_ratio)
     result = plan.oriented(plan.band(p, band, polar_coefficients, sign_coefficients, top)).to(W.dtype)
     return checked_finite(result, "band_direction") if sync else result
 
 
 def svt(kernels, W: torch.Tensor, t, polar_coefficients, sign_coefficients, precision: str | None = None,
-        sync: bool = True, method: str = "gram"):
+        sync: bool = True, method: str = "gram", threshold_ratio: float | None = None):
     method = routed(kernels, W, 0, precision, method, band=True)
-    plan = plan_for(W, kernels, precision, method)
+    plan = plan_for(W, kernels, precision, method, not sync, threshold_ratio)
     result = plan.oriented(scaled_(*plan.scaled_svt(t, polar_coefficients, sign_coefficients))).to(W.dtype)
     return checked_finite(result, "svt") if sync else result
 
 
 def spectral_clip(kernels, W: torch.Tensor, low, high, polar_coefficients, sign_coefficients,
-                  precision: str | None = None, sync: bool = True, method: str = "gram"):
+                  precision: str | None = None, sync: bool = True, method: str = "gram",
+                  threshold_ratio: float | None = None):
     """``U diag(clamp(s, low, high)) V^T`` (``low``/``high`` None: that side unbounded)."""
     method = routed(kernels, W, 0, precision, method, band=True)
-    plan = plan_for(W, kernels, precision, method)
+    plan = plan_for(W, kernels, precision, method, not sync, threshold_ratio)
     clipped = plan.scaled_clip(low, high, polar_coefficients, sign_coefficients)
     result = plan.oriented(scaled_(*clipped)).to(W.dtype)
     return checked_finite(result, "spectral_clip") if sync else result
@@ -1088,8 +1201,9 @@ def routed(kernels, W: torch.Tensor, p: int, precision: str | None, method: str,
 
 @constant_when_traced  # read off the plan on meta tensors, not traced (nor its cache, which Dynamo would skip)
 def cost(op: str, shape: tuple, *, p=0, precision: str = "fp32", iteration: str = "rectangle",
-         steps: int = 8, sign_steps: int = 8, band_mode: str | None = None, p_bot: int = 1, guard: bool = False,
-         symmetric_at_half: bool = False, eps: float | None = None) -> float:
+         steps: int | None = 8, sign_steps: int | None = 8, band_mode: str | None = None, p_bot: int = 1,
+         guard: bool = False, symmetric_at_half: bool = False, eps: float | None = None,
+         threshold: float | None = None) -> float:
     """The matrix FLOPs of one call of ``op`` (one of :data:`OPS`) on a float32 tensor of ``shape``
     (a batch counts each matrix), read off the plan: it runs on meta tensors with
     :class:`~spectral_ops.backends.counting.CountingBackend`, which counts each primitive.
@@ -1100,35 +1214,45 @@ def cost(op: str, shape: tuple, *, p=0, precision: str = "fp32", iteration: str 
     and ``p_bot`` configure the op (``eps``: a negative ``p``'s floor); ``guard``: a decay's stability bound is formed (a capturable
     step's clamp, every step; an eager one forms it only where ``||W||_F`` does not settle the
     guard). The fused chains are not counted: their products are the composed plan's.
+
+    A band op's ``steps``/``sign_steps`` None are designed for its thresholds (:func:`threshold_design`),
+    as a call without them is: at ``threshold`` (each threshold's ``tau / ||W||_F``), or where that is
+    None at the capturable design, which cannot read it.
     """
     return _counted(op, tuple(shape), p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard,
-                    symmetric_at_half, eps)
+                    symmetric_at_half, eps, threshold)
 
 
 @functools.lru_cache(maxsize=4096)
-def _counted(op, shape, p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard, symmetric_at_half, eps):
+def _counted(op, shape, p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard, symmetric_at_half, eps,
+             threshold):
     from .backends.counting import CountingBackend
 
     kernels = CountingBackend(symmetric_at_half)
     W = torch.empty(shape, device="meta")
-    polar_coefficients, sign_coefficients = ((1.0, 0.0, 0.0),) * steps, ((1.0, 0.0, 0.0),) * sign_steps
+    polar_coefficients, sign_coefficients = (None if count is None else ((1.0, 0.0, 0.0),) * count
+                                             for count in (steps, sign_steps))
     band = Band(1.0, band_mode, p_bot) if band_mode else None
+    # Meta tensors have no values to read (sync=False): a threshold's ratio is the given one, or (None)
+    # the capturable design's.
     calls = {
         "polar": lambda: polar(kernels, W, polar_coefficients, precision),
         "msign": lambda: msign(kernels, W, sign_coefficients, precision),
         "spectral_power": lambda: spectral_power(kernels, W, p, polar_coefficients, precision, False, iteration,
                                                  eps=eps),
-        "band_projectors": lambda: band_projectors(kernels, W, 1.0, sign_coefficients, precision),
+        "band_projectors": lambda: band_projectors(kernels, W, 1.0, sign_coefficients, precision, sync=False,
+                                                   threshold_ratio=threshold),
         "band_direction": lambda: band_direction(kernels, W, p, band, polar_coefficients, sign_coefficients,
-                                                 precision, sync=False),
-        "svt": lambda: svt(kernels, W, 1.0, polar_coefficients, sign_coefficients, precision, sync=False),
+                                                 precision, sync=False, threshold_ratio=threshold),
+        "svt": lambda: svt(kernels, W, 1.0, polar_coefficients, sign_coefficients, precision, sync=False,
+                           threshold_ratio=threshold),
         "spectral_clip": lambda: spectral_clip(kernels, W, 0.5, 1.0, polar_coefficients, sign_coefficients, precision,
-                                               sync=False),
+                                               sync=False, threshold_ratio=threshold),
         "spectral_norm_bounds": lambda: spectral_norm_bounds(kernels, W, GUARD_SQUARINGS),
         "decay_": lambda: decay_(kernels, W, DecayRequest(
             p, 1.0, 1.0, band=band, polar_coefficients=polar_coefficients, sign_coefficients=sign_coefficients,
-            precision=precision, iteration=iteration, stability="clamp" if guard else "ignore", capturable=guard,
-            method="gram")),
+            precision=precision, iteration=iteration, stability="clamp" if guard else "ignore",
+            capturable=guard or threshold is None, method="gram", threshold_ratio=threshold)),
     }
     calls[op]()
     return kernels.flops
@@ -1196,7 +1320,7 @@ def decay_(kernels, W: torch.Tensor, request: DecayRequest) -> DecayOutcome:
     prox = p == 0 and request.p0_mode == "prox" and band is None
     method = routed(kernels, W, p, request.precision, request.method, iteration=request.iteration,
                     band=band is not None or prox)
-    plan = plan_for(W, kernels, request.precision, method)
+    plan = plan_for(W, kernels, request.precision, method, request.capturable, request.threshold_ratio)
     clamp, clamped = stability_clamp(plan, request)
     two_band = band is not None and band.mode == "two_band"
     # two_band weights each band by its own coefficient inside the direction.

@@ -197,13 +197,18 @@ def split_rounds(members: list, world_size: int) -> list[list]:
     return [members[start:start + size] for start in range(0, len(members), size)]
 
 
+def counted(coefficients) -> int | None:
+    """The number of steps of given coefficients; None (designed for a threshold) stays None."""
+    return None if coefficients is None else len(coefficients)
+
+
 def decay_flops(shape, options, dtype: torch.dtype = torch.float32) -> float:
     """The plan's FLOPs of one matrix's decay (:func:`spectral_ops.plan.cost`, symmetric products at
     half), at the precision ``options`` resolve to for ``dtype``."""
     band = options.band
     flops = plan.cost("decay_", tuple(shape), p=options.p, precision=plan.resolve_precision(options.precision, dtype),
-                      iteration=options.iteration, steps=len(options.polar_coefficients),
-                      sign_steps=len(options.sign_coefficients), band_mode=band.mode if band else None,
+                      iteration=options.iteration, steps=counted(options.polar_coefficients),
+                      sign_steps=counted(options.sign_coefficients), band_mode=band.mode if band else None,
                       p_bot=band.p_bot if band else 1, symmetric_at_half=True)
     return flops + shape[0] * shape[1]  # the element-wise update, so that no matrix is free
 
