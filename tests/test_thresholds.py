@@ -1,0 +1,182 @@
+"""The band ops at any threshold depth (docs/real-powers.md, "Thresholds at any depth"): the Gram route
+against the FP64 SVD from ``tau = s_max`` down to ``s_max / 1000``, the design that makes it so
+(:func:`spectral_ops.plan.threshold_design`), its cost, and its capturable form.
+
+Measure: the error in the SVD basis on the modes at least 1% from the threshold (the sign iteration is
+designed to resolve those; nearer ones come out partly projected, which costs svt and the clip at most
+``|s - tau|``), relative to the exact result on them. The fp32 bound 2e-5 is the package's (ten fp32
+roundoffs of the ~20 products of the chain, as for the powers); measured: at most 6e-6.
+"""
+
+import math
+
+import pytest
+import torch
+
+import spectral_ops as so
+from spectral_ops import plan, reference
+from spectral_ops.coefficients import polar_express_coefficients, polar_express_design
+from spectral_ops.linalg import matrix_with_spectrum
+from test_optim_capturable import host_reads_forbidden
+
+DEPTHS = [2, 5, 20, 100, 300, 1000]
+FP32_BOUND = 2e-5
+# fp64: the same chain at fp64's unit roundoff; the designed steps' error (1e-13) is above it.
+FP64_BOUND = 1e-11
+SPECTRUM = torch.logspace(1, -2, 64, dtype=torch.float64)  # s_max = 10, down to s_max / 1000
+
+
+def issue_matrix(dtype, shape=(128, 64)):
+    return matrix_with_spectrum(shape, SPECTRUM, dtype, seed=0)
+
+
+def resolved_error(result, W, exact_weights, tau, small_side: bool = False) -> float:
+    """``result``'s error in ``W``'s SVD basis on the modes at least 1% from ``tau``, relative to the exact
+    ``U diag(exact_weights(s)) V^T`` on them; ``small_side``: ``result`` is a projector on the small
+    (right, for a tall ``W``) side."""
+    U, s, Vh = torch.linalg.svd(W.double(), full_matrices=False)
+    left = Vh if small_side else U.mT
+    in_basis = left @ result.double() @ Vh.mT
+    kept = (s - tau).abs() >= 0.01 * tau
+    exact = torch.diag(exact_weights(s)[kept])
+    return (torch.linalg.matrix_norm(in_basis[kept][:, kept] - exact) /
+            torch.linalg.matrix_norm(exact).clamp_min(torch.finfo(torch.float64).tiny)).item()
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float32, FP32_BOUND), (torch.float64, FP64_BOUND)])
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_svt_projectors_and_band_directions_hold_at_any_depth(depth, dtype, bound):
+    W = issue_matrix(dtype)
+    tau = SPECTRUM[0].item() / depth
+    gram = {"method": "gram"}
+    assert resolved_error(so.svt(W, tau, **gram), W, lambda s: (s - tau).clamp_min(0), tau) < bound
+    assert resolved_error(so.band_projectors(W, tau, **gram)[0], W, lambda s: (s > tau).double(), tau,
+                          small_side=True) < bound
+    for p in (0, 2, 3):
+        band = so.band_direction(W, tau, p, "top", **gram)
+        assert resolved_error(band, W, lambda s: torch.where(s > tau, s**p, s), tau) < bound, p
+    # The decay's step (lr 1e-3, coefficient 0.5: p * kappa = 0.1) on the top band only.
+    decayed = W.clone()
+    so.spectral_decay_(decayed, 2, 1e-3, 0.5, band=so.Band(tau, "top_only"), **gram)
+    assert resolved_error(decayed, W, lambda s: s - 5e-4 * torch.where(s > tau, s**2, 0), tau) < bound
+
+
+def test_a_threshold_at_s_max_leaves_nothing_above_it():
+    """``tau = s_max``: the top mode is at the threshold (not resolved), every other one is below it."""
+    W = issue_matrix(torch.float32)
+    tau = SPECTRUM[0].item()
+    U, _, Vh = torch.linalg.svd(W.double(), full_matrices=False)
+    in_basis = U.mT @ so.svt(W, tau, method="gram").double() @ Vh.mT
+    assert in_basis[1:, 1:].abs().max() < FP32_BOUND * tau
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_the_hard_cap_holds_at_any_depth_to_the_rounding_of_s_max(depth, dtype):
+    """``spectral_clip(W, max=tau)`` is ``W - P_top (W - tau Q)``: the top modes come out as the small
+    difference of two ``s_max``-sized ones, so its error is the compute dtype's rounding of ``s_max``
+    (in each of the 64 modes: 64 eps s_max), not of the cap; the SVD's is the same at this measure. (A
+    floor, ``min=``, lifts every mode below it by the polar factor, whose accuracy at the smallest modes
+    is its own design bound's, not the threshold's.)"""
+    W = issue_matrix(dtype)
+    s_max = SPECTRUM[0].item()
+    tau = s_max / depth
+    clipped = so.spectral_clip(W, max=tau, method="gram")
+    error = resolved_error(clipped, W, lambda s: s.clamp(max=tau), tau)
+    cap = torch.linalg.vector_norm(SPECTRUM.clamp(max=tau)).item()
+    assert error < 64 * torch.finfo(dtype).eps * s_max / cap
+
+
+def test_bf16_keeps_its_accuracy_and_gains_at_depth():
+    """bf16 operands: as accurate as before at a shallow threshold (its own rounding, ~1e-2 on this
+    measure), and the projectors resolve the deep ones (they were off by 0.3-0.5 from s_max / 100)."""
+    W = issue_matrix(torch.bfloat16)
+    for depth, bound in ((2, 3e-2), (100, 1e-1), (1000, 2e-1)):
+        tau = SPECTRUM[0].item() / depth
+        assert resolved_error(so.svt(W, tau, method="gram"), W, lambda s: (s - tau).clamp_min(0), tau) < 3e-2
+        assert resolved_error(so.band_projectors(W, tau, method="gram")[0], W, lambda s: (s > tau).double(), tau,
+                              small_side=True) < bound
+
+
+def test_the_design_keeps_the_gram_where_it_suffices_and_moves_to_the_absolute_value_below():
+    shallow = plan.threshold_design(0.5, 64, torch.float32)
+    assert not shallow.absolute
+    assert shallow.sign == shallow.polar == polar_express_coefficients(8)  # the construction before, bit for bit
+    steps = []
+    for t in (0.1, 1e-2, 1e-3, 1e-4):
+        design = plan.threshold_design(t, 64, torch.float32)
+        assert design.absolute
+        steps.append(len(design.sign))
+    assert steps == sorted(steps) and steps[-1] > 8
+    # The sign's design reaches the tolerance from the gap: 0.01 t / || |Xn| - t I ||_F.
+    t = 1e-3
+    gap = 0.01 * t / math.sqrt(1 - 2 * t + 64 * t * t)
+    assert plan.threshold_design(t, 64, torch.float32).sign == polar_express_design(gap, 1e-7)
+    assert plan.threshold_design(t, 64, torch.float32).polar == polar_express_design(0.99 * t / 1.01, 1e-7)
+
+
+def test_a_users_sign_steps_and_newton_schulz_win():
+    given = so.ops.sign_coefficients(12, "polar_express")
+    design = plan.threshold_design(1e-3, 64, torch.float32, sign_coefficients=given)
+    assert design.sign == given and not design.absolute
+    # The default count, given, runs on the Gram as before: at s_max / 100 it does not resolve the threshold.
+    W = issue_matrix(torch.float32)
+    tau = SPECTRUM[0].item() / 100
+    given = so.band_projectors(W, tau, sign_steps=8, method="gram")[0]
+    assert resolved_error(given, W, lambda s: (s > tau).double(), tau, small_side=True) > 1e-2
+    assert so.ops.threshold_sign_coefficients(None, "polar_express") is None
+    assert so.ops.threshold_sign_coefficients(None, "newton_schulz") == so.ops.sign_coefficients(None, "newton_schulz")
+    with pytest.raises(ValueError, match="sign_method"):
+        so.ops.threshold_sign_coefficients(None, "svd")
+
+
+def test_polar_express_design_is_polar_express_for_its_count():
+    for lower in (1e-3, 1e-5, 1e-8):
+        for tolerance in (1e-7, 1e-13):
+            designed = polar_express_design(lower, tolerance)
+            assert designed == polar_express_coefficients(len(designed), lower)
+    with pytest.raises(ValueError, match="lower"):
+        polar_express_design(0.0, 1e-7)
+    with pytest.raises(ValueError, match="tolerance"):
+        polar_express_design(1e-3, 1.5)
+
+
+@pytest.mark.parametrize("depth", [1000, 5])
+def test_capturable_band_ops_read_nothing_back_and_cover_a_thousandth_of_s_max(depth):
+    """A capturable call cannot read ``||W||_F``: its fixed design covers ``tau >= s_max / 1000`` (to the
+    same bound), whatever the depth, at the cost of the steps that depth needs."""
+    W = issue_matrix(torch.float32)
+    tau = SPECTRUM[0].item() / depth
+    with host_reads_forbidden():
+        result = so.svt(W, tau, method="gram", capturable=True)
+        top = so.band_projectors(W, tau, method="gram", capturable=True)[0]
+        so.band_direction(W, tau, 2, "top", method="gram", capturable=True)
+        so.spectral_clip(W, max=tau, method="gram", capturable=True)
+    assert resolved_error(result, W, lambda s: (s - tau).clamp_min(0), tau) < FP32_BOUND
+    assert resolved_error(top, W, lambda s: (s > tau).double(), tau, small_side=True) < FP32_BOUND
+    fixed = plan.threshold_design(None, 64, torch.float32)
+    assert fixed == plan.threshold_design(plan.CAPTURABLE_DEPTH / 8, 64, torch.float32) and fixed.absolute
+
+
+@pytest.mark.parametrize("op", ["svt", "band_projectors", "spectral_clip", "band_direction"])
+@pytest.mark.parametrize("depth", [2, 100, 1000])
+def test_the_cost_counts_the_designed_construction(op, depth):
+    """plan.cost with the threshold's ``tau / ||W||_F`` counts what an eager call does (FlopCounterMode of
+    the torch backend), the design's extra sign and polar steps and the product for ``|W|`` included."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    shape = (24, 96) if op == "band_projectors" else (96, 24)
+    W = matrix_with_spectrum(shape, torch.logspace(1, -2, 24, dtype=torch.float64), torch.float32, seed=1)
+    tau = torch.linalg.matrix_norm(W, 2).item() / depth
+    ratio = tau / torch.linalg.matrix_norm(W).item()
+    calls = {
+        "svt": lambda: so.svt(W, tau, method="gram", precision="fp32"),
+        "band_projectors": lambda: so.band_projectors(W, tau, method="gram", precision="fp32"),
+        "spectral_clip": lambda: so.spectral_clip(W, tau, tau, method="gram", precision="fp32"),
+        "band_direction": lambda: so.band_direction(W, tau, 2, "top", method="gram", precision="fp32"),
+    }
+    with so.use_backend("torch"), FlopCounterMode(display=False) as counter:
+        calls[op]()
+    options = {"p": 2, "band_mode": "top"} if op == "band_direction" else {}
+    assert plan.cost(op, tuple(W.shape), precision="fp32", steps=None, sign_steps=None, threshold=ratio,
+                     **options) == counter.get_total_flops()
