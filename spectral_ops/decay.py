@@ -159,7 +159,7 @@ class DecayOptions:
 
     p: int
     band: Band | None
-    polar_coefficients: tuple | None  # None: designed for the band's threshold (a band decay's)
+    polar_coefficients: tuple | None  # None: designed for the threshold (a band or prox decay's)
     sign_coefficients: tuple | None
     precision: str | None
     p0_mode: str
@@ -198,12 +198,14 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
             raise ValueError("p0_mode='prox' soft-thresholds the whole spectrum; it cannot be combined with band")
         band = check_band(band, p, sync=sync)
     powers = (p,) if band is None else (p, band.p_bot)
+    # A band or a prox decay splits the modes at a threshold, for which its polar factor is designed.
+    thresholded = band is not None or (p == 0 and p0_mode == "prox")
     return DecayOptions(
         p=p,
         band=band,
-        polar_coefficients=resolve_polar_coefficients(check_steps(steps), coefficients,
-                                                      real_power=not all(isinstance(q, int) for q in powers))
-        if band is None else thresholded_polar_coefficients(steps, coefficients, powers),
+        polar_coefficients=thresholded_polar_coefficients(steps, coefficients, powers) if thresholded else
+        resolve_polar_coefficients(check_steps(steps), coefficients,
+                                   real_power=not all(isinstance(q, int) for q in powers)),
         sign_coefficients=threshold_sign_coefficients(band.sign_steps if band else None,
                                                       band.sign_method if band else "polar_express"),
         precision=check_precision(precision),

@@ -203,8 +203,11 @@ def band_projectors(W: torch.Tensor, tau, sign_steps: int | None = None, sign_me
     """``(P_top, P_bot)``: projectors onto the singular directions with ``s > tau`` / ``s < tau``.
 
     They live on the small side: ``n x n`` right projectors (``W @ P``) for ``m >= n``, ``m x m``
-    left projectors (``P @ W``) for ``m < n``. ``method="gram"`` builds them from ``msign(G - tau^2 I)``
-    with ``sign_steps`` sign iterations of ``sign_method`` (default ``"polar_express"``), whose accuracy
+    left projectors (``P @ W``) for ``m < n``. ``method="gram"`` builds them from ``msign(G - tau^2 I)``,
+    or below Polar Express's design bound ``msign(|W| - tau I)``, with the sign steps designed for
+    ``tau`` (every mode at least 1% from it resolved, down to ``s_max / 1000`` and beyond:
+    docs/real-powers.md, "Thresholds at any depth"); ``sign_steps`` sign iterations of ``sign_method``
+    (``"polar_express"`` or ``"newton_schulz"``) instead run on ``G`` as given, whose accuracy then
     depends on the gap of ``s^2`` around ``tau^2``; ``"eigh"``/``"svd"`` from the singular vectors
     themselves; ``"auto"`` as :func:`check_method` says. ``steps`` is ``sign_steps``' deprecated name,
     and a sign method given as ``method`` (its old name here) is taken as ``sign_method`` of the Gram
@@ -295,10 +298,10 @@ def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None 
         capturable: bool = False, method: str = "auto") -> torch.Tensor:
     """Singular-value soft-thresholding ``U (S - t)_+ V^T = (W - t Q) P_top(t)``.
 
-    ``method="gram"`` (no SVD): exact in exact arithmetic; numerically limited by the polar factor's
-    design bound and by the gap of the singular values around ``t`` (as for :func:`band_projectors`):
-    a mode the sign steps do not resolve comes out as ``pi (s - t)`` with ``pi`` in [0, 1], an error
-    of at most ``|s - t|``. ``"svd"``/``"eigh"``: mode by mode; ``"auto"``: see :func:`check_method`.
+    ``method="gram"`` (no SVD): exact in exact arithmetic; the sign and polar steps are designed for
+    ``t`` (unless ``sign_steps``/``steps`` are given), so that every mode at least 1% from ``t`` is
+    resolved (as for :func:`band_projectors`): a mode the sign steps do not resolve comes out as
+    ``pi (s - t)`` with ``pi`` in [0, 1], an error of at most ``|s - t|``. ``"svd"``/``"eigh"``: mode by mode; ``"auto"``: see :func:`check_method`.
     """
     _validated(W, capturable=capturable)
     check_coefficient(t, "t", positive=True, sync=not capturable)
@@ -318,7 +321,9 @@ def spectral_clip(W: torch.Tensor, min=None, max=None, *, steps: int | None = No
     modes (those with ``s = 0`` have no singular vectors and stay 0). Each bound is a number or a 0-d
     tensor, positive, ``min <= max``. ``method`` as in :func:`check_method`: ``"gram"`` is
     ``W - P_top(max) (W - max Q) + P_bot(min) (min Q - W)``, with the band projectors' accuracy near
-    each bound (see :func:`svt`); ``"auto"`` takes a factorisation on a CPU, exact at any bound."""
+    each bound (see :func:`svt`) and fp32's rounding of ``s_max`` (the top modes of the hard cap are the
+    difference of two ``s_max``-sized ones); ``"auto"`` takes a factorisation on a CPU, exact at any
+    bound."""
     _validated(W, capturable=capturable)
     if min is None and max is None:
         raise ValueError("spectral_clip needs min= or max= (or both): without them it would return W itself")

@@ -37,9 +37,18 @@ def _decayed(W, *args, **kwargs):
 
 def sign_conditioning(A: torch.Tensor) -> float:
     """How much the matrix sign of the symmetric ``A`` amplifies a relative rounding of its input:
-    ``||A||`` over its eigenvalue nearest 0, the worst over a batch. The threshold ops take the sign
-    of ``W^T W - tau^2 I``, so a mode near ``tau`` makes two machines' summation orders differ more."""
-    magnitudes = torch.linalg.eigvalsh(A.double()).abs()
+    ``||A||`` over its eigenvalue nearest 0, the worst over a batch."""
+    return conditioning(torch.linalg.eigvalsh(A.double()).abs())
+
+
+def threshold_conditioning(W: torch.Tensor, tau: float) -> float:
+    """:func:`sign_conditioning` of ``|W| - tau I``, whose sign the threshold ops take here (below Polar
+    Express's design bound on the Gram: ``spectral_ops.plan.threshold_design``): a mode near ``tau``
+    makes two machines' summation orders differ more."""
+    return conditioning((torch.linalg.svdvals(W.double()) - tau).abs())
+
+
+def conditioning(magnitudes: torch.Tensor) -> float:
     return (magnitudes.amax(-1) / magnitudes.amin(-1)).max().item()
 
 
@@ -51,9 +60,8 @@ def cases():
             r = min(shape[-2:])
             W = matrix_with_spectrum(shape, log_spaced_spectrum(r, 30.0) * 2.0, dtype, seed=7)
             gram = (W.mT @ W if shape[-2] >= shape[-1] else W @ W.mT).double()
-            identity = torch.eye(r, dtype=torch.float64)
-            A = (gram - 0.5 * identity).to(dtype)
-            at = {tau: sign_conditioning(gram - tau**2 * identity) for tau in (0.5, 0.4)}
+            A = (gram - 0.5 * torch.eye(r, dtype=torch.float64)).to(dtype)
+            at = {tau: threshold_conditioning(W, tau) for tau in (0.5, 0.4)}
             key = f"{dtype}-{shape_name}"
             yield f"{key}-polar", lambda W=W: so.polar(W), 1.0
             yield f"{key}-polar-muon", lambda W=W: so.polar(W, steps=5, coefficients=so.MUON_QUINTIC), 1.0
