@@ -32,6 +32,10 @@ MUON_QUINTIC = (3.4445, -4.7750, 2.0315)
 
 # A design interval this narrow has collapsed to a point: no minimax problem is left to solve.
 _COLLAPSE_TOLERANCE = 5e-6
+# Up to this width Remez's 4 x 4 system (points within it of each other) can be too ill-conditioned in
+# float64 to keep the critical points (a design from 4e-7 to 1e-13 meets one 8e-6 wide): where it loses
+# them there, the collapsed step, within about width^3 of the optimum, is taken instead of failing.
+_REMEZ_RESOLUTION = 1e-4
 
 
 def odd_quintic(coefficients, x):
@@ -64,8 +68,7 @@ def minimax_root_step(lo: float, hi: float, n: int = 2, *, max_iterations: int =
     if not 0.0 < lo <= hi:
         raise ValueError(f"need 0 < lo <= hi, got lo={lo!r}, hi={hi!r}")
     if lo / hi > 1.0 - _COLLAPSE_TOLERANCE:
-        a, b, c = _collapsed_interval_step(n)
-        return (a / hi, b / hi ** (n + 1), c / hi ** (2 * n + 1)), 0.0, (lo, lo, hi, hi)
+        return _collapsed_interval_design(lo, hi, n)
 
     q, r = (3.0 * lo + hi) / 4.0, (lo + 3.0 * hi) / 4.0
     previous_error = math.inf
@@ -76,16 +79,24 @@ def minimax_root_step(lo: float, hi: float, n: int = 2, *, max_iterations: int =
         a, b, c, error = np.linalg.solve(system, np.ones(4))
         # In the order of the products that the quintic's (n = 2) coefficients were always computed in.
         discriminant = (n + 1) ** 2 * b * b - 4.0 * (2 * n + 1) * a * c
-        if c == 0.0 or discriminant < 0.0:
-            raise ArithmeticError(f"Remez exchange lost its critical points on [{lo}, {hi}]")
-        roots = sorted((-(n + 1) * b + s * math.sqrt(discriminant)) / (2.0 * (2 * n + 1) * c) for s in (-1.0, 1.0))
-        if roots[0] <= 0.0:
+        lost = c == 0.0 or discriminant < 0.0
+        roots = None if lost else sorted((-(n + 1) * b + s * math.sqrt(discriminant)) / (2.0 * (2 * n + 1) * c)
+                                         for s in (-1.0, 1.0))
+        if lost or roots[0] <= 0.0:
+            if lo / hi > 1.0 - _REMEZ_RESOLUTION:
+                return _collapsed_interval_design(lo, hi, n)
             raise ArithmeticError(f"Remez exchange lost its critical points on [{lo}, {hi}]")
         q, r = (math.sqrt(y) if n == 2 else y ** (1.0 / n) for y in roots)
         if abs(error - previous_error) <= 1e-15 * max(1.0, abs(error)):
             break
         previous_error = error
     return (float(a), float(b), float(c)), abs(float(error)), (lo, q, r, hi)
+
+
+def _collapsed_interval_design(lo: float, hi: float, n: int):
+    """:func:`minimax_root_step`'s result for a (nearly) collapsed ``[lo, hi]``: the collapsed step at ``hi``."""
+    a, b, c = _collapsed_interval_step(n)
+    return (a / hi, b / hi ** (n + 1), c / hi ** (2 * n + 1)), 0.0, (lo, lo, hi, hi)
 
 
 def _collapsed_interval_step(n: int):
