@@ -383,6 +383,12 @@ CAPTURABLE_DEPTH = 1e-3
 # The design error of the designed steps: below the rounding of the band's final product (fp32 or fp64,
 # :meth:`GramPlan._final_product`), whatever the operands' precision.
 THRESHOLD_TOLERANCE = {torch.float32: 1e-7, torch.float64: 1e-13}
+# The Gram's smallest gap (relative, as below) at which its rounding still leaves the projector within
+# the fp32 (2e-5) and fp64 (1e-11) bounds, per precision: measured on CPUs, the error is at most about
+# max(5e-6, 1e-10 / gap) in fp32 and 1e-18 / gap in fp64 (r = 64 and 256, N up to 16 r, modes placed 1%
+# from tau: tests/test_thresholds.py); 5e-5 leaves 4x for the GPU kernels' 3xTF32 (2^-22). bf16, fp16 and
+# tf32 operands round the Gram too coarsely for any 1% gap: they keep it only where the default design does.
+GRAM_RESOLVES = {"fp32": 5e-5, "fp64": 1e-6}
 
 
 @dataclass(frozen=True)
@@ -396,19 +402,22 @@ class ThresholdDesign:
     polar: tuple
 
 
-def threshold_design(t: float | None, r: int, dtype: torch.dtype, polar_coefficients=None,
-                     sign_coefficients=None) -> ThresholdDesign:
+def threshold_design(t: float | None, r: int, dtype: torch.dtype, precision: str, polar_coefficients=None,
+                     sign_coefficients=None, holds_polar: bool = True) -> ThresholdDesign:
     """The design for the smallest ``t = tau / ||X||_F`` of a stack of ``r``-side matrices (None: not
-    known on the host, the capturable design). Given coefficients (a user's count, Newton-Schulz) are
-    kept as they are, on the Gram; None ones are designed here.
+    known on the host, the capturable design), in the compute ``dtype`` with ``precision``'s operands.
+    Given coefficients (a user's count, Newton-Schulz) are kept as they are, on the Gram; None ones are
+    designed here. ``holds_polar``: the op forms the polar factor anyway (svt, the clip, even powers).
 
     ``msign`` normalises by the Frobenius norm, and a mode ``1%`` from ``t`` has a relative gap of
     ``0.0199 t^2 / ||Gn - t^2 I||_F`` on the Gram but ``0.01 t / || |Xn| - t I ||_F`` on ``|Xn|``, with
     ``||Gn - t^2 I||_F^2 = 1 - 2 t^2 + r t^4`` (``tr Gn = 1``) and ``|| |Xn| - t I ||_F^2 <= 1 - 2 t + r t^2``
     (``tr |Xn| >= 1``). The Gram is kept while its gap is within :data:`DEFAULT_LOWER` (the default steps
-    resolve it, and fp32's rounding of ``Gn`` stays below the fp32 bound: it costs the projector about
-    ``u / gap``); deeper, ``|Xn|`` (one product from the polar factor) with Polar Express designed for
-    its gap. The polar factor must resolve the modes down to the threshold, ``0.99 t / 1.01`` after
+    resolve it: the construction before); an op without a polar factor of its own keeps it, with steps
+    designed for its gap, while its rounding resolves that (:data:`GRAM_RESOLVES`), as the polar factor
+    would cost it more than the extra steps. Otherwise ``|Xn|`` (one product from the polar factor,
+    whose fewer sign steps pay for that product where the factor is formed anyway) with Polar Express
+    designed for its gap. The polar factor must resolve the modes down to the threshold, ``0.99 t / 1.01`` after
     :func:`polar`'s margin. No gap is designed for below the compute dtype's epsilon, which no
     iteration in it resolves."""
     if t is None:
@@ -424,7 +433,7 @@ def threshold_design(t: float | None, r: int, dtype: torch.dtype, polar_coeffici
     if sign_coefficients is not None:
         return ThresholdDesign(False, sign_coefficients, polar_coefficients)
     gram_gap = (1 - (1 - near) ** 2) * t * t / math.sqrt(max(1 - 2 * t * t + r * t**4, floor))
-    if gram_gap >= DEFAULT_LOWER:
+    if gram_gap >= DEFAULT_LOWER or (not holds_polar and gram_gap >= GRAM_RESOLVES.get(precision, math.inf)):
         return ThresholdDesign(False, designed(gram_gap), polar_coefficients)
     gap = near * t / math.sqrt(max(1 - 2 * t + r * t * t, floor))
     return ThresholdDesign(True, designed(gap), polar_coefficients)
@@ -772,10 +781,10 @@ class GramPlan:
         t = float(ratio(tau, self.log_scale, math.sqrt(2.0), torch.float64).min())
         return t if math.isfinite(t) and t > 0 else None
 
-    def design(self, tau, polar_coefficients, sign_coefficients) -> ThresholdDesign:
+    def design(self, tau, polar_coefficients, sign_coefficients, holds_polar: bool = True) -> ThresholdDesign:
         """:func:`threshold_design` for ``tau`` on this stack."""
-        return threshold_design(self.threshold_ratio(tau), self.shape[-2], self.dtype, polar_coefficients,
-                                sign_coefficients)
+        return threshold_design(self.threshold_ratio(tau), self.shape[-2], self.dtype, self.precision,
+                                polar_coefficients, sign_coefficients, holds_polar)
 
     def projector(self, tau, design: ThresholdDesign) -> torch.Tensor:
         """``P_top = (I + msign(Gn - (tau / c)^2 I)) / 2``, or ``(I + msign(|Xn| - (tau / c) I)) / 2`` as
@@ -792,8 +801,8 @@ class GramPlan:
         return (J + self.identity()) * 0.5
 
     def top_projector(self, tau, polar_coefficients, sign_coefficients) -> torch.Tensor:
-        """:meth:`projector` with the design for ``tau`` (None coefficients: designed for it)."""
-        return self.projector(tau, self.design(tau, polar_coefficients, sign_coefficients))
+        """:meth:`projector` alone, with the design for ``tau`` (None coefficients: designed for it)."""
+        return self.projector(tau, self.design(tau, polar_coefficients, sign_coefficients, holds_polar=False))
 
     def band(self, p: int, band: Band, polar_coefficients, sign_coefficients, top: Scale = 1.0) -> torch.Tensor:
         """A band-selective direction (SPEC 1.4) with one rectangular product by ``P_top``; ``"two_band"``
@@ -803,7 +812,10 @@ class GramPlan:
         ``P_top S_p + P_bot X = X + P_top (S_p - X)``. ``S_p`` is formed unscaled, so a band form is
         finite only where ``S_p(W)`` itself fits the compute dtype.
         """
-        design = self.design(band.tau, polar_coefficients, sign_coefficients)
+        # Odd integer powers are X G^k: only the clip and the other powers form the polar factor.
+        powers = (p, band.p_bot) if band.mode == "two_band" else (p,)
+        holds_polar = band.mode == "clip" or not all(isinstance(q, int) and q % 2 for q in powers)
+        design = self.design(band.tau, polar_coefficients, sign_coefficients, holds_polar)
         polar_coefficients = design.polar
         P_top = self.projector(band.tau, design)
         S_top = self.power(p, polar_coefficients)

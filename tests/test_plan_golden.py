@@ -41,11 +41,13 @@ def sign_conditioning(A: torch.Tensor) -> float:
     return conditioning(torch.linalg.eigvalsh(A.double()).abs())
 
 
-def threshold_conditioning(W: torch.Tensor, tau: float) -> float:
-    """:func:`sign_conditioning` of ``|W| - tau I``, whose sign the threshold ops take here (below Polar
-    Express's design bound on the Gram: ``spectral_ops.plan.threshold_design``): a mode near ``tau``
-    makes two machines' summation orders differ more."""
-    return conditioning((torch.linalg.svdvals(W.double()) - tau).abs())
+def threshold_conditioning(W: torch.Tensor, tau: float, gram: bool = False) -> float:
+    """:func:`sign_conditioning` of the matrix whose sign a threshold op takes here
+    (``spectral_ops.plan.threshold_design``): ``|W| - tau I``, or ``W^T W - tau^2 I`` for the projectors
+    (``gram``), which keep the Gram with more steps. A mode near ``tau`` makes two machines' summation
+    orders differ more."""
+    s = torch.linalg.svdvals(W.double())
+    return conditioning((s**2 - tau**2).abs() if gram else (s - tau).abs())
 
 
 def conditioning(magnitudes: torch.Tensor) -> float:
@@ -61,6 +63,7 @@ def cases():
             W = matrix_with_spectrum(shape, log_spaced_spectrum(r, 30.0) * 2.0, dtype, seed=7)
             gram = (W.mT @ W if shape[-2] >= shape[-1] else W @ W.mT).double()
             A = (gram - 0.5 * torch.eye(r, dtype=torch.float64)).to(dtype)
+            projectors_at = threshold_conditioning(W, 0.5, gram=True)
             at = {tau: threshold_conditioning(W, tau) for tau in (0.5, 0.4)}
             key = f"{dtype}-{shape_name}"
             yield f"{key}-polar", lambda W=W: so.polar(W), 1.0
@@ -72,7 +75,7 @@ def cases():
             yield f"{key}-power2-eigh", lambda W=W: so.spectral_power(W, 2, method="eigh"), 1.0
             yield f"{key}-power0-svd", lambda W=W: so.spectral_power(W, 0, method="svd"), 1.0
             gram = {"method": "gram"}  # the iterations' arithmetic ("auto" factorises on a CPU)
-            yield f"{key}-projectors", lambda W=W: torch.stack(so.band_projectors(W, 0.5, **gram)), at[0.5]
+            yield f"{key}-projectors", lambda W=W: torch.stack(so.band_projectors(W, 0.5, **gram)), projectors_at
             for mode in ("top", "bot", "top_only", "bot_only", "two_band"):
                 yield f"{key}-band-{mode}", lambda W=W, mode=mode: so.band_direction(
                     W, 0.5, 2, mode, p_bot=0, lambda_top=0.5, lambda_bot=2.0, **gram), at[0.5]

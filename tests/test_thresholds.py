@@ -10,12 +10,13 @@ roundoffs of the ~20 products of the chain, as for the powers); measured: at mos
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import spectral_ops as so
 from spectral_ops import plan, reference
-from spectral_ops.coefficients import polar_express_coefficients, polar_express_design
+from spectral_ops.coefficients import odd_quintic, polar_express_coefficients, polar_express_design
 from spectral_ops.linalg import matrix_with_spectrum
 from test_optim_capturable import host_reads_forbidden
 
@@ -99,25 +100,70 @@ def test_bf16_keeps_its_accuracy_and_gains_at_depth():
 
 
 def test_the_design_keeps_the_gram_where_it_suffices_and_moves_to_the_absolute_value_below():
-    shallow = plan.threshold_design(0.5, 64, torch.float32)
+    shallow = plan.threshold_design(0.5, 64, torch.float32, "fp32")
     assert not shallow.absolute
     assert shallow.sign == shallow.polar == polar_express_coefficients(8)  # the construction before, bit for bit
     steps = []
     for t in (0.1, 1e-2, 1e-3, 1e-4):
-        design = plan.threshold_design(t, 64, torch.float32)
+        design = plan.threshold_design(t, 64, torch.float32, "fp32")
         assert design.absolute
         steps.append(len(design.sign))
     assert steps == sorted(steps) and steps[-1] > 8
     # The sign's design reaches the tolerance from the gap: 0.01 t / || |Xn| - t I ||_F.
     t = 1e-3
     gap = 0.01 * t / math.sqrt(1 - 2 * t + 64 * t * t)
-    assert plan.threshold_design(t, 64, torch.float32).sign == polar_express_design(gap, 1e-7)
-    assert plan.threshold_design(t, 64, torch.float32).polar == polar_express_design(0.99 * t / 1.01, 1e-7)
+    assert plan.threshold_design(t, 64, torch.float32, "fp32").sign == polar_express_design(gap, 1e-7)
+    assert plan.threshold_design(t, 64, torch.float32, "fp32").polar == polar_express_design(0.99 * t / 1.01, 1e-7)
+
+
+def test_an_op_without_a_polar_factor_keeps_the_gram_while_its_rounding_resolves_the_gap():
+    """The projectors (and odd band powers) would pay a whole polar factor for ``|Xn|``: they keep the
+    Gram, with steps designed for its gap, down to :data:`plan.GRAM_RESOLVES` (fp32, fp64); bf16
+    operands only where the default steps serve."""
+    t = 0.051  # the Gram's gap: 0.0199 t^2 / sqrt(1 - 2 t^2 + 64 t^4) = 5.2e-5
+    gram_gap = (1 - 0.99**2) * t * t / math.sqrt(1 - 2 * t * t + 64 * t**4)
+    for precision, dtype, kept in (("fp32", torch.float32, True), ("fp64", torch.float64, True),
+                                   ("bf16", torch.float32, False)):
+        design = plan.threshold_design(t, 64, dtype, precision, holds_polar=False)
+        assert design.absolute is not kept, precision
+        if kept:
+            assert design.sign == polar_express_design(gram_gap, plan.THRESHOLD_TOLERANCE[dtype])
+        assert plan.threshold_design(t, 64, dtype, precision).absolute  # svt's: the polar factor is there
+    assert plan.threshold_design(0.03, 64, torch.float32, "fp32", holds_polar=False).absolute  # gap 1.8e-5
+    assert not plan.threshold_design(0.03, 64, torch.float64, "fp64", holds_polar=False).absolute
+
+
+def placed(r, tau, dtype):
+    """A ``2r x r`` with ``s`` log-spaced over [1e-2, 10] and two modes 1% from ``tau``, one on each side."""
+    s = torch.logspace(1, -2, r, dtype=torch.float64)
+    nearest = int((s - tau).abs().argmin())
+    s[nearest], s[min(nearest + 1, r - 1)] = tau * 1.0101, tau * 0.99
+    return matrix_with_spectrum((2 * r, r), s.sort(descending=True).values, dtype, seed=5)
+
+
+@pytest.mark.parametrize("r", [64, 256])
+@pytest.mark.parametrize("precision, dtype, bound", [("fp32", torch.float32, FP32_BOUND),
+                                                     ("fp64", torch.float64, FP64_BOUND)])
+def test_the_gram_meets_the_bound_at_its_resolution(r, precision, dtype, bound):
+    """:data:`plan.GRAM_RESOLVES`, checked: the deepest threshold at which the projectors keep the Gram,
+    with modes 1% from it on both sides."""
+    low, high = 1e-3, 10.0  # bisect tau (log) to the Gram's gap just above the resolution
+    for _ in range(40):
+        tau = math.sqrt(low * high)
+        W = placed(r, tau, dtype)
+        t = tau / torch.linalg.matrix_norm(W.double()).item()
+        gap = 0.0199 * t * t / math.sqrt(1 - 2 * t * t + r * t**4)
+        low, high = (tau, high) if gap < 1.05 * plan.GRAM_RESOLVES[precision] else (low, tau)
+    W = placed(r, high, dtype)
+    assert not plan.threshold_design(high / torch.linalg.matrix_norm(W.double()).item(), r, dtype, precision,
+                                     holds_polar=False).absolute
+    top = so.band_projectors(W, high, method="gram")[0]
+    assert resolved_error(top, W, lambda s: (s > high).double(), high, small_side=True) < bound
 
 
 def test_a_users_sign_steps_and_newton_schulz_win():
     given = so.ops.sign_coefficients(12, "polar_express")
-    design = plan.threshold_design(1e-3, 64, torch.float32, sign_coefficients=given)
+    design = plan.threshold_design(1e-3, 64, torch.float32, "fp32", sign_coefficients=given)
     assert design.sign == given and not design.absolute
     # The default count, given, runs on the Gram as before: at s_max / 100 it does not resolve the threshold.
     W = issue_matrix(torch.float32)
@@ -135,6 +181,13 @@ def test_polar_express_design_is_polar_express_for_its_count():
         for tolerance in (1e-7, 1e-13):
             designed = polar_express_design(lower, tolerance)
             assert designed == polar_express_coefficients(len(designed), lower)
+    # A design that meets an 8e-6 wide interval on its way (Remez's system is too ill-conditioned there:
+    # it failed before), from 1.4e-9: it takes the collapsed step and reaches the tolerance.
+    designed = polar_express_design(1.3883760884664742e-09, 1e-7)
+    x = np.geomspace(1.3883760884664742e-09, 1.0, 10001)
+    for step in designed:
+        x = odd_quintic(step, x)
+    assert np.abs(1 - x).max() < 2e-7  # the safety factor's 1.01 on all but the last step
     with pytest.raises(ValueError, match="lower"):
         polar_express_design(0.0, 1e-7)
     with pytest.raises(ValueError, match="tolerance"):
@@ -154,8 +207,8 @@ def test_capturable_band_ops_read_nothing_back_and_cover_a_thousandth_of_s_max(d
         so.spectral_clip(W, max=tau, method="gram", capturable=True)
     assert resolved_error(result, W, lambda s: (s - tau).clamp_min(0), tau) < FP32_BOUND
     assert resolved_error(top, W, lambda s: (s > tau).double(), tau, small_side=True) < FP32_BOUND
-    fixed = plan.threshold_design(None, 64, torch.float32)
-    assert fixed == plan.threshold_design(plan.CAPTURABLE_DEPTH / 8, 64, torch.float32) and fixed.absolute
+    fixed = plan.threshold_design(None, 64, torch.float32, "fp32")
+    assert fixed == plan.threshold_design(plan.CAPTURABLE_DEPTH / 8, 64, torch.float32, "fp32") and fixed.absolute
 
 
 @pytest.mark.parametrize("op", ["svt", "band_projectors", "spectral_clip", "band_direction"])
