@@ -1232,6 +1232,8 @@ def cost(op: str, shape: tuple, *, p=0, precision: str = "fp32", iteration: str 
     as a call without them is: at ``threshold`` (each threshold's ``tau / ||W||_F``), or where that is
     None at the capturable design, which cannot read it.
     """
+    if threshold is not None and not (isinstance(threshold, (int, float)) and threshold > 0):
+        raise ValueError(f"threshold is tau / ||W||_F, a number > 0 (or None), got {threshold!r}")
     return _counted(op, tuple(shape), p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard,
                     symmetric_at_half, eps, threshold)
 

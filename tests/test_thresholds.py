@@ -233,3 +233,9 @@ def test_the_cost_counts_the_designed_construction(op, depth):
     options = {"p": 2, "band_mode": "top"} if op == "band_direction" else {}
     assert plan.cost(op, tuple(W.shape), precision="fp32", steps=None, sign_steps=None, threshold=ratio,
                      **options) == counter.get_total_flops()
+
+
+def test_the_cost_refuses_a_threshold_that_is_not_a_ratio():
+    for threshold in (0.0, -1.0, math.nan, "0.1"):
+        with pytest.raises(ValueError, match="threshold is tau"):
+            plan.cost("svt", (64, 32), steps=None, sign_steps=None, threshold=threshold)
