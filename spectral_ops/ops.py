@@ -301,7 +301,8 @@ def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None 
     ``method="gram"`` (no SVD): exact in exact arithmetic; the sign and polar steps are designed for
     ``t`` (unless ``sign_steps``/``steps`` are given), so that every mode at least 1% from ``t`` is
     resolved (as for :func:`band_projectors`): a mode the sign steps do not resolve comes out as
-    ``pi (s - t)`` with ``pi`` in [0, 1], an error of at most ``|s - t|``. ``"svd"``/``"eigh"``: mode by mode; ``"auto"``: see :func:`check_method`.
+    ``pi (s - t)`` with ``pi`` in [0, 1], an error of at most ``|s - t|``. ``"svd"``/``"eigh"``: mode by
+    mode; ``"auto"``: see :func:`check_method`.
     """
     _validated(W, capturable=capturable)
     check_coefficient(t, "t", positive=True, sync=not capturable)

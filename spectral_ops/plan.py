@@ -47,8 +47,8 @@ import torch
 
 from ._checks import renamed_argument, user_stacklevel
 from ._compile import constant_when_traced
-from .coefficients import (NORMALIZATION_MARGIN, REAL_POWER_LOWER, inverse_root_coefficients, polar_express_coefficients,
-                           polar_express_design, power_polynomial)
+from .coefficients import (NORMALIZATION_MARGIN, REAL_POWER_LOWER, inverse_root_coefficients,
+                           polar_express_coefficients, polar_express_design, power_polynomial)
 from .linalg import (SpectralFactors, as_float64, compute_dtype, frobenius_normalized, is_tall, power_weights, ratio,
                      scaled_, wide)
 

@@ -204,7 +204,8 @@ def counted(coefficients) -> int | None:
 
 def decay_flops(shape, options, dtype: torch.dtype = torch.float32) -> float:
     """The plan's FLOPs of one matrix's decay (:func:`spectral_ops.plan.cost`, symmetric products at
-    half), at the precision ``options`` resolve to for ``dtype``."""
+    half), at the precision ``options`` resolve to for ``dtype``; a band's steps designed for its
+    threshold at the capturable design (for tau >= s_max / 1000: the weights' norm is not read here)."""
     band = options.band
     flops = plan.cost("decay_", tuple(shape), p=options.p, precision=plan.resolve_precision(options.precision, dtype),
                       iteration=options.iteration, steps=counted(options.polar_coefficients),
