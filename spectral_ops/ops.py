@@ -144,8 +144,8 @@ def _check_symmetric(A: torch.Tensor) -> None:
 def spectral_power(W: torch.Tensor, p, method: str = "auto", *, steps: int | None = None,
                    coefficients=None, precision: str | None = None, capturable: bool = False,
                    iteration: str = "auto", eps: float | None = None) -> torch.Tensor:
-    """``S_p(W) = U diag(s^p) V^T`` for a real ``p >= 0`` (SPEC 1.1-1.2), or ``p < 0`` with the floor
-    ``eps`` (relative to ``s_max``): ``U diag((s^2 + (eps s_max)^2)^(p/2)) V^T``.
+    """``S_p(W) = U diag(s^p) V^T`` for a real ``p >= 0`` (SPEC 1.1-1.2), or, with the floor ``eps``
+    (relative to ``s_max``; required for ``p < 0``), ``U diag((s^2 + (eps s_max)^2)^(p/2)) V^T``.
 
     ``method="gram"``: the SVD-free route (odd ``p``: ``W G^k``; even: ``Q G^k``; ``G`` the
     smaller Gram, powers by repeated squaring, ``G`` shared with the first Polar Express step; a
@@ -155,15 +155,17 @@ def spectral_power(W: torch.Tensor, p, method: str = "auto", *, steps: int | Non
     ``"auto"``: the fastest accurate one for the device, dtype and shape (:func:`check_method`).
     ``steps``/``coefficients`` configure the polar factor as in :func:`polar` (a real power's
     default is Polar Express designed down to 1e-4, 9 steps). ``capturable=True`` needs ``"gram"``
-    (``"auto"`` means it then): the factorisations report errors to the host.
+    (``"auto"`` means it then): the factorisations report errors to the host. There ``p`` may be a 0-d
+    tensor (a schedule's, on the device), floored by ``eps`` and at most 1 in magnitude (NaN beyond).
 
     ``iteration`` (``"gram"`` only; ``"gram_space"`` makes ``method="auto"`` mean ``"gram"``): how an
     even ``p`` iterates, see :func:`check_iteration`.
     """
     _validated(W, capturable=capturable)
-    p = check_power(p, eps=eps)
+    p = check_power(p, eps=eps, capturable=capturable)
     check_method(method, capturable, check_iteration(iteration))
-    polar_c = resolve_polar_coefficients(check_steps(steps), coefficients, real_power=not isinstance(p, int))
+    real_power = not isinstance(p, int) or (eps is not None and p != 0)
+    polar_c = resolve_polar_coefficients(check_steps(steps), coefficients, real_power=real_power)
     check_precision(precision)
     if W.numel() == 0:
         return W.clone()
