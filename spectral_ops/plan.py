@@ -153,7 +153,7 @@ def rounding_noise(W: torch.Tensor, request: DecayRequest) -> torch.Tensor | Non
     return words.view(torch.int16)[:W.numel()].view(W.shape)
 
 
-OPS = ("polar", "msign", "spectral_power", "band_projectors", "band_direction", "svt", "spectral_clip",
+OPS = ("polar", "msign", "spectral_power", "power_update", "band_projectors", "band_direction", "svt", "spectral_clip",
        "spectral_norm_bounds",
        "decay_")
 PRECISIONS = ("fp64", "fp32", "tf32", "bf16", "fp16")
@@ -991,6 +991,29 @@ def polar(kernels, W: torch.Tensor, polar_coefficients, precision: str | None = 
     return polar_factor(kernels, W, polar_coefficients, precision, "rectangle", dtype, overwrite_input)
 
 
+# A Muon-family update's default floor (relative to s_max): in bf16, below the iterate's resolution anyway
+# (RESOLUTION), and a negative power's small modes, mostly the momentum's noise, stay below 100^(-q) of the top.
+UPDATE_FLOOR = 1e-2
+
+
+def power_update(kernels, X: torch.Tensor, power, polar_coefficients, precision: str | None, eps: float,
+                 dtype: torch.dtype | None = None, overwrite_input: bool = False) -> torch.Tensor:
+    """A Muon-family update with update power ``power`` (capturable): for a number 0, ``X``'s polar
+    factor on the rectangle, as torch.optim.Muon iterates it (a square ``X`` as laid out: :func:`polar`
+    counts it as tall and would iterate on its transpose, a strided view whose result comes out
+    strided); else ``U diag((s^2 + (eps s_max)^2)^(power/2)) V^T`` (:meth:`GramPlan.scaled_real_power`),
+    renormalised to the polar factor's Frobenius norm ``sqrt(min(m, n))`` per matrix, so that a
+    learning rate means what it means for Muon."""
+    if not torch.is_tensor(power) and power == 0:
+        if X.shape[-2] != X.shape[-1]:
+            return polar(kernels, X, polar_coefficients, precision, dtype, overwrite_input)
+        return polar(kernels, X.mT, polar_coefficients, precision, dtype, overwrite_input).mT
+    D = spectral_power(kernels, X, power, polar_coefficients, precision, sync=False, method="gram", eps=eps)
+    norm = torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True, dtype=compute_dtype(D.dtype))
+    scale = math.sqrt(min(X.shape[-2:])) / norm.clamp_min(torch.finfo(norm.dtype).tiny)
+    return (D * scale).to(dtype or X.dtype)
+
+
 def msign(kernels, A: torch.Tensor, sign_coefficients, precision: str | None = None) -> torch.Tensor:
     precision = resolve_precision(precision, A.dtype)
     return matrix_sign(kernels, A.to(compute_dtype(A.dtype, precision)), sign_coefficients, precision).to(A.dtype)
@@ -1170,6 +1193,8 @@ def _counted(op, shape, p, precision, iteration, steps, sign_steps, band_mode, p
     band = Band(1.0, band_mode, p_bot) if band_mode else None
     calls = {
         "polar": lambda: polar(kernels, W, polar_coefficients, precision),
+        "power_update": lambda: power_update(kernels, W, p, polar_coefficients, precision,
+                                             UPDATE_FLOOR if eps is None else eps),
         "msign": lambda: msign(kernels, W, sign_coefficients, precision),
         "spectral_power": lambda: spectral_power(kernels, W, p, polar_coefficients, precision, False, iteration,
                                                  eps=eps),

@@ -15,6 +15,7 @@ def good(seed=0):
 PUBLIC_OPS = {
     "polar": lambda W: so.polar(W),
     "spectral_power": lambda W: so.spectral_power(W, 2),
+    "power_update": lambda W: so.power_update(W, 0.5),
     "band_projectors": lambda W: so.band_projectors(W, 1.0),
     "band_direction": lambda W: so.band_direction(W, 1.0, 2),
     "svt": lambda W: so.svt(W, 1.0),
