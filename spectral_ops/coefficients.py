@@ -254,9 +254,9 @@ def _interpolation(function: str, lo: float, hi: float, tolerance: float, span: 
     return tuple(lo + (hi - lo) * (x + 1) / 2), interpolation, to_powers
 
 
-# Real (non-integer) powers resolve the modes down to this fraction of an upper bound on s_max (the
-# inverse root's design interval), and their polar factor must be accurate down to it too: Polar
-# Express for this lower bound, one step more than the default's (9 steps: 2.5e-9 from 1e-4 up).
+# A real (non-integer) power's polar factor is designed down to this fraction of ||W||_F, one step more
+# than the default's (9 steps: 2.5e-9 from 1e-4 up): its modes at 1e-3 of s_max (the inverse root's
+# design bound, plan.ROOT_LOWER) sit below 1e-3 of ||W||_F, and the 8-step design missed them (5e-5).
 REAL_POWER_LOWER = 1e-4
 REAL_POWER_POLAR_STEPS = 9
 

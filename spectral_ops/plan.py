@@ -47,7 +47,7 @@ import torch
 
 from ._checks import renamed_argument, user_stacklevel
 from ._compile import constant_when_traced
-from .coefficients import (NORMALIZATION_MARGIN, REAL_POWER_LOWER, floor_polynomial, interpolated_coefficients,
+from .coefficients import (NORMALIZATION_MARGIN, floor_polynomial, interpolated_coefficients,
                            inverse_root_coefficients, power_polynomial)
 from .linalg import (SpectralFactors, as_float64, compute_dtype, frobenius_normalized, is_tall, power_weights, ratio,
                      scaled_, wide)
@@ -287,11 +287,15 @@ def coupled_inverse_root(kernels, G: torch.Tensor, coefficients, precision: str,
 
 
 # Real powers: the order n of the inverse root Z = A^(-1/n) a polynomial of which gives A^f. n = 8 was
-# the cheapest at the design bound 1e-4 (docs/real-powers.md): 5 steps of 6 products, and Z's
-# eigenvalues within 1e-4^(-1/8) = 3.2 of each other, where a polynomial of degree ~10 suffices. A
-# larger n for a lower bound is no cure: its first steps overshoot, M's top grows like (1 + delta)^n,
-# and the rounding relative to it swamps the small modes (NaN in fp32 from n = 32).
+# the cheapest (docs/real-powers.md): a few steps of 6 products, and Z's eigenvalues within
+# ROOT_LOWER^(-1/8) = 2.4 of each other, where a polynomial of degree ~10 suffices. A larger n for a
+# lower bound is no cure: its first steps overshoot, M's top grows like (1 + delta)^n, and the rounding
+# relative to it swamps the small modes (NaN in fp32 from n = 32).
 ROOT_ORDER = 8
+# The root's design bound, relative to b ~ s_max. 1e-4 resolved more modes, but its steps' larger
+# coefficients cost fp32 four times the error everywhere (kappa 1e3: 6e-5 against 1.5e-5; kappa 1e6,
+# whose modes below the bound are lifted to about it either way: 4e-3 against 2.6e-3).
+ROOT_LOWER = 1e-3
 # The relative accuracy the root's steps and the polynomial are designed for, per precision: below the
 # products' own rounding, so that the construction adds nothing measurable to it.
 REAL_POWER_TOLERANCE = {"fp64": 1e-13, "fp32": 1e-7, "tf32": 1e-4, "bf16": 1e-3, "fp16": 1e-4}
@@ -631,11 +635,11 @@ class GramPlan:
         ``P = |Xn| = Xn Q^T = U diag(s) U^T`` (one product from the polar factor: its spectrum is ``s``,
         not the Gram's ``s^2``, whose rounding would cost the small modes twice the digits) is scaled
         into ``[0, 1]`` by ``b = ||Gn||_F^(1/2)`` (``s_max <= b <= r^(1/4) s_max``). Its inverse root
-        ``Z = A^(-1/8)`` (:func:`inverse_root`) has eigenvalues within ``1e-4^(-1/8) = 3.2`` of each other
+        ``Z = A^(-1/8)`` (:func:`inverse_root`) has eigenvalues within ``1e-3^(-1/8) = 2.4`` of each other
         over the design interval, where ``A^f = Z^(-8 f)`` is a low-degree polynomial
         (:func:`matrix_power_of_root`). Then ``S_p = c^p b^f A^f S_k`` with ``k = floor(p)``, ``f = p - k``
         and ``S_k`` the integer power (``Q`` for ``k = 0``); a floored power is :meth:`_floored_power`'s.
-        Modes below :data:`~spectral_ops.coefficients.REAL_POWER_LOWER` of ``b`` are outside the design
+        Modes below :data:`ROOT_LOWER` of ``b`` are outside the design
         (as Polar Express's below its bound): the polynomial takes them to about the bound's value."""
         precision, identity = self.precision, self.identity()
         operand = OPERAND_DTYPES[precision]
@@ -660,7 +664,7 @@ class GramPlan:
             base, log_base = self.scaled_power(whole, coefficients, iteration)
         A = (P * b.reciprocal().to(operand) + shift * identity.to(operand)) * (1.0 / (1.0 + shift))
         log_factor = log_base + fraction * (self.log_scale + (b * (1.0 + shift)).double().log())
-        _, F = self._root_and_power(A, max(shift / (1.0 + shift), REAL_POWER_LOWER), fraction)
+        _, F = self._root_and_power(A, max(shift / (1.0 + shift), ROOT_LOWER), fraction)
         return self.product(F, base.to(operand)).to(self.dtype), log_factor
 
     def _root_and_power(self, A, lower: float, exponent):
@@ -691,13 +695,13 @@ class GramPlan:
         ``(1 - w)^(p/2)`` is a polynomial of degree ~9 in ``W = 2 (V - V^2)``
         (:func:`~spectral_ops.coefficients.floor_polynomial`); ``Q`` is 0 on a zero mode, which has no
         singular vectors: it stays 0. A floor below the precision's :data:`RESOLUTION` is raised to it, and
-        one below the design bound (1e-4 of ``b``) leaves the modes below the bound as the positive
+        one below the design bound (:data:`ROOT_LOWER` of ``b``) leaves the modes below the bound as the positive
         powers leave them: about the bound's value."""
         operand, identity = OPERAND_DTYPES[self.precision], self.identity().to(OPERAND_DTYPES[self.precision])
         # b is 1.01 of the estimate of s_max that sets the floor: d = e / b is the same for every matrix.
         d = max(eps / NORMALIZATION_MARGIN, RESOLUTION[self.precision])
         A = (P * b.reciprocal().to(operand) + d * identity) * (1.0 / (1.0 + d))
-        Z, F = self._root_and_power(A, max(d / (1.0 + d), REAL_POWER_LOWER), p)
+        Z, F = self._root_and_power(A, max(d / (1.0 + d), ROOT_LOWER), p)
         V = Z
         for _ in range(ROOT_ORDER.bit_length() - 1):
             V = self.symmetric(V, V)
