@@ -56,3 +56,31 @@ def has_torch_muon() -> bool:
     except ImportError:
         return False
     return True
+
+
+TAYLOR_NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)  # Muon's quintic, as DynMuon iterates it
+
+
+def taylor_power_update(X: torch.Tensor, q: float, steps: int = 12, dtype: torch.dtype = torch.bfloat16):
+    """DynMuon's ``U Sigma^q V^T`` (arXiv 2605.17109, as issue #30 describes it): ``(X X^T)^(q/2)`` by
+    its second-order Taylor expansion around ``I``, times a ``steps``-step Newton-Schulz polar factor
+    (Muon's quintic), on the small side, every product in ``dtype`` with fp32 accumulation.
+
+    ``X`` is scaled to unit mean square singular value, so that ``X X^T``'s spectrum is centred on the
+    expansion point (the reading most favourable to the construction; by the Frobenius norm, as the
+    Newton-Schulz iteration is scaled, its eigenvalues would all be near 0). Per matrix of a stack."""
+    wide = X.shape[-2] <= X.shape[-1]
+    Y = (X if wide else X.mT).to(dtype)
+    r = Y.shape[-2]
+    norm = torch.linalg.vector_norm(Y.float(), dim=(-2, -1), keepdim=True).clamp_min(1e-30)
+    identity = torch.eye(r, dtype=dtype)
+    E = (Y * (r**0.5 / norm).to(dtype)) @ (Y * (r**0.5 / norm).to(dtype)).mT - identity
+    h = q / 2
+    taylor = identity + h * E + (h * (h - 1) / 2) * (E @ E)
+    a, b, c = TAYLOR_NEWTON_SCHULZ
+    polar = Y / (norm.to(dtype) + 1e-7)
+    for _ in range(steps):
+        A = polar @ polar.mT
+        polar = a * polar + (b * A + c * (A @ A)) @ polar
+    update = taylor @ polar
+    return update if wide else update.mT

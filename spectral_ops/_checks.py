@@ -114,13 +114,25 @@ def check_same_device(tensors: Iterable[torch.Tensor], name: str = "W") -> None:
         raise ValueError(f"all tensors in {name} must be on one device, got {sorted(map(str, devices))}")
 
 
-def check_power(p, name: str = "p", *, eps=None, decay: bool = False):
+def check_power(p, name: str = "p", *, eps=None, decay: bool = False, capturable: bool = False):
     """A real power as the ops take it: an int where it is integral (``2.0`` is 2), else a float.
 
-    ``p < 0`` needs its floor ``eps`` (``U diag((s^2 + (eps s_max)^2)^(p/2)) V^T``: without one the
-    small singular values blow up) and is refused for a ``decay``, which it would turn into growth of
-    the small modes. An ``eps`` without a negative ``p`` is refused too: it would change nothing.
+    ``eps`` floors the spectrum, ``U diag((s^2 + (eps s_max)^2)^(p/2)) V^T``; ``p < 0`` needs one (without
+    it the small singular values blow up) and is refused for a ``decay``, which it would turn into growth
+    of the small modes. A 0-d tensor is read, unless ``capturable``: it then stays on its device and
+    needs ``eps``, as its sign is not known on the host (a value beyond ``plan.TENSOR_POWER_BOUND``
+    gives NaN).
     """
+    if isinstance(p, torch.Tensor) and capturable and not decay:
+        if p.dim() != 0 or not p.is_floating_point():
+            raise ValueError(f"{name} must be a real number or a 0-d floating tensor, got {p.dim()}-d {p.dtype}")
+        if eps is None:
+            raise ValueError(f"{name} held in a tensor is floored either way (its sign is not read on the host): "
+                             "pass eps > 0 (relative to s_max)")
+        _check_eps(eps)
+        return p
+    if isinstance(p, torch.Tensor) and p.dim() == 0:
+        p = p.item()
     if isinstance(p, bool) or not isinstance(p, numbers.Real) or not math.isfinite(p):
         raise ValueError(f"{name} must be a finite real number, got {p!r}")
     if p < 0 and decay:
@@ -130,11 +142,13 @@ def check_power(p, name: str = "p", *, eps=None, decay: bool = False):
         raise ValueError(f"{name}={p} < 0 needs a floor: pass eps > 0 (relative to s_max) for "
                          "U diag((s^2 + (eps s_max)^2)^(p/2)) V^T; without one the small singular values blow up")
     if eps is not None:
-        if p >= 0:
-            raise ValueError(f"eps floors a negative power only, got {name}={p}: drop eps")
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
-            raise ValueError(f"eps must be a finite number > 0 (relative to s_max), got {eps!r}")
+        _check_eps(eps)
     return int(p) if float(p).is_integer() else float(p)
+
+
+def _check_eps(eps) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
+        raise ValueError(f"eps must be a finite number > 0 (relative to s_max), got {eps!r}")
 
 
 def check_steps(steps, name: str = "steps"):

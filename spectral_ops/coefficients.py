@@ -12,6 +12,7 @@ import functools
 import math
 
 import numpy as np
+import torch
 
 from ._compile import constant_when_traced
 
@@ -207,26 +208,77 @@ def power_polynomial(gamma: float, lo: float, hi: float, tolerance: float):
     parameter; for ``rho`` above ``1 + sqrt(2)`` the powers' coefficients decay, and evaluating them
     loses no accuracy to cancellation.
     """
-    return _power_polynomial(float(gamma), float(lo), float(hi), float(tolerance))
+    return _chebyshev_polynomial("power", float(gamma), float(lo), float(hi), float(tolerance))
+
+
+def floor_polynomial(exponent: float, hi: float, tolerance: float):
+    """A polynomial ``F`` with ``|F(w) / (1 - w)^exponent - 1| <= tolerance`` on ``[0, hi]`` (``hi < 1``), as
+    :func:`power_polynomial` returns it (``u = (2 w - hi) / hi``).
+
+    It is a floored power's second factor: ``x^2 + e^2 = (x + e)^2 (1 - w)`` with ``w = 2 v (1 - v)`` and
+    ``v = e / (x + e)``, so ``(x^2 + e^2)^(p/2) = (x + e)^p F(w)`` for ``exponent = p / 2``, and ``w`` is in
+    ``[0, 1/2]`` for ``x >= 0``. The singularity at ``w = 1`` is far from that interval (``rho = 5.8``):
+    degree 9 for 1e-7, and the powers of ``u`` cancel little."""
+    if not 0.0 < hi < 1.0:
+        raise ValueError(f"need 0 < hi < 1, got {hi!r}")
+    return _chebyshev_polynomial("floor", float(exponent), 0.0, float(hi), float(tolerance))
+
+
+_FUNCTIONS = {
+    "power": lambda gamma, z: z**gamma,
+    "floor": lambda exponent, w: (1.0 - w) ** exponent,
+}
 
 
 @constant_when_traced
 @functools.lru_cache(maxsize=256)
-def _power_polynomial(gamma: float, lo: float, hi: float, tolerance: float):
-    if not 0.0 < lo < hi:
+def _chebyshev_polynomial(function: str, parameter: float, lo: float, hi: float, tolerance: float):
+    if not 0.0 <= lo < hi or (function == "power" and lo == 0.0):
         raise ValueError(f"need 0 < lo < hi, got {lo!r}, {hi!r}")
+    f = functools.partial(_FUNCTIONS[function], parameter)
     z = np.linspace(lo, hi, 4001)
-    target = z**gamma
-    for degree in range(1, 41):
-        series = np.polynomial.Chebyshev.interpolate(lambda x: x**gamma, degree, domain=[lo, hi])
+    target = f(z)
+    for degree in range(1, 61):
+        series = np.polynomial.Chebyshev.interpolate(f, degree, domain=[lo, hi])
         if np.abs(series(z) / target - 1.0).max() <= tolerance:
             return tuple(float(k) for k in np.polynomial.chebyshev.cheb2poly(series.coef)), lo, hi
-    raise ValueError(f"no polynomial of degree <= 40 approximates z^{gamma} on [{lo}, {hi}] to {tolerance}")
+    raise ValueError(f"no polynomial of degree <= 60 approximates the {function} function ({parameter}) on "
+                     f"[{lo}, {hi}] to {tolerance}")
 
 
-# Real (non-integer) powers resolve the modes down to this fraction of an upper bound on s_max (the
-# inverse root's design interval), and their polar factor must be accurate down to it too: Polar
-# Express for this lower bound, one step more than the default's (9 steps: 2.5e-9 from 1e-4 up).
+def interpolated_coefficients(function: str, parameter, lo: float, hi: float, tolerance: float, span: tuple):
+    """The coefficients :func:`power_polynomial` (``function="power"``) or :func:`floor_polynomial`
+    (``"floor"``) give, for a ``parameter`` held in a 0-d tensor (a capturable step's power, which the
+    host cannot read): a tensor on its device. The Chebyshev interpolant at fixed nodes is linear in
+    the function's values there: its Chebyshev coefficients (a well-conditioned map), then their
+    powers of ``u`` (a matrix with entries up to ``2^degree``: the result is good to about 1e-8,
+    below fp32's resolution). The degree is the least that meets ``tolerance`` over the parameter's
+    whole ``span`` (checked on 33 values of it)."""
+    nodes, interpolation, to_powers = _interpolation(function, float(lo), float(hi), float(tolerance),
+                                                     tuple(map(float, span)))
+    parameter = parameter.double()
+    device = parameter.device
+    values = _FUNCTIONS[function](parameter, torch.tensor(nodes, dtype=torch.float64, device=device))
+    chebyshev = torch.tensor(interpolation, dtype=torch.float64, device=device) @ values
+    return torch.tensor(to_powers, dtype=torch.float64, device=device) @ chebyshev
+
+
+@constant_when_traced
+@functools.lru_cache(maxsize=64)
+def _interpolation(function: str, lo: float, hi: float, tolerance: float, span: tuple):
+    degree = max(len(_chebyshev_polynomial(function, float(q), lo, hi, tolerance)[0]) - 1
+                 for q in np.linspace(*span, 33))
+    x = np.polynomial.chebyshev.chebpts1(degree + 1)
+    interpolation = np.polynomial.chebyshev.chebfit(x, np.eye(degree + 1), degree)  # column k: node k's
+    to_powers = np.zeros((degree + 1, degree + 1))
+    for k in range(degree + 1):  # column k: T_k in powers of u
+        to_powers[:k + 1, k] = np.polynomial.chebyshev.cheb2poly(np.eye(degree + 1)[k])[:k + 1]
+    return tuple(lo + (hi - lo) * (x + 1) / 2), interpolation, to_powers
+
+
+# A real (non-integer) power's polar factor is designed down to this fraction of ||W||_F, one step more
+# than the default's (9 steps: 2.5e-9 from 1e-4 up): its modes at 1e-3 of s_max (the inverse root's
+# design bound, plan.ROOT_LOWER) sit below 1e-3 of ||W||_F, and the 8-step design missed them (5e-5).
 REAL_POWER_LOWER = 1e-4
 REAL_POWER_POLAR_STEPS = 9
 

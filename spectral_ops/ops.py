@@ -154,8 +154,8 @@ def _check_symmetric(A: torch.Tensor) -> None:
 def spectral_power(W: torch.Tensor, p, method: str = "auto", *, steps: int | None = None,
                    coefficients=None, precision: str | None = None, capturable: bool = False,
                    iteration: str = "auto", eps: float | None = None) -> torch.Tensor:
-    """``S_p(W) = U diag(s^p) V^T`` for a real ``p >= 0`` (SPEC 1.1-1.2), or ``p < 0`` with the floor
-    ``eps`` (relative to ``s_max``): ``U diag((s^2 + (eps s_max)^2)^(p/2)) V^T``.
+    """``S_p(W) = U diag(s^p) V^T`` for a real ``p >= 0`` (SPEC 1.1-1.2), or, with the floor ``eps``
+    (relative to ``s_max``; required for ``p < 0``), ``U diag((s^2 + (eps s_max)^2)^(p/2)) V^T``.
 
     ``method="gram"``: the SVD-free route (odd ``p``: ``W G^k``; even: ``Q G^k``; ``G`` the
     smaller Gram, powers by repeated squaring, ``G`` shared with the first Polar Express step; a
@@ -165,20 +165,53 @@ def spectral_power(W: torch.Tensor, p, method: str = "auto", *, steps: int | Non
     ``"auto"``: the fastest accurate one for the device, dtype and shape (:func:`check_method`).
     ``steps``/``coefficients`` configure the polar factor as in :func:`polar` (a real power's
     default is Polar Express designed down to 1e-4, 9 steps). ``capturable=True`` needs ``"gram"``
-    (``"auto"`` means it then): the factorisations report errors to the host.
+    (``"auto"`` means it then): the factorisations report errors to the host. There ``p`` may be a 0-d
+    tensor (a schedule's, on the device), floored by ``eps`` and at most 1 in magnitude (NaN beyond).
 
     ``iteration`` (``"gram"`` only; ``"gram_space"`` makes ``method="auto"`` mean ``"gram"``): how an
     even ``p`` iterates, see :func:`check_iteration`.
     """
     _validated(W, capturable=capturable)
-    p = check_power(p, eps=eps)
+    p = check_power(p, eps=eps, capturable=capturable)
     check_method(method, capturable, check_iteration(iteration))
-    polar_c = resolve_polar_coefficients(check_steps(steps), coefficients, real_power=not isinstance(p, int))
+    real_power = not isinstance(p, int) or (eps is not None and p != 0)
+    polar_c = resolve_polar_coefficients(check_steps(steps), coefficients, real_power=real_power)
     check_precision(precision)
     if W.numel() == 0:
         return W.clone()
     return plan.spectral_power(dispatch.kernels_for("spectral_power", W), W, p, polar_c, precision,
                                sync=not capturable, iteration=iteration, method=method, eps=eps)
+
+
+@torch.no_grad()
+def power_update(X: torch.Tensor, q=0, *, eps: float = plan.UPDATE_FLOOR, steps: int | None = None, coefficients=None,
+                 precision: str | None = None, capturable: bool = False, dtype: torch.dtype | None = None,
+                 overwrite_input: bool = False) -> torch.Tensor:
+    """A Muon-family update with update power ``q``: ``U diag((s^2 + (eps s_max)^2)^(q/2)) V^T`` of the
+    momentum ``X = U diag(s) V^T``, renormalised to the polar factor's Frobenius norm
+    ``sqrt(min(m, n))`` per matrix, so that a learning rate means what it means for Muon; ``q = 0`` (a
+    number) is the polar factor :func:`polar` gives, as Muon iterates it, bit for bit. DynMuon's
+    schedule (+0.25 to -0.25) and the Schatten-p steepest descents take fractional and negative ``q``.
+
+    On the Gram route (docs/real-powers.md): Polar Express (``steps``/``coefficients`` as in
+    :func:`polar`, Muon's 8 steps by default), then a polynomial in an inverse root of ``|X|``; about
+    1.4x the FLOPs of the polar factor, and 1e-2 from the FP64 SVD in bf16 on Gaussian momenta
+    (``python -m spectral_ops.experiments real-powers``). ``eps`` (relative to ``s_max``): the floor,
+    at least the iterate's resolution (``plan.RESOLUTION``: 2^-6 in bf16). ``capturable=True``: ``q``
+    may be a 0-d tensor on the device, with ``|q| <= 1`` (NaN beyond). ``dtype``, ``overwrite_input``: as
+    in :func:`polar`. :class:`~spectral_ops.optim.SpectralMuon` takes it as ``update_power``.
+    """
+    _validated(X, capturable=capturable)
+    q = check_power(q, "q", eps=eps, capturable=capturable)
+    polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
+    check_precision(precision)
+    check_dtype(dtype)
+    if not isinstance(overwrite_input, bool):
+        raise TypeError(f"overwrite_input must be True or False, got {overwrite_input!r}")
+    if X.numel() == 0:
+        return X.to(dtype or X.dtype, copy=True)
+    return plan.power_update(dispatch.kernels_for("power_update", X), X, q, polar_c, precision, eps, dtype,
+                             overwrite_input)
 
 
 def check_iteration(iteration) -> str:

@@ -47,8 +47,9 @@ import torch
 
 from ._checks import renamed_argument, user_stacklevel
 from ._compile import constant_when_traced
-from .coefficients import (NORMALIZATION_MARGIN, REAL_POWER_LOWER, inverse_root_coefficients,
-                           polar_express_coefficients, polar_express_design, power_polynomial)
+from .coefficients import (NORMALIZATION_MARGIN, floor_polynomial, interpolated_coefficients,
+                           inverse_root_coefficients, polar_express_coefficients, polar_express_design,
+                           power_polynomial)
 from .linalg import (SpectralFactors, as_float64, compute_dtype, frobenius_normalized, is_tall, power_weights, ratio,
                      scaled_, wide)
 
@@ -157,7 +158,7 @@ def rounding_noise(W: torch.Tensor, request: DecayRequest) -> torch.Tensor | Non
     return words.view(torch.int16)[:W.numel()].view(W.shape)
 
 
-OPS = ("polar", "msign", "spectral_power", "band_projectors", "band_direction", "svt", "spectral_clip",
+OPS = ("polar", "msign", "spectral_power", "power_update", "band_projectors", "band_direction", "svt", "spectral_clip",
        "spectral_norm_bounds",
        "decay_")
 PRECISIONS = ("fp64", "fp32", "tf32", "bf16", "fp16")
@@ -291,23 +292,30 @@ def coupled_inverse_root(kernels, G: torch.Tensor, coefficients, precision: str,
 
 
 # Real powers: the order n of the inverse root Z = A^(-1/n) a polynomial of which gives A^f. n = 8 was
-# the cheapest at the design bound 1e-4 (docs/real-powers.md): 5 steps of 6 products, and Z's
-# eigenvalues within 1e-4^(-1/8) = 3.2 of each other, where a polynomial of degree ~10 suffices. A
-# lower design bound (a negative power's floor) doubles n until Z's spread is that again.
+# the cheapest (docs/real-powers.md): a few steps of 6 products, and Z's eigenvalues within
+# ROOT_LOWER^(-1/8) = 2.4 of each other, where a polynomial of degree ~10 suffices. A larger n for a
+# lower bound is no cure: its first steps overshoot, M's top grows like (1 + delta)^n, and the rounding
+# relative to it swamps the small modes (NaN in fp32 from n = 32).
 ROOT_ORDER = 8
-ROOT_SPREAD = REAL_POWER_LOWER ** (-1.0 / ROOT_ORDER)
-
-
-def root_order(lower: float) -> int:
-    """The order of the inverse root for eigenvalues in ``[lower, 1]`` (:data:`ROOT_ORDER`, doubled while
-    ``lower^(-1/n)`` exceeds :data:`ROOT_SPREAD`)."""
-    n = ROOT_ORDER
-    while lower ** (-1.0 / n) > ROOT_SPREAD * (1 + 1e-12):
-        n *= 2
-    return n
+# The root's design bound, relative to b ~ s_max. 1e-4 resolved more modes, but its steps' larger
+# coefficients cost fp32 four times the error everywhere (kappa 1e3: 6e-5 against 1.5e-5; kappa 1e6,
+# whose modes below the bound are lifted to about it either way: 4e-3 against 2.6e-3).
+ROOT_LOWER = 1e-3
 # The relative accuracy the root's steps and the polynomial are designed for, per precision: below the
 # products' own rounding, so that the construction adds nothing measurable to it.
 REAL_POWER_TOLERANCE = {"fp64": 1e-13, "fp32": 1e-7, "tf32": 1e-4, "bf16": 1e-3, "fp16": 1e-4}
+# The least eigenvalue a real power's A = |Xn| / b resolves, relative to its top, per precision: the
+# operands' rounding (unit u) moves A's eigenvalues by about u, and one that rounding makes negative
+# diverges in the inverse root (m <- T^8 m grows for m < 0). A is shifted by this much, which moves a
+# mode x by a relative shift / x: those below it were the rounding's already. fp32 and fp64 resolve
+# below the design bound and are not shifted.
+RESOLUTION = {"fp64": 0.0, "fp32": 0.0, "tf32": 2.0**-9, "bf16": 2.0**-6, "fp16": 2.0**-9}
+# A power held in a 0-d tensor (capturable: the host cannot read it) is floored, and designed for
+# |p| <= this (DynMuon's schedule spans +-0.25); a larger one gives NaN.
+TENSOR_POWER_BOUND = 1.0
+# Its polynomials' coefficients come from values at fixed nodes on the device, a sum that cancels about
+# 2^degree ulps (fp64: the degree for 1e-13 would lose 1e-8 to it): designed for no finer than this.
+DEVICE_DESIGN_TOLERANCE = 1e-10
 
 
 def inverse_root(kernels, A: torch.Tensor, n: int, coefficients, precision: str,
@@ -352,15 +360,25 @@ def symmetric_polynomial(kernels, U: torch.Tensor, coefficients, precision: str,
     return result
 
 
-def matrix_power_of_root(kernels, Z: torch.Tensor, gamma: float, lo: float, hi: float, tolerance: float,
-                         precision: str, identity: torch.Tensor) -> torch.Tensor:
+def matrix_power_of_root(kernels, Z: torch.Tensor, gamma, lo: float, hi: float, tolerance: float,
+                         precision: str, identity: torch.Tensor, span: float | None = None) -> torch.Tensor:
     """``Z^gamma`` for a symmetric ``Z`` with eigenvalues in ``[lo, hi]``: ``z^(gamma / 2^j)`` by a
     polynomial (:func:`~spectral_ops.coefficients.power_polynomial`), then ``j`` squarings, with ``j``
     the least that brings the exponent to at most 1 (a steep ``z^gamma`` needs a high degree, its
     square root a low one; each squaring doubles the polynomial's relative error, which it is
-    designed for)."""
-    squarings = max(0, math.ceil(math.log2(abs(gamma)))) if gamma else 0
-    coefficients, lo, hi = power_polynomial(gamma / 2**squarings, lo, hi, tolerance / 2**squarings)
+    designed for). A ``gamma`` held in a 0-d tensor (a capturable step's power) takes the squarings
+    and the degree of the largest ``|gamma|`` it may be, ``span``, and its coefficients are computed on
+    its device (:func:`~spectral_ops.coefficients.interpolated_coefficients`)."""
+    largest = span if torch.is_tensor(gamma) else abs(gamma)
+    squarings = max(0, math.ceil(math.log2(largest))) if largest else 0
+    # No finer than float64 resolves on the grid the design is checked on.
+    tolerance = max(tolerance / 2**squarings, 1e-14)
+    if torch.is_tensor(gamma):
+        bound = largest / 2**squarings
+        coefficients = interpolated_coefficients("power", gamma / 2**squarings, lo, hi,
+                                                 max(tolerance, DEVICE_DESIGN_TOLERANCE), (-bound, bound))
+    else:
+        coefficients, lo, hi = power_polynomial(gamma / 2**squarings, lo, hi, tolerance)
     U = (2.0 / (hi - lo)) * Z - ((hi + lo) / (hi - lo)) * identity.to(Z.dtype)
     F = symmetric_polynomial(kernels, U, coefficients, precision, identity)
     for _ in range(squarings):
@@ -670,12 +688,12 @@ class GramPlan:
         ``2k + 1``, with ``Gn^k = g M`` and ``f = c^p g``; ``(X, 0)`` for ``p = 1``. With
         ``iteration="gram_space"`` the polar factor of an even ``p`` comes from :meth:`gram_polar` as
         ``Q = Z Xj``, and ``D = (M Z) Xj``: one product by the rectangle instead of two. A ``p`` that is
-        not an int (a real power, or a floored negative one with ``eps``) is :meth:`scaled_real_power`'s.
+        not an int (a real power), or a floored one (``eps``), is :meth:`scaled_real_power`'s.
 
         ``p = 0``'s ``D``, the polar factor itself, stays in the operand dtype: its caller rounds it
         once, to where it goes (a Muon step adds the bf16 iterate to its weights as torch.optim.Muon
         does, without a full-size fp32 copy of it)."""
-        if not isinstance(p, int):
+        if not isinstance(p, int) or eps is not None:
             return self.scaled_real_power(p, coefficients, iteration, eps)
         if p == 1:
             return self.X, torch.zeros_like(self.log_scale)
@@ -692,47 +710,50 @@ class GramPlan:
         return self.product(M, base).to(self.dtype), p * self.log_scale + log_gram
 
     def scaled_real_power(self, p: float, coefficients, iteration: str = "rectangle", eps=None):
-        """``S_p`` scaled, ``(D, ln f)``, for a real ``p >= 0`` that is not an integer, or ``p < 0`` floored:
+        """``S_p`` scaled, ``(D, ln f)``, for a real ``p >= 0`` that is not an integer, or any ``p`` floored:
         ``U diag((s^2 + (eps s_max)^2)^(p/2)) V^T`` (docs/real-powers.md).
 
         ``P = |Xn| = Xn Q^T = U diag(s) U^T`` (one product from the polar factor: its spectrum is ``s``,
         not the Gram's ``s^2``, whose rounding would cost the small modes twice the digits) is scaled
         into ``[0, 1]`` by ``b = ||Gn||_F^(1/2)`` (``s_max <= b <= r^(1/4) s_max``). Its inverse root
-        ``Z = A^(-1/8)`` (:func:`inverse_root`) has eigenvalues within ``1e-4^(-1/8) = 3.2`` of each other
+        ``Z = A^(-1/8)`` (:func:`inverse_root`) has eigenvalues within ``1e-3^(-1/8) = 2.4`` of each other
         over the design interval, where ``A^f = Z^(-8 f)`` is a low-degree polynomial
         (:func:`matrix_power_of_root`). Then ``S_p = c^p b^f A^f S_k`` with ``k = floor(p)``, ``f = p - k``
-        and ``S_k`` the integer power (``Q`` for ``k = 0``); for ``p < 0``, ``A = P^2 + e^2 I`` scaled and
-        ``S_p = A^(p/2) Q`` (``Q`` is 0 on a zero mode, which has no singular vectors: it stays 0).
-        Modes below :data:`~spectral_ops.coefficients.REAL_POWER_LOWER` of ``b`` are outside the design
-        (as Polar Express's below its bound): the polynomial takes them to about the bound's value.
-        ``A^e`` is ``Z^(-n e)`` (``e = f``, or ``p / 2`` for the floored power)."""
+        and ``S_k`` the integer power (``Q`` for ``k = 0``); a floored power is :meth:`_floored_power`'s.
+        Modes below :data:`ROOT_LOWER` of ``b`` are outside the design
+        (as Polar Express's below its bound): the polynomial takes them to about the bound's value."""
         precision, identity = self.precision, self.identity()
         operand = OPERAND_DTYPES[precision]
         Q = self.scaled_power(0, coefficients, iteration)[0].to(operand)
         P = self.absolute(Q)
-        self._gram_square(1)
-        bound_sq = (self._square_norm(1)[..., None, None] * NORMALIZATION_MARGIN**2).clamp_min(
-            torch.finfo(self.dtype).tiny)
-        if p > 0:
-            whole, fraction = math.floor(p), p - math.floor(p)
-            A = P * bound_sq.rsqrt().to(operand)
-            lower, exponent = REAL_POWER_LOWER, fraction
-            if whole == 0:
-                base, log_base = Q, torch.zeros_like(self.log_scale)
-            elif whole == 1:
-                base, log_base = self.Xo, self.log_scale
-            else:
-                base, log_base = self.scaled_power(whole, coefficients, iteration)
-            log_factor = log_base + fraction * (self.log_scale + 0.5 * bound_sq.double().log())
+        shift, tiny = RESOLUTION[precision], torch.finfo(self.dtype).tiny
+        if eps is not None or shift:
+            # A floor's scale, and a shift's: with the free bound below, a flat spectrum's modes would sit at
+            # r^(-1/4) of the top, as close to the shift.
+            b = (NORMALIZATION_MARGIN * self.spectral_norm_estimate()).clamp_min(tiny)
         else:
-            floor_sq = (eps * self.spectral_norm_estimate()) ** 2
-            norm = bound_sq + floor_sq
-            A = (self.product(P, P) + floor_sq.to(operand) * identity.to(operand)) * norm.reciprocal().to(operand)
-            # A's smallest eigenvalue e^2 / (s_max^2 + e^2) is at least this, since b^2 <= r^(1/2) s_max^2.
-            lower = eps**2 / (math.sqrt(self.shape[-2]) * NORMALIZATION_MARGIN**2 + eps**2)
-            exponent, base = p / 2, Q
-            log_factor = p * self.log_scale + (p / 2) * norm.double().log()
-        tolerance, n = REAL_POWER_TOLERANCE[precision], root_order(lower)
+            self._gram_square(1)
+            b = (self._square_norm(1)[..., None, None].sqrt() * NORMALIZATION_MARGIN).clamp_min(tiny)
+        if eps is not None:
+            return self._floored_power(p, P, Q, b, eps)
+        whole, fraction = math.floor(p), p - math.floor(p)
+        if whole == 0:
+            base, log_base = Q, torch.zeros_like(self.log_scale)
+        elif whole == 1:
+            base, log_base = self.Xo, self.log_scale
+        else:
+            base, log_base = self.scaled_power(whole, coefficients, iteration)
+        A = (P * b.reciprocal().to(operand) + shift * identity.to(operand)) * (1.0 / (1.0 + shift))
+        log_factor = log_base + fraction * (self.log_scale + (b * (1.0 + shift)).double().log())
+        _, F = self._root_and_power(A, max(shift / (1.0 + shift), ROOT_LOWER), fraction)
+        return self.product(F, base.to(operand)).to(self.dtype), log_factor
+
+    def _root_and_power(self, A, lower: float, exponent):
+        """``(Z, A^exponent)`` with ``Z = A^(-1/8)`` (:func:`inverse_root`), for ``A``'s eigenvalues in
+        ``[lower, 1]``, ``A^exponent = Z^(-8 exponent)`` a polynomial (:func:`matrix_power_of_root`; an
+        ``exponent`` in a tensor is at most :data:`TENSOR_POWER_BOUND`)."""
+        precision, identity, n = self.precision, self.identity(), ROOT_ORDER
+        tolerance = REAL_POWER_TOLERANCE[precision]
         root = inverse_root_coefficients(n, lower, tolerance / n)
         Z = inverse_root(self.kernels, A, n, root, precision, identity)
         # Z's eigenvalues: from 1 (A's top) to lower^(-1/n) at the design bound, and at most the product of
@@ -740,9 +761,45 @@ class GramPlan:
         # bound's value, bounded, instead of extrapolating), widened for the residual and rounding.
         widening = 1.0 + max(1e-3, 10 * tolerance)
         largest = max(math.prod(a for a, _, _ in root), lower ** (-1.0 / n))
-        F = matrix_power_of_root(self.kernels, Z, -n * exponent, 1.0 / widening, largest * widening, tolerance,
-                                 precision, identity)
-        return self.product(F, base.to(operand)).to(self.dtype), log_factor
+        return Z, matrix_power_of_root(self.kernels, Z, -n * exponent, 1.0 / widening, largest * widening,
+                                       tolerance, precision, identity, span=n * TENSOR_POWER_BOUND)
+
+    def _floored_power(self, p, P, Q, b, eps: float):
+        """``U diag((s^2 + e^2)^(p/2)) V^T``, ``e = eps s_max``, scaled, from ``P = |Xn|`` and ``b``, a bound on
+        ``s_max(Xn)``.
+
+        With ``x = s / b`` and ``d = e / b``: ``(x^2 + d^2)^(p/2) = (x + d)^p (1 - w)^(p/2)``,
+        ``w = 2 v (1 - v)``, ``v = d / (x + d)``. ``A = (P / b + d I) / (1 + d)`` has eigenvalues in
+        ``[d / (1 + d), 1]``: the floor only narrows the design interval, where ``P^2 + e^2`` would square
+        it (and its rounding, which then swamps a floor below ``sqrt(u)`` of the top). ``A^p`` comes from
+        its inverse root ``Z``, ``V = d / (1 + d) Z^8 = d (P / b + d I)^(-1)`` (three squarings), and
+        ``(1 - w)^(p/2)`` is a polynomial of degree ~9 in ``W = 2 (V - V^2)``
+        (:func:`~spectral_ops.coefficients.floor_polynomial`); ``Q`` is 0 on a zero mode, which has no
+        singular vectors: it stays 0. A floor below the precision's :data:`RESOLUTION` is raised to it, and
+        one below the design bound (:data:`ROOT_LOWER` of ``b``) leaves the modes below the bound as the positive
+        powers leave them: about the bound's value."""
+        operand, identity = OPERAND_DTYPES[self.precision], self.identity().to(OPERAND_DTYPES[self.precision])
+        # b is 1.01 of the estimate of s_max that sets the floor: d = e / b is the same for every matrix.
+        d = max(eps / NORMALIZATION_MARGIN, RESOLUTION[self.precision])
+        A = (P * b.reciprocal().to(operand) + d * identity) * (1.0 / (1.0 + d))
+        Z, F = self._root_and_power(A, max(d / (1.0 + d), ROOT_LOWER), p)
+        V = Z
+        for _ in range(ROOT_ORDER.bit_length() - 1):
+            V = self.symmetric(V, V)
+        V = V * (d / (1.0 + d))
+        W = 2 * (V - self.symmetric(V, V))
+        tolerance = REAL_POWER_TOLERANCE[self.precision]
+        hi = 0.5 * (1.0 + max(1e-3, 10 * tolerance))
+        if torch.is_tensor(p):
+            half = TENSOR_POWER_BOUND / 2
+            coefficients = interpolated_coefficients("floor", p / 2, 0.0, hi, max(tolerance, DEVICE_DESIGN_TOLERANCE),
+                                                     (-half, half))
+        else:
+            coefficients = floor_polynomial(p / 2, hi, tolerance)[0]
+        G = symmetric_polynomial(self.kernels, (2.0 / hi) * W - identity, coefficients, self.precision,
+                                 identity)
+        log_factor = p * (self.log_scale + (b * (1.0 + d)).double().log())
+        return self.product(self.symmetric(F, G), Q).to(self.dtype), log_factor
 
     def absolute(self, Q: torch.Tensor) -> torch.Tensor:
         """``|Xn| = Xn Q^T = U diag(s) U^T`` from the polar factor ``Q`` (operand dtype): one product."""
@@ -879,7 +936,7 @@ class GramPlan:
         run, else the plan's iteration."""
         chosen = route(self.shape, self.dtype, self.log_scale.device.type, p, self.precision, method="gram",
                        iteration=iteration, steps=len(polar_coefficients))
-        if chosen.chain:
+        if chosen.chain and eps is None:
             chained = chained_power(self.kernels, self, p, polar_coefficients)
             if chained is not None:
                 return chained
@@ -940,10 +997,10 @@ class FactorisedPlan(GramPlan):
         return (torch.sign(self.factors.s.double() - threshold) + 1) / 2
 
     def scaled_power(self, p, coefficients=(), iteration: str = "rectangle", eps=None):
-        if p == 1:
+        if eps is None and p == 1:
             return super().scaled_power(p, coefficients)
         s = self.factors.s
-        if p < 0:  # floored: (s^2 + (eps s_max)^2)^(p/2) on the non-zero modes, scaled by c^p
+        if eps is not None:  # floored: (s^2 + (eps s_max)^2)^(p/2) on the non-zero modes, scaled by c^p
             floored = (s.double() ** 2 + (eps * s.double().amax(-1, keepdim=True)) ** 2) ** (p / 2)
             return self.factors.modes(power_weights(s, 0, self.shape[-1]) * floored), p * self.log_scale
         direction = self.factors.modes(power_weights(s, p, self.shape[-1]))
@@ -1027,16 +1084,18 @@ def spectral_power(kernels, W: torch.Tensor, p, polar_coefficients, precision: s
                    sync: bool = True, iteration: str = "auto", method: str = "gram", eps=None):
     """``sync``: check the result for overflow (OverflowError); the capturable path passes False and
     gets Inf where the result exceeds the dtype. ``iteration``: one of :data:`ITERATIONS`; ``method``:
-    :func:`route`'s (``"auto"`` routes here). ``p``: an int, a real ``p > 0``, or ``p < 0`` with its
-    floor ``eps`` (:meth:`GramPlan.scaled_real_power`)."""
-    if p == 1:
+    :func:`route`'s (``"auto"`` routes here). ``p``: an int or a real ``p > 0``, or any ``p`` with a floor
+    ``eps`` (:meth:`GramPlan.scaled_real_power`; ``p = 0`` is the polar factor, floored or not)."""
+    if eps is None and p == 1:
         return W.clone()  # S_1(W) = W, and the result must never alias the input
     method = routed(kernels, W, p, precision, method, iteration=iteration)
-    if p == 0 and method == "gram":
+    if method == "gram" and not torch.is_tensor(p) and p == 0:
         return polar_factor(kernels, W, polar_coefficients, precision, iteration)
     plan = plan_for(W, kernels, precision, method)
     direction, log_factor = plan.scaled_direction(p, polar_coefficients, iteration, eps)
     result = plan.oriented(scaled_(direction, log_factor)).to(W.dtype)
+    if torch.is_tensor(p):
+        result = torch.where(p.abs() <= TENSOR_POWER_BOUND, result, torch.nan)
     return checked_finite(result, "spectral_power") if sync else result
 
 
@@ -1054,6 +1113,29 @@ def polar(kernels, W: torch.Tensor, polar_coefficients, precision: str | None = 
     """Always on the rectangle: this is Muon's orthogonalisation, which must be the iteration
     torch.optim.Muon runs (``spectral_power(W, 0)`` follows ``iteration`` instead)."""
     return polar_factor(kernels, W, polar_coefficients, precision, "rectangle", dtype, overwrite_input)
+
+
+# A Muon-family update's default floor (relative to s_max): in bf16, below the iterate's resolution anyway
+# (RESOLUTION), and a negative power's small modes, mostly the momentum's noise, stay below 100^(-q) of the top.
+UPDATE_FLOOR = 1e-2
+
+
+def power_update(kernels, X: torch.Tensor, power, polar_coefficients, precision: str | None, eps: float,
+                 dtype: torch.dtype | None = None, overwrite_input: bool = False) -> torch.Tensor:
+    """A Muon-family update with update power ``power`` (capturable): for a number 0, ``X``'s polar
+    factor on the rectangle, as torch.optim.Muon iterates it (a square ``X`` as laid out: :func:`polar`
+    counts it as tall and would iterate on its transpose, a strided view whose result comes out
+    strided); else ``U diag((s^2 + (eps s_max)^2)^(power/2)) V^T`` (:meth:`GramPlan.scaled_real_power`),
+    renormalised to the polar factor's Frobenius norm ``sqrt(min(m, n))`` per matrix, so that a
+    learning rate means what it means for Muon."""
+    if not torch.is_tensor(power) and power == 0:
+        if X.shape[-2] != X.shape[-1]:
+            return polar(kernels, X, polar_coefficients, precision, dtype, overwrite_input)
+        return polar(kernels, X.mT, polar_coefficients, precision, dtype, overwrite_input).mT
+    D = spectral_power(kernels, X, power, polar_coefficients, precision, sync=False, method="gram", eps=eps)
+    norm = torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True, dtype=compute_dtype(D.dtype))
+    scale = math.sqrt(min(X.shape[-2:])) / norm.clamp_min(torch.finfo(norm.dtype).tiny)
+    return (D * scale).to(dtype or X.dtype)
 
 
 def msign(kernels, A: torch.Tensor, sign_coefficients, precision: str | None = None) -> torch.Tensor:
@@ -1168,7 +1250,7 @@ def route(shape, dtype: torch.dtype, device_type: str, p: int, precision: str, *
     if method == "auto":
         if iteration == "gram_space" or device_type != "cpu" or provider != "torch":
             method = "gram"
-        elif band:
+        elif band or torch.is_tensor(p):  # a power on the device, of either sign: as a real one below 1
             method = "svd"
         elif p == 1:
             method = "gram"
@@ -1186,7 +1268,7 @@ def route(shape, dtype: torch.dtype, device_type: str, p: int, precision: str, *
     if iteration == "auto":
         iteration = "rectangle"
         # An even power and a real one (p = 0's polar factor is its base) iterate a polar factor.
-        if (p % 2 == 0 or not isinstance(p, int)) and precision in GRAM_SPACE_PRECISIONS:
+        if (not isinstance(p, int) or p % 2 == 0) and precision in GRAM_SPACE_PRECISIONS:
             # A real power's iteration is its polar factor's: the rest costs the same either way.
             p_iterated = p if isinstance(p, int) else 0
             flops = {it: cost("spectral_power", (r, side), p=p_iterated, iteration=it, steps=steps,
@@ -1252,6 +1334,8 @@ def _counted(op, shape, p, precision, iteration, steps, sign_steps, band_mode, p
     # the capturable design's.
     calls = {
         "polar": lambda: polar(kernels, W, polar_coefficients, precision),
+        "power_update": lambda: power_update(kernels, W, p, polar_coefficients, precision,
+                                             UPDATE_FLOOR if eps is None else eps),
         "msign": lambda: msign(kernels, W, sign_coefficients, precision),
         "spectral_power": lambda: spectral_power(kernels, W, p, polar_coefficients, precision, False, iteration,
                                                  eps=eps),

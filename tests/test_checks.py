@@ -15,6 +15,7 @@ def good(seed=0):
 PUBLIC_OPS = {
     "polar": lambda W: so.polar(W),
     "spectral_power": lambda W: so.spectral_power(W, 2),
+    "power_update": lambda W: so.power_update(W, 0.5),
     "band_projectors": lambda W: so.band_projectors(W, 1.0),
     "band_direction": lambda W: so.band_direction(W, 1.0, 2),
     "svt": lambda W: so.svt(W, 1.0),
@@ -67,11 +68,10 @@ def test_a_negative_power_needs_its_floor_and_is_never_a_decay():
     W = good()
     with pytest.raises(ValueError, match="needs a floor: pass eps"):
         so.spectral_power(W, -0.25)
-    with pytest.raises(ValueError, match="eps floors a negative power only"):
-        so.spectral_power(W, 0.5, eps=1e-3)
-    for eps in (0.0, -1e-3, float("inf"), True):
-        with pytest.raises(ValueError, match="eps must be a finite number > 0"):
-            so.spectral_power(W, -0.25, eps=eps)
+    for p in (-0.25, 0.5):  # a floor is optional for p >= 0, and checked where given
+        for eps in (0.0, -1e-3, float("inf"), True):
+            with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+                so.spectral_power(W, p, eps=eps)
     with pytest.raises(ValueError, match="cannot be a decay"):
         so.spectral_decay_(W, -0.25, 0.1, 0.1)
     assert torch.equal(W, good())

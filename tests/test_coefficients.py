@@ -4,10 +4,13 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from spectral_ops.coefficients import (
     CUSHION,
     MUON_QUINTIC,
+    floor_polynomial,
+    interpolated_coefficients,
     inverse_root_coefficients,
     minimax_quintic,
     minimax_root_step,
@@ -168,3 +171,24 @@ def test_power_polynomials_as_used_cancel_little(gamma, hi):
     # rounding each term costs at most 8 units of the result (4.8 at most measured), not a cancellation.
     coefficients, lo, hi = power_polynomial(gamma, 1.0, hi, 1e-7)
     assert sum(abs(k) for k in coefficients) <= 8 * min(lo**gamma, hi**gamma)
+
+
+@pytest.mark.parametrize("exponent", [-0.75, -0.125, 0.25, 1.25])
+def test_floor_polynomial_meets_its_tolerance(exponent):
+    coefficients, lo, hi = floor_polynomial(exponent, 0.5005, 1e-7)
+    w = np.linspace(lo, hi, 10007)
+    u = (2 * w - hi - lo) / (hi - lo)
+    assert np.abs(np.polynomial.polynomial.polyval(u, coefficients) / (1 - w) ** exponent - 1).max() <= 1e-7
+    with pytest.raises(ValueError, match="need 0 < hi < 1"):
+        floor_polynomial(exponent, 1.0, 1e-7)
+
+
+@pytest.mark.parametrize("gamma", [-1.0, -0.31, 0.0, 0.77, 1.0])
+def test_interpolated_coefficients_meet_the_tolerance_across_their_span(gamma):
+    # One degree for the whole span (16 here), coefficients from the function's values on the device. The
+    # change to powers of u multiplies rounding by up to 2^16 (numpy's recurrence loses less): 1.4e-8
+    # measured at worst, below fp32's resolution, which is where a capturable step's power runs.
+    coefficients = interpolated_coefficients("power", torch.tensor(gamma), 1.0, 3.2, 1e-9, (-1.0, 1.0))
+    z = np.linspace(1.0, 3.2, 10007)
+    u = (2 * z - 4.2) / 2.2
+    assert np.abs(np.polynomial.polynomial.polyval(u, coefficients.numpy()) / z**gamma - 1).max() <= 5e-8

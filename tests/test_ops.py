@@ -456,3 +456,18 @@ def test_band_projectors_names_the_sign_iteration_as_the_other_band_ops_do():
     assert relative_error(routed[0], reference.band_projectors_svd(W, 0.5)[0]) < 1e-12
     with pytest.raises(TypeError, match="both sign_method and method"):
         so.band_projectors(W, 0.5, sign_method="newton_schulz", method="newton_schulz")
+
+
+@pytest.mark.parametrize("shape", [(24, 16), (16, 24), (20, 20), (3, 12, 20)])
+def test_power_update(shape):
+    W = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    # q = 0 (a number) is the polar factor as Muon iterates it, bit for bit: a square one as laid out.
+    expected = so.polar(W) if shape[-2] != shape[-1] else so.polar(W.mT).mT
+    assert torch.equal(so.power_update(W, 0), expected)
+    for q in (-0.25, 0.5):
+        U, s, Vh = torch.linalg.svd(W, full_matrices=False)
+        weights = (s**2 + (0.01 * s.amax(-1, keepdim=True)) ** 2) ** (q / 2)
+        D = (U * weights.unsqueeze(-2)) @ Vh
+        D = D * min(shape[-2:]) ** 0.5 / torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True)
+        # fp64: the construction's own error, designed for 1e-13.
+        assert (so.power_update(W, q) - D).norm() / D.norm() < 1e-9

@@ -148,6 +148,10 @@ def test_adamw_groups_inside_muon_match_torch_adamw():
     ({"params": [torch.nn.Parameter(torch.zeros(12, 4))], "adjust_lr_fn": "sqrt"}, "adjust_lr_fn"),
     ({"params": [torch.nn.Parameter(torch.zeros(12, 4))], "ns_coefficients": (1.0, 2.0)}, "coefficients"),
     ({"params": [torch.nn.Parameter(torch.zeros(12, 4))], "algorithm": "lion"}, "algorithm"),
+    ({"params": [torch.nn.Parameter(torch.zeros(12, 4))], "update_power": 0.5,
+      "ns_coefficients": so.MUON_QUINTIC}, "converged polar factor"),
+    ({"params": [torch.nn.Parameter(torch.zeros(12, 4))], "update_power": float("nan")}, "finite real"),
+    ({"params": [torch.nn.Parameter(torch.zeros(12, 4))], "update_power": -0.25, "update_eps": 0.0}, "update_eps"),
 ])
 def test_bad_groups_raise_at_construction(group, match):
     with pytest.raises(ValueError, match=match):
@@ -268,3 +272,95 @@ def test_a_step_holds_no_more_than_torch_muon(monkeypatch, heads, shape, iterati
 
 # 0-d tensors (norms, scales, the finiteness flags): a few bytes each, whatever the matrix size.
 SLACK = 1024
+
+
+def floored_update(G, q, eps=1e-2):
+    """``U diag((s^2 + (eps s_max)^2)^(q/2)) V^T`` of ``G`` per matrix, at the polar factor's Frobenius norm."""
+    U, s, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    weights = (s**2 + (eps * s.amax(-1, keepdim=True)) ** 2) ** (q / 2)
+    D = (U * weights.unsqueeze(-2)) @ Vh
+    return D * min(G.shape[-2:]) ** 0.5 / torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True)
+
+
+@pytest.mark.parametrize("q", [0, 0.0, lambda step: 0])
+def test_update_power_zero_is_muon_bit_for_bit(q):
+    models = tiny_model(), tiny_model()
+    plain = train(models[0], SpectralMuon([p for p in models[0].parameters() if p.ndim == 2], lr=2e-2), 4)
+    power = train(models[1], SpectralMuon([p for p in models[1].parameters() if p.ndim == 2], lr=2e-2,
+                                          update_power=q), 4)
+    assert_same_trajectory(plain, power, atol=0)
+
+
+@pytest.mark.parametrize("q", [-0.25, 0.1155, 0.5])
+@pytest.mark.parametrize("heads", [None, 2])
+def test_update_power_is_the_floored_power_of_each_head(q, heads):
+    # fp64 operands: the construction's own error (designed for 1e-13) is what the 1e-9 bound checks.
+    W = torch.zeros(16, 12, dtype=torch.float64)
+    result, G = one_step(W, heads=heads, update_power=q)
+    blocks = G.reshape(heads or 1, -1, 12)
+    expected = floored_update(blocks, q).reshape(16, 12) * -(0.1 * 0.2 * 16**0.5)
+    assert relative_error(result, expected) < 1e-9
+
+
+def test_a_callable_update_power_is_followed_step_by_step():
+    schedule = [0.25, -0.2, 0.0, 0.1155]
+    seen = []
+
+    def q(step):
+        seen.append(step)
+        return schedule[step]
+
+    weight = torch.nn.Parameter(torch.zeros(24, 16, dtype=torch.float64))
+    optimizer = SpectralMuon([weight], lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False, precision=None,
+                             adjust_lr_fn=lambda lr, shape: lr, update_power=q)
+    for step, power in enumerate(schedule):
+        weight.grad = matrix_with_spectrum((24, 16), log_spaced_spectrum(16, 100), torch.float64, seed=step)
+        before = weight.detach().clone()
+        optimizer.step()
+        assert relative_error(before - weight.detach(), floored_update(weight.grad, power)) < 1e-9
+    assert seen == [0, 1, 2, 3] and optimizer.state[weight]["step"] == 4
+
+
+def test_a_bad_scheduled_power_raises_before_any_weight_changes():
+    weight = torch.nn.Parameter(torch.ones(8, 4))
+    weight.grad = torch.randn(8, 4)
+    optimizer = SpectralMuon([weight], update_power=lambda step: float("inf"))
+    with pytest.raises(ValueError, match="update_power must be a finite real number"):
+        optimizer.step()
+    assert torch.equal(weight.detach(), torch.ones(8, 4))
+
+
+def test_a_tensor_update_power_stays_on_the_device_in_a_capturable_step():
+    from test_optim_capturable import host_reads_forbidden
+
+    G = matrix_with_spectrum((24, 16), log_spaced_spectrum(16, 100), torch.float32, seed=3)
+    q = torch.tensor(-0.2)
+    results = []
+    for power, capturable in ((q, True), (-0.2, False)):
+        weight = torch.nn.Parameter(torch.zeros(24, 16))
+        optimizer = SpectralMuon([weight], lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False,
+                                 precision="fp32", adjust_lr_fn=lambda lr, shape: lr, update_power=power,
+                                 capturable=capturable)
+        weight.grad = G.clone()
+        optimizer.step()  # the first step creates the state
+        if capturable:
+            with host_reads_forbidden():
+                optimizer.step()
+        else:
+            optimizer.step()
+        results.append(weight.detach() / -2)
+    # fp32 products; the tensor's polynomials are designed for the whole span |q| <= 1, the number's for -0.2.
+    assert relative_error(results[0], floored_update(G, -0.2)) < 2e-5
+    assert relative_error(results[0], results[1].double()) < 2e-5
+
+
+def test_a_state_saved_without_a_step_count_loads():
+    weight = torch.nn.Parameter(torch.zeros(8, 4))
+    weight.grad = torch.randn(8, 4)
+    optimizer = SpectralMuon([weight], update_power=lambda step: 0.25 if step else 0.5)
+    optimizer.step()
+    state = optimizer.state_dict()
+    del state["state"][0]["step"]  # as saved by a release without update_power
+    optimizer.load_state_dict(state)
+    assert optimizer.state[weight]["step"] == 0
+    optimizer.step()

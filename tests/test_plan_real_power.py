@@ -1,8 +1,8 @@
 """Real and floored negative powers on the Gram route (plan.GramPlan.scaled_real_power), against the
 FP64 SVD. Tolerances: fp64 runs show the construction's own error (its stages are designed for 1e-13
-relative, so 1e-9 leaves room for the products' rounding); fp32 ones are the issue's goals where they
-hold, and the measured limits documented in docs/real-powers.md where they do not (the inverse root's
-rounding, about sqrt(r) eps per product, is raised to the power 8 f by the polynomial)."""
+relative, so 1e-9 leaves room for the products' rounding); fp32 ones are the issue's goals, with the
+measurements beside them (the inverse root's rounding, about sqrt(r) eps per product, is raised to the
+power 8 f by the polynomial: docs/real-powers.md)."""
 
 import math
 
@@ -24,7 +24,7 @@ def matrix(m, n, kappa, seed=0, batch=()):
 
 def reference(U, s, V, p, eps=None):
     weights = s**p if eps is None else (s**2 + (eps * s.amax(-1, keepdim=True)) ** 2) ** (p / 2)
-    return (U * weights) @ V.mT
+    return (U * weights.unsqueeze(-2)) @ V.mT
 
 
 def relative_error(result, expected):
@@ -40,11 +40,11 @@ def test_the_construction_is_exact_in_fp64(p, kappa):
 
 @pytest.mark.parametrize("shape", [(128, 64), (64, 128)])
 @pytest.mark.parametrize("p, kappa, bound", [
-    # The issue's goals, met: 2e-5 for p in {0.5, 1.5, 2.5} at kappa 10, 1e-4 for {0.1155, 0.25} at 10 and 1e3.
-    (0.5, 10, 2e-5), (1.5, 10, 3e-5), (2.5, 10, 3e-5), (0.1155, 10, 1e-4), (0.25, 10, 1e-4),
-    (0.1155, 1e3, 1e-4), (0.25, 1e3, 1e-4),
-    # Not met (2e-5): 4e-5 to 8e-5 measured; the documented limit.
-    (0.5, 1e3, 2e-4), (1.5, 1e3, 2e-4), (2.5, 1e3, 2e-4),
+    # The issue's goals: 2e-5 for p in {0.5, 1.5, 2.5}, 1e-4 for {0.1155, 0.25}, at kappa 10 and 1e3.
+    # Measured: at most 4e-6 at kappa 10; at kappa 1e3 1.1e-5 to 2.0e-5 for p >= 0.5 (64 x 128, p = 2.5,
+    # is at the goal itself: the bound leaves room for another CPU's order of summation) and 7e-6 below.
+    (0.5, 10, 2e-5), (1.5, 10, 2e-5), (2.5, 10, 2e-5), (0.1155, 10, 1e-4), (0.25, 10, 1e-4),
+    (0.1155, 1e3, 1e-4), (0.25, 1e3, 1e-4), (0.5, 1e3, 3e-5), (1.5, 1e3, 3e-5), (2.5, 1e3, 3e-5),
 ])
 def test_fp32_accuracy(shape, p, kappa, bound):
     W, U, s, V = matrix(*shape, kappa)
@@ -53,8 +53,8 @@ def test_fp32_accuracy(shape, p, kappa, bound):
 
 
 def test_modes_below_the_design_bound_stay_bounded():
-    # kappa 1e6: the modes under 1e-4 s_max are outside the design; the polynomial takes them to about the
-    # bound's value instead of extrapolating (it gave errors of 5e3 before it covered their lift).
+    # kappa 1e6: the modes under 1e-3 s_max (plan.ROOT_LOWER) are outside the design; the polynomial takes
+    # them to about the bound's value instead of extrapolating (errors of 5e3 before it covered their lift).
     W, U, s, V = matrix(128, 64, 1e6)
     for p in (0.5, 0.1155, 1.5):
         result = so.spectral_power(W.float(), p, method="gram")
@@ -143,3 +143,73 @@ def test_real_power_decay_matches_the_svd():
             so.spectral_decay_(X, p, 0.1, 0.01, method=method)
             expected = W - 0.001 * reference(U, s, V, p)
             assert relative_error(X - W, expected - W) < 1e-9
+
+
+@pytest.mark.parametrize("p", [-1.5, -0.25, 0.5, 1, 2, 2.5])
+@pytest.mark.parametrize("eps", [1e-1, 1e-3])
+def test_a_floor_takes_a_power_of_either_sign(p, eps):
+    # (s^2 + (eps s_max)^2)^(p/2) for any p: exact in fp64 on both routes (the Gram route's floor is set by an
+    # estimate of s_max that misses it by 0.3% at most, which moves these modes by far less than 1e-9).
+    W, U, s, V = matrix(96, 48, 1e3)
+    expected = reference(U, s, V, p, eps)
+    assert relative_error(so.spectral_power(W, p, method="gram", eps=eps), expected) < 1e-9
+    assert relative_error(so.spectral_power(W, p, method="svd", eps=eps), expected) < 1e-12
+
+
+@pytest.mark.parametrize("eps", [1e-5, 1e-8])
+def test_a_floor_below_the_design_bound_stays_finite_and_accurate(eps):
+    # A floor far below the design bound (1e-4 of s_max) gave NaN when the floored power was a root of
+    # P^2 + e^2 (a root order of 32 for 1e-5); on |W| + e the design interval is only clamped at the bound.
+    # kappa 1e3 keeps every mode above the bound, where the measured error is 1.4e-5 (the fp32 limit above).
+    W, U, s, V = matrix(128, 64, 1e3)
+    result = so.spectral_power(W.float(), -0.25, method="gram", eps=eps)
+    assert torch.isfinite(result).all()
+    assert relative_error(result, reference(U, s, V, -0.25, eps)) < 5e-5
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("p, eps", [(0.25, None), (1.5, None), (-0.25, 1e-5)])
+def test_low_precision_never_turns_a_finite_matrix_non_finite(precision, p, eps):
+    # bf16 rounds |W|'s small eigenvalues by about 2^-8 of the top, some to below zero, which the inverse
+    # root amplified to 1e24 or NaN (kappa 1e6). The shift by plan.RESOLUTION keeps them positive: the modes
+    # below it are the rounding's and come out wrong, but bounded.
+    W, U, s, V = matrix(64, 128, 1e6)
+    result = so.spectral_power(W.float(), p, method="gram", precision=precision, eps=eps)
+    assert torch.isfinite(result).all()
+    expected = reference(U, s, V, p, eps)
+    assert result.double().norm() < 2 * expected.norm()
+
+
+@pytest.mark.parametrize("q", [-0.25, 0.1155])
+def test_bf16_powers_of_a_gaussian_matrix(q):
+    # Muon's regime (a Gaussian momentum, kappa ~3): 2e-2 is the issue's bound for bf16 updates; the
+    # polar factor alone errs by 7e-3 in bf16 here, and the power by 1e-2 at most (measured).
+    W = torch.randn(2, 128, 768, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    U, s, Vh = torch.linalg.svd(W, full_matrices=False)
+    result = so.spectral_power(W.float(), q, method="gram", precision="bf16", eps=1e-2)
+    assert relative_error(result, reference(U, s, Vh.mT, q, 1e-2)) < 2e-2
+
+
+@pytest.mark.parametrize("p", [-1.0, -0.25, 0.0, 0.5, 1.0])
+def test_a_power_held_in_a_tensor(p):
+    # A capturable call may take p on the device: floored either way, with coefficients computed there
+    # from fixed nodes (designed for 1e-10 at finest, plan.DEVICE_DESIGN_TOLERANCE; fp64 measured 1e-8 at
+    # worst), and it agrees with the number's result in fp32 to the products' rounding.
+    from test_optim_capturable import host_reads_forbidden
+
+    W, U, s, V = matrix(96, 48, 1e3)
+    with host_reads_forbidden():
+        result = so.spectral_power(W, torch.tensor(p), method="gram", eps=1e-2, capturable=True)
+        single = so.spectral_power(W.float(), torch.tensor(p), method="gram", eps=1e-2, capturable=True)
+    assert relative_error(result, reference(U, s, V, p, 1e-2)) < 1e-7
+    number = so.spectral_power(W.float(), p, method="gram", eps=1e-2)
+    assert relative_error(single, number.double()) < 2e-5
+
+
+def test_a_tensor_power_out_of_its_design_is_nan_and_needs_a_floor():
+    W = matrix(32, 16, 10)[0]
+    assert torch.isnan(so.spectral_power(W, torch.tensor(1.5), method="gram", eps=1e-2, capturable=True)).all()
+    with pytest.raises(ValueError, match="floored either way"):
+        so.spectral_power(W, torch.tensor(0.5), method="gram", capturable=True)
+    # Outside a capturable call it is read, as a number is taken.
+    assert torch.equal(so.spectral_power(W, torch.tensor(0.5), method="gram"), so.spectral_power(W, 0.5, method="gram"))

@@ -1,5 +1,6 @@
 """Reference experiments (SPEC 7.1-7.3, the SPEC 5 feedback loop, the SPEC 4 width transfer, the
-rectangle vs Gram-space iteration study, and the decay of bf16 weights by rounding and mantissa).
+rectangle vs Gram-space iteration study, the decay of bf16 weights by rounding and mantissa, and real
+and floored powers with Muon-family updates against DynMuon's construction).
 
 ``python -m spectral_ops.experiments NAME --out DIR [--quick]`` writes ``NAME.md`` (the table, also
 printed), ``NAME.json`` (the data) and ``NAME.png`` (the figure) into ``DIR``. ``--quick`` runs
@@ -21,6 +22,7 @@ EXPERIMENTS = {
     "schedules": "schedules",
     "width-transfer": "width_transfer",
     "bf16-decay": "bf16_decay",
+    "real-powers": "real_powers",
 }
 
 

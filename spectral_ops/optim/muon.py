@@ -3,21 +3,23 @@
 Muon's direction is the polar factor of the Nesterov momentum (SPEC 4, 6), computed by this
 package's :func:`spectral_ops.polar`, the same kernels that serve the ``p = 0`` decay. Polar Express
 is the default; ``ns_coefficients=spectral_ops.MUON_QUINTIC`` with ``ns_steps=5`` is
-``torch.optim.Muon``'s iteration.
+``torch.optim.Muon``'s iteration. ``update_power=q`` makes it ``U Sigma^q V^T`` of the momentum
+(:func:`spectral_ops.power_update`, renormalised to the polar factor's Frobenius norm).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections import defaultdict
 
 import torch
 
-from .._checks import check_choice, check_steps
+from .._checks import check_choice, check_power, check_steps
 from ..coefficients import polar_express_coefficients, resolve_polar_coefficients, without_normalization_margin
-from ..ops import check_precision, polar
-from ..plan import OPERAND_DTYPES, resolve_precision
+from ..ops import check_precision, power_update
+from ..plan import OPERAND_DTYPES, UPDATE_FLOOR, resolve_precision
 from ..decay import as_matrices, batched, matrix_dims
 from ._decay import capturable, check_matrices_said
 from .adamw import adam_update_, check_adam_options, init_adam_state, prepare_adam_step
@@ -102,7 +104,20 @@ class SpectralMuon(SpectralOptimizer):
       torch.optim.Muon (fp32 accumulation); ``"fp32"``, ``"tf32"``, ``"fp16"``, ``"fp64"`` or None (the
       op default: follow the update's dtype and ``torch.get_float32_matmul_precision()``);
     * ``capturable``: as in :class:`SpectralAdamW` (the polar factor is then not checked for a
-      finite momentum on the host).
+      finite momentum on the host);
+    * ``update_power`` (``q``, 0 by default: Muon): the update is ``U diag((s^2 + (update_eps
+      s_max)^2)^(q/2)) V^T`` of the (Nesterov) momentum ``U diag(s) V^T`` instead of its polar factor,
+      by :func:`spectral_ops.power_update` on the same Polar Express iteration (docs/real-powers.md),
+      renormalised to the polar factor's Frobenius norm ``sqrt(min(rows, cols))`` per matrix or head,
+      so that ``adjust_lr_fn`` and ``lr`` mean what they mean for Muon. A number, or a callable of the
+      parameter's step count (0 at its first step; DynMuon's sigmoid schedule is one), or, in a
+      capturable group, a 0-d tensor (a scheduler's, on the device: at most 1 in magnitude, NaN and a
+      skipped step beyond; a callable then gets the count as a device tensor). ``q = 0`` (a number) is
+      Muon's step, bit for bit. The floor ``update_eps`` (1e-2 by default; at least the iterate's
+      resolution, 2^-6 in bf16, :data:`spectral_ops.plan.RESOLUTION`) is ``s^q`` on the modes above
+      it and keeps those below it, mostly noise, from dominating a negative ``q``. It needs the
+      default Polar Express iteration: a fixed quintic (``ns_coefficients``) does not converge, and
+      ``|X| = X Q^T`` would not be ``X``'s.
     """
 
     def __init__(self, params, lr=1e-3, momentum=0.95, nesterov=True, ns_coefficients=None, ns_steps=None,
@@ -111,7 +126,8 @@ class SpectralMuon(SpectralOptimizer):
                  decay_precision=None, decay_iteration="auto", decay_method="auto", matrix_view=None,
                  rounding="nearest", precision="bf16",
                  heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8,
-                 capturable=False, strict=False, process_group=None, polar_steps=None):
+                 capturable=False, strict=False, process_group=None, polar_steps=None, update_power=0,
+                 update_eps=UPDATE_FLOOR):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
@@ -119,8 +135,8 @@ class SpectralMuon(SpectralOptimizer):
                         decay_steps=decay_steps, polar_steps=polar_steps, decay_precision=decay_precision,
                         decay_iteration=decay_iteration, decay_method=decay_method, matrix_view=matrix_view,
                         rounding=rounding, precision=precision,
-                        heads=heads, splits=splits, recipe=recipe,
-                        algorithm=algorithm, betas=betas, eps=eps, capturable=capturable, strict=strict)
+                        heads=heads, splits=splits, recipe=recipe, update_power=update_power,
+                        update_eps=update_eps, algorithm=algorithm, betas=betas, eps=eps, capturable=capturable, strict=strict)
         super().__init__(params, defaults, process_group=process_group)
 
     def check_group(self, group: dict) -> None:
@@ -137,6 +153,7 @@ class SpectralMuon(SpectralOptimizer):
         check_steps(group["ns_steps"], "ns_steps")
         check_precision(group["precision"])
         orthogonalization_coefficients(group)
+        self._check_update_power(group)
         heads = group["heads"]
         if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
             raise ValueError(f"heads must be a positive integer or None, got {heads!r}")
@@ -149,6 +166,27 @@ class SpectralMuon(SpectralOptimizer):
                                 f"{tuple(param.shape)} parameter in a group with algorithm='adamw'")
             check_matrices_said(param, group, index, "Muon's update")
             self._check_blocks(matrix_dims(param.shape, group["matrix_view"])[0], group)
+
+    @staticmethod
+    def _check_update_power(group) -> None:
+        power, eps = group["update_power"], group["update_eps"]
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
+            raise ValueError(f"update_eps must be a finite number > 0 (relative to s_max), got {eps!r}")
+        if not callable(power):
+            power = check_power(power, "update_power", eps=eps, capturable=True)
+        if (not isinstance(power, numbers.Real) or power != 0) and group["ns_coefficients"] is not None:
+            raise ValueError("update_power needs a converged polar factor (|X| = X Q^T): use the default Polar "
+                             "Express iteration (ns_coefficients=None), not a fixed quintic")
+
+    @staticmethod
+    def update_power_at(group, count):
+        """The update power of a parameter whose step count is ``count`` (an int, or, in a capturable group,
+        a 0-d tensor on its device): a number as :func:`~spectral_ops._checks.check_power` makes it (0 for
+        Muon's polar factor), or, in a capturable group, a 0-d tensor, which stays on its device."""
+        power = group["update_power"]
+        if callable(power):
+            power = power(count)
+        return check_power(power, "update_power", eps=group["update_eps"], capturable=capturable(group))
 
     @staticmethod
     def _check_blocks(rows: int, group) -> None:
@@ -171,12 +209,30 @@ class SpectralMuon(SpectralOptimizer):
             return
         for param in params:
             self.state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            self.state[param]["step"] = self._zero_count(param, group)
+
+    @staticmethod
+    def _zero_count(param, group) -> torch.Tensor:
+        """A step count as Adam's: a float32 0-d tensor on the parameter's device when the group is
+        capturable (a captured step advances it in place), else on the CPU."""
+        return torch.zeros((), dtype=torch.float32, device=param.device if capturable(group) else "cpu")
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # A state saved before update_power counted no steps: a schedule restarts from 0.
+        for group in self.param_groups:
+            if group["algorithm"] == "muon":
+                for param in group["params"]:
+                    if "momentum_buffer" in self.state.get(param, {}):
+                        self.state[param].setdefault("step", self._zero_count(param, group))
 
     def prepare_group(self, params, group: dict) -> PreparedStep:
         if group["algorithm"] == "adamw":
             return prepare_adam_step(self, params, group)
         updates = [self._update(param, group) for param in params]
-        directions, checked = self._directions(params, updates, group)
+        powers = [self.update_power_at(group, self.state[param]["step"] if capturable(group)
+                                       else int(self.state[param]["step"])) for param in params]
+        directions, checked = self._directions(params, updates, powers, group)
         decay = self.prepare_decay(params, group, blocks=self._decay_blocks(group))
         return MuonStep(group, params, self.gradient_checks(params), decay, checked, directions)
 
@@ -226,10 +282,13 @@ class SpectralMuon(SpectralOptimizer):
         addresses it captured); ``mask``, a capturable step's device decision, keeps the old one where
         it is False."""
         grad, buffer = local(param.grad), local(self.state[param]["momentum_buffer"])
+        count = self.state[param]["step"]
         if mask is None:
             buffer.lerp_(grad, 1 - group["momentum"])
+            count.add_(1)
         else:
             buffer.copy_(torch.where(mask, buffer.lerp(grad, 1 - group["momentum"]), buffer))
+            count.add_(mask.to(count.dtype))
 
     @staticmethod
     def _decay_blocks(group):
@@ -244,7 +303,7 @@ class SpectralMuon(SpectralOptimizer):
                     for count in [group["heads"] if letter == "H" else 1] for head in range(count)]
         return blocks
 
-    def _directions(self, params, updates, group) -> tuple[list, list]:
+    def _directions(self, params, updates, powers, group) -> tuple[list, list]:
         """Each update's polar factors (this rank's rows of them): computed here, or, for a spread
         matrix, on its owner when the step's exchange runs (see :mod:`spectral_ops.optim.distributed`);
         and each as the step's finiteness checks read it, filled in at the same time."""
@@ -261,19 +320,21 @@ class SpectralMuon(SpectralOptimizer):
                 checked[i] = direction.mT if direction.mT.is_contiguous() else direction
 
         alone = [i for i in range(len(params)) if layouts[i] is None]
-        keep(alone, self._orthogonalize([updates[i] for i in alone], group))
+        keep(alone, self._orthogonalize([updates[i] for i in alone], [powers[i] for i in alone], group))
         if spread:
             costs = [direction_flops(matrix_dims(params[i].shape, group["matrix_view"]), group)
                      * (params[i].shape[:-2].numel() if batched(params[i].shape, group["matrix_view"]) else 1)
                      for i in spread]
-            self.exchange.map(lambda positions, matrices: self._orthogonalize(matrices, group),
+            self.exchange.map(lambda positions, matrices: self._orthogonalize(
+                                  matrices, [powers[spread[position]] for position in positions], group),
                               [updates[i] for i in spread], [layouts[i] for i in spread], costs,
                               lambda results: keep(spread, results))
         return directions, checked
 
     @staticmethod
-    def _orthogonalize(updates, group):
-        """Polar factors of every head or full block, one batched call per block shape.
+    def _orthogonalize(updates, powers, group):
+        """Polar factors (``U Sigma^q V^T`` for ``q = powers[i]`` not 0) of every head or full block, one
+        batched call per block shape and power.
 
         A batch of one block (or of one matrix's heads) is the update itself, as a view, and a matrix
         that is one block keeps its rows of the batch's result as its direction: only a batch of
@@ -285,23 +346,25 @@ class SpectralMuon(SpectralOptimizer):
         coefficients, precision = orthogonalization_coefficients(group), group["precision"]
         operand_dtypes = [OPERAND_DTYPES[resolve_precision(precision, update.dtype)] for update in updates]
         blocks = [row_blocks(update.shape[-2], group) for update in updates]
-        jobs = defaultdict(list)  # (block shape, dtype) -> [(update index, start, size, source (batch, r, c))]
+        jobs = defaultdict(list)  # (block shape, dtype, power) -> [(update index, start, size, source (b, r, c))]
         for index, update in enumerate(updates):
             matrices = update.shape[:-2].numel()  # a stack's (matrix_view="batch"), 1 for one matrix
             for start, size, letter in blocks[index]:
                 count = group["heads"] if letter == "H" else 1
                 shape = (matrices * count, size // count, update.shape[-1])
-                jobs[(*shape[1:], update.dtype)].append((index, start, size,
-                                                         update[..., start:start + size, :].reshape(shape)))
+                jobs[(*shape[1:], update.dtype, powers[index])].append(
+                    (index, start, size, update[..., start:start + size, :].reshape(shape)))
         directions = [None if len(b) == 1 else torch.empty_like(u, dtype=dtype)
                       for u, b, dtype in zip(updates, blocks, operand_dtypes)]
-        for (_, cols, _), members in jobs.items():
+        for (_, cols, _, power), members in jobs.items():
             sources = [source for *_, source in members]
             batch = sources[0] if len(sources) == 1 else torch.cat(sources)
             # Not checked for NaN/Inf here (capturable=True skips that check, and the host read): the
             # step checks each direction it computed, and skips its parameter rather than raise.
-            result = _polar_as_laid_out(batch[0] if len(batch) == 1 else batch, coefficients, precision,
-                                        operand_dtypes[members[0][0]])
+            # The step's own update: the normalisation may overwrite it rather than copy it.
+            result = power_update(batch[0] if len(batch) == 1 else batch, power, eps=group["update_eps"],
+                                  coefficients=coefficients, precision=precision, capturable=True,
+                                  dtype=operand_dtypes[members[0][0]], overwrite_input=True)
             result = result.view(batch.shape)
             for (index, start, size, _), piece in zip(members, result.split([s.shape[0] for s in sources])):
                 piece = piece.reshape(*updates[index].shape[:-2], size, cols)
@@ -310,17 +373,3 @@ class SpectralMuon(SpectralOptimizer):
                 else:
                     directions[index][..., start:start + size, :].copy_(piece)
         return directions
-
-
-def _polar_as_laid_out(X, coefficients, precision, dtype):
-    """``polar(X, dtype=dtype)`` (capturable), iterated on a square ``X`` as it is laid out.
-
-    torch.optim.Muon transposes only a tall matrix; :func:`~spectral_ops.polar` counts a square one as
-    tall too and iterates on its transpose, a strided view, whose result comes out strided. Given a
-    square ``X``'s transpose instead, it iterates on ``X`` itself (Gram ``X X^T``, as torch's does), and
-    the result, transposed back, has ``X``'s layout: adding it to the weight is no strided pass."""
-    # X is the step's own update: the normalisation may overwrite it rather than copy it.
-    options = dict(coefficients=coefficients, precision=precision, capturable=True, dtype=dtype, overwrite_input=True)
-    if X.shape[-2] != X.shape[-1]:
-        return polar(X, **options)
-    return polar(X.mT, **options).mT
