@@ -220,6 +220,11 @@ def _backend_runs(band_weight):
     yield "decay_p2", "decay_", lambda b, W: decayed(b, W, request), lambda W: decayed(TORCH, W, request)
     if not band_weight:
         return
+    # A negative update power: the real-power construction (inverse root, polynomials, the floor's; no
+    # fused chain runs it).
+    yield "power_update", "power_update", \
+        lambda b, W: plan.power_update(b, W, -0.25, POLAR, None, plan.UPDATE_FLOOR), \
+        lambda W: plan.power_update(TORCH, W, -0.25, POLAR, None, plan.UPDATE_FLOOR)
     yield "msign", "msign", lambda b, W: plan.msign(b, _gram_minus_tau(W), SIGN_NS), \
         lambda W: plan.msign(TORCH, _gram_minus_tau(W), SIGN_NS)
     yield "band_projectors", "band_projectors", lambda b, W: torch.stack(plan.band_projectors(b, W, TAU, POLAR)), \
