@@ -158,9 +158,8 @@ def rounding_noise(W: torch.Tensor, request: DecayRequest) -> torch.Tensor | Non
     return words.view(torch.int16)[:W.numel()].view(W.shape)
 
 
-OPS = ("polar", "msign", "spectral_power", "power_update", "band_projectors", "band_direction", "svt", "spectral_clip",
-       "spectral_norm_bounds",
-       "decay_")
+OPS = ("polar", "msign", "spectral_power", "power_update", "band_projectors", "band_direction", "svt",
+       "spectral_clip", "spectral_norm_bounds", "decay_")
 PRECISIONS = ("fp64", "fp32", "tf32", "bf16", "fp16")
 OPERAND_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16,
                   "fp16": torch.float16}
@@ -297,9 +296,9 @@ def coupled_inverse_root(kernels, G: torch.Tensor, coefficients, precision: str,
 # lower bound is no cure: its first steps overshoot, M's top grows like (1 + delta)^n, and the rounding
 # relative to it swamps the small modes (NaN in fp32 from n = 32).
 ROOT_ORDER = 8
-# The root's design bound, relative to b ~ s_max. 1e-4 resolved more modes, but its steps' larger
-# coefficients cost fp32 four times the error everywhere (kappa 1e3: 6e-5 against 1.5e-5; kappa 1e6,
-# whose modes below the bound are lifted to about it either way: 4e-3 against 2.6e-3).
+# The root's design bound, relative to b ~ s_max. 1e-4 resolved more modes, but its first steps' larger
+# coefficients cost fp32 accuracy (kappa 1e3: 5.6e-6 against 3.9e-6; kappa 1e6, whose modes below the
+# bound are lifted to about it either way: 4e-3 against 2.6e-3), and a step more.
 ROOT_LOWER = 1e-3
 # The relative accuracy the root's steps and the polynomial are designed for, per precision: below the
 # products' own rounding, so that the construction adds nothing measurable to it.
@@ -318,24 +317,34 @@ TENSOR_POWER_BOUND = 1.0
 DEVICE_DESIGN_TOLERANCE = 1e-10
 
 
+def design_widening(tolerance: float) -> float:
+    """The factor a real power's polynomials widen their interval by, for the root's residual (its
+    design ``tolerance``) and the rounding."""
+    return 1.0 + max(1e-3, 10 * tolerance)
+
+
 def inverse_root(kernels, A: torch.Tensor, n: int, coefficients, precision: str,
                  identity: torch.Tensor) -> torch.Tensor:
     """``Z -> A^(-1/n)`` for a symmetric ``A`` with eigenvalues in the design interval of
     ``coefficients`` (:func:`~spectral_ops.coefficients.inverse_root_coefficients`): ``T = a I + b M +
-    c M^2``, ``Z <- Z T``, ``M <- T^n M`` from ``M = A``, ``Z = I``, so that ``M = Z^n A`` and ``M -> I``.
+    c M^2``, ``Z <- Z T``, ``M <- T^(n/2) M T^(n/2)`` from ``M = A``, ``Z = I``, so that ``M = Z^n A`` and
+    ``M -> I``.
 
     ``M`` is iterated with ``Z`` (coupled) rather than formed as ``Z^n A``, which would amplify ``A``'s
-    rounding by its condition number; ``T^n M`` and ``Z T`` are full products (commuting symmetric
-    factors, as in :func:`coupled_inverse_root`), ``T^n`` by squarings."""
+    rounding by its condition number. The sandwich keeps ``M`` symmetric to rounding, as ``T^n M`` did
+    not: that product's asymmetric error reached ``Z`` as errors between its top and bottom modes, which
+    the real power raises to ``8 f`` (fp32, kappa 1e3: 1.5e-5 to 2.4e-5 against 2.2e-6 to 3.9e-6 now),
+    for the same products (``T^(n/2)`` by one squaring fewer, one product more). ``Z T`` is a full
+    product (commuting symmetric factors, as in :func:`coupled_inverse_root`)."""
     M, Z, identity = A, None, identity.to(A.dtype)
     for step, (a, b, c) in enumerate(coefficients):
         T = kernels.poly_step(M, b, c, precision) + a * identity
         Z = T if Z is None else kernels.product(Z, T, precision)
         if step < len(coefficients) - 1:  # the last M is not needed
-            power = T
-            for _ in range(n.bit_length() - 1):
-                power = kernels.symmetric(power, power, precision)
-            M = kernels.product(power, M, precision)
+            half = T
+            for _ in range(n.bit_length() - 2):
+                half = kernels.symmetric(half, half, precision)
+            M = kernels.product(kernels.product(half, M, precision), half, precision)
     return Z
 
 
@@ -715,7 +724,8 @@ class GramPlan:
 
         ``P = |Xn| = Xn Q^T = U diag(s) U^T`` (one product from the polar factor: its spectrum is ``s``,
         not the Gram's ``s^2``, whose rounding would cost the small modes twice the digits) is scaled
-        into ``[0, 1]`` by ``b = ||Gn||_F^(1/2)`` (``s_max <= b <= r^(1/4) s_max``). Its inverse root
+        into ``[0, 1]`` by ``b = 1.01 ||Gn||_F^(1/2)`` (``s_max <= b <= 1.01 r^(1/4) s_max``; with a floor or
+        a :data:`RESOLUTION` shift, 1.01 times the Rayleigh estimate of ``s_max``). Its inverse root
         ``Z = A^(-1/8)`` (:func:`inverse_root`) has eigenvalues within ``1e-3^(-1/8) = 2.4`` of each other
         over the design interval, where ``A^f = Z^(-8 f)`` is a low-degree polynomial
         (:func:`matrix_power_of_root`). Then ``S_p = c^p b^f A^f S_k`` with ``k = floor(p)``, ``f = p - k``
@@ -759,7 +769,7 @@ class GramPlan:
         # Z's eigenvalues: from 1 (A's top) to lower^(-1/n) at the design bound, and at most the product of
         # the steps' a (the lift of a mode below it, which the polynomial then takes to about the
         # bound's value, bounded, instead of extrapolating), widened for the residual and rounding.
-        widening = 1.0 + max(1e-3, 10 * tolerance)
+        widening = design_widening(tolerance)
         largest = max(math.prod(a for a, _, _ in root), lower ** (-1.0 / n))
         return Z, matrix_power_of_root(self.kernels, Z, -n * exponent, 1.0 / widening, largest * widening,
                                        tolerance, precision, identity, span=n * TENSOR_POWER_BOUND)
@@ -789,7 +799,7 @@ class GramPlan:
         V = V * (d / (1.0 + d))
         W = 2 * (V - self.symmetric(V, V))
         tolerance = REAL_POWER_TOLERANCE[self.precision]
-        hi = 0.5 * (1.0 + max(1e-3, 10 * tolerance))
+        hi = 0.5 * design_widening(tolerance)
         if torch.is_tensor(p):
             half = TENSOR_POWER_BOUND / 2
             coefficients = interpolated_coefficients("floor", p / 2, 0.0, hi, max(tolerance, DEVICE_DESIGN_TOLERANCE),
@@ -1116,7 +1126,8 @@ def polar(kernels, W: torch.Tensor, polar_coefficients, precision: str | None = 
 
 
 # A Muon-family update's default floor (relative to s_max): in bf16, below the iterate's resolution anyway
-# (RESOLUTION), and a negative power's small modes, mostly the momentum's noise, stay below 100^(-q) of the top.
+# (RESOLUTION); a negative power lifts the small modes, mostly the momentum's noise, to at most 100^|q|
+# times the top's weight.
 UPDATE_FLOOR = 1e-2
 
 
