@@ -89,6 +89,14 @@ def threshold_sign_coefficients(steps=None, method: str = "polar_express"):
     return sign_coefficients(steps, method)
 
 
+def _check_iterate_options(precision, dtype, overwrite_input) -> None:
+    """The options of an op that returns Polar Express's iterate (:func:`polar`, :func:`power_update`)."""
+    check_precision(precision)
+    check_dtype(dtype)
+    if not isinstance(overwrite_input, bool):
+        raise TypeError(f"overwrite_input must be True or False, got {overwrite_input!r}")
+
+
 @torch.no_grad()
 def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, precision: str | None = None,
           capturable: bool = False, dtype: torch.dtype | None = None, overwrite_input: bool = False) -> torch.Tensor:
@@ -108,10 +116,7 @@ def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, preci
     """
     _validated(W, capturable=capturable)
     polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
-    check_precision(precision)
-    check_dtype(dtype)
-    if not isinstance(overwrite_input, bool):
-        raise TypeError(f"overwrite_input must be True or False, got {overwrite_input!r}")
+    _check_iterate_options(precision, dtype, overwrite_input)
     if W.numel() == 0:
         return W.to(dtype or W.dtype, copy=True)
     return plan.polar(dispatch.kernels_for("polar", W), W, polar_c, precision, dtype=dtype,
@@ -204,10 +209,7 @@ def power_update(X: torch.Tensor, q=0, *, eps: float = plan.UPDATE_FLOOR, steps:
     _validated(X, capturable=capturable)
     q = check_power(q, "q", eps=eps, capturable=capturable)
     polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
-    check_precision(precision)
-    check_dtype(dtype)
-    if not isinstance(overwrite_input, bool):
-        raise TypeError(f"overwrite_input must be True or False, got {overwrite_input!r}")
+    _check_iterate_options(precision, dtype, overwrite_input)
     if X.numel() == 0:
         return X.to(dtype or X.dtype, copy=True)
     return plan.power_update(dispatch.kernels_for("power_update", X), X, q, polar_c, precision, eps, dtype,
