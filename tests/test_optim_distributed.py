@@ -390,6 +390,9 @@ def _scenarios(folder: Path, world: int) -> dict:
         **{f"decay p={p}": (lambda p: lambda mesh, rank, world: _compare(_adamw(p), mesh, seed=p))(p)
            for p in (0, 1, 2, 4)},
         "muon head-wise and fused QKV": lambda mesh, rank, world: _compare(_muon, mesh, seed=11),
+        # The owners compute each matrix's update power from its own step count (a schedule).
+        "muon with a scheduled update power": lambda mesh, rank, world: _compare(
+            lambda params, **o: _muon(params, update_power=lambda step: (0.25, -0.2)[step], **o), mesh, seed=22),
         "sgd": lambda mesh, rank, world: _compare(lambda params, **o: SpectralSGD(
             params, lr=5e-2, momentum=0.9, nesterov=True, p=2, spectral_weight_decay=0.5, matrix_view="flatten", **o),
             mesh, seed=12),
