@@ -230,9 +230,20 @@ _FUNCTIONS = {
 }
 
 
+_interpolants: dict[tuple, tuple] = {}
+
+
+# Cached by hand, as _greedy_coefficients is: torch.compile skips an lru_cache wrapper and would trace
+# the design (a search over degrees) instead of taking its result as a constant.
 @constant_when_traced
-@functools.lru_cache(maxsize=256)
 def _chebyshev_polynomial(function: str, parameter: float, lo: float, hi: float, tolerance: float):
+    key = (function, parameter, lo, hi, tolerance)
+    if key not in _interpolants:
+        _interpolants[key] = _designed_polynomial(*key)
+    return _interpolants[key]
+
+
+def _designed_polynomial(function: str, parameter: float, lo: float, hi: float, tolerance: float):
     if not 0.0 <= lo < hi or (function == "power" and lo == 0.0):
         raise ValueError(f"need 0 < lo < hi, got {lo!r}, {hi!r}")
     f = functools.partial(_FUNCTIONS[function], parameter)
@@ -264,8 +275,14 @@ def interpolated_coefficients(function: str, parameter, lo: float, hi: float, to
 
 
 @constant_when_traced
-@functools.lru_cache(maxsize=64)
 def _interpolation(function: str, lo: float, hi: float, tolerance: float, span: tuple):
+    key = ("interpolation", function, lo, hi, tolerance, span)
+    if key not in _interpolants:
+        _interpolants[key] = _designed_interpolation(function, lo, hi, tolerance, span)
+    return _interpolants[key]
+
+
+def _designed_interpolation(function: str, lo: float, hi: float, tolerance: float, span: tuple):
     degree = max(len(_chebyshev_polynomial(function, float(q), lo, hi, tolerance)[0]) - 1
                  for q in np.linspace(*span, 33))
     x = np.polynomial.chebyshev.chebpts1(degree + 1)
@@ -273,7 +290,9 @@ def _interpolation(function: str, lo: float, hi: float, tolerance: float, span: 
     to_powers = np.zeros((degree + 1, degree + 1))
     for k in range(degree + 1):  # column k: T_k in powers of u
         to_powers[:k + 1, k] = np.polynomial.chebyshev.cheb2poly(np.eye(degree + 1)[k])[:k + 1]
-    return tuple(lo + (hi - lo) * (x + 1) / 2), interpolation, to_powers
+    # Tuples: a constant torch.compile can bake into a graph.
+    return (tuple(float(v) for v in lo + (hi - lo) * (x + 1) / 2), tuple(map(tuple, interpolation.tolist())),
+            tuple(map(tuple, to_powers.tolist())))
 
 
 # A real (non-integer) power's polar factor is designed down to this fraction of ||W||_F, one step more

@@ -360,7 +360,10 @@ def symmetric_polynomial(kernels, U: torch.Tensor, coefficients, precision: str,
         powers.append(kernels.symmetric(powers[-1], U, precision))
 
     def block(start):
-        return sum(c * powers[i] for i, c in enumerate(coefficients[start:start + size]))
+        total = 0
+        for i, c in enumerate(coefficients[start:start + size]):
+            total = total + c * powers[i]
+        return total
 
     starts = list(range(0, degree + 1, size))
     result = block(starts[-1])
@@ -770,7 +773,7 @@ class GramPlan:
         # the steps' a (the lift of a mode below it, which the polynomial then takes to about the
         # bound's value, bounded, instead of extrapolating), widened for the residual and rounding.
         widening = design_widening(tolerance)
-        largest = max(math.prod(a for a, _, _ in root), lower ** (-1.0 / n))
+        largest = max(math.prod([a for a, _, _ in root]), lower ** (-1.0 / n))
         return Z, matrix_power_of_root(self.kernels, Z, -n * exponent, 1.0 / widening, largest * widening,
                                        tolerance, precision, identity, span=n * TENSOR_POWER_BOUND)
 

@@ -41,6 +41,11 @@ CASES = {
                "adamw", True),
     "muon-p2": (lambda m, lr: SpectralMuon(matrices(m), lr=lr, p=2, spectral_weight_decay=0.5, precision="fp32"),
                 "muon", False),
+    # DynMuon's schedule, shifted to change sign within the run: traced as capturable, the count is a device
+    # tensor and so is the power (the floored construction, its coefficients computed in the graph).
+    "muon-update-power": (lambda m, lr: SpectralMuon(matrices(m), lr=lr, precision="fp32", update_power=lambda step:
+                                                     0.25 - 0.5 * torch.sigmoid(torch.as_tensor(step - 10.0) / 4)),
+                          "muon", False),
     "attached-adamw": (lambda m, lr: _attached(torch.optim.AdamW(m.parameters(), lr=lr), m), "adamw", True),
     "attached-muon": (lambda m, lr: _attached(torch.optim.Muon(matrices(m), lr=lr), m), "muon", False),
 }

@@ -112,7 +112,8 @@ class SpectralMuon(SpectralOptimizer):
       so that ``adjust_lr_fn`` and ``lr`` mean what they mean for Muon. A number, or a callable of the
       parameter's step count (0 at its first step; DynMuon's sigmoid schedule is one), or, in a
       capturable group, a 0-d tensor (a scheduler's, on the device: at most 1 in magnitude, NaN and a
-      skipped step beyond; a callable then gets the count as a device tensor). ``q = 0`` (a number) is
+      skipped step beyond; a callable then gets the count as a device tensor, as it does in a step
+      torch.compile traces: write it with torch ops). ``q = 0`` (a number) is
       Muon's step, bit for bit. The floor ``update_eps`` (1e-2 by default; at least the iterate's
       resolution, 2^-6 in bf16, :data:`spectral_ops.plan.RESOLUTION`) is ``s^q`` on the modes above
       it and keeps those below it, mostly noise, from dominating a negative ``q``. It needs the
@@ -180,13 +181,16 @@ class SpectralMuon(SpectralOptimizer):
 
     @staticmethod
     def update_power_at(group, count):
-        """The update power of a parameter whose step count is ``count`` (an int, or, in a capturable group,
-        a 0-d tensor on its device): a number as :func:`~spectral_ops._checks.check_power` makes it (0 for
-        Muon's polar factor), or, in a capturable group, a 0-d tensor, which stays on its device."""
-        power = group["update_power"]
+        """The update power of a parameter whose step count is ``count`` (its state's 0-d tensor): a
+        number as :func:`~spectral_ops._checks.check_power` makes it (0 for Muon's polar factor), or,
+        in a capturable or compiled step, a 0-d tensor, which stays on its device (a callable then gets
+        the count as a tensor too)."""
+        power, on_device = group["update_power"], capturable(group) or torch.compiler.is_compiling()
         if callable(power):
-            power = power(count)
-        return check_power(power, "update_power", eps=group["update_eps"], capturable=capturable(group))
+            # Read only for a schedule, and not where the step may not read the host: a compiled step
+            # would break its graph there, and compile again for each new Python power.
+            power = power(count if on_device else int(count))
+        return check_power(power, "update_power", eps=group["update_eps"], capturable=on_device)
 
     @staticmethod
     def _check_blocks(rows: int, group) -> None:
@@ -230,8 +234,7 @@ class SpectralMuon(SpectralOptimizer):
         if group["algorithm"] == "adamw":
             return prepare_adam_step(self, params, group)
         updates = [self._update(param, group) for param in params]
-        powers = [self.update_power_at(group, self.state[param]["step"] if capturable(group)
-                                       else int(self.state[param]["step"])) for param in params]
+        powers = [self.update_power_at(group, self.state[param]["step"]) for param in params]
         directions, checked = self._directions(params, updates, powers, group)
         decay = self.prepare_decay(params, group, blocks=self._decay_blocks(group))
         return MuonStep(group, params, self.gradient_checks(params), decay, checked, directions)
