@@ -143,3 +143,27 @@ def test_every_optimizer_gives_a_default_to_every_decay_key(optimizer):
     made = optimizer(matrices, lr=1e-2, spectral_weight_decay=0.0) if optimizer is SpectralDecay else optimizer(matrices)
     assert set(DECAY_KEYS) <= set(made.defaults)
     assert made.defaults["stability"] == "clamp"
+
+
+def test_a_callable_option_is_left_out_of_the_state_and_kept_on_load():
+    # A schedule is code, not state (as LambdaLR's lambdas): the state dict pickles, and loading keeps the
+    # callable the optimizer was built with; one built without it refuses the state.
+    import io
+
+    def build(**options):
+        weight = torch.nn.Parameter(torch.ones(8, 4))
+        return weight, SpectralMuon([weight], lr=1e-2, **options)
+
+    weight, optimizer = build(update_power=lambda step: 0.25 - 0.1 * step, adjust_lr_fn=lambda lr, shape: lr)
+    weight.grad = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    optimizer.step()
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    schedule = lambda step: 0.25 - 0.1 * step  # noqa: E731
+    _, resumed = build(update_power=schedule, adjust_lr_fn=lambda lr, shape: lr)
+    resumed.load_state_dict(state)
+    assert resumed.param_groups[0]["update_power"] is schedule
+    assert int(next(iter(resumed.state.values()))["step"]) == 1
+    with pytest.raises(ValueError, match="'update_power' was a callable"):
+        build(adjust_lr_fn=lambda lr, shape: lr)[1].load_state_dict(state)

@@ -132,6 +132,10 @@ def commit_element_wise(update_, step: PreparedStep, keep: list, state) -> None:
         update_([param for param, kept in zip(step.params, keep) if kept is not False], step.group, state)
 
 
+# What a state dict holds in place of a callable group option (see SpectralOptimizer.state_dict).
+CALLABLE_OPTION = "<callable: the optimizer's own, kept on load>"
+
+
 class SpectralOptimizer(Optimizer):
     """Shared construction for the family: defaults, validation and the ``peak_lr`` of each group; and
     the step (see the module's docstring).
@@ -458,10 +462,29 @@ class SpectralOptimizer(Optimizer):
 
     def state_dict(self) -> dict:
         """torch's state, plus the skip and clamp counts (:meth:`count_state`), so that a resumed run
-        keeps counting from where it stopped."""
-        return {**super().state_dict(), **self.count_state()}
+        keeps counting from where it stopped. A callable group option (Muon's ``update_power`` schedule,
+        ``adjust_lr_fn``) is code, not state: it is saved as :data:`CALLABLE_OPTION`, as LambdaLR leaves
+        its lambdas out, so that the state pickles (``torch.save``), and loading keeps the callable the
+        optimizer was built with."""
+        state = {**super().state_dict(), **self.count_state()}
+        state["param_groups"] = [{key: CALLABLE_OPTION if callable(value) else value for key, value in group.items()}
+                                 for group in state["param_groups"]]
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
+        groups = state_dict["param_groups"]
+        if len(groups) == len(self.param_groups):  # else torch's own check refuses it
+            restored = []
+            for saved, current in zip(groups, self.param_groups):
+                saved = dict(saved)
+                for key, value in saved.items():
+                    if isinstance(value, str) and value == CALLABLE_OPTION:
+                        if not callable(current.get(key)):
+                            raise ValueError(f"the state's {key!r} was a callable, which a state dict does not hold: "
+                                             f"build the optimizer with it ({key}=...) before loading the state")
+                        saved[key] = current[key]
+                restored.append(saved)
+            state_dict = {**state_dict, "param_groups": restored}
         super().load_state_dict(state_dict)
         self.load_count_state(state_dict)
 
