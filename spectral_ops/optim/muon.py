@@ -137,7 +137,8 @@ class SpectralMuon(SpectralOptimizer):
                         decay_iteration=decay_iteration, decay_method=decay_method, matrix_view=matrix_view,
                         rounding=rounding, precision=precision,
                         heads=heads, splits=splits, recipe=recipe, update_power=update_power,
-                        update_eps=update_eps, algorithm=algorithm, betas=betas, eps=eps, capturable=capturable, strict=strict)
+                        update_eps=update_eps, algorithm=algorithm, betas=betas, eps=eps, capturable=capturable,
+                        strict=strict)
         super().__init__(params, defaults, process_group=process_group)
 
     def check_group(self, group: dict) -> None:
@@ -291,6 +292,8 @@ class SpectralMuon(SpectralOptimizer):
             count.add_(1)
         else:
             buffer.copy_(torch.where(mask, buffer.lerp(grad, 1 - group["momentum"]), buffer))
+            if count.device != mask.device:  # capturable switched on later: the count moves, as Adam's
+                count = self.state[param]["step"] = count.to(mask.device)
             count.add_(mask.to(count.dtype))
 
     @staticmethod
