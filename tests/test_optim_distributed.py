@@ -108,6 +108,40 @@ def _scenario_two_groups(mesh, rank, world):
              place=lambda i, t: _spread(t, mesh, Shard(0)) if i % 2 else t.clone())
 
 
+def _exchanges(run) -> int:
+    """The owner-compute collectives (:mod:`spectral_ops.optim.distributed`'s gathers and returns) that
+    ``run()`` starts; the agreement's all_reduce is not one."""
+    from spectral_ops.optim import distributed
+
+    counted = {"all_to_all_single": dist.all_to_all_single, "_all_gather_single": distributed._all_gather_single}
+    calls = []
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return counted[name](*args, **kwargs)
+        return call
+
+    try:
+        dist.all_to_all_single = counting("all_to_all_single")
+        distributed._all_gather_single = counting("_all_gather_single")
+        run()
+    finally:
+        dist.all_to_all_single = counted["all_to_all_single"]
+        distributed._all_gather_single = counted["_all_gather_single"]
+    return len(calls)
+
+
+def _scenario_experts_stay_where_they_live(mesh, rank, world):
+    """Expert parallelism: stacks sharded by their experts (Shard(0), matrix_view="batch") are decayed and
+    Muon's updates computed where they live, with no owner collective, and match one process; one matrix
+    spread by its rows still goes to its owner (the count sees it)."""
+    experts = [(8, 6, 4), (4, 4, 6), (5, 6, 4)]  # 5 experts on 4 ranks: one rank holds none
+    for make in (_adamw(2, "batch", stability="clamp"), _muon_stacks):
+        assert _exchanges(lambda: _compare(make, mesh, seed=23, shapes=experts, scale=2.0)) == 0
+    assert _exchanges(lambda: _compare(_adamw(2, "batch"), mesh, seed=24, shapes=[(12, 8)])) > 0
+
+
 def _muon(params, **options):
     matrices = [p for p in params if p.ndim >= 2]
     fused = [p for p in matrices if p.shape[0] == 48]
@@ -400,6 +434,7 @@ def _scenarios(folder: Path, world: int) -> dict:
         "muon on stacks, head-wise and fused": lambda mesh, rank, world: _compare(
             _muon_stacks, mesh, seed=21, shapes=[(3, 48, 16), (5, 8, 8), (5, 8, 8), (41,)]),
         "stacks clamped per matrix": _scenario_clamp_stacks,
+        "experts stay where they live": _scenario_experts_stay_where_they_live,
         "stochastic rounding keeps replicas equal": _scenario_stochastic_rounding_keeps_replicas_equal,
         **{f"band {mode}": (lambda mode: lambda mesh, rank, world: _compare(_band(mode), mesh, seed=13))(mode)
            for mode in ("top", "two_band")},

@@ -229,12 +229,14 @@ class Exchange:
         self.error = None
         self.clamp_slots_of = defaultdict(list)  # group -> [(PendingDecay, entries, float64 factors, eager)]
 
-    def map(self, fn, sources, layouts, costs, then) -> None:
+    def map(self, fn, sources, layouts, costs, then, here=None) -> None:
         """Ask for ``fn`` of whole matrices: ``fn(positions, matrices)`` takes the whole matrices
         (positions into ``sources``, this rank's matrices: shards or whole) and returns one result of
         the same shape and dtype each, and runs on each matrix's owner. At :meth:`run`, ``then`` gets
-        the results, each on this rank's rows, by position; ``costs`` are the matrices' FLOPs."""
-        self.jobs.append((fn, sources, layouts, costs, then))
+        the results, each on this rank's rows, by position; ``costs`` are the matrices' FLOPs.
+        ``here[i]``: ``sources[i]`` is already made of whole matrices (a stack spread by its batch, as
+        expert parallelism spreads experts), so ``fn`` runs on it where it lives, with no collective."""
+        self.jobs.append((fn, sources, layouts, costs, then, here or [False] * len(sources)))
 
     def clamp_slots(self, group, pending, entries, batch_shapes, eager: bool, device) -> torch.Tensor:
         """The clamp factors of the matrices ``pending.tensors[i]`` stands for, ``i`` in ``entries``
@@ -250,26 +252,50 @@ class Exchange:
         rounds of every job in one pipeline (every rank issues the same collectives in the same order)."""
         jobs, self.jobs = self.jobs, []
         matrices = defaultdict(list)  # group -> [(job, position)]
-        for job, (_, sources, layouts, costs, _) in enumerate(jobs):
+        for job, (_, sources, layouts, costs, _, here) in enumerate(jobs):
             for position, layout in enumerate(layouts):
-                matrices[layout.group].append((job, position))
+                if not here[position]:
+                    matrices[layout.group].append((job, position))
         owners = {}
         for group, members in matrices.items():
             world_size = jobs[members[0][0]][2][members[0][1]].world_size
             assigned, _ = assign_owners([jobs[job][3][position] for job, position in members], world_size)
             owners.update(zip(members, assigned))
         rounds, results = [], [[None] * len(sources) for _, sources, *_ in jobs]
-        for job, (fn, sources, layouts, _, _) in enumerate(jobs):
+        for job, (fn, sources, layouts, _, _, here) in enumerate(jobs):
+            self._run_here(fn, [i for i in range(len(sources)) if here[i]], sources, results[job])
             by_kind = defaultdict(list)
             for position, (source, layout) in enumerate(zip(sources, layouts)):
+                if here[position]:
+                    continue
                 by_kind[(layout.group, layout.rows, *source.shape[1:], source.dtype, layout.replicated)].append(position)
             for members in by_kind.values():
                 for positions in split_rounds(members, layouts[members[0]].world_size):
                     rounds.append(_Round(self, fn, positions, [owners[job, i] for i in positions], sources, layouts,
                                          results[job]))
         _pipeline(rounds)
-        for (*_, then), job_results in zip(jobs, results):
+        for (*_, then, _), job_results in zip(jobs, results):
             then(job_results)
+
+    def _run_here(self, fn, positions, sources, results) -> None:
+        """``fn`` on the whole matrices this rank holds (:meth:`map`'s ``here``); a failure is raised on
+        every rank by :meth:`agree`, as an owner's is. A rank that holds none of a stack's matrices has
+        nothing to compute."""
+        for i in positions:
+            if not sources[i].numel():
+                results[i] = sources[i]
+        positions = [i for i in positions if sources[i].numel()]
+        if not positions:
+            return
+        if self.error is None:
+            try:
+                for i, result in zip(positions, fn(positions, [sources[i] for i in positions])):
+                    results[i] = result.to(sources[i].dtype).reshape(sources[i].shape)
+                return
+            except Exception as error:  # any failure: raised on every rank by Exchange.agree, not here
+                self.error = error
+        for i in positions:
+            results[i] = torch.zeros_like(sources[i])
 
     def agree(self, checked) -> list:
         """Every rank's decision for each ``(layout, keep)`` of ``checked`` (``keep``: a Python bool or
@@ -345,6 +371,10 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
     spans = [layout.local_rows for layout in layouts]
     stacked = [batched(source.shape, matrix_view) for source in sources]
     shapes = [(layout.rows, *source.shape[1:]) for layout, source in zip(layouts, sources)]
+    # A stack sharded by its batch holds whole matrices: decayed where they live (expert parallelism),
+    # its clamp factors and reports at its first matrix's place in the whole stack.
+    here = [stacked[k] and not layouts[k].replicated for k in range(len(sources))]
+    first = [spans[k][0] * math.prod(shapes[k][1:-2]) if here[k] else 0 for k in range(len(sources))]
     entry_rows = [rows if rows is not None else (0, matrix_dims(shapes[k], matrix_view)[0]) for k, rows in entries]
 
     def part(k, matrices, start, stop):
@@ -377,10 +407,13 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
                                for k, tensor in zip(positions, wholes) for index in entries_of[k]],
                               options, **arguments)
         values = whole.new_values()
+        offset = {index: first[k] for k in positions for index in entries_of[k]}
         for position, factor in whole.clamp_factors.items():
             factors, start = slot_of[indices[position]]
-            factors[start:start + counts[indices[position]]] = factor.reshape(-1)
-        pending.clamped.extend((indices[position], *report) for position, *report in whole.clamped)
+            start += offset[indices[position]]
+            factors[start:start + factor.numel()] = factor.reshape(-1)
+        pending.clamped.extend((indices[position], matrix + offset[indices[position]], *report)
+                               for position, matrix, *report in whole.clamped)
         value_of = dict(zip(indices, values))
         blocks = [[value_of[index] for index in entries_of[k]] for k in positions]
         return [block[0] if len(block) == 1 else torch.cat(block, dim=-2) for block in blocks]
@@ -394,7 +427,7 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
         for index, ((k, _), rows) in enumerate(zip(entries, entry_rows)):
             pending.decayed[index] = part(k, as_matrices(results[k], matrix_view), *rows)
 
-    exchange.map(decay_whole, sources, layouts, costs, keep_part)
+    exchange.map(decay_whole, sources, layouts, costs, keep_part, here)
     return pending
 
 

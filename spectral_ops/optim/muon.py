@@ -334,7 +334,10 @@ class SpectralMuon(SpectralOptimizer):
             self.exchange.map(lambda positions, matrices: self._orthogonalize(
                                   matrices, [powers[spread[position]] for position in positions], group),
                               [updates[i] for i in spread], [layouts[i] for i in spread], costs,
-                              lambda results: keep(spread, results))
+                              lambda results: keep(spread, results),
+                              # A stack sharded by its batch (experts) holds whole matrices: computed here.
+                              [batched(params[i].shape, group["matrix_view"]) and not layouts[i].replicated
+                               for i in spread])
         return directions, checked
 
     @staticmethod
