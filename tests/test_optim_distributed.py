@@ -93,6 +93,13 @@ def _compare(make, mesh, *, seed=0, shapes=SHAPES, place=None, process_group=Non
     return expected, actual, reference, spread
 
 
+def _on_dim_1(mesh):
+    """``Shard(1)`` for a tensor of two or more dims, ``Shard(0)`` for a vector."""
+    from torch.distributed.tensor import Shard
+
+    return lambda index, tensor: _spread(tensor, mesh, Shard(1 if tensor.ndim >= 2 else 0))
+
+
 def _replicated(index, tensor):
     """A plain copy: under DDP every rank holds the whole parameter and the averaged gradient."""
     return tensor.clone()
@@ -435,6 +442,15 @@ def _scenarios(folder: Path, world: int) -> dict:
             _muon_stacks, mesh, seed=21, shapes=[(3, 48, 16), (5, 8, 8), (5, 8, 8), (41,)]),
         "stacks clamped per matrix": _scenario_clamp_stacks,
         "experts stay where they live": _scenario_experts_stay_where_they_live,
+        # Tensor parallelism's placements: Shard(1) is RowwiseParallel's (a matrix's columns; a stack's
+        # rows of each matrix, or a conv bank's input channels); uneven where the dim does not divide.
+        "tensor parallel Shard(1)": lambda mesh, rank, world: _compare(_adamw(2), mesh, seed=25, place=_on_dim_1(mesh)),
+        "muon tensor parallel Shard(1)": lambda mesh, rank, world: _compare(_muon, mesh, seed=26,
+                                                                            place=_on_dim_1(mesh)),
+        "stacks sharded inside their matrices": lambda mesh, rank, world: _compare(
+            _adamw(2, "batch", stability="clamp"), mesh, seed=27, shapes=STACKS, place=_on_dim_1(mesh), scale=2.0),
+        "muon on stacks sharded inside their matrices": lambda mesh, rank, world: _compare(
+            _muon_stacks, mesh, seed=28, shapes=[(3, 48, 16), (5, 8, 8), (41,)], place=_on_dim_1(mesh)),
         "stochastic rounding keeps replicas equal": _scenario_stochastic_rounding_keeps_replicas_equal,
         **{f"band {mode}": (lambda mode: lambda mesh, rank, world: _compare(_band(mode), mesh, seed=13))(mode)
            for mode in ("top", "two_band")},

@@ -81,36 +81,55 @@ def _let_go(group, buffers) -> None:
 
 
 class Layout:
-    """How one parameter's ``rows``-row matrix view is spread over the ranks of ``group``:
-    ``row_counts[k]`` rows on rank ``k`` (sharded, in ``torch.chunk``'s split, as ``Shard(0)`` places
-    them), or every row everywhere (``row_counts`` None: replicated)."""
+    """How one parameter is spread over the ranks of ``group`` along its dim ``dim``, of ``length``
+    entries: ``counts[k]`` of them on rank ``k`` (sharded, in ``torch.chunk``'s split, as ``Shard(dim)``
+    places them), or all of them everywhere (``counts`` None: replicated)."""
 
-    def __init__(self, group, rows: int, row_counts=None):
+    def __init__(self, group, length: int, counts=None, dim: int = 0):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.rows = rows
-        self.row_counts = row_counts
+        self.length = length
+        self.counts = counts
+        self.dim = dim
 
     @property
     def replicated(self) -> bool:
-        return self.row_counts is None
+        return self.counts is None
 
-    def rows_of(self, rank: int) -> tuple[int, int]:
-        """The rows ``[start, stop)`` of the matrix that ``rank`` holds."""
+    def span_of(self, rank: int) -> tuple[int, int]:
+        """The entries ``[start, stop)`` along :attr:`dim` that ``rank`` holds."""
         if self.replicated:
-            return 0, self.rows
-        start = sum(self.row_counts[:rank])
-        return start, start + self.row_counts[rank]
+            return 0, self.length
+        start = sum(self.counts[:rank])
+        return start, start + self.counts[rank]
 
     @property
-    def local_rows(self) -> tuple[int, int]:
-        return self.rows_of(self.rank)
+    def local_span(self) -> tuple[int, int]:
+        return self.span_of(self.rank)
+
+    def shape_of(self, shape, rank: int | None = None) -> tuple:
+        """``shape`` (a part's, or the whole's) with :attr:`dim` as ``rank`` holds it (None: whole)."""
+        start, stop = (0, self.length) if rank is None else self.span_of(rank)
+        return (*shape[:self.dim], stop - start, *shape[self.dim + 1:])
+
+    def splits_rows(self, shape, matrix_view) -> bool:
+        """Whether it splits the rows of the matrices ``matrix_view`` reads from a ``shape`` parameter
+        (else each rank holds whole rows of them: a stack spread by its batch, or a matrix by its
+        columns)."""
+        if self.replicated:
+            return False
+        return self.dim == (len(shape) - 2 if batched(shape, matrix_view) else 0)
+
+    def holds_whole_matrices(self, shape, matrix_view) -> bool:
+        """A stack spread by its first batch dim (expert parallelism): each rank holds whole matrices,
+        consecutive in the stack's order."""
+        return not self.replicated and self.dim == 0 and batched(shape, matrix_view)
 
 
 def shard_row_counts(rows: int, world_size: int) -> tuple:
-    """Rows per rank of ``Shard(0)``: ``torch.chunk``'s split, ``ceil(rows / world_size)`` each until
-    they run out (the last ranks may hold fewer, or none)."""
+    """Entries per rank of ``Shard(d)`` along a dim of ``rows``: ``torch.chunk``'s split,
+    ``ceil(rows / world_size)`` each until they run out (the last ranks may hold fewer, or none)."""
     chunk = -(-rows // world_size)
     return tuple(max(0, min(chunk, rows - rank * chunk)) for rank in range(world_size))
 
@@ -121,21 +140,23 @@ def layout_of(param: torch.Tensor, process_group=None) -> Layout | None:
     if isinstance(param, DTensor):
         mesh, placements = param.device_mesh, tuple(param.placements)
         placement = placements[0] if len(placements) == 1 else None
-        if mesh.ndim != 1 or not (isinstance(placement, Replicate) or (isinstance(placement, Shard)
-                                                                       and placement.dim == 0)):
+        # A strided shard (FSDP2 over tensor parallelism) interleaves its pieces: only on 2-d meshes.
+        if mesh.ndim != 1 or not (isinstance(placement, Replicate) or type(placement) is Shard):
             raise ValueError(
                 f"a {tuple(param.shape)} DTensor placed {placements} on a {mesh.ndim}-d mesh: spectral_ops optimizers "
-                "take DTensors sharded Shard(0) (FSDP2's fully_shard) or Replicate() on a 1-d mesh")
+                "take DTensors sharded on any one dim (FSDP2's fully_shard: Shard(0); tensor parallelism: Shard(0) "
+                "or Shard(1)) or Replicate() on a 1-d mesh")
         if mesh.size() == 1:
             return None
         if isinstance(placement, Replicate):
             return Layout(mesh.get_group(), param.shape[0])
-        counts = shard_row_counts(param.shape[0], mesh.size())
-        layout = Layout(mesh.get_group(), param.shape[0], counts)
-        if param.to_local().shape[0] != counts[layout.rank]:
+        dim = placement.dim
+        counts = shard_row_counts(param.shape[dim], mesh.size())
+        layout = Layout(mesh.get_group(), param.shape[dim], counts, dim)
+        if param.to_local().shape[dim] != counts[layout.rank]:
             raise ValueError(
-                f"a {tuple(param.shape)} DTensor holds {param.to_local().shape[0]} rows on rank {layout.rank}, "
-                f"not the {counts[layout.rank]} of Shard(0)'s even split {counts}")
+                f"a {tuple(param.shape)} DTensor holds {param.to_local().shape[dim]} entries of dim {dim} on rank "
+                f"{layout.rank}, not the {counts[layout.rank]} of Shard({dim})'s even split {counts}")
         return layout
     if process_group is None or dist.get_world_size(process_group) == 1:
         return None
@@ -150,12 +171,13 @@ def local_slice(start: int, stop: int, span) -> slice:
     return slice(low - first, max(low, min(stop, end)) - first)
 
 
-def local_block(matrices: torch.Tensor, start: int, stop: int, span, stacked: bool) -> torch.Tensor:
+def local_block(matrices: torch.Tensor, start: int, stop: int, span, splits_rows: bool) -> torch.Tensor:
     """This rank's part of rows ``[start, stop)`` of each matrix, from its part ``matrices`` of a
-    parameter (see :func:`spectral_ops.decay.as_matrices`): those rows of every matrix it holds,
-    where the parameter is a stack of matrices spread by its batch (``stacked``: each matrix is whole
-    on one rank), else its rows ``span = (first, end)`` of the one matrix that fall in the block."""
-    return matrices[..., start:stop, :] if stacked else matrices[local_slice(start, stop, span)]
+    parameter (see :func:`spectral_ops.decay.as_matrices`): where the parameter is spread along the
+    matrices' rows (``splits_rows``, :meth:`Layout.splits_rows`), its rows ``span = (first, end)`` of
+    each that fall in the block; else (a stack spread by its batch, a matrix by its columns) those rows
+    of every matrix it holds."""
+    return matrices[..., local_slice(start, stop, span), :] if splits_rows else matrices[..., start:stop, :]
 
 
 def local(tensor):
@@ -268,7 +290,8 @@ class Exchange:
             for position, (source, layout) in enumerate(zip(sources, layouts)):
                 if here[position]:
                     continue
-                by_kind[(layout.group, layout.rows, *source.shape[1:], source.dtype, layout.replicated)].append(position)
+                whole = source.shape if layout.replicated else layout.shape_of(source.shape)
+                by_kind[(layout.group, layout.dim, *whole, source.dtype, layout.replicated)].append(position)
             for members in by_kind.values():
                 for positions in split_rounds(members, layouts[members[0]].world_size):
                     rounds.append(_Round(self, fn, positions, [owners[job, i] for i in positions], sources, layouts,
@@ -360,25 +383,27 @@ class Exchange:
 def owner_decay(exchange: Exchange, sources, layouts, entries, options, arguments: dict, *, matrix_view: str,
                 eager: bool) -> PendingDecay:
     """The decay of spread parameters, to commit on this rank: ``sources[k]`` is this rank's part of
-    the ``k``-th parameter (its rows of dim 0), spread as ``layouts[k]``, holding the matrices
-    ``matrix_view`` says (:func:`spectral_ops.decay.as_matrices`); each ``(k, rows)`` of ``entries``
-    is a block the decay takes as matrices of their own (``rows``: ``(start, stop)`` of each matrix's
-    rows, None: all of them). Each whole parameter is decayed on its owner when ``exchange`` runs,
-    with ``prepare_decay(..., options, **arguments)``; this rank keeps its part of each entry
-    (``pending.tensors[i]`` is that of ``entries[i]``, maybe empty). A stack of matrices is spread by
-    dim 0, its batch: a rank holds some of the matrices, each whole; one matrix is spread by its rows.
-    ``eager``: the clamp factors are read on the host (see :meth:`Exchange.clamp_slots`)."""
-    spans = [layout.local_rows for layout in layouts]
+    the ``k``-th parameter (along ``layouts[k].dim``), holding the matrices ``matrix_view`` says
+    (:func:`spectral_ops.decay.as_matrices`); each ``(k, rows)`` of ``entries`` is a block the decay
+    takes as matrices of their own (``rows``: ``(start, stop)`` of each matrix's rows, None: all of
+    them). Each whole parameter is decayed on its owner when ``exchange`` runs, with
+    ``prepare_decay(..., options, **arguments)``, except a stack spread by its batch, whose matrices
+    are decayed where they live; this rank keeps its part of each entry (``pending.tensors[i]`` is that
+    of ``entries[i]``, maybe empty). ``eager``: the clamp factors are read on the host (see
+    :meth:`Exchange.clamp_slots`)."""
+    spans = [layout.local_span for layout in layouts]
     stacked = [batched(source.shape, matrix_view) for source in sources]
-    shapes = [(layout.rows, *source.shape[1:]) for layout, source in zip(layouts, sources)]
+    shapes = [source.shape if layout.replicated else layout.shape_of(source.shape)
+              for layout, source in zip(layouts, sources)]
+    splits = [layout.splits_rows(source.shape, matrix_view) for layout, source in zip(layouts, sources)]
     # A stack sharded by its batch holds whole matrices: decayed where they live (expert parallelism),
     # its clamp factors and reports at its first matrix's place in the whole stack.
-    here = [stacked[k] and not layouts[k].replicated for k in range(len(sources))]
+    here = [layout.holds_whole_matrices(source.shape, matrix_view) for layout, source in zip(layouts, sources)]
     first = [spans[k][0] * math.prod(shapes[k][1:-2]) if here[k] else 0 for k in range(len(sources))]
     entry_rows = [rows if rows is not None else (0, matrix_dims(shapes[k], matrix_view)[0]) for k, rows in entries]
 
     def part(k, matrices, start, stop):
-        return local_block(matrices, start, stop, spans[k], stacked[k])
+        return local_block(matrices, start, stop, spans[k], splits[k])
 
     pending = PendingDecay([part(k, as_matrices(sources[k], matrix_view), *rows)
                             for (k, _), rows in zip(entries, entry_rows)], [], 1.0, {})
@@ -440,7 +465,7 @@ def _collective_device(group) -> torch.device:
 
 class _Round:
     """One collective's worth of same-shape matrices: gathered on their owners, computed there, and
-    returned (rows to the ranks that hold them, or whole to every rank)."""
+    returned (each rank its part along the layout's dim, or the whole to every rank)."""
 
     def __init__(self, exchange, fn, positions, owners, sources, layouts, results):
         self.exchange, self.fn, self.positions, self.results = exchange, fn, positions, results
@@ -448,26 +473,27 @@ class _Round:
         self.owner = owners
         self.layout = layouts[positions[0]]
         first = self.sources[0]
-        self.rows = self.layout.rows
-        self.shape, self.dtype, self.device = (self.rows, *first.shape[1:]), first.dtype, first.device
-        self.row_size = math.prod(first.shape[1:])
+        self.shape = first.shape if self.layout.replicated else self.layout.shape_of(first.shape)
+        self.dtype, self.device = first.dtype, first.device
         world, rank = self.layout.world_size, self.layout.rank
         self.held = [[k for k, owner in enumerate(self.owner) if owner == r] for r in range(world)]
         self.mine = self.held[rank]
 
-    def _rows(self, rank: int) -> int:
-        start, stop = self.layout.rows_of(rank)
-        return stop - start
+    def _part_shape(self, rank: int) -> tuple:
+        return self.layout.shape_of(self.shape, rank)
+
+    def _part_size(self, rank: int) -> int:
+        return math.prod(self._part_shape(rank))
 
     def start_gather(self) -> None:
-        """Send each owner this rank's rows of the matrices it holds (a sharded round)."""
+        """Send each owner this rank's part of the matrices it holds (a sharded round)."""
         self.work = None
         if self.layout.replicated:
             return
-        world = self.layout.world_size
+        world, rank = self.layout.world_size, self.layout.rank
         send = [self.sources[k].reshape(-1) for owner in range(world) for k in self.held[owner]]
-        send_sizes = [len(self.held[owner]) * self._rows(self.layout.rank) * self.row_size for owner in range(world)]
-        receive_sizes = [len(self.mine) * self._rows(source) * self.row_size for source in range(world)]
+        send_sizes = [len(self.held[owner]) * self._part_size(rank) for owner in range(world)]
+        receive_sizes = [len(self.mine) * self._part_size(source) for source in range(world)]
         self.send = torch.cat(send) if send else self.sources[0].new_empty(0)
         self.received = self.sources[0].new_empty(sum(receive_sizes))
         self.receive_sizes = receive_sizes
@@ -475,14 +501,15 @@ class _Round:
                                            group=self.layout.group, async_op=True)
 
     def matrices(self) -> list[torch.Tensor]:
-        """The whole matrices this rank owns, once they have arrived."""
+        """The whole matrices this rank owns, once they have arrived: the parts, joined along the
+        layout's dim."""
         if self.layout.replicated:
             return [self.sources[k] for k in self.mine]
         self.work.wait()
         self.work = None
         pieces = self.received.split(self.receive_sizes)
-        blocks = [piece.view(len(self.mine), self._rows(source) * self.row_size) for source, piece in enumerate(pieces)]
-        return [torch.cat([block[index] for block in blocks]).view(self.shape) for index in range(len(self.mine))]
+        parts = [piece.view(len(self.mine), *self._part_shape(source)) for source, piece in enumerate(pieces)]
+        return [torch.cat([part[index] for part in parts], dim=self.layout.dim) for index in range(len(self.mine))]
 
     def compute(self, matrices) -> list[torch.Tensor]:
         """``fn`` on what this rank owns. After a failure nothing more is computed (the step raises at
@@ -496,10 +523,10 @@ class _Round:
         return [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in self.mine]
 
     def start_return(self, results) -> None:
-        """Send the results back: each rank its rows (sharded), or every result to every rank."""
+        """Send the results back: each rank its part (sharded), or every result to every rank."""
         world, rank = self.layout.world_size, self.layout.rank
         if self.layout.replicated:
-            most = max(len(held) for held in self.held) * self.rows * self.row_size
+            most = max(len(held) for held in self.held) * math.prod(self.shape)
             send = torch.zeros(most, dtype=self.dtype, device=self.device)
             if results:
                 flat = torch.cat([result.reshape(-1) for result in results])
@@ -509,23 +536,24 @@ class _Round:
             self.return_sizes = [most] * world
             self.return_work = _all_gather_single(self.returned, send, group=self.layout.group, async_op=True)
             return
-        send = [result[slice(*self.layout.rows_of(target))].reshape(-1)
-                for target in range(world) for result in results]
-        send_sizes = [len(self.mine) * self._rows(target) * self.row_size for target in range(world)]
-        self.return_sizes = [len(self.held[owner]) * self._rows(rank) * self.row_size for owner in range(world)]
+        dim = self.layout.dim
+        send = [result.narrow(dim, start, stop - start).reshape(-1)
+                for target in range(world) for result in results for start, stop in [self.layout.span_of(target)]]
+        send_sizes = [len(self.mine) * self._part_size(target) for target in range(world)]
+        self.return_sizes = [len(self.held[owner]) * self._part_size(rank) for owner in range(world)]
         self.send_back = torch.cat(send) if send else self.sources[0].new_empty(0)
         self.returned = self.sources[0].new_empty(sum(self.return_sizes))
         self.return_work = dist.all_to_all_single(self.returned, self.send_back, self.return_sizes, send_sizes,
                                                   group=self.layout.group, async_op=True)
 
     def finish(self) -> None:
-        """Each matrix's result on this rank's rows, into the job's results (by position)."""
+        """Each matrix's result on this rank's part, into the job's results (by position)."""
         self.return_work.wait()
         self.return_work = None
         # The send buffers go with their collectives' works: once Gloo holds neither, it holds nothing of
         # this round (the received ones live on as the results' storage).
         _let_go(self.layout.group, [self.send_back] + ([] if self.layout.replicated else [self.send]))
-        local_shape = self.shape if self.layout.replicated else (self._rows(self.layout.rank), *self.shape[1:])
+        local_shape = self.shape if self.layout.replicated else self._part_shape(self.layout.rank)
         size = math.prod(local_shape)
         for owner, piece in enumerate(self.returned.split(self.return_sizes)):
             for slot, k in enumerate(self.held[owner]):

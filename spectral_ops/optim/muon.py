@@ -261,12 +261,11 @@ class SpectralMuon(SpectralOptimizer):
             # Each matrix's, whole (a DTensor's shape is the global one).
             rows, cols = matrix_dims(param.shape, view)
             layout = self.layout(param)
-            span = (0, param.shape[0]) if layout is None else layout.local_rows
-            stacked = batched(param.shape, view)
+            span, splits = (None, False) if layout is None else (layout.local_span, layout.splits_rows(param.shape, view))
             for start, size, _ in row_blocks(rows, group):
                 scale = adjusted_lr(lr, group["adjust_lr_fn"], (size, cols))
-                add_scaled_(local_block(target, start, start + size, span, stacked),
-                            local_block(direction, start, start + size, span, stacked), scale)
+                add_scaled_(local_block(target, start, start + size, span, splits),
+                            local_block(direction, start, start + size, span, splits), scale)
 
     def _update(self, param, group) -> torch.Tensor:
         """Muon's update (this rank's shard) in a temporary of its own: the momentum buffer after this
@@ -331,13 +330,19 @@ class SpectralMuon(SpectralOptimizer):
             costs = [direction_flops(matrix_dims(params[i].shape, group["matrix_view"]), group)
                      * (params[i].shape[:-2].numel() if batched(params[i].shape, group["matrix_view"]) else 1)
                      for i in spread]
-            self.exchange.map(lambda positions, matrices: self._orthogonalize(
-                                  matrices, [powers[spread[position]] for position in positions], group),
-                              [updates[i] for i in spread], [layouts[i] for i in spread], costs,
-                              lambda results: keep(spread, results),
+            view = group["matrix_view"]
+
+            def orthogonalize(positions, wholes):
+                # The exchange moves parameter-shaped parts (a layout's dim is the parameter's).
+                directions = self._orthogonalize([as_matrices(whole, view) for whole in wholes],
+                                                 [powers[spread[position]] for position in positions], group)
+                return [direction.reshape(whole.shape) for direction, whole in zip(directions, wholes)]
+
+            self.exchange.map(orthogonalize, [updates[i].reshape(local(params[i]).shape) for i in spread],
+                              [layouts[i] for i in spread], costs,
+                              lambda results: keep(spread, [as_matrices(result, view) for result in results]),
                               # A stack sharded by its batch (experts) holds whole matrices: computed here.
-                              [batched(params[i].shape, group["matrix_view"]) and not layouts[i].replicated
-                               for i in spread])
+                              [layouts[i].holds_whole_matrices(params[i].shape, view) for i in spread])
         return directions, checked
 
     @staticmethod
