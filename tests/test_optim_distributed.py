@@ -444,7 +444,8 @@ def _scenarios(folder: Path, world: int) -> dict:
         "experts stay where they live": _scenario_experts_stay_where_they_live,
         # Tensor parallelism's placements: Shard(1) is RowwiseParallel's (a matrix's columns; a stack's
         # rows of each matrix, or a conv bank's input channels); uneven where the dim does not divide.
-        "tensor parallel Shard(1)": lambda mesh, rank, world: _compare(_adamw(2), mesh, seed=25, place=_on_dim_1(mesh)),
+        "tensor parallel Shard(1)": lambda mesh, rank, world: _compare(_adamw(2), mesh, seed=25,
+                                                                       place=_on_dim_1(mesh)),
         "muon tensor parallel Shard(1)": lambda mesh, rank, world: _compare(_muon, mesh, seed=26,
                                                                             place=_on_dim_1(mesh)),
         "stacks sharded inside their matrices": lambda mesh, rank, world: _compare(

@@ -8,9 +8,11 @@ the owners are balanced over the whole step, largest matrices first, by the plan
 (:func:`assign_owners`), and every job's collectives form one pipeline. The jobs are Muon's polar
 factors (:mod:`spectral_ops.optim.muon`) and the decay's spectral directions (:func:`owner_decay`).
 
-* A sharded matrix is gathered on its owner with one ``all_to_all_single`` per round (every rank
-  sends each owner its rows of the matrices that owner holds), computed there with the single-device
-  path, and its rows go back with a second ``all_to_all_single``.
+* A sharded matrix (``Shard(d)`` on any dim: FSDP2's rows, tensor parallelism's columns) is gathered
+  on its owner with one ``all_to_all_single`` per round (every rank sends each owner its part of the
+  matrices that owner holds, joined there along the sharded dim), computed there with the
+  single-device path, and each rank's part goes back with a second ``all_to_all_single``. A stack of
+  matrices spread by its batch (experts) holds whole matrices: each rank computes its own.
 * A replicated matrix (a ``Replicate()`` DTensor, or a plain parameter of an optimizer given
   ``process_group``, as under DDP) is already whole everywhere: its owner computes it, and one
   ``all_gather_single`` per round hands every rank the results of every owner.

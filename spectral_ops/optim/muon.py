@@ -261,7 +261,8 @@ class SpectralMuon(SpectralOptimizer):
             # Each matrix's, whole (a DTensor's shape is the global one).
             rows, cols = matrix_dims(param.shape, view)
             layout = self.layout(param)
-            span, splits = (None, False) if layout is None else (layout.local_span, layout.splits_rows(param.shape, view))
+            span, splits = (None, False) if layout is None else (layout.local_span,
+                                                                 layout.splits_rows(param.shape, view))
             for start, size, _ in row_blocks(rows, group):
                 scale = adjusted_lr(lr, group["adjust_lr_fn"], (size, cols))
                 add_scaled_(local_block(target, start, start + size, span, splits),
@@ -309,7 +310,7 @@ class SpectralMuon(SpectralOptimizer):
         return blocks
 
     def _directions(self, params, updates, powers, group) -> tuple[list, list]:
-        """Each update's polar factors (this rank's rows of them): computed here, or, for a spread
+        """Each update's polar factors (this rank's part of them): computed here, or, for a spread
         matrix, on its owner when the step's exchange runs (see :mod:`spectral_ops.optim.distributed`);
         and each as the step's finiteness checks read it, filled in at the same time."""
         layouts = [self.layout(param) for param in params]
