@@ -410,18 +410,31 @@ def _scenario_step_waits_for_gloo_to_let_go(mesh, rank, world):
 
 
 def _scenario_two_dimensional_mesh(mesh, rank, world):
-    """HSDP's 2-d mesh is refused when the optimizer is built, with a message that says what is supported."""
+    """A 2-d mesh sharded over both dims (FSDP2 x tensor parallelism) is refused when the optimizer is
+    built, with a message that says what is supported."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh2 = init_device_mesh("cpu", (2, world // 2))
+    param = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh2, [Shard(0), Shard(1)]))
+    try:
+        SpectralAdamW([param], lr=1e-2, p=2, spectral_weight_decay=0.5)
+    except ValueError as error:
+        assert "Shard(0)" in str(error) and "HSDP" in str(error) and "both dims" in str(error), str(error)
+    else:
+        raise AssertionError("a 2-d mesh sharded over both dims was accepted")
+
+
+def _scenario_hsdp(mesh, rank, world):
+    """A 2-d mesh replicated over one dim and sharded over the other (HSDP, and TP under DDP): each replica
+    group's owners compute its matrices, and the result is one process's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh2 = init_device_mesh("cpu", (2, world // 2))
-    param = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh2, [Replicate(), Shard(0)]))
-    try:
-        SpectralAdamW([param], lr=1e-2, p=2, spectral_weight_decay=0.5)
-    except ValueError as error:
-        assert "Shard(0)" in str(error) and "1-d mesh" in str(error), str(error)
-    else:
-        raise AssertionError("a 2-d mesh was accepted")
+    for seed, (make, dim) in enumerate([(_adamw(2), 0), (_muon, 1)], start=29):
+        _compare(make, mesh2, seed=seed, place=lambda i, t, dim=dim: distribute_tensor(
+            t.clone(), mesh2, [Replicate(), Shard(dim if t.ndim >= 2 else 0)]))
 
 
 def _scenarios(folder: Path, world: int) -> dict:
@@ -473,7 +486,8 @@ def _scenarios(folder: Path, world: int) -> dict:
         "checkpoint": lambda mesh, rank, world: _scenario_checkpoint(mesh, rank, world, folder),
     }
     if world == 4:
-        scenarios["2-d mesh refused"] = _scenario_two_dimensional_mesh
+        scenarios["2-d mesh sharded over both dims refused"] = _scenario_two_dimensional_mesh
+    scenarios["hsdp: replicated over one mesh dim, sharded over the other"] = _scenario_hsdp
     return scenarios
 
 
@@ -517,8 +531,9 @@ def test_spread_parameters_match_one_process(results, world, scenario):
     assert not failures, "\n".join(failures)
 
 
-def test_a_two_dimensional_mesh_is_refused(results):
-    failures = [outcome["2-d mesh refused"] for outcome in results[4] if outcome["2-d mesh refused"] != "ok"]
+def test_a_two_dimensional_mesh_sharded_over_both_dims_is_refused(results):
+    name = "2-d mesh sharded over both dims refused"
+    failures = [outcome[name] for outcome in results[4] if outcome[name] != "ok"]
     assert not failures, "\n".join(failures)
 
 

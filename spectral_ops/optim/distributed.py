@@ -141,20 +141,25 @@ def layout_of(param: torch.Tensor, process_group=None) -> Layout | None:
     tensor when ``process_group`` is None, or anything on a single rank."""
     if isinstance(param, DTensor):
         mesh, placements = param.device_mesh, tuple(param.placements)
-        placement = placements[0] if len(placements) == 1 else None
-        # A strided shard (FSDP2 over tensor parallelism) interleaves its pieces: only on 2-d meshes.
-        if mesh.ndim != 1 or not (isinstance(placement, Replicate) or type(placement) is Shard):
+        sharded = [i for i, placement in enumerate(placements) if not isinstance(placement, Replicate)]
+        # Sharded over one mesh dim at most, and replicated over the others (HSDP: each replica group
+        # computes the same, from the same gradients). A strided shard (FSDP2 over tensor parallelism)
+        # interleaves its pieces, and only comes with a second sharded dim.
+        if mesh.ndim > 2 or len(sharded) > 1 or any(type(placements[i]) is not Shard for i in sharded):
             raise ValueError(
                 f"a {tuple(param.shape)} DTensor placed {placements} on a {mesh.ndim}-d mesh: spectral_ops optimizers "
-                "take DTensors sharded on any one dim (FSDP2's fully_shard: Shard(0); tensor parallelism: Shard(0) "
-                "or Shard(1)) or Replicate() on a 1-d mesh")
-        if mesh.size() == 1:
+                "take DTensors sharded on one dim (FSDP2's fully_shard: Shard(0); tensor parallelism: Shard(0) or "
+                "Shard(1)) over a 1-d mesh, or over one dim of a 2-d mesh and replicated over the other (HSDP); "
+                "sharded over both dims of a 2-d mesh (FSDP2 x tensor parallelism) is not supported yet")
+        mesh_dim = sharded[0] if sharded else 0
+        group, size = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
+        if size == 1:
             return None
-        if isinstance(placement, Replicate):
-            return Layout(mesh.get_group(), param.shape[0])
-        dim = placement.dim
-        counts = shard_row_counts(param.shape[dim], mesh.size())
-        layout = Layout(mesh.get_group(), param.shape[dim], counts, dim)
+        if not sharded:
+            return Layout(group, param.shape[0])
+        dim = placements[mesh_dim].dim
+        counts = shard_row_counts(param.shape[dim], size)
+        layout = Layout(group, param.shape[dim], counts, dim)
         if param.to_local().shape[dim] != counts[layout.rank]:
             raise ValueError(
                 f"a {tuple(param.shape)} DTensor holds {param.to_local().shape[dim]} entries of dim {dim} on rank "
