@@ -16,9 +16,22 @@ def _svd(W):
     return torch.linalg.svd(W.to(torch.float64), full_matrices=False)
 
 
-def spectral_power_svd(W: torch.Tensor, p: int) -> torch.Tensor:
-    """``U diag(s^p) V^T``."""
-    return factorised_spectral_power(W, p, torch.float64, "svd")
+def spectral_power_svd(W: torch.Tensor, p, eps=None) -> torch.Tensor:
+    """``U diag(s^p) V^T``; with the floor ``eps`` (relative to ``s_max``, per matrix),
+    ``U diag((s^2 + (eps s_max)^2)^(p/2)) V^T`` over the non-zero modes."""
+    if eps is None:
+        return factorised_spectral_power(W, p, torch.float64, "svd")
+    size = max(W.shape[-2:])
+    return _per_mode(W, lambda s: power_weights(s, 0, size) * (s**2 + (eps * s.amax(-1, keepdim=True)) ** 2) ** (p / 2))
+
+
+def power_update_svd(X: torch.Tensor, q, eps) -> torch.Tensor:
+    """The Muon-family update ``power_update(X, q, eps=eps)``: the polar factor for ``q = 0``, else
+    ``spectral_power_svd(X, q, eps)`` scaled to the Frobenius norm ``sqrt(min(m, n))`` per matrix."""
+    if q == 0:
+        return polar_svd(X)
+    D = spectral_power_svd(X, q, eps)
+    return D * min(X.shape[-2:]) ** 0.5 / torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True)
 
 
 def polar_svd(W: torch.Tensor) -> torch.Tensor:

@@ -274,14 +274,6 @@ def test_a_step_holds_no_more_than_torch_muon(monkeypatch, heads, shape, iterati
 SLACK = 1024
 
 
-def floored_update(G, q, eps=1e-2):
-    """``U diag((s^2 + (eps s_max)^2)^(q/2)) V^T`` of ``G`` per matrix, at the polar factor's Frobenius norm."""
-    U, s, Vh = torch.linalg.svd(G.double(), full_matrices=False)
-    weights = (s**2 + (eps * s.amax(-1, keepdim=True)) ** 2) ** (q / 2)
-    D = (U * weights.unsqueeze(-2)) @ Vh
-    return D * min(G.shape[-2:]) ** 0.5 / torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True)
-
-
 @pytest.mark.parametrize("q", [0, 0.0, lambda step: 0])
 def test_update_power_zero_is_muon_bit_for_bit(q):
     models = tiny_model(), tiny_model()
@@ -298,7 +290,7 @@ def test_update_power_is_the_floored_power_of_each_head(q, heads):
     W = torch.zeros(16, 12, dtype=torch.float64)
     result, G = one_step(W, heads=heads, update_power=q)
     blocks = G.reshape(heads or 1, -1, 12)
-    expected = floored_update(blocks, q).reshape(16, 12) * -(0.1 * 0.2 * 16**0.5)
+    expected = so.reference.power_update_svd(blocks, q, 1e-2).reshape(16, 12) * -(0.1 * 0.2 * 16**0.5)
     assert relative_error(result, expected) < 1e-9
 
 
@@ -317,7 +309,7 @@ def test_a_callable_update_power_is_followed_step_by_step():
         weight.grad = matrix_with_spectrum((24, 16), log_spaced_spectrum(16, 100), torch.float64, seed=step)
         before = weight.detach().clone()
         optimizer.step()
-        assert relative_error(before - weight.detach(), floored_update(weight.grad, power)) < 1e-9
+        assert relative_error(before - weight.detach(), so.reference.power_update_svd(weight.grad, power, 1e-2)) < 1e-9
     assert seen == [0, 1, 2, 3] and optimizer.state[weight]["step"] == 4
 
 
@@ -350,7 +342,7 @@ def test_a_tensor_update_power_stays_on_the_device_in_a_capturable_step():
             optimizer.step()
         results.append(weight.detach() / -2)
     # fp32 products; the tensor's polynomials are designed for the whole span |q| <= 1, the number's for -0.2.
-    assert relative_error(results[0], floored_update(G, -0.2)) < 2e-5
+    assert relative_error(results[0], so.reference.power_update_svd(G, -0.2, 1e-2)) < 2e-5
     assert relative_error(results[0], results[1].double()) < 2e-5
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from .. import plan
+from .. import plan, reference
 from ..coefficients import REAL_POWER_POLAR_STEPS
 from ..linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 from ..ops import power_update, spectral_power
@@ -52,15 +52,9 @@ def taylor_baseline():
     return module.taylor_power_update
 
 
-def floored_reference(X: torch.Tensor, p: float, eps: float | None) -> torch.Tensor:
-    """``U diag(w(s)) V^T`` from the FP64 SVD, ``w = s^p``, or floored with ``eps`` (relative to s_max)."""
-    U, s, Vh = torch.linalg.svd(X.double(), full_matrices=False)
-    weights = s**p if eps is None else (s**2 + (eps * s.amax(-1, keepdim=True)) ** 2) ** (p / 2)
-    return (U * weights.unsqueeze(-2)) @ Vh
-
-
 def renormalised(D: torch.Tensor) -> torch.Tensor:
-    """``D`` at the polar factor's Frobenius norm per matrix, as an update is compared (its scale is lr's)."""
+    """``D`` at the polar factor's Frobenius norm per matrix: the Taylor construction's scale is not an
+    update's (``power_update`` sets it itself)."""
     D = D.double()
     return D * math.sqrt(min(D.shape[-2:])) / torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True)
 
@@ -80,7 +74,7 @@ def fp32_accuracy(shapes):
             for shape in shapes:
                 W = matrix_with_spectrum(shape, log_spaced_spectrum(min(shape), kappa), torch.float64, seed=0)
                 result = spectral_power(W.float(), p, method="gram", precision="fp32")
-                errors.append(relative_error(result, floored_reference(W, p, None)))
+                errors.append(relative_error(result, reference.spectral_power_svd(W, p)))
             worst[p] = max(errors)
         records.append({"kappa": kappa, "max_relative_error": {str(p): e for p, e in worst.items()}})
         rows.append([f"{kappa:g}", *[worst[p] for p in POWERS]])
@@ -108,7 +102,7 @@ def floored_accuracy(shape):
         W = matrix_with_spectrum(shape, log_spaced_spectrum(min(shape), kappa), torch.float64, seed=1)
         for p in FLOOR_POWERS:
             errors = [relative_error(spectral_power(W.float(), p, method="gram", eps=eps),
-                                     floored_reference(W, p, eps)) for eps in FLOORS]
+                                     reference.spectral_power_svd(W, p, eps)) for eps in FLOORS]
             records.append({"kappa": kappa, "p": p, "relative_error": dict(zip(map(str, FLOORS), errors))})
             rows.append([f"{kappa:g}", p, *errors])
     return records, markdown_table(["kappa", "p", *[f"eps={eps:g}" for eps in FLOORS]], rows)
@@ -121,11 +115,11 @@ def update_accuracy(shapes):
         X = torch.randn(shape, generator=torch.Generator().manual_seed(2))
         _, step_flops = flops(lambda: power_update(X, 0, precision="bf16", dtype=torch.bfloat16))
         for q in UPDATE_POWERS:
-            expected = renormalised(floored_reference(X, q, plan.UPDATE_FLOOR))
+            expected = reference.power_update_svd(X, q, plan.UPDATE_FLOOR)
             ours, ours_flops = flops(lambda: power_update(X, q, precision="bf16", dtype=torch.bfloat16))
             theirs, their_flops = flops(lambda: taylor(X, q))
             record = {"shape": list(shape), "q": q,
-                      "ours": relative_error(renormalised(ours), expected),
+                      "ours": relative_error(ours, expected),
                       "taylor": relative_error(renormalised(theirs), expected),
                       "ours_flops_per_muon_step": ours_flops / step_flops,
                       "taylor_flops_per_muon_step": their_flops / step_flops}
@@ -181,8 +175,8 @@ Matmul FLOPs per `S_2` on the same shape (`plan.cost`; goal 2.5x):
 `power_update(X, q, precision="bf16")` (what `SpectralMuon(update_power=q)` runs: Muon's 8-step Polar
 Express, floor `eps = {plan.UPDATE_FLOOR:g}`) and DynMuon's construction (`bench/baselines.py`: the
 second-order Taylor expansion of `(X X^T)^(q/2)` around `I` times 12 Newton-Schulz steps of Muon's
-quintic, bf16), both renormalised to the polar factor's Frobenius norm, against the floored FP64
-reference, on Gaussian momenta. FLOPs per Polar Express Muon step (`q = 0`) on the same momentum.
+quintic, bf16; its scale is arbitrary, so it is renormalised to the polar factor's Frobenius norm, as
+ours is by construction), against `reference.power_update_svd` (FP64 SVD), on Gaussian momenta. FLOPs per Polar Express Muon step (`q = 0`) on the same momentum.
 
 {update_table}
 
