@@ -22,11 +22,9 @@ from ._checks import (
     check_matrix,
     check_power,
     check_same_device,
-    check_steps,
 )
-from .coefficients import resolve_polar_coefficients
-from .ops import (check_band, check_iteration, check_method, check_precision, threshold_sign_coefficients,
-                  thresholded_polar_coefficients)
+from .ops import (check_band, check_iteration, check_method, check_precision, directions_polar_coefficients,
+                  threshold_sign_coefficients)
 from .plan import (  # noqa: F401  (SpectralStabilityError: the decay's public name)
     ROUNDINGS,
     STABILITY_POLICIES,
@@ -203,9 +201,7 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
     return DecayOptions(
         p=p,
         band=band,
-        polar_coefficients=thresholded_polar_coefficients(steps, coefficients, powers) if thresholded else
-        resolve_polar_coefficients(check_steps(steps), coefficients,
-                                   real_power=not all(isinstance(q, int) for q in powers)),
+        polar_coefficients=directions_polar_coefficients(steps, coefficients, powers, thresholded),
         sign_coefficients=threshold_sign_coefficients(band.sign_steps if band else None,
                                                       band.sign_method if band else "polar_express"),
         precision=check_precision(precision),

@@ -281,21 +281,22 @@ def check_band(band: plan.Band, p: int, sync: bool = True,
     return dataclasses.replace(band, p_bot=check_power(band.p_bot, "p_bot", decay=True))
 
 
-def thresholded_polar_coefficients(steps, coefficients=None, powers=()):
-    """A thresholded op's polar coefficients: None (designed for its threshold by the plan) where
-    neither ``steps`` nor ``coefficients`` is given and every power is an integer; ``powers``: those of
-    its directions (a real one's polar factor is designed further down, :data:`REAL_POWER_LOWER`)."""
+def directions_polar_coefficients(steps, coefficients=None, powers=(), thresholded: bool = True):
+    """The polar coefficients of an op's (or a decay's) directions of ``powers``: None (designed for its
+    threshold by the plan) for a ``thresholded`` one where neither ``steps`` nor ``coefficients`` is given
+    and every power is an integer; else :func:`resolve_polar_coefficients`'s (a real power's polar factor
+    is designed further down, :data:`REAL_POWER_LOWER`)."""
     real_power = not all(isinstance(q, int) for q in powers)
-    if check_steps(steps) is None and coefficients is None and not real_power:
+    if thresholded and check_steps(steps) is None and coefficients is None and not real_power:
         return None
-    return resolve_polar_coefficients(steps, coefficients, real_power=real_power)
+    return resolve_polar_coefficients(check_steps(steps), coefficients, real_power=real_power)
 
 
 def _thresholded_coefficients(steps, sign_steps, sign_method: str, precision, powers=()) -> tuple:
     """A thresholded op's polar and sign coefficients (None: designed for its thresholds), with its
     ``precision`` checked."""
     check_precision(precision)
-    return thresholded_polar_coefficients(steps, None, powers), threshold_sign_coefficients(sign_steps, sign_method)
+    return directions_polar_coefficients(steps, None, powers), threshold_sign_coefficients(sign_steps, sign_method)
 
 
 @torch.no_grad()

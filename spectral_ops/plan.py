@@ -1320,9 +1320,10 @@ def cost(op: str, shape: tuple, *, p=0, precision: str = "fp32", iteration: str 
     At full cost this is what ``FlopCounterMode`` counts of the torch backend; ``symmetric_at_half``
     gives the GPU kernels' count, each symmetric product (the Gram, ``A A``, the sign steps) at half.
     ``p``, ``iteration`` (``"auto"`` routes as a call would), ``steps``, ``sign_steps``, ``band_mode``
-    and ``p_bot`` configure the op (``eps``: a negative ``p``'s floor); ``guard``: a decay's stability bound is formed (a capturable
-    step's clamp, every step; an eager one forms it only where ``||W||_F`` does not settle the
-    guard). The fused chains are not counted: their products are the composed plan's.
+    and ``p_bot`` configure the op (``eps``: a floor, see :func:`spectral_power`); ``guard``: a decay's
+    stability bound is formed (a capturable step's clamp, every step; an eager one forms it only where
+    ``||W||_F`` does not settle the guard). The fused chains are not counted: their products are the
+    composed plan's.
 
     A band op's ``steps``/``sign_steps`` None are designed for its thresholds (:func:`threshold_design`),
     as a call without them is: at ``threshold`` (each threshold's ``tau / ||W||_F``), or where that is

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import spectral_ops as so
-from spectral_ops import plan, reference
+from spectral_ops import plan
 from spectral_ops.coefficients import odd_quintic, polar_express_coefficients, polar_express_design
 from spectral_ops.linalg import matrix_with_spectrum
 from test_optim_capturable import host_reads_forbidden
