@@ -1149,7 +1149,7 @@ def power_update(kernels, X: torch.Tensor, power, polar_coefficients, precision:
     D = spectral_power(kernels, X, power, polar_coefficients, precision, sync=False, method="gram", eps=eps)
     norm = torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True, dtype=compute_dtype(D.dtype))
     scale = math.sqrt(min(X.shape[-2:])) / norm.clamp_min(torch.finfo(norm.dtype).tiny)
-    return (D * scale).to(dtype or X.dtype)
+    return D.mul_(scale.to(D.dtype)).to(dtype or X.dtype)  # D is this call's own: scaled in place
 
 
 def msign(kernels, A: torch.Tensor, sign_coefficients, precision: str | None = None) -> torch.Tensor:
