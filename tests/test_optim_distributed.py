@@ -380,7 +380,7 @@ def _scenario_checkpoint(mesh, rank, world, folder: Path):
 
 def _scenario_step_waits_for_gloo_to_let_go(mesh, rank, world):
     """A step returns only once Gloo's workers hold none of its collectives' buffers (see
-    distributed._let_go): a worker letting go of the agreement's buffer late, played by a view of it
+    distributed.let_go): a worker letting go of the agreement's buffer late, played by a view of it
     dropped 50 ms after the all_reduce returned, is waited for."""
     import threading
 

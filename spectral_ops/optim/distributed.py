@@ -58,13 +58,13 @@ def _all_gather_single(output, source, **options):
 # matrices than ranks): one round's collective then runs while the previous round is computed, and
 # each owner still batches half of what it holds of the set into one call.
 ROUNDS_PER_SHAPE = 2
-# The longest a step waits for Gloo to let go of a finished collective's buffers (see _let_go): a worker
+# The longest a step waits for Gloo to let go of a finished collective's buffers (see let_go): a worker
 # thread descheduled on a loaded machine is back within milliseconds; a torch that kept them longer
 # would not be waited for.
 LET_GO_SECONDS = 0.1
 
 
-def _let_go(group, buffers) -> None:
+def let_go(group, buffers) -> None:
     """Return once ``group``'s Gloo worker threads hold none of ``buffers``: tensors this process handed
     to finished collectives, whose ``Work`` handles are dropped, and which only the caller references.
 
@@ -372,7 +372,7 @@ class Exchange:
                         pending.clamp_factors[index] = factors[start:start + count].view(shape)
                     start += count
                 offset += len(factors)
-            _let_go(group, [reduced])
+            let_go(group, [reduced])
         return decisions
 
     def _raise_agreed_error(self, group):
@@ -559,7 +559,7 @@ class _Round:
         self.return_work = None
         # The send buffers go with their collectives' works: once Gloo holds neither, it holds nothing of
         # this round (the received ones live on as the results' storage).
-        _let_go(self.layout.group, [self.send_back] + ([] if self.layout.replicated else [self.send]))
+        let_go(self.layout.group, [self.send_back] + ([] if self.layout.replicated else [self.send]))
         local_shape = self.shape if self.layout.replicated else self._part_shape(self.layout.rank)
         size = math.prod(local_shape)
         for owner, piece in enumerate(self.returned.split(self.return_sizes)):

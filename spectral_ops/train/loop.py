@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from ..optim.distributed import local
+from ..optim.distributed import let_go, local
 from ..progress import progress as progress_bar  # `progress` is the flag that turns it off
 from . import monitor
 from .config import PROTOCOL_PRESETS, TrainConfig, evaluation_steps, to_dict
@@ -96,7 +96,9 @@ class Processes:
             return value
         total = torch.tensor(value, dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
-        return total.item() / self.world_size
+        mean = total.item() / self.world_size
+        let_go(None, [total])  # a run's last collective must not leave Gloo its buffer at the exit
+        return mean
 
     def every(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every process, so that all take the same branch (a collective)."""
@@ -104,7 +106,9 @@ class Processes:
             return flag
         value = torch.tensor(float(flag), device=self.device)
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
-        return bool(value.item())
+        agreed = bool(value.item())
+        let_go(None, [value])
+        return agreed
 
     def barrier(self) -> None:
         if self.distributed:
