@@ -136,6 +136,52 @@ def shard_row_counts(rows: int, world_size: int) -> tuple:
     return tuple(max(0, min(chunk, rows - rank * chunk)) for rank in range(world_size))
 
 
+def _chunk_span(length: int, chunks: int, index: int) -> tuple[int, int]:
+    """Positions ``[start, stop)`` of chunk ``index`` of ``length`` entries in ``torch.chunk``'s split."""
+    size = -(-length // chunks)
+    return min(index * size, length), min((index + 1) * size, length)
+
+
+def _take(ranges: tuple, start: int, stop: int) -> tuple:
+    """Positions ``[start, stop)`` of the entries ``ranges`` lists (sorted ``(first, end)`` runs)."""
+    taken, offset = [], 0
+    for first, end in ranges:
+        low, high = max(start - offset, 0), min(stop - offset, end - first)
+        if low < high:
+            taken.append((first + low, first + high))
+        offset += end - first
+    return tuple(taken)
+
+
+def part_of(shape, placements, mesh_sizes, coordinate) -> tuple:
+    """The entries of a ``shape`` DTensor placed ``placements`` on a mesh of ``mesh_sizes`` that the rank
+    at ``coordinate`` holds: per dim, sorted ``(start, stop)`` runs, the part being their product.
+
+    DTensor's left-to-right order: each mesh dim's placement splits what the dims before it left. A
+    ``Shard(d)`` takes its chunk (``torch.chunk``'s split) of the entries; a ``_StridedShard(d, sf)``
+    (FSDP2 over a tensor-parallel ``Shard(d)``: ``sf`` is the later dims' count of shards) splits them
+    into ``sf`` chunks, then takes its chunk of each, so that the later ``Shard(d)`` then takes one of
+    them whole. A ``Replicate`` leaves them."""
+    held = [((0, length),) for length in shape]
+    for placement, size, index in zip(placements, mesh_sizes, coordinate):
+        dim = getattr(placement, "dim", None)  # Shard and _StridedShard (not a Shard subclass in torch 2.13)
+        if dim is None:
+            continue
+        runs = held[dim]
+        length = sum(end - first for first, end in runs)
+        split = int(getattr(placement, "split_factor", 1))
+        pieces = []
+        for piece in range(split):
+            first, end = _chunk_span(length, split, piece)
+            start, stop = _chunk_span(end - first, size, index)
+            for run in _take(runs, first + start, first + stop):
+                if pieces and pieces[-1][1] == run[0]:  # adjacent runs merge: one run per contiguous span
+                    run = (pieces.pop()[0], run[1])
+                pieces.append(run)
+        held[dim] = tuple(pieces)
+    return tuple(held)
+
+
 def layout_of(param: torch.Tensor, process_group=None) -> Layout | None:
     """The parameter's :class:`Layout`, or None for a parameter this process computes alone: a plain
     tensor when ``process_group`` is None, or anything on a single rank."""
