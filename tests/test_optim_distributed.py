@@ -203,15 +203,16 @@ def _scenario_skip(mesh, rank, world, place=None):
     assert not torch.equal(_whole(spread[1].detach()), weights[1]), "a finite parameter was not updated"
 
 
-def _scenario_error(mesh, rank, world):
+def _scenario_error(mesh, rank, world, place=None):
     """An owner's stability error is raised on every rank, and no rank writes anything."""
     from torch.distributed.tensor import Shard
 
+    place = place or (lambda index, tensor: _spread(tensor, mesh, Shard(0)))
     weights, grads = _tensors(4, steps=1, scale=1.0)
-    spread = [torch.nn.Parameter(_spread(w, mesh, Shard(0))) for w in weights]
+    spread = [torch.nn.Parameter(place(i, w)) for i, w in enumerate(weights)]
     optimizer = SpectralAdamW(spread, lr=1.0, p=4, spectral_weight_decay=50.0, stability="raise", matrix_view="flatten")
-    for param, grad in zip(spread, grads[0]):
-        param.grad = _spread(grad, mesh, Shard(0))
+    for i, (param, grad) in enumerate(zip(spread, grads[0])):
+        param.grad = place(i, grad)
     try:
         optimizer.step()
     except SpectralStabilityError:
@@ -467,9 +468,15 @@ def _scenario_2d_parts(mesh, rank, world):
             assert torch.equal(layout.join(parts), numbers), (shape, placements)
 
 
-def _scenario_2d_skip_agreed(mesh, rank, world):
-    """A NaN in one rank's part of a gradient: every rank of the 2-d mesh skips that parameter."""
-    _scenario_skip(_mesh_2d(world), rank, world, place=_fsdp_over_tp(_mesh_2d(world)))
+def _scenario_2d_agreements(mesh, rank, world):
+    """Over the whole 2-d mesh: a NaN in one rank's part of a gradient skips that parameter on every
+    rank; an owner's stability error is raised on every rank, nothing written; clamps are counted
+    everywhere as in one process (capturable: the decisions stay on the device)."""
+    mesh2 = _mesh_2d(world)
+    _scenario_skip(mesh2, rank, world, place=_fsdp_over_tp(mesh2))
+    _scenario_error(mesh2, rank, world, place=_fsdp_over_tp(mesh2))
+    _clamps_match(_compare(_adamw(4, capturable=True, stability="clamp"), mesh2, seed=5, scale=1.0,
+                           place=_fsdp_over_tp(mesh2)), some=True)
 
 
 def _scenario_2d_experts(mesh, rank, world):
@@ -492,10 +499,12 @@ def _scenario_2d_experts(mesh, rank, world):
                                                      shapes=experts, scale=2.0, place=inside))) > 0
 
 
-def _clamps_match(compared):
-    """The clamp counts of one process and of the spread run agree (where the optimizer clamps)."""
+def _clamps_match(compared, some: bool = False):
+    """The clamp counts of one process and of the spread run agree (where the optimizer clamps; ``some``:
+    and it clamped)."""
     expected, actual, _, _ = compared
     counts = {name: int(record.count) for name, record in getattr(expected, "clamped", {}).items()}
+    assert not some or any(counts.values()), "the scenario does not clamp"
     assert {name: int(record.count) for name, record in getattr(actual, "clamped", {}).items()} == counts
 
 
@@ -544,6 +553,54 @@ def _scenario_2d_model(mesh, rank, world):
             difference = (_whole(a.detach()) - b.detach()).abs().max().item()
             torch.testing.assert_close(_whole(a.detach()), b.detach(), **tolerance,
                                        msg=lambda text: f"{name}: {text} (max difference {difference:.3g})")
+
+
+def _scenario_2d_checkpoint_across_meshes(mesh, rank, world, folder: Path):
+    """A DCP checkpoint of FSDP2 over tensor parallelism loads on another mesh shape: saved on 2 x 2
+    (dp x tp), resumed on 4 x 1, and saved on 4 x 1, resumed on 2 x 2; each resumed run matches one
+    process's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    meshes = {shape: init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")) for shape in ((2, 2), (4, 1))}
+    inputs = torch.randn(6, 16, generator=torch.Generator().manual_seed(10))
+
+    def setup(shape=None):
+        torch.manual_seed(9)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 42), torch.nn.ReLU(), torch.nn.Linear(42, 8))
+        if shape is not None:
+            parallelize_module(net, meshes[shape]["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            fully_shard(net, mesh=meshes[shape]["dp"])
+        return net, SpectralAdamW(net.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5)
+
+    def train(net, optimizer, steps):
+        for _ in range(steps):
+            net(inputs).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    reference, expected = setup()
+    train(reference, expected, 3)
+    for saved_on, resumed_on in (((2, 2), (4, 1)), ((4, 1), (2, 2))):
+        checkpoint = folder / f"2d-{saved_on[0]}x{saved_on[1]}"
+        net, optimizer = setup(saved_on)
+        train(net, optimizer, 2)
+        dcp.save({"model": net.state_dict(), "optimizer": get_optimizer_state_dict(net, optimizer)},
+                 checkpoint_id=checkpoint)
+        net, optimizer = setup(resumed_on)
+        state = {"model": net.state_dict(), "optimizer": get_optimizer_state_dict(net, optimizer)}
+        dcp.load(state, checkpoint_id=checkpoint)
+        net.load_state_dict(state["model"])
+        set_optimizer_state_dict(net, optimizer, state["optimizer"])
+        train(net, optimizer, 1)
+        for a, b in zip(net.parameters(), reference.parameters()):
+            # Tensor parallelism sums the row-wise layer's products in another order: a few ulps of
+            # each gradient, which Adam's update carries (see _scenario_2d_model).
+            torch.testing.assert_close(_whole(a.detach()), b.detach(), **TOLERANCE,
+                                       msg=lambda text: f"saved on {saved_on}, resumed on {resumed_on}: {text}")
 
 
 def _scenario_hsdp(mesh, rank, world):
@@ -617,13 +674,13 @@ def _scenarios(folder: Path, world: int) -> dict:
             _muon, _mesh_2d(world), seed=31, steps=4, place=fsdp_over_tp(mesh, rank, world)),
         "2-d: decay attached to AdamW": lambda mesh, rank, world: _compare(
             _attached_adamw, _mesh_2d(world), seed=32, steps=4, place=fsdp_over_tp(mesh, rank, world)),
-        "2-d: capturable, clamped": lambda mesh, rank, world: _compare(
-            _adamw(4, capturable=True, stability="clamp"), _mesh_2d(world), seed=35, scale=1.0,
-            place=fsdp_over_tp(mesh, rank, world)),
-        "2-d: skip agreed": _scenario_2d_skip_agreed,
+        "2-d: skip, error and clamps agreed": _scenario_2d_agreements,
         "2-d: experts": _scenario_2d_experts,
         "2-d: fsdp2 over tensor parallel model": _scenario_2d_model,
     })
+    if world == 4:
+        scenarios["2-d: checkpoint across mesh shapes"] = lambda mesh, rank, world: \
+            _scenario_2d_checkpoint_across_meshes(mesh, rank, world, folder)
     return scenarios
 
 
@@ -664,6 +721,12 @@ def results(shared_folder):
 def test_spread_parameters_match_one_process(results, world, scenario):
     failures = [f"rank {rank}:\n{outcome[scenario]}" for rank, outcome in enumerate(results[world])
                 if outcome[scenario] != "ok"]
+    assert not failures, "\n".join(failures)
+
+
+def test_a_checkpoint_of_fsdp2_over_tensor_parallelism_loads_across_mesh_shapes(results):
+    name = "2-d: checkpoint across mesh shapes"  # 4 processes: 2 x 2 and 4 x 1
+    failures = [f"rank {rank}:\n{outcome[name]}" for rank, outcome in enumerate(results[4]) if outcome[name] != "ok"]
     assert not failures, "\n".join(failures)
 
 
