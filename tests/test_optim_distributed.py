@@ -1,5 +1,7 @@
-"""The optimizers on parameters spread over processes (SPEC 10): FSDP2's Shard(0) DTensors, replicated
-DTensors and DDP's plain parameters, on CPU with gloo, against the same optimizer in one process.
+"""The optimizers on parameters spread over processes (SPEC 10): FSDP2's Shard(0) DTensors, tensor
+parallelism's Shard(1), experts spread by their batch, replicated DTensors and DDP's plain parameters,
+HSDP, and FSDP2 over tensor parallelism on a 2 x world/2 mesh (the "2-d" scenarios), on CPU with gloo,
+against the same optimizer in one process.
 
 Each world size (2 and 4 processes) is started once, by a module fixture; every process runs all the
 scenarios below and writes, per scenario, "ok" or the failure, which the tests then read. Every

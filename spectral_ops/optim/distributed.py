@@ -158,7 +158,7 @@ class Layout:
         whole stack: their numbers, in the order it holds them."""
         numbers = torch.zeros((), dtype=torch.long)
         for length, runs in zip(self.shape[:-2], self.parts[self.rank][:-2]):
-            held = torch.cat([torch.arange(start, stop) for start, stop in runs]) if runs else torch.zeros(0, dtype=torch.long)
+            held = torch.tensor([entry for start, stop in runs for entry in range(start, stop)], dtype=torch.long)
             numbers = numbers[..., None] * length + held
         return numbers.reshape(-1)
 
@@ -224,7 +224,8 @@ def layout_of(param: torch.Tensor, process_group=None) -> Layout | None:
     replicas), each replica group computes the same, from the same gradients."""
     if isinstance(param, DTensor):
         mesh, placements = param.device_mesh, tuple(param.placements)
-        unknown = [placement for placement in placements if not isinstance(placement, (Replicate, Shard, _StridedShard))]
+        unknown = [placement for placement in placements
+                   if not isinstance(placement, (Replicate, Shard, _StridedShard))]
         if unknown:
             raise ValueError(
                 f"a {tuple(param.shape)} DTensor placed {placements}: spectral_ops optimizers take parameters "
@@ -503,7 +504,8 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
     # A stack sharded by its batch holds whole matrices: decayed where they live (expert parallelism),
     # its clamp factors and reports at its matrices' places in the whole stack.
     here = [layout.holds_whole_matrices(matrix_view) for layout in layouts]
-    numbers = [layout.local_matrices() if held else None for layout, held in zip(layouts, here)]
+    numbers = [layout.local_matrices() if held else torch.arange(math.prod(shape[:-2]) if stack else 1)
+               for layout, held, shape, stack in zip(layouts, here, shapes, stacked)]
     entry_rows = [rows if rows is not None else (0, matrix_dims(shapes[k], matrix_view)[0]) for k, rows in entries]
 
     def part(k, matrices, start, stop):
@@ -540,13 +542,8 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
         number_of = {index: numbers[k] for k in positions for index in entries_of[k]}
         for position, factor in whole.clamp_factors.items():
             factors, start = slot_of[indices[position]]
-            held = number_of[indices[position]]
-            if held is None:
-                factors[start:start + factor.numel()] = factor.reshape(-1)
-            else:
-                factors[start + held.to(factors.device)] = factor.reshape(-1)
-        pending.clamped.extend((indices[position], matrix if number_of[indices[position]] is None
-                                else int(number_of[indices[position]][matrix]), *report)
+            factors[start + number_of[indices[position]].to(factors.device)] = factor.reshape(-1)
+        pending.clamped.extend((indices[position], int(number_of[indices[position]][matrix]), *report)
                                for position, matrix, *report in whole.clamped)
         value_of = dict(zip(indices, values))
         blocks = [[value_of[index] for index in entries_of[k]] for k in positions]
