@@ -93,6 +93,8 @@ def _compare(make, mesh, *, seed=0, shapes=SHAPES, place=None, process_group=Non
     for a, b in zip(spread, reference):
         for key, value in expected.state[b].items():
             torch.testing.assert_close(_whole(actual.state[a][key]), value, **TOLERANCE)
+            if hasattr(a, "placements") and value.shape == b.shape:  # element-wise state: sharded as its parameter
+                assert actual.state[a][key].placements == a.placements, (key, actual.state[a][key].placements)
     return expected, actual, reference, spread
 
 
