@@ -8,9 +8,10 @@ the owners are balanced over the whole step, largest matrices first, by the plan
 (:func:`assign_owners`), and every job's collectives form one pipeline. The jobs are Muon's polar
 factors (:mod:`spectral_ops.optim.muon`) and the decay's spectral directions (:func:`owner_decay`).
 
-* A sharded matrix (``Shard(d)`` on any dim: FSDP2's rows, tensor parallelism's columns) is gathered
+* A sharded matrix (``Shard(d)`` on any dim: FSDP2's rows, tensor parallelism's columns; on a 2-d mesh
+  FSDP2 over tensor parallelism, whose owners are balanced over both mesh dims) is gathered
   on its owner with one ``all_to_all_single`` per round (every rank sends each owner its part of the
-  matrices that owner holds, joined there along the sharded dim), computed there with the
+  matrices that owner holds, joined there: :meth:`Layout.join`), computed there with the
   single-device path, and each rank's part goes back with a second ``all_to_all_single``. A stack of
   matrices spread by its batch (experts) holds whole matrices: each rank computes its own.
 * A replicated matrix (a ``Replicate()`` DTensor, or a plain parameter of an optimizer given
@@ -31,6 +32,7 @@ an overflow) is raised on every rank, so that no rank writes a step another refu
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import defaultdict
@@ -43,8 +45,9 @@ from ..decay import PendingDecay, as_matrices, batched, matrix_dims, prepare_dec
 
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's over tensor parallelism
 else:  # a torch built without torch.distributed: every parameter is a plain tensor
-    DTensor = Replicate = Shard = ()
+    DTensor = Replicate = Shard = _StridedShard = ()
 
 
 def _all_gather_single(output, source, **options):
@@ -83,57 +86,87 @@ def let_go(group, buffers) -> None:
 
 
 class Layout:
-    """How one parameter is spread over the ranks of ``group`` along its dim ``dim``, of ``length``
-    entries: ``counts[k]`` of them on rank ``k`` (sharded, in ``torch.chunk``'s split, as ``Shard(dim)``
-    places them), or all of them everywhere (``counts`` None: replicated)."""
+    """How one parameter of ``shape`` is spread over the ranks of ``group``: rank ``k`` holds the entries
+    ``parts[k]`` (per dim, sorted ``(start, stop)`` runs, the part being their product: see
+    :func:`part_of`), or all of them everywhere (``parts`` None: replicated)."""
 
-    def __init__(self, group, length: int, counts=None, dim: int = 0):
+    def __init__(self, group, shape, parts=None):
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.length = length
-        self.counts = counts
-        self.dim = dim
+        self.shape = tuple(shape)
+        self.parts = None if parts is None else tuple(parts)
 
     @property
     def replicated(self) -> bool:
-        return self.counts is None
+        return self.parts is None
 
-    def span_of(self, rank: int) -> tuple[int, int]:
-        """The entries ``[start, stop)`` along :attr:`dim` that ``rank`` holds."""
+    def part_shape(self, rank: int) -> tuple:
+        """The shape of what ``rank`` holds."""
         if self.replicated:
-            return 0, self.length
-        start = sum(self.counts[:rank])
-        return start, start + self.counts[rank]
+            return self.shape
+        return tuple(sum(stop - start for start, stop in runs) for runs in self.parts[rank])
 
-    @property
-    def local_span(self) -> tuple[int, int]:
-        return self.span_of(self.rank)
+    def _blocks(self, rank: int):
+        """``(whole, held)`` index tuples, one per block of ``rank``'s part: the block's place in the
+        whole and in the part (one block unless a strided shard left several runs on a dim)."""
+        per_dim = []
+        for runs in self.parts[rank]:
+            offsets = [0]
+            for start, stop in runs:
+                offsets.append(offsets[-1] + stop - start)
+            per_dim.append([(slice(start, stop), slice(offset, offset + stop - start))
+                            for (start, stop), offset in zip(runs, offsets)])
+        for block in itertools.product(*per_dim):
+            yield tuple(whole for whole, _ in block), tuple(held for _, held in block)
 
-    def shape_of(self, shape, rank: int | None = None) -> tuple:
-        """``shape`` (a part's, or the whole's) with :attr:`dim` as ``rank`` holds it (None: whole)."""
-        start, stop = (0, self.length) if rank is None else self.span_of(rank)
-        return (*shape[:self.dim], stop - start, *shape[self.dim + 1:])
+    def take(self, whole: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s part of a whole tensor of the parameter's shape (a view where it is one block)."""
+        blocks = list(self._blocks(rank))
+        if len(blocks) == 1:
+            return whole[blocks[0][0]]
+        part = whole.new_empty(self.part_shape(rank))
+        for in_whole, held in blocks:
+            part[held] = whole[in_whole]
+        return part
 
-    def splits_rows(self, shape, matrix_view) -> bool:
-        """Whether it splits the rows of the matrices ``matrix_view`` reads from a ``shape`` parameter
-        (else each rank holds whole rows of them: a stack spread by its batch, or a matrix by its
-        columns)."""
-        if self.replicated:
-            return False
-        return self.dim == (len(shape) - 2 if batched(shape, matrix_view) else 0)
+    def join(self, parts) -> torch.Tensor:
+        """The whole tensor from every rank's part (``parts[k]``: rank ``k``'s)."""
+        whole = parts[0].new_empty(self.shape)
+        for rank, part in enumerate(parts):
+            for in_whole, held in self._blocks(rank):
+                whole[in_whole] = part[held]
+        return whole
 
-    def holds_whole_matrices(self, shape, matrix_view) -> bool:
-        """A stack spread by its first batch dim (expert parallelism): each rank holds whole matrices,
-        consecutive in the stack's order."""
-        return not self.replicated and self.dim == 0 and batched(shape, matrix_view)
+    def _sharded(self, dim: int) -> bool:
+        return not self.replicated and any(runs != ((0, self.shape[dim]),) for runs in
+                                           (part[dim] for part in self.parts))
+
+    def local_rows(self, matrix_view):
+        """The rows of the matrices ``matrix_view`` reads from the parameter that this rank holds, as
+        runs, or None where it holds all of them (a stack spread by its batch, a matrix by its columns)."""
+        row_dim = len(self.shape) - 2 if batched(self.shape, matrix_view) else 0
+        return self.parts[self.rank][row_dim] if self._sharded(row_dim) else None
+
+    def holds_whole_matrices(self, matrix_view) -> bool:
+        """A stack spread by its batch dims only (expert parallelism): each rank holds whole matrices."""
+        return (not self.replicated and batched(self.shape, matrix_view)
+                and not any(self._sharded(dim) for dim in (len(self.shape) - 2, len(self.shape) - 1)))
+
+    def local_matrices(self) -> torch.Tensor:
+        """Where the matrices this rank holds of a stack that :meth:`holds_whole_matrices` sit in the
+        whole stack: their numbers, in the order it holds them."""
+        numbers = torch.zeros((), dtype=torch.long)
+        for length, runs in zip(self.shape[:-2], self.parts[self.rank][:-2]):
+            held = torch.cat([torch.arange(start, stop) for start, stop in runs]) if runs else torch.zeros(0, dtype=torch.long)
+            numbers = numbers[..., None] * length + held
+        return numbers.reshape(-1)
 
 
 def shard_row_counts(rows: int, world_size: int) -> tuple:
     """Entries per rank of ``Shard(d)`` along a dim of ``rows``: ``torch.chunk``'s split,
     ``ceil(rows / world_size)`` each until they run out (the last ranks may hold fewer, or none)."""
-    chunk = -(-rows // world_size)
-    return tuple(max(0, min(chunk, rows - rank * chunk)) for rank in range(world_size))
+    return tuple(stop - start for start, stop in (_chunk_span(rows, world_size, rank) for rank in range(world_size)))
 
 
 def _chunk_span(length: int, chunks: int, index: int) -> tuple[int, int]:
@@ -184,53 +217,74 @@ def part_of(shape, placements, mesh_sizes, coordinate) -> tuple:
 
 def layout_of(param: torch.Tensor, process_group=None) -> Layout | None:
     """The parameter's :class:`Layout`, or None for a parameter this process computes alone: a plain
-    tensor when ``process_group`` is None, or anything on a single rank."""
+    tensor when ``process_group`` is None, or one no other rank holds a part of.
+
+    A DTensor's group is that of the mesh dims it is sharded over (FSDP2's, tensor parallelism's, or
+    both, flattened: one owner per matrix over all of them); over a dim it is replicated on (HSDP's
+    replicas), each replica group computes the same, from the same gradients."""
     if isinstance(param, DTensor):
         mesh, placements = param.device_mesh, tuple(param.placements)
-        sharded = [i for i, placement in enumerate(placements) if not isinstance(placement, Replicate)]
-        # Sharded over one mesh dim at most, and replicated over the others (HSDP: each replica group
-        # computes the same, from the same gradients). A strided shard (FSDP2 over tensor parallelism)
-        # interleaves its pieces, and only comes with a second sharded dim.
-        if mesh.ndim > 2 or len(sharded) > 1 or any(type(placements[i]) is not Shard for i in sharded):
+        unknown = [placement for placement in placements if not isinstance(placement, (Replicate, Shard, _StridedShard))]
+        if unknown:
             raise ValueError(
-                f"a {tuple(param.shape)} DTensor placed {placements} on a {mesh.ndim}-d mesh: spectral_ops optimizers "
-                "take DTensors sharded on one dim (FSDP2's fully_shard: Shard(0); tensor parallelism: Shard(0) or "
-                "Shard(1)) over a 1-d mesh, or over one dim of a 2-d mesh and replicated over the other (HSDP); "
-                "sharded over both dims of a 2-d mesh (FSDP2 x tensor parallelism) is not supported yet")
-        mesh_dim = sharded[0] if sharded else 0
-        group, size = mesh.get_group(mesh_dim), mesh.size(mesh_dim)
-        if size == 1:
+                f"a {tuple(param.shape)} DTensor placed {placements}: spectral_ops optimizers take parameters "
+                f"sharded (Shard, FSDP2's strided shards) or replicated over each mesh dim, not {unknown}; "
+                "redistribute it to one of those")
+        sharded = [dim for dim, placement in enumerate(placements) if not isinstance(placement, Replicate)]
+        group = _group_over(mesh, sharded or [0])
+        if dist.get_world_size(group) == 1:
             return None
         if not sharded:
-            return Layout(group, param.shape[0])
-        dim = placements[mesh_dim].dim
-        counts = shard_row_counts(param.shape[dim], size)
-        layout = Layout(group, param.shape[dim], counts, dim)
-        if param.to_local().shape[dim] != counts[layout.rank]:
+            return Layout(group, param.shape)
+        grid = mesh.mesh
+        coordinates = [tuple((grid == dist.get_global_rank(group, rank)).nonzero()[0].tolist())
+                       for rank in range(dist.get_world_size(group))]
+        layout = Layout(group, param.shape, [part_of(param.shape, placements, grid.shape, coordinate)
+                                             for coordinate in coordinates])
+        if layout.part_shape(layout.rank) != tuple(param.to_local().shape):
             raise ValueError(
-                f"a {tuple(param.shape)} DTensor holds {param.to_local().shape[dim]} entries of dim {dim} on rank "
-                f"{layout.rank}, not the {counts[layout.rank]} of Shard({dim})'s even split {counts}")
+                f"a {tuple(param.shape)} DTensor placed {placements} holds a {tuple(param.to_local().shape)} part on "
+                f"rank {layout.rank}, not the {layout.part_shape(layout.rank)} of the placements' split "
+                "(torch.chunk's, as DTensor's Shard takes it)")
         return layout
     if process_group is None or dist.get_world_size(process_group) == 1:
         return None
-    return Layout(process_group, param.shape[0])
+    return Layout(process_group, param.shape)
 
 
-def local_slice(start: int, stop: int, span) -> slice:
-    """Rows ``[start, stop)`` of a matrix as a slice of this rank's rows ``span = (first, end)`` of it
-    (an empty slice where this rank holds none of them)."""
-    first, end = span
-    low = min(max(start, first), end)
-    return slice(low - first, max(low, min(stop, end)) - first)
+# (world, ranks) -> the process group of those ranks: one per set of mesh dims a parameter is sharded over.
+_FLATTENED_GROUPS = {}
 
 
-def local_block(matrices: torch.Tensor, start: int, stop: int, span, splits_rows: bool) -> torch.Tensor:
+def _group_over(mesh, dims):
+    """The process group of this rank's sub-mesh over mesh dims ``dims`` (a dim's own group for one).
+    Several dims get a group of their own, made once by the ranks in it, when the optimizer is built."""
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    coordinate = mesh.get_coordinate()
+    ranks = tuple(sorted(mesh.mesh[tuple(slice(None) if dim in dims else coordinate[dim]
+                                         for dim in range(mesh.ndim))].flatten().tolist()))
+    key = (dist.group.WORLD, ranks)
+    if key not in _FLATTENED_GROUPS:
+        _FLATTENED_GROUPS[key] = dist.new_group(list(ranks), backend=dist.get_backend(mesh.get_group(dims[0])),
+                                                use_local_synchronization=True)
+    return _FLATTENED_GROUPS[key]
+
+
+def local_slice(start: int, stop: int, runs) -> slice:
+    """Entries ``[start, stop)`` of a dim as a slice of the entries a rank holds of it, listed by
+    ``runs`` (sorted ``(first, end)`` runs; an empty slice where it holds none of them)."""
+    def held_before(index):
+        return sum(min(max(index, first), end) - first for first, end in runs)
+    return slice(held_before(start), held_before(stop))
+
+
+def local_block(matrices: torch.Tensor, start: int, stop: int, rows) -> torch.Tensor:
     """This rank's part of rows ``[start, stop)`` of each matrix, from its part ``matrices`` of a
-    parameter (see :func:`spectral_ops.decay.as_matrices`): where the parameter is spread along the
-    matrices' rows (``splits_rows``, :meth:`Layout.splits_rows`), its rows ``span = (first, end)`` of
-    each that fall in the block; else (a stack spread by its batch, a matrix by its columns) those rows
-    of every matrix it holds."""
-    return matrices[..., local_slice(start, stop, span), :] if splits_rows else matrices[..., start:stop, :]
+    parameter (see :func:`spectral_ops.decay.as_matrices`): of the rows it holds (``rows``, runs:
+    :meth:`Layout.local_rows`), those in the block; else (``rows`` None: it holds every row, as of a
+    stack spread by its batch or a matrix by its columns) those rows of every matrix it holds."""
+    return matrices[..., start:stop, :] if rows is None else matrices[..., local_slice(start, stop, rows), :]
 
 
 def local(tensor):
@@ -343,8 +397,7 @@ class Exchange:
             for position, (source, layout) in enumerate(zip(sources, layouts)):
                 if here[position]:
                     continue
-                whole = source.shape if layout.replicated else layout.shape_of(source.shape)
-                by_kind[(layout.group, layout.dim, *whole, source.dtype, layout.replicated)].append(position)
+                by_kind[(layout.group, layout.shape, layout.parts, source.dtype)].append(position)
             for members in by_kind.values():
                 for positions in split_rounds(members, layouts[members[0]].world_size):
                     rounds.append(_Round(self, fn, positions, [owners[job, i] for i in positions], sources, layouts,
@@ -436,7 +489,7 @@ class Exchange:
 def owner_decay(exchange: Exchange, sources, layouts, entries, options, arguments: dict, *, matrix_view: str,
                 eager: bool) -> PendingDecay:
     """The decay of spread parameters, to commit on this rank: ``sources[k]`` is this rank's part of
-    the ``k``-th parameter (along ``layouts[k].dim``), holding the matrices ``matrix_view`` says
+    the ``k``-th parameter (``layouts[k].parts``), holding the matrices ``matrix_view`` says
     (:func:`spectral_ops.decay.as_matrices`); each ``(k, rows)`` of ``entries`` is a block the decay
     takes as matrices of their own (``rows``: ``(start, stop)`` of each matrix's rows, None: all of
     them). Each whole parameter is decayed on its owner when ``exchange`` runs, with
@@ -444,19 +497,17 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
     are decayed where they live; this rank keeps its part of each entry (``pending.tensors[i]`` is that
     of ``entries[i]``, maybe empty). ``eager``: the clamp factors are read on the host (see
     :meth:`Exchange.clamp_slots`)."""
-    spans = [layout.local_span for layout in layouts]
-    stacked = [batched(source.shape, matrix_view) for source in sources]
-    shapes = [source.shape if layout.replicated else layout.shape_of(source.shape)
-              for layout, source in zip(layouts, sources)]
-    splits = [layout.splits_rows(source.shape, matrix_view) for layout, source in zip(layouts, sources)]
+    rows_held = [layout.local_rows(matrix_view) for layout in layouts]
+    shapes = [layout.shape for layout in layouts]
+    stacked = [batched(shape, matrix_view) for shape in shapes]
     # A stack sharded by its batch holds whole matrices: decayed where they live (expert parallelism),
-    # its clamp factors and reports at its first matrix's place in the whole stack.
-    here = [layout.holds_whole_matrices(source.shape, matrix_view) for layout, source in zip(layouts, sources)]
-    first = [spans[k][0] * math.prod(shapes[k][1:-2]) if here[k] else 0 for k in range(len(sources))]
+    # its clamp factors and reports at its matrices' places in the whole stack.
+    here = [layout.holds_whole_matrices(matrix_view) for layout in layouts]
+    numbers = [layout.local_matrices() if held else None for layout, held in zip(layouts, here)]
     entry_rows = [rows if rows is not None else (0, matrix_dims(shapes[k], matrix_view)[0]) for k, rows in entries]
 
     def part(k, matrices, start, stop):
-        return local_block(matrices, start, stop, spans[k], splits[k])
+        return local_block(matrices, start, stop, rows_held[k])
 
     pending = PendingDecay([part(k, as_matrices(sources[k], matrix_view), *rows)
                             for (k, _), rows in zip(entries, entry_rows)], [], 1.0, {})
@@ -485,12 +536,17 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
                                for k, tensor in zip(positions, wholes) for index in entries_of[k]],
                               options, **arguments)
         values = whole.new_values()
-        offset = {index: first[k] for k in positions for index in entries_of[k]}
+        # Each matrix's number in its whole stack (a stack decayed where it lives holds some of them).
+        number_of = {index: numbers[k] for k in positions for index in entries_of[k]}
         for position, factor in whole.clamp_factors.items():
             factors, start = slot_of[indices[position]]
-            start += offset[indices[position]]
-            factors[start:start + factor.numel()] = factor.reshape(-1)
-        pending.clamped.extend((indices[position], matrix + offset[indices[position]], *report)
+            held = number_of[indices[position]]
+            if held is None:
+                factors[start:start + factor.numel()] = factor.reshape(-1)
+            else:
+                factors[start + held.to(factors.device)] = factor.reshape(-1)
+        pending.clamped.extend((indices[position], matrix if number_of[indices[position]] is None
+                                else int(number_of[indices[position]][matrix]), *report)
                                for position, matrix, *report in whole.clamped)
         value_of = dict(zip(indices, values))
         blocks = [[value_of[index] for index in entries_of[k]] for k in positions]
@@ -518,25 +574,21 @@ def _collective_device(group) -> torch.device:
 
 class _Round:
     """One collective's worth of same-shape matrices: gathered on their owners, computed there, and
-    returned (each rank its part along the layout's dim, or the whole to every rank)."""
+    returned (each rank its part, or the whole to every rank)."""
 
     def __init__(self, exchange, fn, positions, owners, sources, layouts, results):
         self.exchange, self.fn, self.positions, self.results = exchange, fn, positions, results
         self.sources = [sources[i] for i in positions]
         self.owner = owners
         self.layout = layouts[positions[0]]
-        first = self.sources[0]
-        self.shape = first.shape if self.layout.replicated else self.layout.shape_of(first.shape)
-        self.dtype, self.device = first.dtype, first.device
+        self.shape = self.layout.shape
+        self.dtype, self.device = self.sources[0].dtype, self.sources[0].device
         world, rank = self.layout.world_size, self.layout.rank
         self.held = [[k for k, owner in enumerate(self.owner) if owner == r] for r in range(world)]
         self.mine = self.held[rank]
 
-    def _part_shape(self, rank: int) -> tuple:
-        return self.layout.shape_of(self.shape, rank)
-
     def _part_size(self, rank: int) -> int:
-        return math.prod(self._part_shape(rank))
+        return math.prod(self.layout.part_shape(rank))
 
     def start_gather(self) -> None:
         """Send each owner this rank's part of the matrices it holds (a sharded round)."""
@@ -554,15 +606,14 @@ class _Round:
                                            group=self.layout.group, async_op=True)
 
     def matrices(self) -> list[torch.Tensor]:
-        """The whole matrices this rank owns, once they have arrived: the parts, joined along the
-        layout's dim."""
+        """The whole matrices this rank owns, once they have arrived: the parts, joined."""
         if self.layout.replicated:
             return [self.sources[k] for k in self.mine]
         self.work.wait()
         self.work = None
         pieces = self.received.split(self.receive_sizes)
-        parts = [piece.view(len(self.mine), *self._part_shape(source)) for source, piece in enumerate(pieces)]
-        return [torch.cat([part[index] for part in parts], dim=self.layout.dim) for index in range(len(self.mine))]
+        parts = [piece.view(len(self.mine), *self.layout.part_shape(source)) for source, piece in enumerate(pieces)]
+        return [self.layout.join([part[index] for part in parts]) for index in range(len(self.mine))]
 
     def compute(self, matrices) -> list[torch.Tensor]:
         """``fn`` on what this rank owns. After a failure nothing more is computed (the step raises at
@@ -589,9 +640,7 @@ class _Round:
             self.return_sizes = [most] * world
             self.return_work = _all_gather_single(self.returned, send, group=self.layout.group, async_op=True)
             return
-        dim = self.layout.dim
-        send = [result.narrow(dim, start, stop - start).reshape(-1)
-                for target in range(world) for result in results for start, stop in [self.layout.span_of(target)]]
+        send = [self.layout.take(result, target).reshape(-1) for target in range(world) for result in results]
         send_sizes = [len(self.mine) * self._part_size(target) for target in range(world)]
         self.return_sizes = [len(self.held[owner]) * self._part_size(rank) for owner in range(world)]
         self.send_back = torch.cat(send) if send else self.sources[0].new_empty(0)
@@ -606,7 +655,7 @@ class _Round:
         # The send buffers go with their collectives' works: once Gloo holds neither, it holds nothing of
         # this round (the received ones live on as the results' storage).
         let_go(self.layout.group, [self.send_back] + ([] if self.layout.replicated else [self.send]))
-        local_shape = self.shape if self.layout.replicated else self._part_shape(self.layout.rank)
+        local_shape = self.layout.part_shape(self.layout.rank)
         size = math.prod(local_shape)
         for owner, piece in enumerate(self.returned.split(self.return_sizes)):
             for slot, k in enumerate(self.held[owner]):

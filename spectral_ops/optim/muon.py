@@ -261,12 +261,11 @@ class SpectralMuon(SpectralOptimizer):
             # Each matrix's, whole (a DTensor's shape is the global one).
             rows, cols = matrix_dims(param.shape, view)
             layout = self.layout(param)
-            span, splits = (None, False) if layout is None else (layout.local_span,
-                                                                 layout.splits_rows(param.shape, view))
+            held = None if layout is None else layout.local_rows(view)
             for start, size, _ in row_blocks(rows, group):
                 scale = adjusted_lr(lr, group["adjust_lr_fn"], (size, cols))
-                add_scaled_(local_block(target, start, start + size, span, splits),
-                            local_block(direction, start, start + size, span, splits), scale)
+                add_scaled_(local_block(target, start, start + size, held),
+                            local_block(direction, start, start + size, held), scale)
 
     def _update(self, param, group) -> torch.Tensor:
         """Muon's update (this rank's shard) in a temporary of its own: the momentum buffer after this
@@ -334,7 +333,7 @@ class SpectralMuon(SpectralOptimizer):
             view = group["matrix_view"]
 
             def orthogonalize(positions, wholes):
-                # The exchange moves parameter-shaped parts (a layout's dim is the parameter's).
+                # The exchange moves parameter-shaped parts (a layout's parts are the parameter's).
                 directions = self._orthogonalize([as_matrices(whole, view) for whole in wholes],
                                                  [powers[spread[position]] for position in positions], group)
                 return [direction.reshape(whole.shape) for direction, whole in zip(directions, wholes)]
@@ -343,7 +342,7 @@ class SpectralMuon(SpectralOptimizer):
                               [layouts[i] for i in spread], costs,
                               lambda results: keep(spread, [as_matrices(result, view) for result in results]),
                               # A stack sharded by its batch (experts) holds whole matrices: computed here.
-                              [layouts[i].holds_whole_matrices(params[i].shape, view) for i in spread])
+                              [layouts[i].holds_whole_matrices(view) for i in spread])
         return directions, checked
 
     @staticmethod
