@@ -66,9 +66,11 @@ class TrainConfig:
     out_dir: str = "runs/run"
     seed: int = 0
     device: str = "auto"
-    # several processes, one per GPU, started by torchrun: FSDP2 shards the model, DDP replicates it
+    # several processes, one per GPU, started by torchrun: FSDP2 shards the model, DDP replicates it,
+    # tensor parallelism (under FSDP2) splits each block over groups of tp processes
     fsdp: bool = False
     ddp: bool = False
+    tp: int = 1
     notes: dict = field(default_factory=dict)
 
     def model_config(self, vocab_size: int = 0):
@@ -207,6 +209,9 @@ FIELD_HELP = {
             "fully_shard, one unit per block); each process takes batch_size / processes rows of every batch",
     "ddp": "replicate the model on each process torchrun starts (DistributedDataParallel); the spectral work "
            "is split over the processes; each takes batch_size / processes rows of every batch",
+    "tp": "with --fsdp: tensor parallelism over groups of this many processes, on a (processes / tp, tp) mesh "
+          "(\"dp\", \"tp\"); each block's attention heads and MLP hidden units are split over a group, which takes "
+          "the same batch_size / (processes / tp) rows of every batch; n_heads must be a multiple of it",
 }
 
 _PARSERS = {"int": int, "float": float, "str": str, "bool": _parse_bool}

@@ -1,9 +1,10 @@
 """The training loop: data, model, optimizer, schedule, logging, checkpoints. Read top to bottom.
 
 Under ``--fsdp`` or ``--ddp`` it runs as one of the processes ``torchrun`` starts, one per GPU (or a few
-on a CPU, with Gloo): each takes its share of the rows of every batch, so that together they train on
-the single-process run's batches; losses are averaged over the processes, the metrics see whole
-weights, only rank 0 writes files, and checkpoints are ``torch.distributed.checkpoint`` folders.
+on a CPU, with Gloo): each takes its share of the rows of every batch (under ``--tp``, each group of
+``tp`` processes that splits the blocks), so that together they train on the single-process run's
+batches; losses are averaged over the processes, the metrics see whole weights and activations, only
+rank 0 writes files, and checkpoints are ``torch.distributed.checkpoint`` folders.
 """
 
 from __future__ import annotations
@@ -25,15 +26,15 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from ..optim.distributed import let_go, local
+from ..optim.distributed import let_go, local, whole
 from ..progress import progress as progress_bar  # `progress` is the flag that turns it off
 from . import monitor
 from .config import PROTOCOL_PRESETS, TrainConfig, evaluation_steps, to_dict
 from .data import Corpus, load_corpus, train_batch, validation_batches
-from .model import Transformer, fully_shard_blocks
+from .model import Transformer, fully_shard_blocks, tensor_parallel_blocks
 from .optimizers import build_optimizer
 from .schedule import lr_multiplier
 
@@ -68,12 +69,16 @@ def validation_key(record: dict) -> str:
 @dataclass(frozen=True)
 class Processes:
     """This process's place in the run: rank ``rank`` of the ``world_size`` processes of an ``--fsdp``
-    or ``--ddp`` run (``mode``), or the only process (``mode`` None), on ``device``."""
+    or ``--ddp`` run (``mode``), or the only process (``mode`` None), on ``device``. Under ``--fsdp``,
+    ``mesh`` lays the processes out as ``("dp",)``, or under ``--tp`` as ``("dp", "tp")``: groups of
+    ``tensor_parallel`` consecutive ranks, each group holding one copy of the model split between them."""
 
     device: torch.device
     rank: int = 0
     world_size: int = 1
     mode: str | None = None
+    tensor_parallel: int = 1
+    mesh: DeviceMesh | None = None
 
     @property
     def distributed(self) -> bool:
@@ -84,14 +89,24 @@ class Processes:
         """Rank 0, the one process that writes the run's files and shows its progress."""
         return self.rank == 0
 
+    @property
+    def tensor_parallel_mesh(self) -> DeviceMesh | None:
+        return self.mesh["tp"] if self.tensor_parallel > 1 else None
+
     def rows(self, batch: torch.Tensor) -> torch.Tensor:
-        """This process's rows of a batch: consecutive equal shares, so that the processes together
-        take the single-process run's batch, and the mean of their mean losses is its mean loss."""
-        share = batch.shape[0] // self.world_size
-        return batch[self.rank * share:(self.rank + 1) * share]
+        """This process's rows of a batch: consecutive equal shares, one per data-parallel group (the
+        processes of one copy of the model: one, or ``tensor_parallel``, which need the same rows), so
+        that the groups together take the single-process run's batch, and the mean of their mean
+        losses is its mean loss."""
+        groups = self.world_size // self.tensor_parallel
+        share = batch.shape[0] // groups
+        group = self.rank // self.tensor_parallel  # init_device_mesh's order: rank = dp * tp_size + tp
+        return batch[group * share:(group + 1) * share]
 
     def mean(self, value: float) -> float:
-        """The mean over the processes (a collective: every process calls it)."""
+        """The mean over the processes (a collective: every process calls it). Under ``--tp`` the
+        processes of a group hold the same value, so this is also the mean over the groups, without a
+        collective of its own on the "dp" mesh dim."""
         if not self.distributed:
             return value
         total = torch.tensor(value, dtype=torch.float64, device=self.device)
@@ -116,8 +131,17 @@ class Processes:
 
 
 def parallel_mode(config: TrainConfig) -> str | None:
+    """``"fsdp"``, ``"ddp"`` or None (one process), after the checks that need no processes."""
     if config.fsdp and config.ddp:
         raise ValueError("--fsdp and --ddp exclude each other (FSDP shards the model, DDP replicates it); pass one")
+    if config.tp < 1:
+        raise ValueError(f"--tp {config.tp}: the processes that split each block must be 1 or more")
+    if config.tp > 1 and not config.fsdp:
+        raise ValueError(f"--tp {config.tp} splits the blocks of a model that FSDP2 shards over the groups of "
+                         "processes: pass --fsdp with it")
+    if config.n_heads % config.tp:
+        raise ValueError(f"--tp {config.tp}: the {config.n_heads} attention heads do not split over {config.tp} "
+                         "processes (each computes n_heads / tp of them); pass a --tp that divides n_heads")
     return "fsdp" if config.fsdp else "ddp" if config.ddp else None
 
 
@@ -140,9 +164,14 @@ def launched(config: TrainConfig):
                            f"{', '.join(TORCHRUN_VARIABLES)} (unset here). Launch it as: torchrun --standalone "
                            f"--nproc-per-node NUMBER_OF_GPUS -m spectral_ops.train --{mode} ...")
     rank, world_size, local_rank = (int(os.environ[name]) for name in TORCHRUN_VARIABLES)
-    if config.batch_size % world_size:
-        raise ValueError(f"--{mode}: batch_size {config.batch_size} does not split over {world_size} processes (each "
-                         f"takes batch_size / {world_size} rows of every batch); pass a multiple of {world_size}")
+    if world_size % config.tp:
+        raise ValueError(f"--tp {config.tp} does not divide the {world_size} processes into groups of {config.tp}; "
+                         f"pass a --tp that divides {world_size}")
+    groups = world_size // config.tp
+    if config.batch_size % groups:
+        takers = f"{groups} groups of {config.tp} processes" if config.tp > 1 else f"{groups} processes"
+        raise ValueError(f"--{mode}: batch_size {config.batch_size} does not split over {takers} (each takes "
+                         f"batch_size / {groups} rows of every batch); pass a multiple of {groups}")
     device = pick_device(config.device)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
@@ -151,8 +180,12 @@ def launched(config: TrainConfig):
     if starting:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 device_id=device if device.type == "cuda" else None)
+    mesh = None
+    if mode == "fsdp":
+        shape, names = ((groups, config.tp), ("dp", "tp")) if config.tp > 1 else ((world_size,), ("dp",))
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     try:
-        yield Processes(device, rank, world_size, mode)
+        yield Processes(device, rank, world_size, mode, config.tp, mesh)
     finally:
         # A Gloo group is left to the process's exit: torch's Gloo destroy_process_group() sometimes
         # aborts a process whose work is done ("terminate called without an active exception", exit code
@@ -163,10 +196,13 @@ def launched(config: TrainConfig):
 
 
 def parallelise(model: Transformer, processes: Processes) -> torch.nn.Module:
-    """What a training step runs: under FSDP the model itself, sharded in place (each block, then the
-    root, on a 1-d mesh over the processes), under DDP its wrapper, else the model."""
+    """What a training step runs: under FSDP the model itself, changed in place (under ``--tp`` each
+    block split over the "tp" mesh dim first), then sharded (each block, then the root) over the "dp"
+    dim; under DDP its wrapper, else the model."""
     if processes.mode == "fsdp":
-        return fully_shard_blocks(model, init_device_mesh(processes.device.type, (processes.world_size,)))
+        if processes.tensor_parallel_mesh is not None:
+            tensor_parallel_blocks(model, processes.tensor_parallel_mesh)
+        return fully_shard_blocks(model, processes.mesh["dp"])
     if processes.mode == "ddp":
         on_gpu = processes.device.type == "cuda"
         return DistributedDataParallel(model, device_ids=[processes.device] if on_gpu else None)
@@ -206,6 +242,20 @@ def checkpoint_paths(out: Path, keep: int, suffix: str = ".pt") -> list[Path]:
     ``SHARDED``: the folders of ``--fsdp``/``--ddp`` runs)."""
     stem = Path(CHECKPOINT).stem
     return [out / f"{stem}{suffix}"] + [out / f"{stem}.{index}{suffix}" for index in range(1, keep)]
+
+
+def clip_gradients(parameters, max_norm: float) -> None:
+    """``torch.nn.utils.clip_grad_norm_``, for parameters on different device meshes too: under ``--tp``
+    the split matrices live on the 2-d mesh and the rest on its "dp" dim, whose norms torch cannot stack
+    together. Each mesh's norm is taken whole first (one collective per mesh)."""
+    by_mesh = {}
+    for parameter in parameters:
+        if parameter.grad is not None:
+            by_mesh.setdefault(getattr(parameter, "device_mesh", None), []).append(parameter)
+    norms = [whole(torch.nn.utils.get_total_norm([p.grad for p in group])) for group in by_mesh.values()]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    for group in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
 
 
 def skipped_updates(optimizer) -> int:
@@ -443,7 +493,7 @@ def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Process
             train_loss += loss.item() / config.grad_accum
         train_loss = processes.mean(train_loss)
         if config.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+            clip_gradients(model.parameters(), config.grad_clip)
         if not math.isfinite(train_loss):  # stop before anything trained on it is checkpointed
             raise FloatingPointError(f"step {step}: the training loss is {train_loss}; stopping (lower the lr? "
                                      f"the last checkpoint in {out} is kept)")
@@ -465,7 +515,7 @@ def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Process
                       "clamped_updates": clamped_updates(optimizer),
                       loss_key: validation_nats(model, validation, processes) * from_nats}
             record.update(monitor.weight_metrics(model, optimizer))
-            record.update(monitor.activation_metrics(model, probe))
+            record.update(monitor.activation_metrics(model, probe, processes.tensor_parallel_mesh))
             history.append(record)
             if processes.main:
                 write_logs(out, history)

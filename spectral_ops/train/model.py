@@ -81,10 +81,12 @@ class Attention(nn.Module):
         self.probabilities = None
 
     def forward(self, x, cos, sin):
-        batch, seq, d = x.shape
+        batch, seq, _ = x.shape
 
+        # The heads this process holds: all of them, or under tensor parallelism its share (the
+        # projections' local columns), hence -1 rather than n_heads.
         def heads(t):
-            return t.view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
+            return t.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
         q = apply_rotary(heads(self.q_proj(x)), cos, sin)
         k = apply_rotary(heads(self.k_proj(x)), cos, sin)
@@ -96,7 +98,7 @@ class Attention(nn.Module):
             out = self.probabilities.to(v.dtype) @ v
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, d))
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class SwiGLU(nn.Module):
@@ -155,3 +157,19 @@ def fully_shard_blocks(model: Transformer, mesh) -> Transformer:
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def tensor_parallel_blocks(model: Transformer, mesh) -> Transformer:
+    """Tensor parallelism over the 1-d ``mesh``, torchtitan's plan without sequence parallelism: in each
+    block Q, K, V and the MLP's gate and up are split by output rows (each process computes its heads
+    and its share of the hidden units; ``n_heads`` must be a multiple of ``mesh``'s size), O and down by
+    input columns (their partial outputs are summed across ``mesh``). The embedding, the norms and the
+    head stay whole on every process. In place."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {name: ColwiseParallel() for name in ("attention.q_proj", "attention.k_proj", "attention.v_proj",
+                                                  "mlp.gate_proj", "mlp.up_proj")}
+    plan.update({name: RowwiseParallel() for name in ("attention.o_proj", "mlp.down_proj")})
+    for block in model.layers:
+        parallelize_module(block, mesh, plan)
+    return model

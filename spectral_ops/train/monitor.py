@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from .. import metrics
 from ..optim.distributed import whole
@@ -71,10 +72,19 @@ def weight_metrics(model, optimizer) -> dict[str, float]:
     return record
 
 
+def whole_heads(tensor: torch.Tensor, dim: int, tensor_parallel) -> torch.Tensor:
+    """Every head's part of an activation whose ``dim`` this process holds only its heads of, under
+    tensor parallelism over the mesh ``tensor_parallel`` (a collective on it); as it is without one."""
+    if tensor_parallel is None:
+        return tensor
+    return DTensor.from_local(tensor, tensor_parallel, [Shard(dim)]).full_tensor()
+
+
 @torch.no_grad()
-def activation_metrics(model, tokens) -> dict[str, float]:
+def activation_metrics(model, tokens, tensor_parallel=None) -> dict[str, float]:
     """One forward pass on ``tokens`` (the probe batch, :func:`probe_tokens`) with attention maps kept
-    and V outputs captured."""
+    and V outputs captured; under tensor parallelism over the mesh ``tensor_parallel`` (a collective),
+    each process's heads of them are joined first."""
     attentions = [layer.attention for layer in model.layers]
     names = v_projection_names(model)
     was_training = model.training
@@ -83,12 +93,14 @@ def activation_metrics(model, tokens) -> dict[str, float]:
         attention.keep_probabilities = True
     try:
         captured = metrics.capture(model, names, tokens)
-        probabilities = [attention.probabilities for attention in attentions]
+        # (batch, heads, seq, seq) maps; (batch, seq, heads * head_dim) V outputs
+        probabilities = [whole_heads(attention.probabilities, 1, tensor_parallel) for attention in attentions]
+        v_outputs = [whole_heads(captured[name].output, -1, tensor_parallel) for name in names]
     finally:
         for attention in attentions:
             attention.keep_probabilities, attention.probabilities = False, None
         model.train(was_training)
-    v_metrics = metrics.v_activation_metrics([captured[name].output for name in names], attentions[0].n_heads)
+    v_metrics = metrics.v_activation_metrics(v_outputs, attentions[0].n_heads)
     return {
         "attention/entropy": float(torch.stack([metrics.attention_entropy(p, causal=True).mean() for p in probabilities]).mean()),
         "attention/max_probability": float(torch.stack([metrics.mean_max_attention(p, causal=True).mean() for p in probabilities]).mean()),
