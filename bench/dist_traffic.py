@@ -1,4 +1,4 @@
-"""``python bench/dist_traffic.py --out DIR [--presets paper8 paper12] [--world-sizes 2 4 8]``
+"""``python bench/dist_traffic.py --out DIR [--presets paper8 paper12] [--world-sizes 2 4 8] [--meshes 2x2 2x4 4x2]``
 
 The communication and load balance of the owner compute (SPEC 10, ``spectral_ops.optim.distributed``)
 for the ``paper8`` and ``paper12`` presets, computed from the model's parameter shapes (built on the
@@ -31,6 +31,15 @@ blocks' again in the backward (the root's stay gathered), and the gradients are 
 each shard is padded to ``ceil(rows / W)`` rows, as FSDP2 pads it. DDP all-reduces the gradients once
 per step (``no_sync`` while accumulating). The global batch is the preset's: each rank runs
 ``ceil(grad_accum / W)`` micro-batches of ``batch_size`` sequences.
+
+2-d meshes (``--meshes DPxTP``, issue #32): torchtitan's tensor-parallel plan for the reference
+Transformer (:data:`TENSOR_PARALLEL_DIMS`), then FSDP2 over dp. A matrix sharded over both dims has
+its owner among all dp x tp ranks (one ``assign_owners`` as for a 1-d mesh of as many ranks); one not
+TP-sharded (``Shard(0)`` over dp, replicated over tp) among its dp group's. Each rank's part is
+:func:`~spectral_ops.optim.distributed.part_of`'s. FSDP2 gathers and reduce-scatters each rank's TP
+shard over dp (padded), and TP all-reduces activations over tp. The alternative to owner compute, a
+tensor-parallel iteration (:func:`tensor_parallel_iteration_sends`), is counted next to it: its Grams
+are read off the plan's products (:class:`GramCounter`).
 """
 
 from __future__ import annotations
@@ -308,7 +317,8 @@ def assign_step(maps: list[OwnerMap], mesh: Mesh) -> list[float]:
 
 def owner_group_kind(param, mesh: Mesh) -> tuple:
     """The mesh dims that shard ``param``: the matrices of one kind share their owner groups."""
-    return tuple(index for index, placement in enumerate(mesh.placements(param)) if not isinstance(placement, Replicate))
+    placements = mesh.placements(param)
+    return tuple(index for index, placement in enumerate(placements) if not isinstance(placement, Replicate))
 
 
 def imbalance(loads) -> float:
