@@ -1,9 +1,13 @@
 """The owner compute's traffic and load balance (bench/dist_traffic.py, issue #18's goals): the balance
 goal on paper12 with 8 ranks, the byte counts against a count by hand, and the reproduction of the
 optimizer's owners and sends against a real step whose collectives are recorded (a fake process group:
-every rank's view of the step in one process, no communication)."""
+every rank's view of the step in one process, no communication). On 2-d meshes (issue #32): the
+placements and parts against those torch gives a model under TP and FSDP2, the parts covering each
+matrix, the bytes against a count by hand and against the 1-d mesh of as many ranks. The optimizer
+does not take a parameter sharded over both dims of a mesh yet, so no real 2-d step is recorded."""
 
 import importlib.util
+import itertools
 import sys
 from pathlib import Path
 
@@ -12,12 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from spectral_ops import plan
 from spectral_ops.optim import SpectralAdamW, SpectralMuon, distributed
 from spectral_ops.optim.distributed import shard_row_counts
 from spectral_ops.train.config import preset
-from spectral_ops.train.model import Transformer
+from spectral_ops.train.model import ModelConfig, Transformer, fully_shard_blocks
 from spectral_ops.train.optimizers import build_optimizer
 
 _spec = importlib.util.spec_from_file_location("dist_traffic", Path(__file__).parents[1] / "bench" / "dist_traffic.py")
@@ -43,12 +49,12 @@ def test_sharded_and_replicated_bytes_match_a_count_by_hand():
     # The 7x3 costs more, so it goes to rank 0 and the 5x2 to rank 1 (each the least loaded so far).
     optimizer = SpectralAdamW(meta_matrices([(7, 3), (5, 2)]), p=2, spectral_weight_decay=0.1)
     maps = dist_traffic.owner_maps(optimizer)
-    dist_traffic.assign_step(maps, 3)
+    dist_traffic.assign_step(maps, dist_traffic.Mesh(3))
     assert [m.owners for m in maps] == [[0, 1]]
     # Rank 0 sends its 2 rows of the 5x2 to rank 1 (4) and returns the 7x3's rows 3 + 1 (12);
     # rank 1 sends its 3 rows of the 7x3 (9) and returns 2 + 1 rows of the 5x2 (6);
     # rank 2 sends 1 row of each (3 + 2).
-    assert dist_traffic.sharded_sends(maps, 3) == [4 + 12, 9 + 6, 3 + 2]
+    assert dist_traffic.sharded_sends(maps, dist_traffic.Mesh(3)) == [4 + 12, 9 + 6, 3 + 2]
     # Replicated: one round per shape, owned by one rank, so each rank's part is the whole matrix
     # (padding for the two others) and a ring all-gather sends (W - 1) parts per rank.
     sent, padding, rounds = dist_traffic.replicated_sends(maps, 3)
@@ -63,8 +69,8 @@ def test_muon_with_spectral_decay_sends_update_and_weight():
     for p in (1, 2):
         optimizer = SpectralMuon(meta_matrices(shapes), p=p, spectral_weight_decay=0.1)
         maps = dist_traffic.owner_maps(optimizer)
-        dist_traffic.assign_step(maps, 4)
-        sends[p] = dist_traffic.sharded_sends(maps, 4)
+        dist_traffic.assign_step(maps, dist_traffic.Mesh(4))
+        sends[p] = dist_traffic.sharded_sends(maps, dist_traffic.Mesh(4))
     # Four 8x4 matrices on 4 ranks, one each: a rank sends 3 x 2 rows out and returns 3 x 2 rows.
     assert sends[1] == [2 * 3 * 2 * 4] * 4
     assert sends[2] == [2 * value for value in sends[1]]
@@ -159,8 +165,8 @@ def test_reproduces_the_owners_and_sends_of_a_real_step(fake_ranks, monkeypatch,
     maps = dist_traffic.owner_maps(optimizer)
     # q, k, v, o, mlp_in, mlp_out: Muon's directions and the p != 1 decay of each (AdamW: the decay).
     assert len(maps) == (12 if overrides["optimizer"] == "muon" else 6)
-    dist_traffic.assign_step(maps, world_size)
-    expected = dist_traffic.sharded_sends(maps, world_size) if sharded else None
+    dist_traffic.assign_step(maps, dist_traffic.Mesh(world_size))
+    expected = dist_traffic.sharded_sends(maps, dist_traffic.Mesh(world_size)) if sharded else None
     for rank in range(world_size):
         mesh = fake_ranks(rank, world_size)
         recorder = Recorder(monkeypatch)
@@ -174,9 +180,122 @@ def test_reproduces_the_owners_and_sends_of_a_real_step(fake_ranks, monkeypatch,
 
 
 def test_cli_writes_markdown_json_and_csv(tmp_path):
-    rows = dist_traffic.main(["--out", str(tmp_path), "--presets", "paper8", "--world-sizes", "2"])
-    assert len(rows) == len(dist_traffic.SETTINGS["paper8"])
+    rows = dist_traffic.main(["--out", str(tmp_path), "--presets", "paper8", "--world-sizes", "2", "--meshes", "2x2"])
+    assert len(rows) == 2 * len(dist_traffic.SETTINGS["paper8"])
     for suffix in ("md", "json", "csv"):
         assert (tmp_path / f"dist-traffic.{suffix}").stat().st_size > 0
-    with pytest.raises(SystemExit):
-        dist_traffic.main(["--out", str(tmp_path), "--world-sizes", "1"])
+    assert "Decision: owner compute" in (tmp_path / "dist-traffic.md").read_text()
+    for bad in (["--world-sizes", "1"], ["--meshes", "1x4"], ["--meshes", "2by2"]):
+        with pytest.raises(SystemExit):
+            dist_traffic.main(["--out", str(tmp_path), *bad])
+
+
+def block_plan() -> dict:
+    """torchtitan's plan for a reference Transformer block, as bench/dist_traffic.py models it."""
+    return {f"{'attention' if name in ('q_proj', 'k_proj', 'v_proj', 'o_proj') else 'mlp'}.{name}":
+            ColwiseParallel() if dim == 0 else RowwiseParallel()
+            for name, dim in dist_traffic.TENSOR_PARALLEL_DIMS.items()}
+
+
+def named_mesh(model) -> "dist_traffic.Mesh":
+    """The traffic model's 2x2 mesh over ``model``'s parameters, found by name (TP replaces them)."""
+    return dist_traffic.Mesh(2, 2, {param: dist_traffic.TENSOR_PARALLEL_DIMS[name.split(".")[-2]]
+                                    for name, param in model.named_parameters()
+                                    if name.split(".")[-2] in dist_traffic.TENSOR_PARALLEL_DIMS})
+
+
+def test_placements_and_parts_are_those_of_tensor_parallelism_under_fsdp2(fake_ranks):
+    # The reference model sharded as the loop's --tp will shard it, on each rank of a 2x2 mesh; widths
+    # that split unevenly (a 42-wide MLP: 21 rows per TP rank, then 11 and 10 per dp rank; 51 tokens).
+    for rank in range(4):
+        fake_ranks(rank, 4)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        with torch.device("meta"):
+            model = Transformer(ModelConfig(vocab_size=51, n_layers=1, d_model=24, n_heads=2, mlp_hidden=42))
+        for block in model.layers:
+            parallelize_module(block, mesh["tp"], block_plan())
+        fully_shard_blocks(model, mesh["dp"])
+        traffic_mesh = named_mesh(model)
+        for name, param in model.named_parameters():
+            placements = traffic_mesh.placements(param)
+            # Not TP-sharded: FSDP2 places it over the dp mesh alone, as replicated over tp.
+            expected = placements if param.device_mesh.ndim == 2 else (placements[0],)
+            assert tuple(param.placements) == expected, name
+            assert dist_traffic.part_sizes(param, traffic_mesh)[rank] == param.to_local().numel(), name
+
+
+@pytest.mark.parametrize("preset_name", dist_traffic.PRESETS)
+@pytest.mark.parametrize("dp, tp", dist_traffic.MESHES)
+def test_parts_of_each_owner_group_cover_every_matrix_once(preset_name, dp, tp):
+    _, model, _ = dist_traffic.meta_optimizer(preset_name, {})
+    mesh = dist_traffic.Mesh(dp, tp, dist_traffic.tensor_parallel_dims(model))
+    assert {dim for dim in mesh.tp_dims.values()} == {0, 1}
+    for name, param in model.named_parameters():
+        if param.ndim < 2:
+            continue
+        placements = mesh.placements(param)
+        for group in dist_traffic.owner_groups(param, mesh):
+            # Each rank's part as rectangles (a run of rows by a run of columns).
+            boxes = [(rank, rows, cols) for rank in group
+                     for runs in [distributed.part_of(param.shape, placements, mesh.sizes, mesh.coordinates()[rank])]
+                     for rows in runs[0] for cols in runs[1]]
+            parts = [dist_traffic.part_sizes(param, mesh)[rank] for rank in group]
+            assert sum((rows[1] - rows[0]) * (cols[1] - cols[0]) for _, rows, cols in boxes) == sum(parts), name
+            # No entry is held twice, so the parts, as large as the matrix together, cover it.
+            for (rank, rows, cols), (other, other_rows, other_cols) in itertools.combinations(boxes, 2):
+                assert not (overlap(rows, other_rows) and overlap(cols, other_cols)), (name, rank, other)
+            assert sum(parts) == param.numel(), name
+
+
+def overlap(run, other) -> bool:
+    return max(run[0], other[0]) < min(run[1], other[1])
+
+
+def test_2d_sends_match_a_count_by_hand():
+    # On a 2x2 mesh (rank = 2 dp + tp): a 6x4 ColwiseParallel weight (TP rows 3 | 3, then FSDP2's 2 | 1 of
+    # each) and a 4x8 RowwiseParallel one (rows 2 | 2 over dp, columns 4 | 4 over tp), p = 2 decay.
+    colwise, rowwise = meta_matrices([(6, 4), (4, 8)])
+    mesh = dist_traffic.Mesh(2, 2, {colwise: 0, rowwise: 1})
+    assert [dist_traffic.part_sizes(param, mesh) for param in (colwise, rowwise)] == [[8, 8, 4, 4], [8] * 4]
+    optimizer = SpectralAdamW([colwise, rowwise], p=2, spectral_weight_decay=0.1)
+    maps = dist_traffic.owner_maps(optimizer)
+    loads = dist_traffic.assign_step(maps, mesh)
+    # The 4x8 costs more: rank 0 owns it, rank 1 the 6x4; ranks 2 and 3 own nothing.
+    assert [m.owners for m in maps] == [[1, 0]]
+    assert loads[2] == loads[3] == 0 and dist_traffic.imbalance(loads) == max(loads) / (sum(loads) / 4)
+    # Rank 0: its 8 of the 6x4 out, the 4x8's 3 x 8 back; rank 1: 8 of the 4x8 out, the 6x4's 8 + 4 + 4
+    # back; ranks 2 and 3: 4 of the 6x4 and 8 of the 4x8 each.
+    assert dist_traffic.sharded_sends(maps, mesh) == [8 + 24, 8 + 16, 12, 12]
+    # Distributed: each rank all-gathers its part over dp (padded to the dp group's largest: 8 of each
+    # matrix), then both TP ranks all-reduce (ring over 2: 1x) each of the iteration's Grams, 4x4 here
+    # (the 6x4's columns, the 4x8's rows), and ||X||_F. p = 2 iterates Polar Express's 8 steps on the
+    # rectangle (aspect 1.5 and 2), one Gram each, the first shared with the direction's G Q.
+    grams = len(optimizer.decay_options(optimizer.param_groups[0]).polar_coefficients)
+    assert [block[2] for blocks in maps[0].blocks for block in blocks] == [grams, grams]
+    assert dist_traffic.tensor_parallel_iteration_sends(maps, mesh) == [16 + 2 * (grams * 16 + 1)] * 4
+
+
+def test_gram_count_follows_the_plan():
+    # Muon's Polar Express: a Gram per step; p = 2's decay: the rectangle's steps, Gram space's restarts
+    # (8 steps in blocks of 2, 3, 3: three Grams) where the plan takes it, a head of 128 x 768 (aspect 6).
+    assert dist_traffic.gram_count("direction", (8, 8), {"ns_coefficients": None, "ns_steps": 5}, None) == 5
+    optimizer = SpectralAdamW(meta_matrices([(4, 4)]), p=2, spectral_weight_decay=0.1)
+    options = optimizer.decay_options(optimizer.param_groups[0])
+    assert dist_traffic.gram_count("decay", (768, 768), None, options) == len(options.polar_coefficients)
+    assert dist_traffic.gram_count("decay", (128, 768), None, options) == len(
+        plan.restart_blocks(len(options.polar_coefficients)))
+
+
+@pytest.mark.parametrize("dp, tp", [(2, 4), (4, 2)])
+def test_2d_owner_compute_is_the_1d_of_as_many_ranks_where_parts_are_even(dp, tp):
+    # paper12's widths split evenly over 8 ranks, so every rank holds an eighth of every matrix, as on a
+    # 1-d mesh of 8: the same owners, loads and bytes (mean and busiest).
+    setting = "muon HHF + p=2 V"
+    flat = dist_traffic.traffic_row("paper12", setting, dp * tp)
+    mesh = dist_traffic.mesh_traffic_row("paper12", setting, dp, tp)
+    assert mesh["owner_bytes_mean"] == pytest.approx(flat["fsdp_owner_bytes_mean"])
+    assert mesh["owner_bytes_max"] == pytest.approx(flat["fsdp_owner_bytes_max"])
+    assert (mesh["balance"], mesh["max_owner_gflop"]) == (flat["balance"], flat["max_owner_gflop"])
+    assert mesh["owner_bytes_max"] > mesh["owner_bytes_mean"]  # HHF's V: one more matrix than ranks' share
+    assert mesh["max_owner_gflop"] / mesh["mean_owner_gflop"] == pytest.approx(mesh["balance"])
+    assert mesh["distributed_bytes_mean"] > mesh["owner_bytes_mean"]
