@@ -3,8 +3,8 @@ goal on paper12 with 8 ranks, the byte counts against a count by hand, and the r
 optimizer's owners and sends against a real step whose collectives are recorded (a fake process group:
 every rank's view of the step in one process, no communication). On 2-d meshes (issue #32): the
 placements and parts against those torch gives a model under TP and FSDP2, the parts covering each
-matrix, the bytes against a count by hand and against the 1-d mesh of as many ranks. The optimizer
-does not take a parameter sharded over both dims of a mesh yet, so no real 2-d step is recorded."""
+matrix, the bytes against a count by hand, against a real step on a 2x2 mesh, and against the 1-d
+mesh of as many ranks."""
 
 import importlib.util
 import itertools
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -177,6 +177,41 @@ def test_reproduces_the_owners_and_sends_of_a_real_step(fake_ranks, monkeypatch,
             assert recorder.sent == expected[rank]
         else:
             assert recorder.sent == dist_traffic.replicated_sends(maps, world_size)[0]
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(optimizer="muon", qkv_recipe="HHF", p=2, spectral_weight_decay=0.01, p_v=0, lambda_v=0.01),
+    dict(optimizer="adamw", p=2, spectral_weight_decay=0.01),
+], ids=["muon-hhf", "adamw"])
+def test_reproduces_the_sends_of_a_real_step_on_a_2d_mesh(fake_ranks, monkeypatch, overrides):
+    # The same model on a 2x2 (dp x tp) mesh, each parameter placed as TP and FSDP2 place it: what each
+    # rank sends in a recorded step is the model's count.
+    config = preset("tiny", n_layers=1, d_model=64, seq_len=16, muon_precision="fp32", **overrides)
+    model = Transformer(config.model_config(256))
+    optimizer = build_optimizer(model, config)
+    traffic_mesh = dist_traffic.Mesh(2, 2, dist_traffic.tensor_parallel_dims(model))
+    maps = dist_traffic.owner_maps(optimizer)
+    dist_traffic.assign_step(maps, traffic_mesh)
+    expected = dist_traffic.sharded_sends(maps, traffic_mesh)
+    assert min(expected) > 0  # every rank holds parts of the matrices, so every rank sends
+    for rank in range(4):
+        fake_ranks(rank, 4)
+        # Names of each rank's own: DTensor takes a mesh equal to one it met (the same ranks and names)
+        # for that one, and the fake ranks before this one's meshes hold groups that are gone.
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=(f"dp{rank}", f"tp{rank}"))
+        torch.manual_seed(rank)
+
+        def spread(param):
+            placements = traffic_mesh.placements(param)
+            copy = torch.nn.Parameter(distribute_tensor(torch.randn(param.shape), mesh, placements, src_data_rank=None))
+            copy.grad = distribute_tensor(torch.randn(param.shape), mesh, placements, src_data_rank=None)
+            return copy
+
+        groups = [{**group, "params": [spread(param) for param in group["params"]]}
+                  for group in optimizer.param_groups]
+        recorder = Recorder(monkeypatch)
+        type(optimizer)(groups).step()
+        assert recorder.sent == expected[rank], rank
 
 
 def test_cli_writes_markdown_json_and_csv(tmp_path):
