@@ -154,15 +154,15 @@ def _scenario_experts_stay_where_they_live(mesh, rank, world):
     assert _exchanges(lambda: _compare(_adamw(2, "batch"), mesh, seed=24, shapes=[(12, 8)])) > 0
 
 
-def _muon(params, **options):
-    matrices = [p for p in params if p.ndim >= 2]
-    fused = [p for p in matrices if p.shape[0] == 48]
-    others = [p for p in matrices if p.shape[0] != 48]
-    vectors = [p for p in params if p.ndim < 2]
+def _muon(params, p=2, **options):
+    matrices = [param for param in params if param.ndim >= 2]
+    fused = [param for param in matrices if param.shape[0] == 48]
+    others = [param for param in matrices if param.shape[0] != 48]
+    vectors = [param for param in params if param.ndim < 2]
     return SpectralMuon([{"params": fused, "heads": 2, "splits": (16, 16, 16), "recipe": "HHF"},
                          {"params": others},
                          {"params": vectors, "algorithm": "adamw", "weight_decay": 0.0}],
-                        lr=2e-2, p=2, spectral_weight_decay=0.5, precision="fp32", matrix_view="flatten", **options)
+                        lr=2e-2, p=p, spectral_weight_decay=0.5, precision="fp32", matrix_view="flatten", **options)
 
 
 def _muon_stacks(params, **options):
@@ -448,6 +448,21 @@ def _attached_adamw(params, **options):
     return host
 
 
+def _scenario_3d(mesh, rank, world):
+    """A 3-d mesh, (2, 1, world/2) on 4 ranks, replicated over its first dim (HSDP's replicas) and
+    sharded as FSDP2 over tensor parallelism on the other two: each replica group's owners (a group made
+    of the two sharded dims) compute its matrices, and the result is one process's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh3 = init_device_mesh("cpu", (2, 1, world // 2), mesh_dim_names=("replica", "dp", "tp"))
+    column = [Replicate(), _StridedShard(0, split_factor=world // 2), Shard(0)]
+    row = [Replicate(), Shard(0), Shard(1)]
+    _compare(_muon, mesh3, seed=37, place=lambda index, tensor: distribute_tensor(
+        tensor.clone(), mesh3, column if tensor.ndim < 2 or index % 2 == 0 else row, src_data_rank=None))
+
+
 def _scenario_2d_parts(mesh, rank, world):
     """Layout's parts (part_of) are the entries DTensor puts on each rank, for every placement FSDP2 and
     tensor parallelism give, even and uneven."""
@@ -676,6 +691,10 @@ def _scenarios(folder: Path, world: int) -> dict:
                                                              place=fsdp_over_tp(mesh, rank, world)),
         "2-d: muon head-wise and fused QKV": lambda mesh, rank, world: _compare(
             _muon, _mesh_2d(world), seed=31, steps=4, place=fsdp_over_tp(mesh, rank, world)),
+        "2-d: muon p=0 head-wise and fused QKV": lambda mesh, rank, world: _compare(
+            lambda params, **o: _muon(params, p=0, **o), _mesh_2d(world), seed=36, steps=4,
+            place=fsdp_over_tp(mesh, rank, world)),
+        "3-d: replicated over one dim, FSDP2 over tensor parallelism on the others": _scenario_3d,
         "2-d: decay attached to AdamW": lambda mesh, rank, world: _compare(
             _attached_adamw, _mesh_2d(world), seed=32, steps=4, place=fsdp_over_tp(mesh, rank, world)),
         "2-d: skip, error and clamps agreed": _scenario_2d_agreements,
