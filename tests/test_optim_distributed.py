@@ -298,35 +298,67 @@ def _scenario_ddp_splits_the_work(mesh, rank, world):
     assert share == total, f"the ranks decayed {share} matrices, not {total}"
 
 
+def _two_layers(hidden: int, spread=None):
+    """The modules' net, 16 -> ``hidden`` -> 8 (seeded: the same weights on every rank and in the
+    reference); ``spread(net)`` shards it in place."""
+    torch.manual_seed(7)
+    net = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 8))
+    if spread is not None:
+        spread(net)
+    return net
+
+
+def _fsdp_over_tp_module(mesh):
+    """``spread`` for :func:`_two_layers` as torchtitan sets a model up: the first layer column-wise and
+    the second row-wise over ``mesh["tp"]``, then ``fully_shard`` over ``mesh["dp"]``."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def spread(net):
+        parallelize_module(net, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        fully_shard(net, mesh=mesh["dp"])
+    return spread
+
+
+def _train(pairs, steps: int, inputs=None) -> None:
+    """``steps`` steps of each ``(net, optimizer)`` on a fixed batch (every rank the same)."""
+    inputs = torch.randn(6, 16, generator=torch.Generator().manual_seed(8)) if inputs is None else inputs
+    for _ in range(steps):
+        for net, optimizer in pairs:
+            net(inputs).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def _model_muon(params, **options):
+    """SpectralMuon on a module's parameters: its matrices, and its vectors under AdamW."""
+    return SpectralMuon([{"params": [p for p in params if p.ndim == 2]},
+                         {"params": [p for p in params if p.ndim < 2], "algorithm": "adamw"}],
+                        lr=1e-2, p=2, spectral_weight_decay=0.5, precision="fp32", **options)
+
+
+def _compare_modules(build, optimizers, steps: int) -> None:
+    """Each ``(name, make, tolerance)`` of ``optimizers`` on ``build(True)`` (a sharded module) against
+    the same on ``build(False)`` in one process, after ``steps`` steps."""
+    for name, make, tolerance in optimizers:
+        reference, sharded = build(False), build(True)
+        expected, actual = make(list(reference.parameters())), make(list(sharded.parameters()))
+        _train([(reference, expected), (sharded, actual)], steps)
+        for a, b in zip(sharded.parameters(), reference.parameters()):
+            difference = (_whole(a.detach()) - b.detach()).abs().max().item()
+            torch.testing.assert_close(_whole(a.detach()), b.detach(), **tolerance,
+                                       msg=lambda text: f"{name}: {text} (max difference {difference:.3g})")
+
+
 def _scenario_fsdp_model(mesh, rank, world):
     """fully_shard on a module, gradients from its backward (every rank the same batch, so FSDP's
     average is exact): SpectralAdamW, SpectralDecay attached to torch's AdamW, and SpectralMuon, as a
     user sets them up."""
     from torch.distributed.fsdp import fully_shard
 
-    def model():
-        torch.manual_seed(7)
-        return torch.nn.Sequential(torch.nn.Linear(16, 41), torch.nn.ReLU(), torch.nn.Linear(41, 8))
-
-    def attached(params):
-        host = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
-        SpectralDecay([p for p in params if p.ndim == 2], p=2, spectral_weight_decay=0.5).attach(host)
-        return host
-
-    inputs = torch.randn(6, 16, generator=torch.Generator().manual_seed(8))
-    for make in (_adamw(2), attached, lambda params, **o: SpectralMuon(
-            [{"params": [p for p in params if p.ndim == 2]},
-             {"params": [p for p in params if p.ndim < 2], "algorithm": "adamw"}],
-            lr=1e-2, p=2, spectral_weight_decay=0.5, precision="fp32", **o)):
-        reference, sharded = model(), fully_shard(model(), mesh=mesh)
-        expected, actual = make(list(reference.parameters())), make(list(sharded.parameters()))
-        for _ in range(2):
-            for net, optimizer in ((reference, expected), (sharded, actual)):
-                net(inputs).square().mean().backward()
-                optimizer.step()
-                optimizer.zero_grad()
-        for a, b in zip(sharded.parameters(), reference.parameters()):
-            torch.testing.assert_close(_whole(a.detach()), b.detach(), **TOLERANCE)
+    _compare_modules(lambda spread: _two_layers(41, (lambda net: fully_shard(net, mesh=mesh)) if spread else None),
+                     [("SpectralAdamW", _adamw(2), TOLERANCE), ("AdamW, decay attached", _attached_adamw, TOLERANCE),
+                      ("SpectralMuon", _model_muon, TOLERANCE)], steps=2)
 
 
 def _scenario_checkpoint(mesh, rank, world, folder: Path):
@@ -337,9 +369,7 @@ def _scenario_checkpoint(mesh, rank, world, folder: Path):
     from torch.distributed.fsdp import fully_shard
 
     def setup():
-        torch.manual_seed(9)
-        net = fully_shard(torch.nn.Sequential(torch.nn.Linear(16, 41), torch.nn.ReLU(), torch.nn.Linear(41, 8)),
-                          mesh=mesh)
+        net = _two_layers(41, lambda net: fully_shard(net, mesh=mesh))
         return net, SpectralAdamW(net.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5)
 
     inputs = torch.randn(6, 16, generator=torch.Generator().manual_seed(10))
@@ -374,8 +404,7 @@ def _scenario_checkpoint(mesh, rank, world, folder: Path):
     optimizer.load_count_state(state["counts"])
     train(net, optimizer, 1)
 
-    torch.manual_seed(9)
-    reference = torch.nn.Sequential(torch.nn.Linear(16, 41), torch.nn.ReLU(), torch.nn.Linear(41, 8))
+    reference = _two_layers(41)
     expected = SpectralAdamW(reference.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5)
     train(reference, expected, 2)
     train(reference, expected, 1, skipped=True)
@@ -475,7 +504,8 @@ def _scenario_2d_parts(mesh, rank, world):
     for shape in [(42, 16), (41, 7), (5, 3), (10, 42), (3, 2, 5)]:
         numbers = torch.arange(math.prod(shape)).view(shape)
         for placements in [(_StridedShard(0, split_factor=mesh2.size(1)), Shard(0)), (Shard(0), Shard(1)),
-                           (Shard(1), Shard(0)), (Replicate(), Shard(1)), (Shard(0), Replicate())]:
+                           (Shard(1), Shard(0)), (Replicate(), Shard(1)), (Shard(0), Replicate()),
+                           (_StridedShard(0, split_factor=2), Replicate())]:
             spread = distribute_tensor(numbers, mesh2, placements, src_data_rank=None)
             layout = layout_of(spread)
             if layout is None:
@@ -485,6 +515,24 @@ def _scenario_2d_parts(mesh, rank, world):
             for r, part in enumerate(parts):
                 part.copy_(layout.take(numbers, r))
             assert torch.equal(layout.join(parts), numbers), (shape, placements)
+
+
+def _scenario_strided_alone(mesh, rank, world):
+    """A strided shard that no later dim splits further, ``(_StridedShard(0, 2), Replicate())``: each
+    rank holds two runs of rows that are not adjacent (every layout above leaves one run per dim), for
+    matrices under the decay and Muon, and for expert stacks, whose experts a rank holds are then not
+    consecutive (decayed where they live, clamped per expert)."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh2 = _mesh_2d(world)
+    place = lambda index, tensor: distribute_tensor(  # noqa: E731
+        tensor.clone(), mesh2, [_StridedShard(0, split_factor=2), Replicate()], src_data_rank=None)
+    _compare(_adamw(2), mesh2, seed=38, place=place)
+    _compare(_muon, mesh2, seed=39, place=place)
+    experts = [(8, 6, 4), (6, 4, 6), (5, 6, 4)]
+    assert _exchanges(lambda: _clamps_match(_compare(_adamw(4, "batch", stability="clamp"), mesh2, seed=5,
+                                                     shapes=experts, scale=1.0, place=place), some=True)) == 0
 
 
 def _scenario_2d_agreements(mesh, rank, world):
@@ -539,39 +587,10 @@ def _scenario_2d_model(mesh, rank, world):
     inputs), and its polar iteration raises the rounding-level singular values of the rest towards 1:
     those directions differ between the runs, so Muon gets ``rtol=1e-4, atol=1e-5`` (measured: 1.2e-6
     on weights of order 0.1)."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    mesh2 = _mesh_2d(world)
-
-    def model(spread):
-        torch.manual_seed(7)
-        net = torch.nn.Sequential(torch.nn.Linear(16, 42), torch.nn.ReLU(), torch.nn.Linear(42, 8))
-        if spread:
-            parallelize_module(net, mesh2["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-            fully_shard(net, mesh=mesh2["dp"])
-        return net
-
-    def muon(params, **options):
-        return SpectralMuon([{"params": [p for p in params if p.ndim == 2]},
-                             {"params": [p for p in params if p.ndim < 2], "algorithm": "adamw"}],
-                            lr=1e-2, p=2, spectral_weight_decay=0.5, precision="fp32", **options)
-
-    inputs = torch.randn(6, 16, generator=torch.Generator().manual_seed(8))
-    for name, make, tolerance in (("SpectralAdamW", _adamw(2), TOLERANCE),
-                                  ("AdamW, decay attached", _attached_adamw, TOLERANCE),
-                                  ("SpectralMuon", muon, dict(rtol=1e-4, atol=1e-5))):
-        reference, sharded = model(False), model(True)
-        expected, actual = make(list(reference.parameters())), make(list(sharded.parameters()))
-        for _ in range(4):
-            for net, optimizer in ((reference, expected), (sharded, actual)):
-                net(inputs).square().mean().backward()
-                optimizer.step()
-                optimizer.zero_grad()
-        for a, b in zip(sharded.parameters(), reference.parameters()):
-            difference = (_whole(a.detach()) - b.detach()).abs().max().item()
-            torch.testing.assert_close(_whole(a.detach()), b.detach(), **tolerance,
-                                       msg=lambda text: f"{name}: {text} (max difference {difference:.3g})")
+    spread = _fsdp_over_tp_module(_mesh_2d(world))
+    _compare_modules(lambda sharded: _two_layers(42, spread if sharded else None),
+                     [("SpectralAdamW", _adamw(2), TOLERANCE), ("AdamW, decay attached", _attached_adamw, TOLERANCE),
+                      ("SpectralMuon", _model_muon, dict(rtol=1e-4, atol=1e-5))], steps=4)
 
 
 def _scenario_2d_checkpoint_across_meshes(mesh, rank, world, folder: Path):
@@ -581,32 +600,19 @@ def _scenario_2d_checkpoint_across_meshes(mesh, rank, world, folder: Path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     meshes = {shape: init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")) for shape in ((2, 2), (4, 1))}
-    inputs = torch.randn(6, 16, generator=torch.Generator().manual_seed(10))
 
     def setup(shape=None):
-        torch.manual_seed(9)
-        net = torch.nn.Sequential(torch.nn.Linear(16, 42), torch.nn.ReLU(), torch.nn.Linear(42, 8))
-        if shape is not None:
-            parallelize_module(net, meshes[shape]["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-            fully_shard(net, mesh=meshes[shape]["dp"])
+        net = _two_layers(42, None if shape is None else _fsdp_over_tp_module(meshes[shape]))
         return net, SpectralAdamW(net.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5)
 
-    def train(net, optimizer, steps):
-        for _ in range(steps):
-            net(inputs).square().mean().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
     reference, expected = setup()
-    train(reference, expected, 3)
+    _train([(reference, expected)], 3)
     for saved_on, resumed_on in (((2, 2), (4, 1)), ((4, 1), (2, 2))):
         checkpoint = folder / f"2d-{saved_on[0]}x{saved_on[1]}"
         net, optimizer = setup(saved_on)
-        train(net, optimizer, 2)
+        _train([(net, optimizer)], 2)
         dcp.save({"model": net.state_dict(), "optimizer": get_optimizer_state_dict(net, optimizer)},
                  checkpoint_id=checkpoint)
         net, optimizer = setup(resumed_on)
@@ -614,7 +620,7 @@ def _scenario_2d_checkpoint_across_meshes(mesh, rank, world, folder: Path):
         dcp.load(state, checkpoint_id=checkpoint)
         net.load_state_dict(state["model"])
         set_optimizer_state_dict(net, optimizer, state["optimizer"])
-        train(net, optimizer, 1)
+        _train([(net, optimizer)], 1)
         for a, b in zip(net.parameters(), reference.parameters()):
             # Tensor parallelism sums the row-wise layer's products in another order: a few ulps of
             # each gradient, which Adam's update carries (see _scenario_2d_model).
@@ -698,6 +704,7 @@ def _scenarios(folder: Path, world: int) -> dict:
         "2-d: decay attached to AdamW": lambda mesh, rank, world: _compare(
             _attached_adamw, _mesh_2d(world), seed=32, steps=4, place=fsdp_over_tp(mesh, rank, world)),
         "2-d: skip, error and clamps agreed": _scenario_2d_agreements,
+        "2-d: a strided shard alone (parts of several runs)": _scenario_strided_alone,
         "2-d: experts": _scenario_2d_experts,
         "2-d: fsdp2 over tensor parallel model": _scenario_2d_model,
     })
