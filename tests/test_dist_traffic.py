@@ -21,7 +21,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from spectral_ops import plan
 from spectral_ops.optim import SpectralAdamW, SpectralMuon, distributed
-from spectral_ops.optim.distributed import shard_row_counts
 from spectral_ops.train.config import preset
 from spectral_ops.train.model import ModelConfig, Transformer, fully_shard_blocks
 from spectral_ops.train.optimizers import build_optimizer
@@ -138,9 +137,9 @@ def spread_copy(optimizer, mesh, rank, sharded):
     def spread(param):
         value = torch.randn(param.shape)
         if sharded:
-            start = sum(shard_row_counts(param.shape[0], mesh.size())[:rank])
-            rows = shard_row_counts(param.shape[0], mesh.size())[rank]
-            value = DTensor.from_local(value[start:start + rows], mesh, [Shard(0)], run_check=False,
+            (runs,) = distributed.part_of(param.shape[:1], [Shard(0)], (mesh.size(),), (rank,))
+            start, stop = runs[0] if runs else (0, 0)
+            value = DTensor.from_local(value[start:stop], mesh, [Shard(0)], run_check=False,
                                        shape=param.shape, stride=param.stride())
         copy = torch.nn.Parameter(value)
         copy.grad = torch.randn_like(value) if not sharded else DTensor.from_local(

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from spectral_ops.decay import SpectralStabilityError
 from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD
-from spectral_ops.optim.distributed import assign_owners, local_slice, shard_row_counts
+from spectral_ops.optim.distributed import assign_owners, local_slice, part_of
 
 from process_results import judge, run_ranks
 
@@ -760,11 +760,17 @@ def test_a_checkpoint_of_fsdp2_over_tensor_parallelism_loads_across_mesh_shapes(
     assert not failures, "\n".join(failures)
 
 
-def test_shard_row_counts_follow_torch_chunk():
+def test_a_shards_part_is_torch_chunks():
+    """Shard(0)'s split (part_of on a 1-d mesh) is torch.chunk's: ceil(rows / world) each until the rows
+    run out, the last ranks with fewer or none."""
+    from torch.distributed.tensor import Shard
+
     for rows in (1, 5, 8, 41, 64):
         for world in (1, 2, 3, 4, 8):
-            chunks = [len(chunk) for chunk in torch.arange(rows).chunk(world)]
-            assert shard_row_counts(rows, world) == tuple(chunks + [0] * (world - len(chunks)))
+            chunks = [chunk.tolist() for chunk in torch.arange(rows).chunk(world)]
+            parts = [[row for start, stop in part_of((rows,), [Shard(0)], (world,), (rank,))[0]
+                      for row in range(start, stop)] for rank in range(world)]
+            assert parts == chunks + [[]] * (world - len(chunks))
 
 
 def test_local_slice_is_the_intersection_with_the_rows_held():

@@ -163,12 +163,6 @@ class Layout:
         return numbers.reshape(-1)
 
 
-def shard_row_counts(rows: int, world_size: int) -> tuple:
-    """Entries per rank of ``Shard(d)`` along a dim of ``rows``: ``torch.chunk``'s split,
-    ``ceil(rows / world_size)`` each until they run out (the last ranks may hold fewer, or none)."""
-    return tuple(stop - start for start, stop in (_chunk_span(rows, world_size, rank) for rank in range(world_size)))
-
-
 def _chunk_span(length: int, chunks: int, index: int) -> tuple[int, int]:
     """Positions ``[start, stop)`` of chunk ``index`` of ``length`` entries in ``torch.chunk``'s split."""
     size = -(-length // chunks)
