@@ -23,6 +23,7 @@ from ._checks import (
     check_power,
     check_same_device,
 )
+from .matrix_views import as_matrices, resolve_matrix_view
 from .ops import (check_band, check_iteration, check_method, check_precision, directions_polar_coefficients,
                   threshold_sign_coefficients)
 from .plan import (  # noqa: F401  (SpectralStabilityError: the decay's public name)
@@ -40,37 +41,6 @@ from .plan import (  # noqa: F401  (SpectralStabilityError: the decay's public n
 
 CONVENTIONS = ("decoupled", "independent")
 P0_MODES = ("explicit", "prox")
-# How a tensor of more than two dimensions holds matrices (SPEC 1.8): "batch", its leading dims index
-# independent matrices (experts, heads, banks: the torch.linalg convention); "flatten", it is one matrix
-# of dim 0's rows by the product of the other sizes (conv filters, as Muon reads them).
-MATRIX_VIEWS = ("batch", "flatten")
-
-
-def batched(shape, matrix_view) -> bool:
-    """Whether a tensor of ``shape`` is read as a stack of matrices (rather than one)."""
-    return len(shape) > 2 and matrix_view == "batch"
-
-
-def matrix_dims(shape, matrix_view) -> tuple[int, int]:
-    """``(rows, columns)`` of each matrix a tensor of ``shape`` holds under ``matrix_view``."""
-    if batched(shape, matrix_view):
-        return shape[-2], shape[-1]
-    return shape[0], math.prod(shape[1:])
-
-
-def as_matrices(tensor: torch.Tensor, matrix_view) -> torch.Tensor:
-    """``tensor`` as the matrices it holds, a view of it (so that writing it writes ``tensor``):
-    ``(rows, columns)`` for one matrix, ``(*batch, rows, columns)`` for a stack. A shard of a
-    parameter (its rows of dim 0) reads the same way. Sizes are spelt out, not -1, which an empty
-    shard (no rows on this rank) leaves ambiguous."""
-    if tensor.ndim <= 2 or batched(tensor.shape, matrix_view):
-        return tensor
-    if not tensor.is_contiguous():
-        raise ValueError(f"a {tuple(tensor.shape)} tensor read with matrix_view='flatten' must be contiguous: its "
-                         "matrix is a view of it, which in-place writes go through")
-    return tensor.view(tensor.shape[0], math.prod(tensor.shape[1:]))
-
-
 def row_block(matrices: torch.Tensor, rows) -> torch.Tensor:
     """The rows ``(start, stop)`` of every matrix of ``matrices`` (None: all of them), a view."""
     return matrices if rows is None else matrices[..., rows[0]:rows[1], :]
@@ -82,13 +52,6 @@ def matrix_index(batch_shape, position: int) -> tuple | None:
     if not batch_shape:
         return None
     return tuple(int(k) for k in torch.unravel_index(torch.tensor(position), tuple(batch_shape)))
-
-
-def check_matrix_view(matrix_view, optional: bool = False):
-    """``matrix_view`` is one of :data:`MATRIX_VIEWS` (or None where ``optional``: not said)."""
-    if optional and matrix_view is None:
-        return None
-    return check_choice(matrix_view, "matrix_view", MATRIX_VIEWS)
 
 
 def _as_list(W):
@@ -262,7 +225,7 @@ def spectral_decay_(
     capturable: bool = False,
     iteration: str = "auto",
     method: str = "auto",
-    matrix_view: str = "batch",
+    matrix_view: str | None = None,
     rounding: str = "nearest",
     generator: torch.Generator | None = None,
     mantissa=None,
@@ -278,9 +241,13 @@ def spectral_decay_(
 
     ``W`` is one tensor or a list of them; same-shape tensors of a list are decayed as one batch.
     Returns ``W``. ``matrix_view`` says which matrices a tensor of more than two dimensions holds
-    (SPEC 1.8): ``"batch"`` (the default, the ``torch.linalg`` convention: ``(..., m, n)``, leading
-    dims index independent matrices, as MoE experts, heads or banks) or ``"flatten"`` (one matrix,
-    dim 0's rows by the product of the other sizes: a conv filter ``(out, in, kh, kw)``, as Muon reads it). ``band`` (a :class:`Band` or dict) makes the decay band-selective;
+    (SPEC 1.8, :mod:`spectral_ops.matrix_views`): ``"batch"`` (the ``torch.linalg`` convention:
+    ``(..., m, n)``, leading dims index independent matrices, as MoE experts, heads or banks; a 3-D
+    tensor's reading unsaid) or ``"flatten"`` (one matrix, dim 0's rows by the product of the other
+    sizes: a conv filter ``(out, in, kh, kw)``, as Muon reads it; a channels-last filter is decayed in a
+    contiguous copy and written back). Four or more dimensions must say it (a conv filter is never
+    decayed per kernel position unasked), except a 1 x 1 convolution ``(out, in, 1, 1)``, read as the
+    ``(out, in)`` matrix; a Conv1d filter ``(out, in, k)`` must say ``"flatten"``. ``band`` (a :class:`Band` or dict) makes the decay band-selective;
     ``p0_mode="prox"`` replaces the explicit ``p = 0`` step by exact soft-thresholding. For
     ``p > 1``, ``stability`` decides what happens if the step would reorder the singular values
     (``p * kappa >= 1``, ``kappa = scale * spectral_weight_decay * s_max^(p-1)``):
@@ -328,16 +295,12 @@ def spectral_decay_(
         raise TypeError("spectral_decay_ needs spectral_weight_decay (the spectral coefficient lambda_p)")
     tensors = _as_list(W)
     names = ["W"] if isinstance(W, torch.Tensor) else [f"W[{i}]" for i in range(len(tensors))]
-    check_matrix_view(matrix_view)
     for t, name in zip(tensors, names):
         check_matrix(t, name)
+    views = [resolve_matrix_view(t.shape, matrix_view, name) for t, name in zip(tensors, names)]
     check_same_device(tensors)
     mantissas = None if mantissa is None else _checked_mantissas(tensors, mantissa, rounding, _increment)
     _check_writable(tensors + (mantissas or []), names + [f"mantissa[{i}]" for i in range(len(mantissas or []))])
-    if mantissas is not None:  # decayed as the fp32 values the pairs hold, then written back as pairs
-        weights, tensors = tensors, [with_mantissa(w, m) for w, m in zip(tensors, mantissas)]
-    values = tensors
-    tensors = [as_matrices(t, matrix_view) for t in tensors]
     sync = not capturable
     check_coefficient(lr, "lr", sync=sync)
     options = check_decay_options(
@@ -356,6 +319,14 @@ def spectral_decay_(
                          "scales the decay by lr")
     else:
         scale = lr
+    # What is decayed: each weight itself, where its matrices are a view of it; else a copy, written back
+    # once the decay is committed (a mantissa pair, as the fp32 value it holds; a channels-last filter
+    # read with matrix_view='flatten', whose matrix is no view of it).
+    if mantissas is not None:
+        values = [with_mantissa(w, m) for w, m in zip(tensors, mantissas)]
+    else:
+        values = [t.contiguous() if t.ndim > 2 and view == "flatten" else t for t, view in zip(tensors, views)]
+    weights, tensors = tensors, [as_matrices(value, view) for value, view in zip(values, views)]
     if sync:
         check_finite(tensors, "W")
     pending = prepare_decay(tensors, options, scale=scale, spectral_weight_decay=spectral_weight_decay,
@@ -366,9 +337,11 @@ def spectral_decay_(
         check_finite(pending.new_values(), "W", reason="would not be finite after this decay (its exact value "
                      "exceeds the weights' dtype); nothing was written", error=OverflowError)
     pending.commit()
-    if mantissas is not None:
-        for value, w, m in zip(values, weights, mantissas):
-            split_mantissa_(value, w, m)
+    for i, (value, weight) in enumerate(zip(values, weights)):
+        if mantissas is not None:
+            split_mantissa_(value, weight, mantissas[i])
+        elif value is not weight:
+            weight.copy_(value)
     for i, position, factor, order in pending.clamped:
         index = matrix_index(tensors[i].shape[:-2], position)
         log_clamp(f"{names[i]}{list(index) if index else ''} {tuple(tensors[i].shape[-2:])}", factor, order)
@@ -378,10 +351,13 @@ def spectral_decay_(
     return W
 
 
+@torch.no_grad()
 def spectral_decay(W, p: int, lr, spectral_weight_decay=None, *, increment: bool = False, **options):
     """:func:`spectral_decay_` out of place (torch's naming): the decayed value of ``W`` (a new tensor,
     or a list of them for a list), computed as the in-place call computes it, with the same arguments,
-    guard, conventions, clamp factors and checks; ``W`` itself is not written.
+    guard, conventions, clamp factors and checks; ``W`` itself is not written. Like every op of the
+    package it is autograd-free: the result never requires grad, whatever ``W`` does (a graph through
+    the copy of ``W`` alone would give an identity Jacobian, which is not the decay's).
 
     ``increment=True`` returns the step itself, ``-s (lambda_p S_p(W) + lambda_1 W)``, each term formed
     as such: ``W + increment`` is the decayed value to one rounding, and a step far below ``W``'s
@@ -397,7 +373,9 @@ def spectral_decay(W, p: int, lr, spectral_weight_decay=None, *, increment: bool
         raise ValueError("spectral_decay (out of place) does not take mantissa=: the pair is one fp32 value, so decay "
                          "it in place with spectral_decay_(W, ..., mantissa=mantissa), or decay "
                          "spectral_ops.decay.with_mantissa(W, mantissa), the fp32 value, out of place")
-    copies = W.clone() if isinstance(W, torch.Tensor) else [t.clone() for t in _as_list(W)]
+    # Cloned under no_grad: the copies carry no graph (the in-place call checks what is not a tensor).
+    copies = W.clone() if isinstance(W, torch.Tensor) else [
+        t.clone() if isinstance(t, torch.Tensor) else t for t in _as_list(W)]
     return spectral_decay_(copies, p, lr, spectral_weight_decay, _increment=increment, **options)
 
 

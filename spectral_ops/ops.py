@@ -1,7 +1,10 @@
 """The public spectral functions (SPEC 1.2-1.4): validation here, the algorithm in :mod:`spectral_ops.plan`.
 
-Every function takes ``(..., m, n)`` tensors (CPU or CUDA; float64, float32, float16, bfloat16;
-any strides), runs without autograd and returns a new tensor of the input's dtype.
+Every function takes a matrix, or a tensor of more than two dimensions read as its ``matrix_view`` says
+(:mod:`spectral_ops.matrix_views`: ``"batch"``, a stack ``(..., m, n)``, what a 3-D tensor is read as
+unsaid; ``"flatten"``, one matrix of dim 0's rows; four or more dimensions need it said), on CPU or CUDA,
+in float64, float32, float16 or bfloat16, with any strides. It runs without autograd (the result never requires grad)
+and returns a new tensor of the input's dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ._checks import (
 )
 from .coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients, resolve_polar_coefficients
 from .linalg import compute_dtype
+from .matrix_views import matrices_of, resolve_matrix_view
 
 SIGN_METHODS = ("newton_schulz", "polar_express")
 # Newton-Schulz's quintic converges only linearly near 1 (p'(1) = -3/5): 30 steps take a mode at
@@ -31,15 +35,23 @@ DEFAULT_SIGN_STEPS = {"newton_schulz": 30, "polar_express": 8}
 BAND_MODES = ("top", "bot", "top_only", "bot_only", "two_band", "clip")
 
 
-def _validated(W, name: str = "W", capturable: bool = False) -> torch.Tensor:
-    """``capturable``: no host synchronisation, so the finiteness check is skipped (every op takes
-    ``capturable=``; a NaN/Inf input then gives a non-finite result instead of an error)."""
+def _validated(W, name: str = "W", capturable: bool = False, matrix_view=None) -> torch.Tensor:
+    """``W``'s matrices, as its ``matrix_view`` reads them (:func:`~spectral_ops.matrix_views.resolve_matrix_view`:
+    a tensor of three or more dimensions needs it said). ``capturable``: no host synchronisation, so the
+    finiteness check is skipped (every op takes ``capturable=``; a NaN/Inf input then gives a non-finite
+    result instead of an error)."""
     check_matrix(W, name)
+    view = resolve_matrix_view(W.shape, matrix_view, name)
     if W.device.type == "meta":
         raise ValueError(f"{name} is a meta tensor: it has no values to compute with")
     if not capturable:
         check_finite([W], name)
-    return W
+    return matrices_of(W, view)
+
+
+def _shaped_as(result: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """A result computed on ``W``'s matrices, in ``W``'s shape (a flattened filter's shape again)."""
+    return result if result.shape == W.shape else result.reshape(W.shape)
 
 
 def check_method(method: str, capturable: bool = False, iteration: str = "auto") -> str:
@@ -99,7 +111,8 @@ def _check_iterate_options(precision, dtype, overwrite_input) -> None:
 
 @torch.no_grad()
 def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, precision: str | None = None,
-          capturable: bool = False, dtype: torch.dtype | None = None, overwrite_input: bool = False) -> torch.Tensor:
+          capturable: bool = False, dtype: torch.dtype | None = None, overwrite_input: bool = False,
+          matrix_view: str | None = None) -> torch.Tensor:
     """Polar Express approximation of ``U V^T`` (SPEC 1.3).
 
     ``W`` is Frobenius-normalised (with margin 1.01) and iterated in its wide orientation.
@@ -113,14 +126,17 @@ def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, preci
     no rounding and no full-size copy in ``W``'s dtype. ``overwrite_input=True`` (as SciPy's
     ``overwrite_a``): ``W`` is a temporary of the caller's, which the normalisation may overwrite (its
     values are then unspecified) instead of allocating a full-size copy; it changes no result.
+    ``matrix_view`` (every op takes it but :func:`msign`): the matrices of a tensor of three or more
+    dimensions, ``"batch"`` (a 3-D tensor's unsaid) or ``"flatten"`` (a Conv1d filter ``(out, in, k)``
+    needs it said); four or more dimensions must say it (:mod:`spectral_ops.matrix_views`).
     """
-    _validated(W, capturable=capturable)
+    M = _validated(W, capturable=capturable, matrix_view=matrix_view)
     polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
     _check_iterate_options(precision, dtype, overwrite_input)
     if W.numel() == 0:
         return W.to(dtype or W.dtype, copy=True)
-    return plan.polar(dispatch.kernels_for("polar", W), W, polar_c, precision, dtype=dtype,
-                      overwrite_input=overwrite_input)
+    return _shaped_as(plan.polar(dispatch.kernels_for("polar", M), M, polar_c, precision, dtype=dtype,
+                                 overwrite_input=overwrite_input), W)
 
 
 @torch.no_grad()
@@ -131,9 +147,10 @@ def msign(A: torch.Tensor, steps: int | None = None, method: str = "newton_schul
     ``method="newton_schulz"`` iterates ``Z (3I - 16/5 Z^2 + 6/5 Z^4)`` (default 30 steps);
     ``"polar_express"`` uses the Polar Express quintics (default 8). Eigenvalues closer to zero
     than ``~1e-3 ||A||_F`` are not fully resolved with the default steps. ``capturable=True`` also
-    skips the symmetry check.
+    skips the symmetry check. ``A`` of three or more dimensions is a stack of symmetric ``(r, r)``
+    matrices: flattened, none would be square, so msign takes no ``matrix_view``.
     """
-    _validated(A, "A", capturable)
+    _validated(A, "A", capturable, matrix_view="batch")
     if A.shape[-1] != A.shape[-2]:
         raise ValueError(f"A must be square (..., r, r), got shape {tuple(A.shape)}")
     coefficients = sign_coefficients(steps, method)
@@ -158,7 +175,7 @@ def _check_symmetric(A: torch.Tensor) -> None:
 @torch.no_grad()
 def spectral_power(W: torch.Tensor, p, method: str = "auto", *, steps: int | None = None,
                    coefficients=None, precision: str | None = None, capturable: bool = False,
-                   iteration: str = "auto", eps: float | None = None) -> torch.Tensor:
+                   iteration: str = "auto", eps: float | None = None, matrix_view: str | None = None) -> torch.Tensor:
     """``S_p(W) = U diag(s^p) V^T`` for a real ``p >= 0`` (SPEC 1.1-1.2), or, with the floor ``eps``
     (relative to ``s_max``; required for ``p < 0``), ``U diag((s^2 + (eps s_max)^2)^(p/2)) V^T``.
 
@@ -174,9 +191,9 @@ def spectral_power(W: torch.Tensor, p, method: str = "auto", *, steps: int | Non
     tensor (a schedule's, on the device), floored by ``eps`` and at most 1 in magnitude (NaN beyond).
 
     ``iteration`` (``"gram"`` only; ``"gram_space"`` makes ``method="auto"`` mean ``"gram"``): how an
-    even ``p`` iterates, see :func:`check_iteration`.
+    even ``p`` iterates, see :func:`check_iteration`. ``matrix_view``: as in :func:`polar`.
     """
-    _validated(W, capturable=capturable)
+    M = _validated(W, capturable=capturable, matrix_view=matrix_view)
     p = check_power(p, eps=eps, capturable=capturable)
     check_method(method, capturable, check_iteration(iteration))
     real_power = not isinstance(p, int) or (eps is not None and p != 0)
@@ -184,14 +201,14 @@ def spectral_power(W: torch.Tensor, p, method: str = "auto", *, steps: int | Non
     check_precision(precision)
     if W.numel() == 0:
         return W.clone()
-    return plan.spectral_power(dispatch.kernels_for("spectral_power", W), W, p, polar_c, precision,
-                               sync=not capturable, iteration=iteration, method=method, eps=eps)
+    return _shaped_as(plan.spectral_power(dispatch.kernels_for("spectral_power", M), M, p, polar_c, precision,
+                                          sync=not capturable, iteration=iteration, method=method, eps=eps), W)
 
 
 @torch.no_grad()
 def power_update(X: torch.Tensor, q=0, *, eps: float = plan.UPDATE_FLOOR, steps: int | None = None, coefficients=None,
                  precision: str | None = None, capturable: bool = False, dtype: torch.dtype | None = None,
-                 overwrite_input: bool = False) -> torch.Tensor:
+                 overwrite_input: bool = False, matrix_view: str | None = None) -> torch.Tensor:
     """A Muon-family update with update power ``q``: ``U diag((s^2 + (eps s_max)^2)^(q/2)) V^T`` of the
     momentum ``X = U diag(s) V^T``, renormalised to the polar factor's Frobenius norm
     ``sqrt(min(m, n))`` per matrix, so that a learning rate means what it means for Muon; ``q = 0`` (a
@@ -205,15 +222,16 @@ def power_update(X: torch.Tensor, q=0, *, eps: float = plan.UPDATE_FLOOR, steps:
     at least the iterate's resolution (``plan.RESOLUTION``: 2^-6 in bf16). ``capturable=True``: ``q``
     may be a 0-d tensor on the device, with ``|q| <= 1`` (NaN beyond). ``dtype``, ``overwrite_input``: as
     in :func:`polar`. :class:`~spectral_ops.optim.SpectralMuon` takes it as ``update_power``.
+    ``matrix_view``: as in :func:`polar` (a conv filter's momentum is one matrix: ``"flatten"``, as Muon).
     """
-    _validated(X, capturable=capturable)
+    M = _validated(X, "X", capturable=capturable, matrix_view=matrix_view)
     q = check_power(q, "q", eps=eps, capturable=capturable)
     polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
     _check_iterate_options(precision, dtype, overwrite_input)
     if X.numel() == 0:
         return X.to(dtype or X.dtype, copy=True)
-    return plan.power_update(dispatch.kernels_for("power_update", X), X, q, polar_c, precision, eps, dtype,
-                             overwrite_input)
+    return _shaped_as(plan.power_update(dispatch.kernels_for("power_update", M), M, q, polar_c, precision, eps,
+                                        dtype, overwrite_input), X)
 
 
 def check_iteration(iteration) -> str:
@@ -234,7 +252,8 @@ def _check_tau(tau, name: str = "tau", sync: bool = True):
 
 @torch.no_grad()
 def band_projectors(W: torch.Tensor, tau, sign_steps: int | None = None, sign_method: str | None = None, *,
-                    precision: str | None = None, capturable: bool = False, method: str = "auto", steps=None):
+                    precision: str | None = None, capturable: bool = False, method: str = "auto", steps=None,
+                    matrix_view: str | None = None):
     """``(P_top, P_bot)``: projectors onto the singular directions with ``s > tau`` / ``s < tau``.
 
     They live on the small side: ``n x n`` right projectors (``W @ P``) for ``m >= n``, ``m x m``
@@ -246,7 +265,8 @@ def band_projectors(W: torch.Tensor, tau, sign_steps: int | None = None, sign_me
     depends on the gap of ``s^2`` around ``tau^2``; ``"eigh"``/``"svd"`` from the singular vectors
     themselves; ``"auto"`` as :func:`check_method` says. ``steps`` is ``sign_steps``' deprecated name,
     and a sign method given as ``method`` (its old name here) is taken as ``sign_method`` of the Gram
-    route, with a warning.
+    route, with a warning. ``matrix_view``: as in :func:`polar` (the projectors are those of each matrix
+    it reads: one pair for a flattened filter).
     """
     sign_steps = renamed_argument("band_projectors", "sign_steps", sign_steps, "steps", steps)
     if method in SIGN_METHODS:
@@ -254,15 +274,15 @@ def band_projectors(W: torch.Tensor, tau, sign_steps: int | None = None, sign_me
         method = "gram"  # the sign iteration it named, as before the rename
     sign_method = sign_method or "polar_express"
     check_method(method, capturable)
-    _validated(W, capturable=capturable)
+    M = _validated(W, capturable=capturable, matrix_view=matrix_view)
     _check_tau(tau, sync=not capturable)
     coefficients = threshold_sign_coefficients(sign_steps, sign_method)
     check_precision(precision)
-    if W.numel() == 0:
-        r = min(W.shape[-2:])
-        empty = W.new_zeros(*W.shape[:-2], r, r)
+    if M.numel() == 0:
+        r = min(M.shape[-2:])
+        empty = M.new_zeros(*M.shape[:-2], r, r)
         return empty, empty.clone()
-    return plan.band_projectors(dispatch.kernels_for("band_projectors", W), W, tau, coefficients, precision,
+    return plan.band_projectors(dispatch.kernels_for("band_projectors", M), M, tau, coefficients, precision,
                                 method=method, sync=not capturable)
 
 
@@ -303,9 +323,10 @@ def _thresholded_coefficients(steps, sign_steps, sign_method: str, precision, po
 def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: int = 1,
                    lambda_top=1.0, lambda_bot=1.0, steps: int | None = None,
                    sign_steps: int | None = None, sign_method: str = "polar_express",
-                   precision: str | None = None, capturable: bool = False, method: str = "auto") -> torch.Tensor:
+                   precision: str | None = None, capturable: bool = False, method: str = "auto",
+                   matrix_view: str | None = None) -> torch.Tensor:
     """A band-selective decay direction (SPEC 1.4), with ``P_top``/``P_bot`` split at ``tau``;
-    ``method`` as in :func:`check_method`.
+    ``method`` as in :func:`check_method`, ``matrix_view`` as in :func:`polar`.
 
     ========== ================================================
     ``top``      ``S_p(W) P_top + W P_bot``
@@ -316,7 +337,7 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
     ``clip``     ``(W - tau Q) P_top = U (s - tau)_+ V^T`` (``p = 1``: the soft-threshold)
     ========== ================================================
     """
-    _validated(W, capturable=capturable)
+    M = _validated(W, capturable=capturable, matrix_view=matrix_view)
     p = check_power(p, decay=True)
     check_coefficient(lambda_top, "lambda_top", sync=not capturable)
     band = check_band(plan.Band(tau, mode, p_bot=p_bot, spectral_weight_decay_bot=lambda_bot), p, sync=not capturable,
@@ -324,35 +345,36 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
     polar_c, sign_c = _thresholded_coefficients(steps, sign_steps, sign_method, precision, (p, band.p_bot))
     if W.numel() == 0:
         return W.clone()
-    return plan.band_direction(dispatch.kernels_for("band_direction", W), W, p, band, polar_c, sign_c, precision,
-                               sync=not capturable, top=lambda_top, method=check_method(method, capturable))
+    return _shaped_as(plan.band_direction(dispatch.kernels_for("band_direction", M), M, p, band, polar_c, sign_c,
+                                          precision, sync=not capturable, top=lambda_top,
+                                          method=check_method(method, capturable)), W)
 
 
 @torch.no_grad()
 def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None = None,
         sign_method: str = "polar_express", precision: str | None = None,
-        capturable: bool = False, method: str = "auto") -> torch.Tensor:
+        capturable: bool = False, method: str = "auto", matrix_view: str | None = None) -> torch.Tensor:
     """Singular-value soft-thresholding ``U (S - t)_+ V^T = (W - t Q) P_top(t)``.
 
     ``method="gram"`` (no SVD): exact in exact arithmetic; the sign and polar steps are designed for
     ``t`` (unless ``sign_steps``/``steps`` are given), so that every mode at least 1% from ``t`` is
     resolved (as for :func:`band_projectors`): a mode the sign steps do not resolve comes out as
     ``pi (s - t)`` with ``pi`` in [0, 1], an error of at most ``|s - t|``. ``"svd"``/``"eigh"``: mode by
-    mode; ``"auto"``: see :func:`check_method`.
+    mode; ``"auto"``: see :func:`check_method`. ``matrix_view``: as in :func:`polar`.
     """
-    _validated(W, capturable=capturable)
+    M = _validated(W, capturable=capturable, matrix_view=matrix_view)
     check_coefficient(t, "t", positive=True, sync=not capturable)
     polar_c, sign_c = _thresholded_coefficients(steps, sign_steps, sign_method, precision)
     if W.numel() == 0:
         return W.clone()
-    return plan.svt(dispatch.kernels_for("svt", W), W, t, polar_c, sign_c, precision, sync=not capturable,
-                    method=check_method(method, capturable))
+    return _shaped_as(plan.svt(dispatch.kernels_for("svt", M), M, t, polar_c, sign_c, precision, sync=not capturable,
+                               method=check_method(method, capturable)), W)
 
 
 @torch.no_grad()
 def spectral_clip(W: torch.Tensor, min=None, max=None, *, steps: int | None = None, sign_steps: int | None = None,
                   sign_method: str = "polar_express", precision: str | None = None, capturable: bool = False,
-                  method: str = "auto") -> torch.Tensor:
+                  method: str = "auto", matrix_view: str | None = None) -> torch.Tensor:
     """``U diag(clamp(s, min, max)) V^T``: the singular values clamped, as ``torch.clamp`` clamps
     entries. ``max=`` alone is the spectral hard cap (``s -> min(s, max)``); ``min=`` lifts the small
     modes (those with ``s = 0`` have no singular vectors and stay 0). Each bound is a number or a 0-d
@@ -360,8 +382,8 @@ def spectral_clip(W: torch.Tensor, min=None, max=None, *, steps: int | None = No
     ``W - P_top(max) (W - max Q) + P_bot(min) (min Q - W)``, with the band projectors' accuracy near
     each bound (see :func:`svt`) and fp32's rounding of ``s_max`` (the top modes of the hard cap are the
     difference of two ``s_max``-sized ones); ``"auto"`` takes a factorisation on a CPU, exact at any
-    bound."""
-    _validated(W, capturable=capturable)
+    bound. ``matrix_view``: as in :func:`polar`."""
+    M = _validated(W, capturable=capturable, matrix_view=matrix_view)
     if min is None and max is None:
         raise ValueError("spectral_clip needs min= or max= (or both): without them it would return W itself")
     for bound, name in ((min, "min"), (max, "max")):
@@ -372,24 +394,26 @@ def spectral_clip(W: torch.Tensor, min=None, max=None, *, steps: int | None = No
     polar_c, sign_c = _thresholded_coefficients(steps, sign_steps, sign_method, precision)
     if W.numel() == 0:
         return W.clone()
-    return plan.spectral_clip(dispatch.kernels_for("spectral_clip", W), W, min, max, polar_c, sign_c, precision,
-                              sync=not capturable, method=check_method(method, capturable))
+    return _shaped_as(plan.spectral_clip(dispatch.kernels_for("spectral_clip", M), M, min, max, polar_c, sign_c,
+                                         precision, sync=not capturable, method=check_method(method, capturable)), W)
 
 
 @torch.no_grad()
-def spectral_norm_bounds(W: torch.Tensor, squarings: int = 3, *, capturable: bool = False):
+def spectral_norm_bounds(W: torch.Tensor, squarings: int = 3, *, capturable: bool = False,
+                         matrix_view: str | None = None):
     """Per-matrix ``(lower, upper)`` bounds on the largest singular value, without an SVD.
 
     From ``||G^(2^j)||_F`` after ``squarings`` squarings of the Gram (products in fp32, fp64 for fp64
     weights; see :meth:`spectral_ops.plan.GramPlan.log_spectral_norm_bounds`); ``upper / lower`` is at
     most ``r^(1 / 2^(squarings + 2))`` (1.3 for ``r = 4096`` with the default 3), and a little more
     for the rounding. In the compute dtype: beyond its range the upper bound is inf and the lower one
-    its largest number, still bounds.
+    its largest number, still bounds. ``matrix_view``: as in :func:`polar` (the bounds have the shape of
+    the stack it reads: ``()`` for a flattened filter).
     """
-    _validated(W, capturable=capturable)
+    M = _validated(W, capturable=capturable, matrix_view=matrix_view)
     if isinstance(squarings, bool) or not isinstance(squarings, int) or squarings < 0:
         raise ValueError(f"squarings must be an integer >= 0, got {squarings!r}")
-    if W.numel() == 0:
-        zeros = W.new_zeros(W.shape[:-2], dtype=compute_dtype(W.dtype))
+    if M.numel() == 0:
+        zeros = M.new_zeros(M.shape[:-2], dtype=compute_dtype(M.dtype))
         return zeros, zeros.clone()
-    return plan.spectral_norm_bounds(dispatch.kernels_for("spectral_norm_bounds", W), W, squarings)
+    return plan.spectral_norm_bounds(dispatch.kernels_for("spectral_norm_bounds", M), M, squarings)

@@ -524,7 +524,8 @@ def test_batch_decays_each_matrix_of_a_stack_and_flatten_one_matrix(shape):
     W = weights(shape, torch.float32)
     batched = so.spectral_decay_(W.clone(), 2, 0.05, 0.2, matrix_view="batch")
     flattened = so.spectral_decay_(W.clone(), 2, 0.05, 0.2, matrix_view="flatten")
-    assert torch.equal(batched, so.spectral_decay_(W.clone(), 2, 0.05, 0.2))  # "batch" is the default
+    if len(shape) == 3:  # a 3-D tensor is a stack unsaid, as in torch.linalg
+        assert torch.equal(batched, so.spectral_decay_(W.clone(), 2, 0.05, 0.2))
     assert relative_error(batched, reference.spectral_decay_svd(W, 2, 0.05, 0.2)) < TOLERANCE[torch.float32]
     as_one = reference.spectral_decay_svd(W.reshape(shape[0], -1), 2, 0.05, 0.2).reshape(shape)
     assert relative_error(flattened, as_one) < TOLERANCE[torch.float32]
@@ -543,10 +544,66 @@ def test_matrix_view_is_checked_before_anything_is_written():
     original = W.clone()
     with pytest.raises(ValueError, match="matrix_view must be one of"):
         so.spectral_decay_(W, 2, 0.05, 0.2, matrix_view="experts")
-    channels_last = weights((8, 36), torch.float32).reshape(8, 4, 3, 3).to(memory_format=torch.channels_last)
-    with pytest.raises(ValueError, match="must be contiguous"):
-        so.spectral_decay_(channels_last, 2, 0.05, 0.2, matrix_view="flatten")
     assert torch.equal(W, original)
+
+
+# Issue #43: a conv filter was decayed per 3x3 kernel position, 0.74 off its (out, in * kh * kw) reading.
+FILTER = (16, 8, 3, 3)
+
+
+@pytest.mark.parametrize("call", [
+    lambda W: so.spectral_decay_(W, 2, 0.02, 0.5),
+    lambda W: so.spectral_decay(W, 2, 0.02, 0.5),
+    lambda W: so.spectral_decay_([weights((16, 72), torch.float32), W], 2, 0.02, 0.5),
+], ids=["in-place", "out-of-place", "in-a-list"])
+def test_a_filter_of_four_dims_is_refused_unless_its_matrix_view_is_said(call):
+    W = weights((16, 72), torch.float32).reshape(FILTER)
+    original = W.clone()
+    with pytest.raises(ValueError, match=r"\(16, 8, 3, 3\): say which matrices it holds with matrix_view="):
+        call(W)
+    assert torch.equal(W, original)
+
+
+def test_a_flattened_filter_is_the_decay_of_its_matrix_against_the_svd():
+    W = weights((16, 72), torch.float32).reshape(FILTER)
+    expected = reference.spectral_decay_svd(W.reshape(16, 72), 2, 0.02, 0.5).reshape(FILTER)
+    decayed = so.spectral_decay_(W.clone(), 2, 0.02, 0.5, matrix_view="flatten")
+    assert relative_error(decayed, expected) < TOLERANCE[torch.float32]
+    # The step the issue's silent reading took instead, per 3 x 3 kernel position, is another step altogether.
+    per_kernel = so.spectral_decay_(W.clone(), 2, 0.02, 0.5, matrix_view="batch")
+    assert relative_error(per_kernel - W, expected - W) > 0.5
+
+
+@pytest.mark.parametrize("p", [0, 2])
+def test_a_channels_last_filter_is_decayed_through_a_copy_as_its_contiguous_twin(p):
+    # The flatten reading of a channels-last filter is no view of it: the decay runs in a contiguous copy
+    # and writes it back, with the same arithmetic, so the result is the contiguous twin's bit for bit.
+    W = weights((16, 72), torch.float32).reshape(FILTER)
+    twin = so.spectral_decay_(W.clone(), p, 0.02, 0.5, matrix_view="flatten")
+    channels_last = W.to(memory_format=torch.channels_last)
+    storage = channels_last.data_ptr()
+    so.spectral_decay_(channels_last, p, 0.02, 0.5, matrix_view="flatten")
+    assert channels_last.data_ptr() == storage and channels_last.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(channels_last, twin)
+    assert torch.equal(so.spectral_decay(W.to(memory_format=torch.channels_last), p, 0.02, 0.5,
+                                         matrix_view="flatten"), twin)
+
+
+def test_a_failed_channels_last_decay_writes_nothing():
+    # The guard refuses the step after the copy is made: the filter keeps its bits.
+    W = weights((16, 72), torch.float32, condition=1e3, scale=100.0).reshape(FILTER)
+    channels_last = W.to(memory_format=torch.channels_last)
+    with pytest.raises(so.SpectralStabilityError):
+        so.spectral_decay_(channels_last, 3, 1.0, 1.0, matrix_view="flatten", stability="raise")
+    assert torch.equal(channels_last, W)
+
+
+def test_a_one_by_one_convolution_is_its_matrix_without_matrix_view():
+    # Read as a stack, its matrices would be 1 x 1, whose spectral power is element-wise: only the
+    # (out, in) reading is a spectral decay, so none is asked for.
+    W = weights((16, 8), torch.float32)
+    decayed = so.spectral_decay_(W.clone().reshape(16, 8, 1, 1), 2, 0.02, 0.5)
+    assert torch.equal(decayed.reshape(16, 8), so.spectral_decay_(W.clone(), 2, 0.02, 0.5))
 
 
 # --- stochastic rounding ----------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import spectral_ops as so
+from op_calls import OPS
 from spectral_ops import reference
 from spectral_ops.coefficients import odd_quintic, polar_express_coefficients
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
@@ -47,7 +48,7 @@ def predicted_spectral_power(W, p):
 def test_spectral_power_matches_svd_within_design_range(p, shape, dtype):
     # Condition 100 keeps every mode above the design bound (s_min / (1.01 ||W||_F) > 1e-3).
     W = matrix_with_spectrum(shape, log_spaced_spectrum(min(shape[-2:]), 100), dtype, seed=p)
-    result = so.spectral_power(W, p, method="gram")
+    result = so.spectral_power(W, p, method="gram", matrix_view="batch")
     assert result.dtype == dtype and result.shape == W.shape
     assert relative_error(result, reference.spectral_power_svd(W, p)) < TOLERANCE[dtype]
 
@@ -467,3 +468,27 @@ def test_power_update(shape):
     for q in (-0.25, 0.5):
         # fp64: the construction's own error, designed for 1e-13.
         assert relative_error(so.power_update(W, q), reference.power_update_svd(W, q, 0.01)) < 1e-9
+
+
+# --- the autograd contract: no op carries a graph -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", sorted(set(OPS) - {"spectral_decay_"}) + ["msign"])
+def test_no_op_result_carries_a_graph_even_from_a_parameter_under_grad_mode(op):
+    # Issue #43: spectral_decay's result carried CloneBackward0, an identity Jacobian (0.32 off the true
+    # one) that backward would have followed silently. Every op is autograd-free: its result never
+    # requires grad, so a backward through it fails loudly instead.
+    W = torch.nn.Parameter(matrix_with_spectrum((24, 16), log_spaced_spectrum(16, 10.0), torch.float32, seed=0))
+    with torch.enable_grad():
+        result = so.msign(W.mT @ W) if op == "msign" else OPS[op](W)
+    assert not result.requires_grad and result.grad_fn is None
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        result.sum().backward()
+    assert W.grad is None
+
+
+def test_an_in_place_decay_of_a_parameter_leaves_its_graph_alone():
+    # The in-place op writes a leaf under no_grad, as torch's optimizers do: the parameter stays a leaf.
+    W = torch.nn.Parameter(matrix_with_spectrum((24, 16), log_spaced_spectrum(16, 10.0), torch.float32, seed=0))
+    so.spectral_decay_(W, 2, 0.02, 0.5)
+    assert W.is_leaf and W.grad_fn is None and W.requires_grad

@@ -13,7 +13,8 @@ BLOCKS = re.findall(r"^## (.*?)\n.*?```python\n(.*?)```", RECIPES.read_text(), f
 def test_there_is_a_recipe_per_client_family():
     assert [title for title, _ in BLOCKS] == [
         "torch's Muon and AdamW, with `attach`", "A dion-style Muon that calls the op inside its update",
-        "A banked bf16 parameter with its mantissa", "An MoE layer with stacked experts"]
+        "An optimizer that is not a `torch.optim.Optimizer`", "A banked bf16 parameter with its mantissa",
+        "An MoE layer with stacked experts"]
 
 
 @pytest.mark.parametrize("title, code", BLOCKS, ids=[title for title, _ in BLOCKS])

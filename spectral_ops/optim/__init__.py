@@ -12,6 +12,7 @@
 from .adamw import SpectralAdamW
 from .groups import (
     full_v_extra_decay,
+    matrix_view_of,
     module_wise_powers,
     param_groups_by_module,
     parameter_role,
@@ -28,6 +29,7 @@ __all__ = [
     "SpectralMuon",
     "SpectralSGD",
     "full_v_extra_decay",
+    "matrix_view_of",
     "module_wise_powers",
     "param_groups_by_module",
     "parameter_role",

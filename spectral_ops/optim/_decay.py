@@ -16,8 +16,8 @@ import dataclasses
 import torch
 
 from .._checks import check_same_device, renamed_argument
-from ..decay import (DecayOptions, PendingDecay, as_matrices, check_decay_options, check_matrix_view,
-                     prepare_decay, row_block)
+from ..decay import DecayOptions, PendingDecay, check_decay_options, prepare_decay, row_block
+from ..matrix_views import as_matrices, check_matrix_view
 from ..plan import is_zero, needs_direction, plain_factor
 from .distributed import local, owner_decay
 

@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from .. import plan
-from ..decay import PendingDecay, as_matrices, batched, matrix_dims, prepare_decay, row_block
+from ..decay import PendingDecay, prepare_decay, row_block
+from ..matrix_views import as_matrices, batched, matrix_dims
 
 if dist.is_available():
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -276,7 +277,7 @@ def local_slice(start: int, stop: int, runs) -> slice:
 
 def local_block(matrices: torch.Tensor, start: int, stop: int, rows) -> torch.Tensor:
     """This rank's part of rows ``[start, stop)`` of each matrix, from its part ``matrices`` of a
-    parameter (see :func:`spectral_ops.decay.as_matrices`): of the rows it holds (``rows``, runs:
+    parameter (see :func:`spectral_ops.matrix_views.as_matrices`): of the rows it holds (``rows``, runs:
     :meth:`Layout.local_rows`), those in the block; else (``rows`` None: it holds every row, as of a
     stack spread by its batch or a matrix by its columns) those rows of every matrix it holds."""
     return matrices[..., start:stop, :] if rows is None else matrices[..., local_slice(start, stop, rows), :]
@@ -485,7 +486,7 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
                 eager: bool) -> PendingDecay:
     """The decay of spread parameters, to commit on this rank: ``sources[k]`` is this rank's part of
     the ``k``-th parameter (``layouts[k].parts``), holding the matrices ``matrix_view`` says
-    (:func:`spectral_ops.decay.as_matrices`); each ``(k, rows)`` of ``entries`` is a block the decay
+    (:func:`spectral_ops.matrix_views.as_matrices`); each ``(k, rows)`` of ``entries`` is a block the decay
     takes as matrices of their own (``rows``: ``(start, stop)`` of each matrix's rows, None: all of
     them). Each whole parameter is decayed on its owner when ``exchange`` runs, with
     ``prepare_decay(..., options, **arguments)``, except a stack spread by its batch, whose matrices

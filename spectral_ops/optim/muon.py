@@ -20,7 +20,7 @@ from .._checks import check_choice, check_power, check_steps
 from ..coefficients import polar_express_coefficients, resolve_polar_coefficients, without_normalization_margin
 from ..ops import check_precision, power_update
 from ..plan import OPERAND_DTYPES, UPDATE_FLOOR, resolve_precision
-from ..decay import as_matrices, batched, matrix_dims
+from ..matrix_views import as_matrices, batched, matrix_dims
 from ._decay import capturable, check_matrices_said
 from .adamw import adam_update_, check_adam_options, init_adam_state, prepare_adam_step
 from .base import PreparedStep, SpectralOptimizer, add_scaled_, commit_element_wise, device_masks, scalar, step_scalar
