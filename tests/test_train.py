@@ -331,3 +331,86 @@ def test_stability_clamps_are_counted_in_the_logs(tmp_path, corpus_dir, caplog):
                for r in caplog.records if r.name == "spectral_ops.decay")
     assert all(math.isfinite(r["train_loss"]) for r in clamped)
     assert train(tiny_run(tmp_path / "plain", corpus_dir, steps=2), progress=False)[-1]["clamped_updates"] == 0
+
+
+def test_resume_refuses_another_runs_checkpoint_unless_forced(tmp_path, corpus_dir):
+    """A checkpoint of another seed dropped into a run folder, whose config.json is this run's: whole, so
+    not passed over as corrupt, but refused by the config it embeds, before anything in the folder changes."""
+    config = tiny_run(tmp_path / "a", corpus_dir, steps=2)
+    train(config, progress=False)
+    other = train(tiny_run(tmp_path / "b", corpus_dir, steps=2, seed=1), progress=False)
+    out = tmp_path / "a" / "run"
+    (out / loop.CHECKPOINT).write_bytes((tmp_path / "b" / "run" / loop.CHECKPOINT).read_bytes())
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+    with pytest.raises(ValueError, match=r"differs from .*checkpoint\.pt \(seed: 1 -> 0\); pass --force .*--out-dir"):
+        train(config, resume=True, progress=False)
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    assert train(config, resume=True, force=True, progress=False) == other  # taken as it is
+
+
+def test_resume_refuses_a_checkpoint_without_an_embedded_config_unless_forced(tmp_path, corpus_dir):
+    # Every checkpoint the loop ever wrote embeds its config: one without was written or edited elsewhere.
+    config = tiny_run(tmp_path, corpus_dir, steps=2)
+    history = train(config, progress=False)
+    path = tmp_path / "run" / loop.CHECKPOINT
+    state = torch.load(path, weights_only=False)
+    del state["config"]
+    torch.save(state, path)
+    with pytest.raises(ValueError, match=r"checkpoint\.pt embeds no config.*--force"):
+        train(config, resume=True, progress=False)
+    assert train(config, resume=True, force=True, progress=False) == history
+
+
+def test_resume_names_an_unreadable_config_json_and_its_fixes(tmp_path, corpus_dir):
+    config = tiny_run(tmp_path, corpus_dir, steps=2)
+    history = train(config, progress=False)
+    path = tmp_path / "run" / "config.json"
+    whole = path.read_text()
+    path.write_text(whole[: len(whole) // 2])  # torn
+    fixes = r"config\.json is unreadable \(JSONDecodeError.*restore it.*delete it.*--force"
+    with pytest.raises(ValueError, match=fixes):
+        train(config, resume=True, progress=False)
+    assert train(config, resume=True, force=True, progress=False) == history
+    assert path.read_text() == whole  # rewritten
+    path.unlink()  # the other fix: the checkpoint's embedded config is compared instead
+    with pytest.raises(ValueError, match=r"checkpoint\.pt \(seed: 0 -> 1\)"):
+        train(dataclasses.replace(config, seed=1), resume=True, progress=False)
+
+
+def test_config_json_is_written_atomically(tmp_path, corpus_dir, monkeypatch):
+    """A crash after the new config's bytes are written, before they are on disk under its name, leaves
+    the old config.json whole."""
+    config = tiny_run(tmp_path, corpus_dir, steps=2)
+    train(config, progress=False)
+    path = tmp_path / "run" / "config.json"
+    old = path.read_bytes()
+
+    def crash(descriptor):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop.os, "fsync", crash)
+    with pytest.raises(KeyboardInterrupt):
+        train(dataclasses.replace(config, lr=2e-2), progress=False)
+    assert path.read_bytes() == old
+
+
+def test_a_moved_run_folder_resumes_with_other_run_keeping_fields_to_the_same_numbers(tmp_path, corpus_dir):
+    """Where a run lives and how it is logged, checkpointed and guarded (RUN_KEEPING_FIELDS) changes no
+    number: a run folder moved elsewhere resumes, with every such field changed, without --force, and logs
+    what the uninterrupted run logs bitwise at the steps both log."""
+    from spectral_ops.train.config import RUN_KEEPING_FIELDS
+
+    reference = train(tiny_run(tmp_path / "a", corpus_dir, checkpoint_every=3), progress=False)
+    train(tiny_run(tmp_path / "b", corpus_dir, checkpoint_every=3), progress=False)
+    moved = tmp_path / "elsewhere" / "run"
+    moved.parent.mkdir()
+    (tmp_path / "b" / "run").rename(moved)
+    (moved / loop.CHECKPOINT).unlink()  # resume from the step-3 checkpoint, so that steps 4-6 are run again
+    kept = dict(out_dir=str(moved), log_every=2, checkpoint_every=1, keep_checkpoints=3, max_skipped_steps=1,
+                allow_stand_in_data=True)
+    assert set(kept) == RUN_KEEPING_FIELDS
+    resumed = train(tiny_run(tmp_path / "b", corpus_dir, **kept), resume=True, progress=False)
+    # The checkpoint's history logs every step up to 3, the resumed run steps 4 and 6.
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 6]
+    by_step = {r["step"]: r for r in reference}
+    assert resumed == [by_step[r["step"]] for r in resumed]

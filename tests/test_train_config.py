@@ -1,12 +1,15 @@
 """Run configs: the SPEC 7 presets field by field, the validation cadence, the stand-in data guard."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from spectral_ops.train import data as data_module
 from spectral_ops.train import loop, preset, train
 from spectral_ops.train.__main__ import parser
-from spectral_ops.train.config import config_from_arguments, evaluation_steps, log_every_for
+from spectral_ops.train.config import (RUN_KEEPING_FIELDS, computed_differences, config_from_arguments,
+                                       evaluation_steps, log_every_for, to_dict)
 from spectral_ops.train.model import Transformer
 from spectral_ops.train.optimizers import param_groups
 
@@ -94,3 +97,27 @@ def test_a_boolean_flag_alone_means_true():
     args = parser().parse_args(["train", "--preset", "paper12", "--allow-stand-in-data", "--tied-embeddings", "false"])
     config = config_from_arguments(args)
     assert config.allow_stand_in_data is True and config.tied_embeddings is False
+
+
+def test_a_resume_compares_what_changes_the_numbers_not_where_the_run_lives():
+    """One definition for config.json and the checkpoint's config: the run-keeping fields are ignored;
+    every other field is compared, those that change only the arithmetic (device: bf16 autocast on a GPU;
+    Muon's precision; the parallel layout: the order of sums) included."""
+    config = preset("tiny")
+    moved = dataclasses.replace(config, out_dir="elsewhere/run", log_every=7, checkpoint_every=5, keep_checkpoints=4,
+                                max_skipped_steps=0, allow_stand_in_data=True)
+    assert computed_differences(to_dict(config), moved) == {}
+    arithmetic = dict(device="cuda", muon_precision="bf16", fsdp=True, tp=2, seed=1, data="other.txt")
+    assert computed_differences(to_dict(config), dataclasses.replace(moved, **arithmetic)) == {
+        key: (getattr(config, key), value) for key, value in arithmetic.items()}
+    assert not RUN_KEEPING_FIELDS & set(arithmetic)
+    # A field an older config lacks was added since: that run used its default.
+    older = {key: value for key, value in to_dict(config).items() if key != "p_v"}
+    assert computed_differences(older, config) == {}
+
+
+@pytest.mark.parametrize("text, found", [('{"steps": 3', "JSONDecodeError"), ("[3]", "JSON list")])
+def test_a_config_file_that_is_not_a_json_object_is_named(tmp_path, text, found):
+    (tmp_path / "run.json").write_text(text)
+    with pytest.raises(ValueError, match=rf"run\.json .*{found}.*correct it"):
+        config_from_arguments(parser().parse_args(["train", "--config", str(tmp_path / "run.json")]))

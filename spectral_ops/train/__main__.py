@@ -37,7 +37,9 @@ def parser() -> argparse.ArgumentParser:
                               help="continue from the newest loadable checkpoint in OUT_DIR (checkpoint.pt, "
                                    "then checkpoint.1.pt, ...)")
     train_parser.add_argument("--force", action="store_true",
-                              help="with --resume: continue even though the config differs from OUT_DIR/config.json")
+                              help="with --resume: continue even though OUT_DIR/config.json or the checkpoint's "
+                                   "embedded config differs from this one in what the run computes (not out_dir or "
+                                   "the logging and checkpoint flags), or config.json is unreadable (it is rewritten)")
 
     sweep_parser = commands.add_parser("sweep", help="a grid of runs")
     add_config_arguments(sweep_parser)

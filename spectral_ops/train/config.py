@@ -253,9 +253,21 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                             help=_field_help(f), **flag)
 
 
+def read_config_file(path: Path, fix: str) -> dict:
+    """The fields in the JSON file ``path``; one that does not hold a JSON object (torn, edited) is refused
+    with an error that names it and says ``fix``."""
+    try:
+        values = json.loads(path.read_text())
+    except ValueError as error:  # not JSON, or not text (UnicodeDecodeError)
+        raise ValueError(f"{path} is unreadable ({type(error).__name__}: {error}): {fix}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} holds a JSON {type(values).__name__}, not an object of config fields: {fix}")
+    return values
+
+
 def config_from_arguments(args: argparse.Namespace, defaults: dict | None = None) -> TrainConfig:
     """Preset, then ``defaults`` (a sweep protocol's), then the JSON file, then the command-line flags."""
-    overrides = json.loads(args.config.read_text()) if getattr(args, "config", None) else {}
+    overrides = read_config_file(args.config, "correct it") if getattr(args, "config", None) else {}
     unknown = set(overrides) - {f.name for f in fields(TrainConfig)}
     if unknown:
         raise ValueError(f"{args.config}: unknown config fields {sorted(unknown)}")
@@ -267,3 +279,22 @@ def config_from_arguments(args: argparse.Namespace, defaults: dict | None = None
 
 def to_dict(config: TrainConfig) -> dict:
     return dataclasses.asdict(config)
+
+
+# The fields that say where a run is kept and how it is logged, checkpointed and guarded, never what it
+# computes: they leave every step's weights and losses as they are (test_train.py,
+# test_a_moved_run_folder_resumes_with_other_run_keeping_fields_to_the_same_numbers). A resume compares every
+# other field, with the run's config.json and with its checkpoint's, so a moved or copied run folder resumes as
+# it is. device, muon_precision and the parallel layout (fsdp, ddp, tp) are compared: they change the arithmetic
+# (bf16 autocast on a GPU, the orthogonalisation's precision, the order of the sums over processes).
+RUN_KEEPING_FIELDS = frozenset({"out_dir", "log_every", "checkpoint_every", "keep_checkpoints", "max_skipped_steps",
+                                "allow_stand_in_data"})
+
+
+def computed_differences(saved: dict, config: TrainConfig) -> dict[str, tuple]:
+    """``{field: (saved value, config's value)}`` for each field outside :data:`RUN_KEEPING_FIELDS` in which a
+    saved config (a run's config.json, a checkpoint's) differs from ``config``. A field the saved config lacks
+    was added since: that run used its default."""
+    saved, now = {**to_dict(TrainConfig()), **saved}, to_dict(config)
+    compared = sorted((set(saved) | set(now)) - RUN_KEEPING_FIELDS)
+    return {key: (saved.get(key), now.get(key)) for key in compared if saved.get(key) != now.get(key)}

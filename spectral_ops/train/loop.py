@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..optim.distributed import let_go, local, whole
 from ..progress import progress as progress_bar  # `progress` is the flag that turns it off
 from . import monitor
-from .config import PROTOCOL_PRESETS, TrainConfig, evaluation_steps, to_dict
+from .config import PROTOCOL_PRESETS, TrainConfig, computed_differences, evaluation_steps, read_config_file, to_dict
 from .data import Corpus, load_corpus, train_batch, validation_batches
 from .model import Transformer, fully_shard_blocks, tensor_parallel_blocks
 from .optimizers import build_optimizer
@@ -330,10 +330,12 @@ def save_sharded_checkpoint(out: Path, model, optimizer, step: int, history: lis
     processes.barrier()
 
 
-def load_sharded_checkpoint(out: Path, keep: int, model, optimizer, processes: Processes) -> dict | None:
+def load_sharded_checkpoint(out: Path, config: TrainConfig, model, optimizer, processes: Processes,
+                            force: bool) -> dict | None:
     """:func:`load_checkpoint` for ``--fsdp``/``--ddp`` (a collective): the newest checkpoint folder that
-    loads on every process, loaded into ``model`` and ``optimizer``; returns its run state."""
-    found = [path for path in checkpoint_paths(out, keep, SHARDED) if path.is_dir()]
+    loads on every process, checked to be this run's, loaded into ``model`` and ``optimizer``; returns
+    its run state."""
+    found = [path for path in checkpoint_paths(out, config.keep_checkpoints, SHARDED) if path.is_dir()]
     for path in found:
         state, error = sharded_state(model, optimizer), None
         try:
@@ -348,6 +350,7 @@ def load_sharded_checkpoint(out: Path, keep: int, model, optimizer, processes: P
         except Exception as caught:
             error = caught
         if processes.every(error is None):
+            check_same_run(path / RUN_STATE, run, config, force)  # every process read the same run state
             set_model_state_dict(model, state["model"])
             set_optimizer_state_dict(model, optimizer, state["optimizer"])
             optimizer.load_count_state(run)
@@ -361,37 +364,71 @@ def load_sharded_checkpoint(out: Path, keep: int, model, optimizer, processes: P
     return None
 
 
-def load_checkpoint(out: Path, keep: int, device) -> dict | None:
-    """The newest checkpoint that loads, warning about each one that does not (naming the file);
-    None when there is none. Raises when every one there is unreadable."""
-    found = [path for path in checkpoint_paths(out, keep) if path.exists()]
+def load_checkpoint(out: Path, config: TrainConfig, device, force: bool) -> dict | None:
+    """The newest checkpoint that loads, warning about each one that does not (naming the file), and
+    checked to be this run's (:func:`check_same_run`); None when there is none. Raises when every one
+    there is unreadable."""
+    found = [path for path in checkpoint_paths(out, config.keep_checkpoints) if path.exists()]
     for path in found:
         try:
             state = torch.load(path, map_location=device, weights_only=False)
             missing = {"model", "optimizer", "step", "history"} - set(state)
             if missing:
                 raise KeyError(f"no {sorted(missing)}")
-            return state
         except Exception as error:  # a torn or corrupt file: fall back to the previous one
             warnings.warn(f"cannot resume from {path} ({type(error).__name__}: {error}); trying an older "
                           "checkpoint", RuntimeWarning, stacklevel=2)
+            continue
+        # Another run's checkpoint is whole: refused, not passed over for an older one.
+        check_same_run(path, state, config, force)
+        return state
     if found:
         raise RuntimeError(f"no checkpoint in {out} can be loaded: {', '.join(map(str, found))}")
     return None
 
 
+def refuse_changed_config(source: Path, saved: dict, config: TrainConfig) -> None:
+    """A resumed run continues the same run: refuse a saved config (``source``'s) that differs from
+    ``config`` in what the run computes; where the run lives and how it is logged may change."""
+    differences = computed_differences(saved, config)
+    if differences:
+        details = ", ".join(f"{key}: {old!r} -> {new!r}" for key, (old, new) in differences.items())
+        raise ValueError(f"--resume: the config differs from {source} ({details}); pass --force to resume with "
+                         "this one anyway, or another --out-dir to start a new run")
+
+
 def check_resumable(out: Path, config: TrainConfig, force: bool) -> None:
-    """A resumed run continues the same run: a changed config is refused unless ``force``."""
+    """The run folder's config.json, if any, is this run's (unless ``force``)."""
     path = out / "config.json"
     if force or not path.exists():
         return
-    # A key the saved config lacks was added since: that run used its default.
-    saved, now = {**to_dict(TrainConfig()), **json.loads(path.read_text())}, to_dict(config)
-    changed = sorted(key for key in set(saved) | set(now) if saved.get(key) != now.get(key))
-    if changed:
-        details = ", ".join(f"{key}: {saved.get(key)!r} -> {now.get(key)!r}" for key in changed)
-        raise ValueError(f"--resume: the config differs from {path} ({details}); pass --force to resume "
-                         "with the new one anyway")
+    refuse_changed_config(path, read_config_file(path, "restore it; or delete it, and the checkpoint's own "
+                                                       "config is compared instead; or pass --force to resume "
+                                                       "without comparing (config.json is then rewritten)"), config)
+
+
+def check_same_run(path: Path, state: dict, config: TrainConfig, force: bool) -> None:
+    """A checkpoint (its ``state``, read from ``path``) is this run's (unless ``force``): the config it
+    embeds, which every checkpoint this loop writes does, computes what ``config`` does."""
+    if force:
+        return
+    if "config" not in state:
+        raise ValueError(f"--resume: {path} embeds no config (every checkpoint this loop writes does: this one "
+                         "was written or edited elsewhere), so it cannot be shown to be this run's; pass --force "
+                         "to resume from it anyway, or another --out-dir to start a new run")
+    refuse_changed_config(path, state["config"], config)
+
+
+def write_config(out: Path, config: TrainConfig) -> None:
+    """config.json, atomically (written aside, flushed to disk, renamed over the old one): a crash leaves
+    the old file or the new one, never a torn one."""
+    path = out / "config.json"
+    temporary = path.with_suffix(".json.tmp")
+    with open(temporary, "w") as handle:
+        handle.write(json.dumps(to_dict(config), indent=2) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
 
 
 def write_logs(out: Path, history: list) -> None:
@@ -430,7 +467,8 @@ def summary_line(record: dict) -> str:
 
 def train(config: TrainConfig, *, resume: bool = False, force: bool = False, progress: bool = True) -> list[dict]:
     """Train one run into ``config.out_dir``; returns the logged records. ``resume`` continues from
-    the newest loadable checkpoint there (``force``: even with a changed config). Under ``--fsdp`` or
+    the newest loadable checkpoint there (``force``: even when its config, or OUT_DIR/config.json, differs
+    from ``config`` in what the run computes, or config.json is unreadable). Under ``--fsdp`` or
     ``--ddp``, every process torchrun started calls this."""
     if config.keep_checkpoints < 1:
         raise ValueError(f"keep_checkpoints must be >= 1, got {config.keep_checkpoints}")
@@ -441,13 +479,10 @@ def train(config: TrainConfig, *, resume: bool = False, force: bool = False, pro
         out.mkdir(parents=True, exist_ok=True)
         if resume:
             check_resumable(out, config, force)
-        processes.barrier()  # every process has read the old config.json before rank 0 replaces it
-        if processes.main:
-            (out / "config.json").write_text(json.dumps(to_dict(config), indent=2) + "\n")
-        return run_steps(config, corpus, out, processes, resume, progress)
+        return run_steps(config, corpus, out, processes, resume, force, progress)
 
 
-def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Processes, resume: bool,
+def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Processes, resume: bool, force: bool,
               progress: bool) -> list[dict]:
     device = processes.device
     torch.manual_seed(config.seed)  # the same initial weights on every process
@@ -456,9 +491,9 @@ def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Process
     optimizer = build_optimizer(model, config, process_group=dist.group.WORLD if processes.mode == "ddp" else None)
     start, history = 0, []
     if processes.distributed:
-        state = load_sharded_checkpoint(out, config.keep_checkpoints, model, optimizer, processes) if resume else None
+        state = load_sharded_checkpoint(out, config, model, optimizer, processes, force) if resume else None
     else:
-        state = load_checkpoint(out, config.keep_checkpoints, device) if resume else None
+        state = load_checkpoint(out, config, device, force) if resume else None
         if state is not None:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
@@ -466,6 +501,10 @@ def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Process
         start, history = state["step"], state["history"]
     elif resume and processes.main:
         print(f"{out}: nothing to resume (no checkpoint); starting from step 0", file=sys.stderr)
+    # After the checkpoint is accepted, so that a refused resume leaves the folder as it was.
+    processes.barrier()  # every process has read the old config.json before rank 0 replaces it
+    if processes.main:
+        write_config(out, config)
 
     validation = validation_batches(corpus, config.val_batches, config.batch_size, config.seq_len)
     loss_key, from_nats = VALIDATION_KEYS[corpus.unit]
