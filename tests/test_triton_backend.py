@@ -84,7 +84,7 @@ def test_the_dispatch_self_check_passes_for_every_primitive(forced, dtype):
 def test_spectral_power_against_the_svd(forced, shape, dtype):
     W = sample(shape, dtype)
     for p in range(5):
-        result = so.spectral_power(W, p, method="gram")
+        result = so.spectral_power(W, p, method="gram", matrix_view="batch")
         assert ran_on_triton("spectral_power") or p == 1  # S_1(W) = W runs no primitive at all
         assert result.dtype == dtype and result.shape == W.shape
         assert relative_error(result, reference.spectral_power_svd(W, p)) < TOLERANCE[dtype], p
@@ -97,7 +97,7 @@ def test_gram_space_powers_against_the_svd(forced, shape):
     there). Tolerance as tests/test_plan.py's for fp32 Gram space."""
     W = sample(shape)
     for p in (0, 2, 4):
-        result = so.spectral_power(W, p, iteration="gram_space", precision="fp32")
+        result = so.spectral_power(W, p, iteration="gram_space", precision="fp32", matrix_view="batch")
         assert ran_on_triton("spectral_power")
         assert relative_error(result, reference.spectral_power_svd(W, p)) < 2e-5, p
 
