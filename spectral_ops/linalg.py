@@ -102,14 +102,21 @@ def ratio(value, log_scale: torch.Tensor, most: float, dtype: torch.dtype) -> to
     return (log_value - log_scale).clamp(max=math.log(most)).exp().to(dtype)
 
 
-def power_weights(s: torch.Tensor, p: int, size: int) -> torch.Tensor:
-    """``s^p`` per mode, where ``p = 0`` gives 1 on the non-zero modes only.
+def zero_mode_cutoff(size: int, dtype: torch.dtype) -> float:
+    """Which modes count as exactly zero, defined once: those at or below this fraction of ``s_max``,
+    ``size * eps`` of the dtype the modes are computed in (``size = max(m, n)``). That is the round-off
+    level of an SVD in that dtype (numpy's ``matrix_rank`` rule): a rank-deficient matrix's zero modes
+    come out of a factorisation (or an iteration) at a few ``eps s_max``, not at 0, so the ``eps`` is
+    the factorisation's (float32 for a float32 SVD), never that of a dtype the values are cast to later."""
+    return size * torch.finfo(dtype).eps
 
-    A mode counts as zero below ``size * eps * s_max``, the round-off level of an SVD.
-    """
+
+def power_weights(s: torch.Tensor, p: int, size: int) -> torch.Tensor:
+    """``s^p`` per mode, where ``p = 0`` gives 1 on the non-zero modes only (:func:`zero_mode_cutoff`
+    in ``s``'s dtype: pass the singular values as the factorisation returned them)."""
     if p > 0:
         return s**p
-    cutoff = s.amax(dim=-1, keepdim=True) * size * torch.finfo(s.dtype).eps
+    cutoff = s.amax(dim=-1, keepdim=True) * zero_mode_cutoff(size, s.dtype)
     return (s > cutoff).to(s.dtype)
 
 

@@ -336,6 +336,10 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
     ``two_band`` ``lambda_top S_p(W) P_top + lambda_bot S_{p_bot}(W) P_bot``
     ``clip``     ``(W - tau Q) P_top = U (s - tau)_+ V^T`` (``p = 1``: the soft-threshold)
     ========== ================================================
+
+    ``p = 0`` below ``tau`` (``bot``, ``bot_only``, ``two_band`` with ``p_bot=0``) takes every non-zero mode
+    there to 1, however small: on the Gram route its polar factor is resolved down to the zero cutoff and
+    kept off the zero modes, as :func:`spectral_clip`'s ``min=`` is.
     """
     M = _validated(W, capturable=capturable, matrix_view=matrix_view)
     p = check_power(p, decay=True)
@@ -377,12 +381,26 @@ def spectral_clip(W: torch.Tensor, min=None, max=None, *, steps: int | None = No
                   method: str = "auto", matrix_view: str | None = None) -> torch.Tensor:
     """``U diag(clamp(s, min, max)) V^T``: the singular values clamped, as ``torch.clamp`` clamps
     entries. ``max=`` alone is the spectral hard cap (``s -> min(s, max)``); ``min=`` lifts the small
-    modes (those with ``s = 0`` have no singular vectors and stay 0). Each bound is a number or a 0-d
-    tensor, positive, ``min <= max``. ``method`` as in :func:`check_method`: ``"gram"`` is
-    ``W - P_top(max) (W - max Q) + P_bot(min) (min Q - W)``, with the band projectors' accuracy near
-    each bound (see :func:`svt`) and fp32's rounding of ``s_max`` (the top modes of the hard cap are the
-    difference of two ``s_max``-sized ones); ``"auto"`` takes a factorisation on a CPU, exact at any
-    bound. ``matrix_view``: as in :func:`polar`."""
+    modes, every one however small; the zero modes (``s <= max(m, n) eps s_max``, ``eps`` of the dtype the
+    modes are computed in: :func:`spectral_ops.linalg.zero_mode_cutoff`) have no singular vectors and stay
+    0. Each bound is a number or a 0-d tensor, positive, ``min <= max``.
+
+    ``method`` as in :func:`check_method`. ``"gram"`` (a GPU's) is ``W - P_top(max) (W - max Q) + P_bot(min)
+    (min Q - W)``, with ``Q`` resolved on every non-zero mode (to within a factor 2 of the zero cutoff) and the
+    projectors designed for each bound: at any bound from ``s_max`` down to ``s_max / 1000`` and below, every
+    mode at least 1% from a bound comes out as accurate as an fp32 SVD makes it (the lift of a mode ``s``
+    to ``min`` multiplies ``W``'s rounding by ``min / s``, on both routes), except that the hard cap's top
+    modes are the difference of two ``s_max``-sized ones: it errs by fp32's rounding of ``s_max``
+    (3.4e-4 of a cap at ``s_max / 1000`` on docs/api.md's matrix, the SVD 7.5e-6). A mode within 1% of a
+    bound is partly projected: off by at most its distance to the bound. ``"auto"`` takes the SVD on a
+    CPU, the Gram route on a GPU. The table per route, dtype and depth: docs/api.md, "Thresholded ops".
+
+    ``precision=None`` computes in fp32 (fp64 for float64 weights), also for bf16/fp16 weights and under
+    ``torch.set_float32_matmul_precision("high")``: the result is then the bf16 rounding of an fp32 clip
+    (about 2^-9, where bf16 operands erred 0.27 at ``max = s_max / 100``), at about twice bf16's time on a
+    GPU. An explicit ``precision="bf16"`` (or ``"fp16"``, ``"tf32"``) takes those operands and their
+    accuracy: the cap 1.6e-2 at ``s_max / 5`` to 2.9 at ``s_max / 1000``, ``min=`` 0.12 at ``s_max / 5`` (its
+    polar factor stops at the default design, 1e-3 of ``||W||_F``). ``matrix_view``: as in :func:`polar`."""
     M = _validated(W, capturable=capturable, matrix_view=matrix_view)
     if min is None and max is None:
         raise ValueError("spectral_clip needs min= or max= (or both): without them it would return W itself")

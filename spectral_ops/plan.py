@@ -51,7 +51,7 @@ from .coefficients import (NORMALIZATION_MARGIN, floor_polynomial, interpolated_
                            inverse_root_coefficients, polar_express_coefficients, polar_express_design,
                            power_polynomial)
 from .linalg import (SpectralFactors, as_float64, compute_dtype, frobenius_normalized, is_tall, power_weights, ratio,
-                     scaled_, wide)
+                     scaled_, wide, zero_mode_cutoff)
 
 Scale = Union[float, torch.Tensor]  # a Python number, a 0-d tensor, or one value per matrix (..., 1, 1)
 
@@ -177,6 +177,19 @@ def resolve_precision(precision: str | None, dtype: torch.dtype) -> str:
     if dtype in (torch.bfloat16, torch.float16):
         return "bf16" if dtype == torch.bfloat16 else "fp16"
     return _float32_precision()
+
+
+def clip_precision(precision: str | None, dtype: torch.dtype) -> str:
+    """``spectral_clip``'s ``precision=None``: fp32 operands (fp64 for float64 weights), whatever the weight's
+    dtype or torch's float32 matmul setting. Its result is a difference of ``s_max``-sized terms,
+    ``W - P_top(max) (W - max Q)``, so an operand's rounding lands on the clipped modes magnified by
+    ``s_max / max`` (bf16 operands: 0.22 at ``max = s_max / 100`` on a Gaussian 256 x 512, fp32 ones 1.7e-3,
+    the bf16 result's own rounding), and its lift needs the polar factor down to the zero cutoff, which
+    no bf16, fp16 or tf32 iteration resolves. On a GPU fp32 operands take about twice the time of bf16
+    ones; ``precision="bf16"`` (or another) still asks for those operands, with their accuracy."""
+    if precision is not None:
+        return precision
+    return "fp64" if dtype == torch.float64 else "fp32"
 
 
 @constant_when_traced
@@ -419,21 +432,41 @@ THRESHOLD_TOLERANCE = {torch.float32: 1e-7, torch.float64: 1e-13}
 # from tau: tests/test_thresholds.py); 5e-5 leaves 4x for the GPU kernels' 3xTF32 (2^-22). bf16, fp16 and
 # tf32 operands round the Gram too coarsely for any 1% gap: they keep it only where the default design does.
 GRAM_RESOLVES = {"fp32": 5e-5, "fp64": 1e-6}
+# A lift (spectral_clip's min=, a band form with p = 0 below tau) maps every mode below tau to O(1),
+# however small: its polar factor must resolve each non-zero mode, down to the zero cutoff
+# (linalg.zero_mode_cutoff, N eps s_max), where the threshold's design stops at tau (and the default one at
+# 1e-3 ||W||_F: 0.31 min at s = 1e-4 ||W||_F before). A factor designed that deep also amplifies the
+# round-off of a rank-deficient matrix's zero modes (an eps in step j grows by the later steps' linear
+# coefficients, ~1 / lower in all): measured 0.2 of min on the zero modes of a 64 x 128 of rank 8. So the lift
+# takes Q on the modes above the cutoff only, P_top(c) Q, with a sign iteration on |Xn| - c I (where the
+# zero modes sit at -c, away from the sign's unstable 0, and |Xn| = Xn Q^T is 0 on them whatever Q's
+# round-off there). Both are designed for the cutoff at its smallest relative to ||X||_F (s_max >= ||X||_F /
+# sqrt(r)): the polar factor down to c, the sign for the modes at c / 2 and 2 c. Modes within that factor of 2
+# of the cutoff come out partly lifted. Only fp32 and fp64 operands resolve it (GRAM_RESOLVES): bf16, fp16
+# and tf32 ones lift as the threshold's design does (the clip computes in fp32 unless told otherwise).
+CUTOFF_BAND = 2.0
+# A design this deep amplifies each step's rounding in its middle steps (the cushion's polynomials are steeper
+# than 1 at the top modes: up to 1e10 over fp64's 27 steps) and its last steps contract that quadratically,
+# so it must end a contraction step later than THRESHOLD_TOLERANCE does: within this many units of the
+# dtype's rounding of 1 (fp64: Q's error 5e-11 -> 3e-15 on resolved modes; fp32's design ends there already).
+CUTOFF_TOLERANCE_UNITS = 8
 
 
 @dataclass(frozen=True)
 class ThresholdDesign:
     """How a band op resolves one threshold: ``absolute``: the sign iteration runs on ``|Xn| - t I``
     (else on ``Gn - t^2 I``); ``sign``/``polar``: the coefficients of the sign iteration and of the
-    polar factor."""
+    polar factor; ``cutoff``: for a lift, the sign coefficients of ``P_top`` at the zero cutoff that
+    restricts the polar factor to the non-zero modes (:meth:`GramPlan.lifting_polar`), or None."""
 
     absolute: bool
     sign: tuple
     polar: tuple
+    cutoff: tuple | None = None
 
 
 def threshold_design(t: float | None, r: int, dtype: torch.dtype, precision: str, polar_coefficients=None,
-                     sign_coefficients=None, holds_polar: bool = True) -> ThresholdDesign:
+                     sign_coefficients=None, holds_polar: bool = True, lift_size: int | None = None) -> ThresholdDesign:
     """The design for the smallest ``t = tau / ||X||_F`` of a stack of ``r``-side matrices (None: not
     known on the host, the capturable design), in the compute ``dtype`` with ``precision``'s operands.
     Given coefficients (a user's count, Newton-Schulz) are kept as they are, on the Gram; None ones are
@@ -449,39 +482,55 @@ def threshold_design(t: float | None, r: int, dtype: torch.dtype, precision: str
     whose fewer sign steps pay for that product where the factor is formed anyway) with Polar Express
     designed for its gap. The polar factor must resolve the modes down to the threshold, ``0.99 t / 1.01`` after
     :func:`polar`'s margin. No gap is designed for below the compute dtype's epsilon, which no
-    iteration in it resolves."""
+    iteration in it resolves.
+
+    ``lift_size``: the long side ``N`` of a form that lifts its bottom band (the clip's ``min=``, ``p = 0``
+    below ``tau``): where nothing is given and the operands resolve it, the polar factor is designed down to
+    the zero cutoff as well, and ``cutoff`` for its projector (:data:`CUTOFF_BAND`)."""
     if t is None:
         t = CAPTURABLE_DEPTH / math.sqrt(r)
     near, tolerance, floor = THRESHOLD_RESOLUTION, THRESHOLD_TOLERANCE[dtype], torch.finfo(dtype).eps
 
-    def designed(lower):
+    def designed(lower, tolerance=tolerance):
         return polar_express_design(max(lower, floor), tolerance) if lower < DEFAULT_LOWER else \
             polar_express_coefficients(DEFAULT_STEPS)
 
+    lifts = lift_size is not None and polar_coefficients is None and sign_coefficients is None \
+        and precision in GRAM_RESOLVES
+    cutoff = zero_mode_cutoff(lift_size, dtype) / math.sqrt(r) if lifts else math.inf
+    cutoff_tolerance = min(tolerance, CUTOFF_TOLERANCE_UNITS * floor)
     if polar_coefficients is None:
-        polar_coefficients = designed((1 - near) * t / NORMALIZATION_MARGIN)
+        lower = (1 - near) * t
+        polar_coefficients = designed(lower / NORMALIZATION_MARGIN) if lower < cutoff else \
+            designed(cutoff / NORMALIZATION_MARGIN, cutoff_tolerance)
     if sign_coefficients is not None:
         return ThresholdDesign(False, sign_coefficients, polar_coefficients)
+    cutoff_sign = designed(cutoff / CUTOFF_BAND, cutoff_tolerance) if lifts else None
     gram_gap = (1 - (1 - near) ** 2) * t * t / math.sqrt(max(1 - 2 * t * t + r * t**4, floor))
     if gram_gap >= DEFAULT_LOWER or (not holds_polar and gram_gap >= GRAM_RESOLVES.get(precision, math.inf)):
-        return ThresholdDesign(False, designed(gram_gap), polar_coefficients)
+        return ThresholdDesign(False, designed(gram_gap), polar_coefficients, cutoff_sign)
     gap = near * t / math.sqrt(max(1 - 2 * t + r * t * t, floor))
-    return ThresholdDesign(True, designed(gap), polar_coefficients)
+    return ThresholdDesign(True, designed(gap), polar_coefficients, cutoff_sign)
 
 
-def matrix_sign(kernels, A: torch.Tensor, coefficients, precision: str) -> torch.Tensor:
+def matrix_sign(kernels, A: torch.Tensor, coefficients, precision: str, symmetrized: bool = False) -> torch.Tensor:
     """``msign`` of a symmetric ``A`` (SPEC 1.4): normalise by ``||A||_F``, then one sign step per triple.
 
     ``A`` is in the compute dtype; the result is in the operand dtype of ``precision``. A fused chain
     normalises again, harmlessly: it gets the unit-norm ``A``, whose square cannot leave fp32's range.
+    ``symmetrized``: each step's result is symmetrised (no fused chain): a sign step takes ``Z Z^T`` for
+    ``Z^2``, so it iterates the polar factor, whose value on eigenvalues within a few hundred units of
+    rounding of 0 (the zero cutoff's, :data:`CUTOFF_BAND`) turns with the products' asymmetric rounding.
     """
     Z = frobenius_normalized(A)[0]
-    chained = kernels.small_chain(Z, 0, coefficients, precision, sign=True)
+    chained = None if symmetrized else kernels.small_chain(Z, 0, coefficients, precision, sign=True)
     if chained is not None:
         return chained.to(OPERAND_DTYPES[precision])
     Z = Z.to(OPERAND_DTYPES[precision])
     for coefficient in coefficients:
         Z = kernels.sign_step(Z, coefficient, precision)
+        if symmetrized:
+            Z = (Z + Z.mT) * 0.5
     return Z
 
 
@@ -546,6 +595,8 @@ class GramPlan:
         self._gram_squares: dict[int, tuple] = {}
         self._polar = None
         self._gram_polar = None
+        self._absolute_value = None  # |Xn| from self._polar, for the sign iterations on it
+        self._lifting_polar = None
 
     @property
     def Xn(self) -> torch.Tensor:
@@ -851,10 +902,12 @@ class GramPlan:
         t = float(ratio(tau, self.log_scale, math.sqrt(2.0), torch.float64).min())
         return t if math.isfinite(t) and t > 0 else None
 
-    def design(self, tau, polar_coefficients, sign_coefficients, holds_polar: bool = True) -> ThresholdDesign:
-        """:func:`threshold_design` for ``tau`` on this stack."""
+    def design(self, tau, polar_coefficients, sign_coefficients, holds_polar: bool = True,
+               lifts: bool = False) -> ThresholdDesign:
+        """:func:`threshold_design` for ``tau`` on this stack; ``lifts``: the form lifts its bottom band."""
         return threshold_design(self.threshold_ratio(tau), self.shape[-2], self.dtype, self.precision,
-                                polar_coefficients, sign_coefficients, holds_polar)
+                                polar_coefficients, sign_coefficients, holds_polar,
+                                self.shape[-1] if lifts else None)
 
     def projector(self, tau, design: ThresholdDesign) -> torch.Tensor:
         """``P_top = (I + msign(Gn - (tau / c)^2 I)) / 2``, or ``(I + msign(|Xn| - (tau / c) I)) / 2`` as
@@ -864,11 +917,42 @@ class GramPlan:
         as the exact one (which can exceed the dtype: ``tau / c = 1e60`` for ``tau = 1e30``, ``c = 1e-30``)."""
         t = ratio(tau, self.log_scale, math.sqrt(2.0), self.dtype)
         if design.absolute:
-            shifted = self.absolute(self.polar(design.polar)).to(self.dtype) - t * self.identity()
+            shifted = self.absolute_value(design) - t * self.identity()
         else:
             shifted = self.gram.to(self.dtype) - t * t * self.identity()
-        J = matrix_sign(self.kernels, shifted, design.sign, self.precision).to(self.dtype)
+        return self._top(shifted, design.sign)
+
+    def _top(self, shifted: torch.Tensor, sign_coefficients, symmetrized: bool = False) -> torch.Tensor:
+        """``(I + msign(shifted)) / 2`` (compute dtype)."""
+        J = matrix_sign(self.kernels, shifted, sign_coefficients, self.precision, symmetrized).to(self.dtype)
         return (J + self.identity()) * 0.5
+
+    def absolute_value(self, design: ThresholdDesign) -> torch.Tensor:
+        """``|Xn|`` (compute dtype) from the plan's polar factor (``design``'s where it is the first to ask),
+        formed once for every sign iteration on it."""
+        if self._absolute_value is None:
+            self._absolute_value = self.absolute(self.polar(design.polar)).to(self.dtype)
+        return self._absolute_value
+
+    def lifting_polar(self, design: ThresholdDesign) -> torch.Tensor:
+        """The polar factor a lift multiplies (operand dtype): ``Q``, and with ``design.cutoff``
+        ``P_top(c) Q``, ``Q`` on the modes above the zero cutoff ``c = N eps s_max`` only
+        (:data:`CUTOFF_BAND`; ``s_max`` from below by the guard's bound, within ``r^(1/32)`` of it: three
+        squarings of the Gram, products the cost model counts)."""
+        Q = self.polar(design.polar)
+        if design.cutoff is None:
+            return Q
+        if self._lifting_polar is None:
+            log_lower, _ = self.log_spectral_norm_bounds()
+            # Of Xn: 0 for a zero matrix (whose log scale is -inf), which has no mode to lift.
+            s_max = (log_lower - self.log_scale[..., 0, 0]).exp().nan_to_num(0.0)[..., None, None]
+            c = zero_mode_cutoff(self.shape[-1], self.dtype) * s_max.to(self.dtype)
+            # Xn Q^T is symmetric only up to Q's error, s_i times its round-off between a zero mode's left
+            # vector and a non-zero one's right vector (1e-6 in fp32): as large as the cutoff's gap.
+            P = self.absolute_value(design)
+            nonzero = self._top((P + P.mT) * 0.5 - c * self.identity(), design.cutoff, symmetrized=True)
+            self._lifting_polar = self.product(nonzero.to(Q.dtype), Q)
+        return self._lifting_polar
 
     def top_projector(self, tau, polar_coefficients, sign_coefficients) -> torch.Tensor:
         """:meth:`projector` alone, with the design for ``tau`` (None coefficients: designed for it)."""
@@ -885,10 +969,12 @@ class GramPlan:
         # Odd integer powers are X G^k: only the clip and the other powers form the polar factor.
         powers = (p, band.p_bot) if band.mode == "two_band" else (p,)
         holds_polar = band.mode == "clip" or not all(isinstance(q, int) and q % 2 for q in powers)
-        design = self.design(band.tau, polar_coefficients, sign_coefficients, holds_polar)
+        # p = 0 below tau lifts the bottom band: Q there, on every non-zero mode (CUTOFF_BAND).
+        lifts = band.mode in ("bot", "bot_only", "two_band") and powers[-1] == 0
+        design = self.design(band.tau, polar_coefficients, sign_coefficients, holds_polar, lifts)
         polar_coefficients = design.polar
         P_top = self.projector(band.tau, design)
-        S_top = self.power(p, polar_coefficients)
+        S_top = self._band_power(p, design)
         product, X = self._final_product, self.X
         if band.mode == "top":
             return product(P_top, S_top - X, Y=X)
@@ -901,8 +987,12 @@ class GramPlan:
         if band.mode == "clip":  # S_top is X (p = 1): the soft-threshold at tau, unscaled
             tau = as_float64(band.tau, X.device).to(self.dtype)
             return product(P_top, X - tau * self.polar(polar_coefficients).to(self.dtype))
-        S_bot = self.power(band.p_bot, polar_coefficients) * band.spectral_weight_decay_bot
+        S_bot = self._band_power(band.p_bot, design) * band.spectral_weight_decay_bot
         return product(P_top, S_top * top - S_bot, Y=S_bot)
+
+    def _band_power(self, p: int, design: ThresholdDesign) -> torch.Tensor:
+        """:meth:`power` with ``design``'s polar factor, and ``p = 0``'s from :meth:`lifting_polar`."""
+        return self.lifting_polar(design).to(self.dtype) if p == 0 else self.power(p, design.polar)
 
     def scaled_svt(self, t, polar_coefficients, sign_coefficients):
         """``prox_{t ||.||_*}(W) = c P_top(t) (Xn - (t / c) Q)`` (SPEC 1.4), scaled: ``(D, ln c)``.
@@ -923,10 +1013,11 @@ class GramPlan:
         by the projectors, which commute with ``Q`` and ``X``'s spectrum. A mode with ``s = 0`` has no
         singular vectors (``Q`` is 0 there) and stays 0. ``high / c`` above 1 caps nothing, as surely as
         the exact one; ``low / c`` is not capped (a floor above ``s_max`` lifts every mode to it). The
-        polar factor is designed for the lower bound (the deeper one: ``low <= high``)."""
-        high_design, low_design = (None if bound is None else self.design(bound, polar_coefficients, sign_coefficients)
-                                   for bound in (high, low))
-        Q = self.polar((low_design or high_design).polar).to(self.dtype)
+        polar factor is designed for the lower bound, a lift: down to the zero cutoff, and only on the
+        modes above it (:meth:`lifting_polar`)."""
+        high_design = None if high is None else self.design(high, polar_coefficients, sign_coefficients)
+        low_design = None if low is None else self.design(low, polar_coefficients, sign_coefficients, lifts=True)
+        Q = self.lifting_polar(low_design or high_design).to(self.dtype)
         clipped = self.Xn
         if high is not None:
             shift = ratio(high, self.log_scale, 1.0, self.dtype)
@@ -1055,8 +1146,11 @@ class FactorisedPlan(GramPlan):
             clipped = torch.minimum(clipped, ratio(high, self.log_scale, 1.0, torch.float64)[..., 0])
         if low is not None:
             floor = ratio(low, self.log_scale, math.inf, torch.float64)[..., 0]
-            # Modes with s = 0 have no singular vectors to lift, as the iterations' Q is 0 there.
-            clipped = torch.where(power_weights(s, 0, self.shape[-1]) > 0, torch.maximum(clipped, floor), clipped)
+            # Modes with s = 0 have no singular vectors to lift, as the iterations' Q is 0 there. Which are
+            # zero is decided on the factorisation's own values (float32 for a float32 SVD): its round-off
+            # modes are at a few float32 eps of s_max, far above float64's cutoff.
+            nonzero = power_weights(self.factors.s, 0, self.shape[-1]) > 0
+            clipped = torch.where(nonzero, torch.maximum(clipped, floor), clipped)
         return self.factors.modes(clipped), self.log_scale
 
 
@@ -1189,7 +1283,9 @@ def svt(kernels, W: torch.Tensor, t, polar_coefficients, sign_coefficients, prec
 def spectral_clip(kernels, W: torch.Tensor, low, high, polar_coefficients, sign_coefficients,
                   precision: str | None = None, sync: bool = True, method: str = "gram",
                   threshold_ratio: float | None = None):
-    """``U diag(clamp(s, low, high)) V^T`` (``low``/``high`` None: that side unbounded)."""
+    """``U diag(clamp(s, low, high)) V^T`` (``low``/``high`` None: that side unbounded); precision None:
+    :func:`clip_precision`."""
+    precision = clip_precision(precision, W.dtype)
     method = routed(kernels, W, 0, precision, method, band=True)
     plan = plan_for(W, kernels, precision, method, not sync, threshold_ratio)
     clipped = plan.scaled_clip(low, high, polar_coefficients, sign_coefficients)

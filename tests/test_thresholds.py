@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import spectral_ops as so
-from spectral_ops import plan
+from spectral_ops import plan, reference
 from spectral_ops.coefficients import odd_quintic, polar_express_coefficients, polar_express_design
-from spectral_ops.linalg import matrix_with_spectrum
+from spectral_ops.linalg import matrix_with_spectrum, relative_error, zero_mode_cutoff
 from test_optim_capturable import host_reads_forbidden
 
 DEPTHS = [2, 5, 20, 100, 300, 1000]
@@ -32,13 +32,16 @@ def issue_matrix(dtype, shape=(128, 64)):
 
 
 def resolved_error(result, W, exact_weights, tau, small_side: bool = False) -> float:
-    """``result``'s error in ``W``'s SVD basis on the modes at least 1% from ``tau``, relative to the exact
-    ``U diag(exact_weights(s)) V^T`` on them; ``small_side``: ``result`` is a projector on the small
-    (right, for a tall ``W``) side."""
+    """``result``'s error in ``W``'s SVD basis on the modes at least 1% from ``tau`` (a threshold, or a tuple
+    of them, None for one that is not there), relative to the exact ``U diag(exact_weights(s)) V^T`` on them;
+    ``small_side``: ``result`` is a projector on the small (right, for a tall ``W``) side."""
     U, s, Vh = torch.linalg.svd(W.double(), full_matrices=False)
     left = Vh if small_side else U.mT
     in_basis = left @ result.double() @ Vh.mT
-    kept = (s - tau).abs() >= 0.01 * tau
+    kept = torch.ones_like(s, dtype=torch.bool)
+    for threshold in tau if isinstance(tau, tuple) else (tau,):
+        if threshold is not None:
+            kept &= (s - threshold).abs() >= 0.01 * threshold
     exact = torch.diag(exact_weights(s)[kept])
     return (torch.linalg.matrix_norm(in_basis[kept][:, kept] - exact) /
             torch.linalg.matrix_norm(exact).clamp_min(torch.finfo(torch.float64).tiny)).item()
@@ -239,3 +242,190 @@ def test_the_cost_refuses_a_threshold_that_is_not_a_ratio():
     for threshold in (0.0, -1.0, math.nan, "0.1"):
         with pytest.raises(ValueError, match="threshold is tau"):
             plan.cost("svt", (64, 32), steps=None, sign_steps=None, threshold=threshold)
+
+
+# ----- the clip at any depth (#43): the lift of min= and the bottom band's p = 0, bf16 weights, zero modes
+
+LIFT_SPECTRUM = torch.logspace(0, -4, 64, dtype=torch.float64)  # s_max = 1, s_min = s_max / 1e4
+CLIP_DEPTHS = [5, 20, 100, 1000]
+# The two-sided clip's floor sits a decade below its cap, down to s_min at s_max / 1000.
+CLIP_FORMS = {"min": lambda tau: (tau, None), "max": lambda tau: (None, tau), "both": lambda tau: (tau / 10, tau)}
+# 2^-9: bf16's unit roundoff, the most by which rounding each entry of the exact result moves it (relative), so
+# also the most by which it moves the result in Frobenius norm: a bf16 result cannot be closer than that.
+BF16_RESULT_ROUNDING = 2.0**-9
+
+
+def lift_matrix(dtype, shape=(64, 128)):
+    return matrix_with_spectrum(shape, LIFT_SPECTRUM, dtype, seed=0)
+
+
+def fp32_rounding_bound(W, exact, lifted_value: float = 0.0) -> float:
+    """What an fp32 computation of a clip or band form of ``W`` can reach against the FP64 SVD, relative to
+    ``exact`` (its FP64 result): any fp32 method perturbs ``W`` by its rounding, ``eps s_max`` (an SVD's
+    backward error), and that perturbation reaches the result (1) through the forms that subtract
+    ``s_max``-sized terms (the cap ``W - P_top (W - max Q)``, a projector's rounding times ``W``: up to ``eps
+    s_max`` in each of the ``r`` modes, as test_the_hard_cap_holds_at_any_depth_to_the_rounding_of_s_max
+    says), and (2) through a lift, which takes a mode ``s`` to ``lifted_value`` (``min``, or 1 for ``p = 0``)
+    and so multiplies a perturbation by ``lifted_value / s``: the polar factor's condition number on that
+    mode, at most ``lifted_value / s_min``; measured, the SVD and the Gram route reach 0.2 to 0.4 of it, so
+    twice it bounds both. Never below the package's fp32 bound."""
+    s = torch.linalg.svdvals(W.double())
+    eps = torch.finfo(torch.float32).eps
+    s_min = s[s > zero_mode_cutoff(max(W.shape), torch.float32) * s[0]][-1].item()  # of the modes it lifts
+    rounding = eps * s[0].item() * (s.numel() + 2 * lifted_value / s_min)
+    return max(FP32_BOUND, rounding / torch.linalg.matrix_norm(exact).item())
+
+
+@pytest.mark.parametrize("method", ["gram", "auto"])
+@pytest.mark.parametrize("form", list(CLIP_FORMS))
+@pytest.mark.parametrize("depth", CLIP_DEPTHS)
+def test_the_clip_reaches_fp32_accuracy_at_any_depth(depth, form, method):
+    """Issue #43, item 4: the Gram route's lift took a mode far below ``min`` only as far as the polar
+    factor's default design lifts it (0.31 min at ``s = 1e-4 ||W||_F``), 12 to 15 modes wrong: errors of
+    0.12, 3.7e-2, 7.4e-3, 5.1e-4 for ``min=`` at ``s_max / 5 .. / 1000``, 3.8e-2 for the two-sided clip at
+    ``s_max / 5``. Now the lift's polar factor resolves every non-zero mode (plan.CUTOFF_BAND), and both
+    routes meet :func:`fp32_rounding_bound`. Measure: as the docs' tables, the modes at least 1% from each
+    bound (a mode nearer a bound is partly projected, an error of at most its distance to the bound)."""
+    W = lift_matrix(torch.float32)
+    low, high = CLIP_FORMS[form](LIFT_SPECTRUM[0].item() / depth)
+    error = resolved_error(so.spectral_clip(W, low, high, method=method), W, lambda s: s.clamp(low, high), (low, high))
+    bound = fp32_rounding_bound(W, reference.spectral_clip_svd(W, low, high), low or 0.0)
+    assert error < bound, (error, bound)
+
+
+def test_the_issues_floor_lifts_every_mode():
+    """The reproduction of item 4: ``min=0.5`` on ``s = logspace(0, -4, 64)``, 64 x 128 fp32, the whole
+    result: 0.175 on the Gram route before (13 modes wrong, the issue counted); now the fp32 SVD's accuracy
+    (4.6e-5, the SVD route 4.7e-5: the clip's conditioning, a mode at 1e-4 lifted to 0.5), every mode within
+    fp32's reach of 0.5."""
+    W = lift_matrix(torch.float32)
+    exact = reference.spectral_clip_svd(W, 0.5)
+    clipped = so.spectral_clip(W, min=0.5, method="gram")
+    assert relative_error(clipped, exact) < fp32_rounding_bound(W, exact, 0.5)
+    singular_values = torch.linalg.svdvals(clipped.double())
+    expected = torch.linalg.svdvals(exact)
+    # A mode's value, lifted from s_min: 2 eps s_max (0.5 / s_min), the bound above without the sum over modes.
+    assert (singular_values - expected).abs().max() < 2 * torch.finfo(torch.float32).eps * 0.5 / 1e-4
+
+
+@pytest.mark.parametrize("method", ["gram", "auto"])
+@pytest.mark.parametrize("form", list(CLIP_FORMS))
+@pytest.mark.parametrize("depth", CLIP_DEPTHS)
+def test_a_bf16_clip_is_as_accurate_as_its_result_can_be(depth, form, method):
+    """Issue #43, item 5: the clip computes in fp32 for bf16 weights (plan.clip_precision), so its error is
+    the bf16 result's own rounding (:data:`BF16_RESULT_ROUNDING`) plus fp32's, at every depth. With bf16
+    operands (the default before) the hard cap erred 1.7e-2, 5.7e-2, 0.27, 2.9 at ``s_max / 5 .. / 1000``
+    here (0.22 at ``s_max / 100`` on the issue's Gaussian 256 x 512), ``min=`` 0.21 at ``s_max / 5``."""
+    W = lift_matrix(torch.bfloat16)
+    low, high = CLIP_FORMS[form](LIFT_SPECTRUM[0].item() / depth)
+    clipped = so.spectral_clip(W, low, high, method=method)
+    assert clipped.dtype == torch.bfloat16
+    exact = reference.spectral_clip_svd(W, low, high)
+    assert relative_error(clipped, exact) < BF16_RESULT_ROUNDING + fp32_rounding_bound(W, exact, low or 0.0)
+
+
+def test_a_bf16_clip_computes_in_fp32_unless_told_otherwise():
+    """``precision=None`` is fp32 for the clip whatever the weight's dtype or torch's float32 matmul setting;
+    an explicit ``precision="bf16"`` still takes bf16 operands, with their documented limit at depth."""
+    assert plan.clip_precision(None, torch.bfloat16) == plan.clip_precision(None, torch.float16) == "fp32"
+    assert plan.clip_precision(None, torch.float64) == "fp64"
+    assert plan.clip_precision("bf16", torch.bfloat16) == "bf16"
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")  # bf16 products for the other float32 ops
+        assert plan.clip_precision(None, torch.float32) == "fp32"
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    W = lift_matrix(torch.bfloat16)
+    tau = LIFT_SPECTRUM[0].item() / 100
+    exact = reference.spectral_clip_svd(W, None, tau)
+    # bf16 operands round s_max-sized terms at 2^-9 of s_max, on a cap 100 times smaller.
+    bf16_operands = so.spectral_clip(W, max=tau, method="gram", precision="bf16")
+    assert relative_error(bf16_operands, exact) > 10 * BF16_RESULT_ROUNDING
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("depth", CLIP_DEPTHS)
+def test_a_bottom_band_at_p_0_is_lifted_at_any_depth(depth, dtype):
+    """The same lift in the band forms: ``p = 0`` below ``tau`` (``bot``, ``bot_only``, ``two_band`` with
+    ``p_bot = 0``) takes every mode below it to 1, which needs the polar factor on every non-zero mode:
+    0.19 to 0.30 off before, at every depth, on this spectrum (s_min = s_max / 1e4)."""
+    W = lift_matrix(dtype)
+    tau = LIFT_SPECTRUM[0].item() / depth
+    for mode, p, options, top in (("bot", 0, {}, lambda s: s), ("bot_only", 0, {}, lambda s: 0 * s),
+                                  ("two_band", 2, {"p_bot": 0}, lambda s: s**2)):
+        exact = reference.band_direction_svd(W, tau, p, mode, **options)
+        band = so.band_direction(W, tau, p, mode, method="gram", **options)
+        error = resolved_error(band, W, lambda s: torch.where(s > tau, top(s), 1.0), tau)
+        bound = fp32_rounding_bound(W, exact, 1.0) if dtype == torch.float32 else FP64_BOUND
+        assert error < bound, (mode, error, bound)
+
+
+def rank_deficient(dtype, shape=(64, 128), rank=8):
+    """A product of small integer matrices: exact in bf16, fp32 and fp64, so its zero modes are exactly zero
+    and every dtype's oracle agrees (a rounded low-rank product has modes at ``eps s_max`` that the FP64 SVD
+    sees as non-zero)."""
+    generator = torch.Generator().manual_seed(3)
+    left = torch.randint(-4, 5, (shape[0], rank), generator=generator, dtype=torch.float64)
+    right = torch.randint(-4, 5, (rank, shape[1]), generator=generator, dtype=torch.float64)
+    return (left @ right).to(dtype)
+
+
+@pytest.mark.parametrize("method", ["gram", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_round_off_modes_are_not_lifted(dtype, method):
+    """The "Round-off modes lifted" finding of #43: ``spectral_clip(W, min=0.5)`` on an exactly rank-1 fp32
+    ``W`` (the CPU's SVD route) gave singular values [10.6, 0.5, 0.5, 0], the FP64 reference [10.6, 0, 0, 0]:
+    the zero-mode cutoff took float64's eps on a float32 SVD. It is now ``linalg.zero_mode_cutoff`` in the
+    factorisation's dtype. The Gram route's lift keeps the same modes at 0 (plan.CUTOFF_BAND): a polar factor
+    designed down to the cutoff alone would lift their round-off to 0.2 min (64 x 128 of rank 8)."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    eps = torch.finfo(compute).eps
+    rank_one = (torch.ones(4, 4, dtype=torch.float64) * 2.65).to(dtype)
+    s_max = torch.linalg.svdvals(rank_one.double())[0].item()
+    lifted = torch.linalg.svdvals(so.spectral_clip(rank_one, min=0.5, method=method).double())
+    assert lifted[0] == pytest.approx(s_max, rel=BF16_RESULT_ROUNDING if dtype == torch.bfloat16 else 1e-6)
+    # The result's own rounding of its one mode: a few eps of s_max in its zero modes.
+    assert lifted[1:].max() < 8 * eps * s_max
+    W = rank_deficient(dtype)
+    s = torch.linalg.svdvals(W.double())
+    for low in (s[0].item() / 5, s[7].item() / 2):
+        exact = reference.spectral_clip_svd(W, low)
+        assert torch.linalg.matrix_rank(exact).item() == 8
+        error = relative_error(so.spectral_clip(W, min=low, method=method), exact)
+        fp32_bound = fp32_rounding_bound(W, exact, low)
+        bound = {torch.float32: fp32_bound, torch.float64: FP64_BOUND,
+                 torch.bfloat16: BF16_RESULT_ROUNDING + fp32_bound}[dtype]
+        assert error < bound, (low, error, bound)
+
+
+def test_the_lifts_design_reaches_the_zero_cutoff_where_the_operands_resolve_it():
+    """plan.threshold_design(lift_size=N): the polar factor designed down to the zero cutoff at its smallest
+    against ``||X||_F`` (``N eps / sqrt(r)``), the cutoff's sign for its modes a factor CUTOFF_BAND from it;
+    nothing of the kind where the caller gave coefficients, nor for bf16/fp16/tf32 operands."""
+    r, size, t = 64, 128, 0.1
+    for dtype in (torch.float32, torch.float64):
+        precision = "fp64" if dtype == torch.float64 else "fp32"
+        cutoff = zero_mode_cutoff(size, dtype) / math.sqrt(r)
+        tolerance = min(plan.THRESHOLD_TOLERANCE[dtype], plan.CUTOFF_TOLERANCE_UNITS * torch.finfo(dtype).eps)
+        lifted = plan.threshold_design(t, r, dtype, precision, lift_size=size)
+        assert lifted.polar == polar_express_design(cutoff / 1.01, tolerance)
+        assert lifted.cutoff == polar_express_design(cutoff / plan.CUTOFF_BAND, tolerance)
+        plain = plan.threshold_design(t, r, dtype, precision)
+        assert plain.cutoff is None and lifted.sign == plain.sign and len(lifted.polar) > len(plain.polar)
+    for precision in ("bf16", "fp16", "tf32"):
+        assert plan.threshold_design(t, r, torch.float32, precision, lift_size=size) == \
+            plan.threshold_design(t, r, torch.float32, precision)
+    given = polar_express_coefficients(8)
+    assert plan.threshold_design(t, r, torch.float32, "fp32", polar_coefficients=given, lift_size=size).cutoff is None
+
+
+def test_a_capturable_clip_lifts_without_reading_back():
+    """The lift's design does not depend on the weight (the cutoff at its smallest) and its ``s_max`` comes
+    from the Gram's squares on the device: a capturable ``min=`` reads nothing back, to the same accuracy."""
+    W = lift_matrix(torch.float32)
+    low, high = CLIP_FORMS["both"](LIFT_SPECTRUM[0].item() / 20)
+    with host_reads_forbidden():
+        clipped = so.spectral_clip(W, low, high, method="gram", capturable=True)
+    error = resolved_error(clipped, W, lambda s: s.clamp(low, high), (low, high))
+    assert error < fp32_rounding_bound(W, reference.spectral_clip_svd(W, low, high), low)
