@@ -490,10 +490,10 @@ class SpectralOptimizer(Optimizer):
         """Create the state of ``params``, which have none (none by default: it may also be created as
         the step runs, as torch's SGD creates its momentum from the first gradient)."""
 
-    # Whether the optimizer reads the gradients; and whether a gradient must have its parameter's dtype,
-    # which in-place updates of state held in that dtype need (Adam's moments, Muon's momentum).
+    # Whether the optimizer reads the gradients; and whether they and the state must have their
+    # parameter's dtype, as the in-place updates of Adam's moments and Muon's momentum need.
     reads_gradients = True
-    gradient_in_parameter_dtype = True
+    inputs_in_parameter_dtype = True
 
     def check_step(self, params: list, group: dict) -> None:
         """Check, before anything is written, what the commit of ``params``' step could fail on: an
@@ -510,11 +510,11 @@ class SpectralOptimizer(Optimizer):
             expected += [(f"the state's {key!r}", state[key]) for key in PARAMETER_SHAPED_STATE if key in state]
             for what, tensor in expected:
                 tensor = local(tensor)
-                dtype_differs = tensor.dtype != weight.dtype and (what != "the gradient" or
-                                                                  self.gradient_in_parameter_dtype)
-                if tensor.shape != weight.shape or tensor.device != weight.device or dtype_differs:
+                dtype_differs = tensor.dtype != weight.dtype and self.inputs_in_parameter_dtype
+                misplaced = tensor.shape != weight.shape or tensor.device != weight.device
+                if misplaced or dtype_differs:
                     name = name or self.parameter_name(group, param)
-                    raise ValueError(
+                    raise (ValueError if misplaced else TypeError)(
                         f"{type(self).__name__}: {what} of {name} is a {tuple(tensor.shape)} {tensor.dtype} tensor "
                         f"on {tensor.device}, and the parameter a {tuple(weight.shape)} {weight.dtype} one on "
                         f"{weight.device}; nothing was written. {MISMATCH_FIXES[what == 'the gradient']}")

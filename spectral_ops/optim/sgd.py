@@ -16,8 +16,9 @@ class SpectralSGD(SpectralOptimizer):
     ``capturable=True``: as in :class:`SpectralAdamW`.
     """
 
-    # The momentum buffer takes another dtype's gradient in place (torch's SGD takes it too).
-    gradient_in_parameter_dtype = False
+    # The momentum buffer takes a gradient of another dtype in place, and may hold one (torch's SGD
+    # takes it too: a first step with dampening makes the buffer the gradient).
+    inputs_in_parameter_dtype = False
 
     def __init__(self, params, lr=1e-3, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0, p=1,
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
