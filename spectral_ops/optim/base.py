@@ -74,16 +74,17 @@ def detached_peak(lr):
     return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
 
-def _option_key(value):
+def _option_key(value, identity: bool = True):
     """A comparable stand-in for an option's value: a tensor by identity (its value may change in
-    place without needing validation again), a dict by its items, a flag as a plain bool (torch.compile
-    from 2.15 traces a group's ``capturable`` as a stand-in that has a truth value but no ``==``)."""
+    place without needing validation again; ``identity=False``: any tensor, as a trace compares them),
+    a dict by its items, a flag as a plain bool (torch.compile from 2.15 traces a group's
+    ``capturable`` as a stand-in that has a truth value but no ``==``)."""
     if isinstance(value, bool):
         return bool(value)
     if isinstance(value, torch.Tensor):
-        return ("tensor", id(value))
+        return ("tensor", id(value)) if identity else ("tensor",)
     if isinstance(value, dict):
-        return tuple(sorted((k, _option_key(v)) for k, v in value.items()))
+        return tuple(sorted((k, _option_key(v, identity)) for k, v in value.items()))
     return value
 
 
@@ -139,6 +140,15 @@ def commit_element_wise(update_, step: PreparedStep, keep: list, state) -> None:
         update_(step.params, step.group, state, device_masks(keep))
     else:
         update_([param for param, kept in zip(step.params, keep) if kept is not False], step.group, state)
+
+
+@torch.compiler.disable
+def _check_groups_eagerly(optimizer) -> None:
+    """Raise the error of a group whose options _init_group found invalid while torch.compile ran it:
+    run outside the trace, the package's own ValueError or TypeError."""
+    for group in optimizer.param_groups:
+        optimizer.decay_options(group)
+        optimizer.check_materialised(group)
 
 
 @dataclasses.dataclass
@@ -246,7 +256,6 @@ class SpectralOptimizer(Optimizer):
         self._exchange = None  # the step's Exchange, from the first group that asks for it
         self._counts = StepCounts()
         self._created = []  # (parameter, whether it had a state) for those this step started tracking
-        self._option_error = None  # an invalid option _init_group found while torch.compile ran it
 
     def layout(self, param: torch.Tensor):
         """How ``param`` is spread over the ranks (see :mod:`spectral_ops.optim.distributed`), or None:
@@ -331,24 +340,30 @@ class SpectralOptimizer(Optimizer):
 
     def decay_options(self, group: dict) -> DecayOptions:
         """The group's validated decay options: validated again only when one of them changes, so a
-        step does not re-check what construction did."""
+        step does not re-check what construction did.
+
+        torch.compile runs _init_group in Python before it traces a step (and again when a changed
+        option fails a guard), where this validates as an eager step does. Where it traces _init_group
+        instead (a step resumed after a graph break), the options are compared without the tensors'
+        identities, which a trace cannot read: a changed one is validated in the trace, and an invalid
+        one raises there too."""
         cached = None
         for entry in self._validated_options:  # by identity: Dynamo cannot look a dict up by id()
             if entry[0] is group:
                 cached = entry
-        if cached is not None and torch.compiler.is_dynamo_compiling():
-            # Validated by _init_group, which torch.compile runs in Python before it traces a step (and
-            # again when a changed option fails a guard): a traced check would only add guards.
-            return cached[2]
         # The group's capturable key as validation reads it: traced, the key says True (see forbids_host_reads).
         keys = [k for k in (*DECAY_KEYS, self.spectral_key, self.ordinary_key) if k != "capturable"]
-        key = (*(_option_key(group[k]) for k in keys), forbids_host_reads(group))
-        if cached is None or cached[1] != key:
-            cached = (group, key, check_decay_group(group, spectral=self.spectral_key, ordinary=self.ordinary_key))
+        traced = torch.compiler.is_dynamo_compiling()
+        key = (*(_option_key(group[k], identity=not traced) for k in keys), forbids_host_reads(group))
+        if cached is not None and cached[3 if traced else 1] == key:
+            return cached[2]
+        options = check_decay_group(group, spectral=self.spectral_key, ordinary=self.ordinary_key)
+        if not traced:
+            cached = (group, key, options, (*(_option_key(group[k], identity=False) for k in keys), key[-1]))
             # Entries of groups the optimizer no longer has (load_state_dict replaces them) are dropped.
             self._validated_options = [entry for entry in self._validated_options if entry[0] is not group and
                                        any(entry[0] is live for live in self.param_groups)] + [cached]
-        return cached[2]
+        return options
 
     def prepare_decay(self, params, group: dict, *, lr=None, peak_lr=None, blocks=None,
                       increments=False) -> ParameterDecay:
@@ -402,14 +417,12 @@ class SpectralOptimizer(Optimizer):
             raise
 
     def _plan(self, prepare, created: list) -> StepPlan:
+        stepped = [[] for _ in self.param_groups]
+        valid = [self._init_group(group, params) for group, params in zip(self.param_groups, stepped)]
+        if not all(valid):  # only where torch.compile ran _init_group; outside any loop, whose graph break
+            _check_groups_eagerly(self)  # would make Dynamo give up on the frame for good
         prepared = []
-        for group in self.param_groups:
-            params = []
-            self._init_group(group, params)
-            if self._option_error is not None:
-                # Raised here, where torch.compile traces it as the step's own exception: from inside
-                # _init_group, which it runs in Python, it would surface as its internal error.
-                raise self._option_error
+        for group, params in zip(self.param_groups, stepped):
             if params:
                 self.check_step(params, group)
                 prepared.extend(prepare(params, group))
@@ -444,33 +457,35 @@ class SpectralOptimizer(Optimizer):
                 self.state.pop(param, None)
             self._counts.forget(param)
 
-    def _init_group(self, group: dict, params: list) -> None:
+    def _init_group(self, group: dict, params: list) -> bool:
         """Append the parameters a step updates (:meth:`stepped_params`) to ``params``, and create the
         state (:meth:`init_state`) and counts of those stepped for the first time.
 
         torch's own optimizers' name and signature, which torch.compile recognises: it runs this in
         Python instead of tracing it, marks the state as static (CUDA graphs keep its addresses) and
-        guards on it, so the first compiled step is not compiled again once the state exists. An
-        invalid option found here while torch.compile runs it is kept in ``_option_error``, for the
-        traced step to raise (see :meth:`_plan`)."""
-        self._option_error = None
+        guards on it, so the first compiled step is not compiled again once the state exists.
+
+        Returns whether the group's options are valid: an invalid one raises here, except while
+        torch.compile runs this, where an error would surface as Dynamo's internal error (or, in a
+        frame resumed after a graph break, be lost); the step then raises it outside the trace
+        (:func:`_check_groups_eagerly`)."""
         try:
             options = self.decay_options(group)  # validated here, in Python, when the step is compiled
             self.check_materialised(group)
-        except (TypeError, ValueError) as error:
+        except (TypeError, ValueError):
             if not torch.compiler.is_compiling():
                 raise
-            self._option_error = error
-            return
+            return False
         params.extend(self.stepped_params(group))
         fresh = [param for param in params if not self._counts.tracks(param)]
         if not fresh:
-            return
+            return True
         had_state = [bool(self.state.get(param)) for param in fresh]
         self.init_state([param for param, had in zip(fresh, had_state) if not had], group)
         clamps = group["stability"] == "clamp" and stability_terms(options.p, group[self.spectral_key], options.band)
         self._counts.track(fresh, [param for param in fresh if clamps and param.ndim >= 2])
         self._created.extend(zip(fresh, had_state))
+        return True
 
     def check_materialised(self, group: dict) -> None:
         """Refuse a group that holds a meta-device parameter (no values), whether or not it has a
