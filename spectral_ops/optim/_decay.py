@@ -12,6 +12,7 @@ spread over processes is decayed on its owner (:func:`spectral_ops.optim.distrib
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -237,7 +238,7 @@ def decayed_matrices(param: torch.Tensor, view: str, decay: ParameterDecay, inde
     and copied back at the commit."""
     if view != "flatten" or param.ndim <= 2 or param.is_contiguous():
         return as_matrices(param, view)
-    matrix = param.reshape(param.shape[0], -1)  # a copy: the layout has no view of this matrix
+    matrix = param.reshape(param.shape[0], math.prod(param.shape[1:]))  # a copy: no view of it exists
     decay.copies.append((index, param, matrix))
     return matrix
 
@@ -262,6 +263,10 @@ def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, lr, p
     scale = lr if schedule is None else schedule
     layouts = layouts or [None] * len(params)
     decay = ParameterDecay(increments=increments, stochastic=increments and options.rounding == "stochastic")
+    if decay.stochastic and any(layout is not None and layout.replicated for layout in layouts):
+        raise ValueError("rounding='stochastic' in a SpectralDecay attached to another optimizer rounds the addition "
+                         "of the decay on each rank that holds a replica of a weight, and the replicas would drift "
+                         "apart: put the replicated weights in a group with rounding='nearest'")
     if increments:  # rounded once more as it is added: to nearest here, the group's way there
         options = dataclasses.replace(options, rounding="nearest")
     views = [matrix_view_of_parameter(param, group) for param in params]

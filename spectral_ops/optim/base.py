@@ -344,9 +344,8 @@ class SpectralOptimizer(Optimizer):
 
         torch.compile runs _init_group in Python before it traces a step (and again when a changed
         option fails a guard), where this validates as an eager step does. Where it traces _init_group
-        instead (a step resumed after a graph break), the options are compared without the tensors'
-        identities, which a trace cannot read: a changed one is validated in the trace, and an invalid
-        one raises there too."""
+        instead (a frame resumed after a graph break), the options are compared without the tensors'
+        identities, which a trace cannot read, and a changed one is validated in the trace."""
         cached = None
         for entry in self._validated_options:  # by identity: Dynamo cannot look a dict up by id()
             if entry[0] is group:
@@ -419,8 +418,8 @@ class SpectralOptimizer(Optimizer):
     def _plan(self, prepare, created: list) -> StepPlan:
         stepped = [[] for _ in self.param_groups]
         valid = [self._init_group(group, params) for group, params in zip(self.param_groups, stepped)]
-        if not all(valid):  # only where torch.compile ran _init_group; outside any loop, whose graph break
-            _check_groups_eagerly(self)  # would make Dynamo give up on the frame for good
+        if not all(valid):  # only where torch.compile ran _init_group. Outside the loop over the groups:
+            _check_groups_eagerly(self)  # Dynamo gives up on a frame that breaks its graph in a loop
         prepared = []
         for group, params in zip(self.param_groups, stepped):
             if params:

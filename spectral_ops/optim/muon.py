@@ -208,6 +208,15 @@ class SpectralMuon(SpectralOptimizer):
             if letter == "H" and size % heads:
                 raise ValueError(f"a head-wise block of {size} rows does not split into {heads} heads")
 
+    def check_step(self, params: list, group: dict) -> None:
+        super().check_step(params, group)
+        for param in params:
+            if group["algorithm"] == "muon" and self.layout(param) is not None and param.ndim > 2 and \
+                    matrix_view_of_parameter(param, group) == "flatten" and not local(param).is_contiguous():
+                raise ValueError(f"SpectralMuon: {self.parameter_name(group, param)} is spread over ranks and read with "
+                                 "matrix_view='flatten', and its layout (channels-last?) has no view of its matrix: "
+                                 "make it contiguous (module.to(memory_format=torch.contiguous_format))")
+
     def init_state(self, params: list, group: dict) -> None:
         if group["algorithm"] == "adamw":
             init_adam_state(params, group, self.state)
