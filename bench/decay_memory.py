@@ -148,14 +148,15 @@ def decay_call(tensors, p: int, band=None):
     return lambda: spectral_ops.spectral_decay_(argument, p, LR, COEFFICIENT, band=band, method="gram")
 
 
-def optimizer_step(tensors, p: int | None):
-    """One step of SpectralAdamW (or, for ``p=None``, torch.optim.AdamW's foreach step)."""
+def optimizer_step(tensors, p: int | None, rollback: bool = True):
+    """One step of SpectralAdamW (or, for ``p=None``, torch.optim.AdamW's foreach step); ``rollback``: the
+    step keeps its rollback record (the default: a copy of the weights and both moments as it writes them)."""
     parameters = [torch.nn.Parameter(t) for t in tensors]
     if p is None:
         optimizer = torch.optim.AdamW(parameters, lr=LR, weight_decay=COEFFICIENT, foreach=True)
     else:
         optimizer = SpectralAdamW(parameters, lr=LR, weight_decay=0.0, p=p, spectral_weight_decay=COEFFICIENT,
-                                  decay_method="gram")
+                                  decay_method="gram", rollback=rollback)
     generator = torch.Generator().manual_seed(1)
     for parameter in parameters:
         parameter.grad = torch.randn(parameter.shape, generator=generator).to(parameter.dtype)

@@ -8,7 +8,7 @@ caller of an ``(..., m, n)`` function means:
 
 * a 1 x 1 convolution's filter ``(out, in, 1, 1)`` (or ``(out, in, 1, 1, 1)``) is read ``"flatten"``, as
   the ``(out, in)`` matrix: its batch reading would hold 1 x 1 matrices, whose spectral power is
-  element-wise, no spectral decay at all;
+  element-wise, no spectral decay at all (:func:`unambiguous_view` has the rule);
 * an op (:mod:`spectral_ops.ops`, :func:`~spectral_ops.spectral_decay_`) reads a 3-D tensor as a stack, as
   ``torch.linalg`` and every batched Newton-Schulz do: a 3-D tensor handed to a spectral op is a stack of
   experts, heads or a bank's matrices (modded-nanogpt's banks), or a batch of momenta. A Conv1d filter
@@ -38,21 +38,33 @@ def check_matrix_view(matrix_view, optional: bool = False):
 
 
 def unambiguous_view(shape) -> str | None:
-    """The reading of a tensor of ``shape`` that only one reading makes sense of: ``"batch"`` for a matrix
-    (either reading is the matrix itself), ``"flatten"`` for a 1 x 1 convolution's filter (four or more
-    dimensions, all but the first two of size 1), else None (the optimizers' rule: the caller must say)."""
-    if len(shape) <= 2:
-        return "batch"
-    if len(shape) >= 4 and all(size == 1 for size in shape[2:]):
+    """The reading of a tensor of ``shape`` that needs no ``matrix_view`` (the optimizers' rule), or None
+    where the readings give different maths and the caller must say which.
+
+    ``"flatten"`` (one matrix, dim 0's rows by the product of the other sizes) where
+
+    * the tensor is a matrix or a vector (at most two dimensions): there is one reading;
+    * every dim but the last has size 1: both readings are the same ``(1, n)`` matrix;
+    * every dim after the first two has size 1 and so has ``shape[-2]`` (a 1x1 convolution's
+      ``(out, in, 1, 1)``): the ``"batch"`` reading would be a stack of 1x1 matrices, scalars, whose
+      ``S_p`` is ``sign(w) |w|^p`` element by element and whose polar factor is ``sign(w)``, which no
+      spectral method means; the ``(out, in)`` matrix is the one reading that is a matrix.
+
+    ``(out, in, 1)`` is not: its batch reading is ``out`` columns of ``in`` entries, vectors whose decay
+    scales each by its norm, a different but meaningful maths from the ``(out, in)`` matrix's."""
+    shape = tuple(shape)
+    if len(shape) <= 2 or all(size == 1 for size in shape[:-1]):
+        return "flatten"
+    if all(size == 1 for size in shape[2:]) and shape[-2] == 1:
         return "flatten"
     return None
 
 
 def op_view(shape) -> str | None:
-    """The reading an op takes unsaid: :func:`unambiguous_view`'s, else a stack for 3-D (the
-    ``torch.linalg`` convention), else None (four or more dimensions: the caller must say)."""
-    view = unambiguous_view(shape)
-    return "batch" if view is None and len(shape) == 3 else view
+    """The reading an op takes unsaid: a stack for 3-D (the ``torch.linalg`` convention, which an op's
+    caller of ``(..., m, n)`` functions means, stacks of 1 x 1 matrices included), else
+    :func:`unambiguous_view`'s (four or more dimensions: None unless evident, the caller must say)."""
+    return "batch" if len(shape) == 3 else unambiguous_view(shape)
 
 
 def ambiguity_message(shape, what: str, how: str) -> str:

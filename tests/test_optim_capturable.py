@@ -258,3 +258,82 @@ def test_options_are_validated_at_construction_and_again_only_when_changed(monke
     optimizer.param_groups[0]["p"] = -1
     with pytest.raises(ValueError, match="p=-1 < 0 cannot be a decay"):
         optimizer.step()
+
+
+# ----- lr = 0 and a NaN lr write nothing non-finite (#43)
+
+
+def _sparse_gradients(model, step):
+    """Gradients in which an input feature is always zero: the second moment of its column stays 0."""
+    gradients(model, step)
+    model[0].weight.grad[:, 0] = 0.0
+
+
+def _at_lr(name, lr, steps=2, tensor_lr=False):
+    """SpectralAdamW ``name`` ("eager", "capturable" or "compiled") after a first step at lr 1e-2 (the
+    state exists) and ``steps`` more at ``lr``: the weights before and after those, and the skips."""
+    torch._dynamo.reset()
+    model = tiny_model()
+    capturable = name == "capturable"
+    optimizer = SpectralAdamW(model.parameters(), lr=torch.tensor(1e-2) if tensor_lr else 1e-2, p=2,
+                              spectral_weight_decay=0.5, capturable=capturable)
+    _sparse_gradients(model, 0)
+    optimizer.step()
+    set_lr(optimizer, lr)
+    step = torch.compile(optimizer.step) if name == "compiled" else optimizer.step
+    before = [p.detach().clone() for p in model.parameters()]
+    for index in range(steps):
+        _sparse_gradients(model, 1 + index)
+        step()
+    return before, [p.detach().clone() for p in model.parameters()], sum(int(c) for c in optimizer.skipped.values())
+
+
+@pytest.mark.parametrize("name", ["eager", "capturable", "compiled"])
+def test_an_lr_of_zero_leaves_every_weight_bit_for_bit(name):
+    """A warm-up from 0, a cosine to 0. The capturable (and so the compiled) Adam folded its step size into
+    each term of the denominator, so a second moment of exactly 0 made 0/0, NaN, written with no skip;
+    now the denominator is divided by the step size last (infinite: the update is exactly 0), as eager
+    leaves every weight as it was."""
+    before, after, skipped = _at_lr(name, 0.0, tensor_lr=name == "capturable")
+    assert skipped == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_an_nan_lr_raises_in_an_eager_step_before_any_write():
+    """Set on a group after construction, a NaN lr reached the vectors' ordinary decay (NaN biases)."""
+    model = tiny_model()
+    optimizer = SpectralAdamW(model.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5)
+    gradients(model, 0)
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = float("nan")
+    gradients(model, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="lr must be finite, got nan"):
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("name", ["capturable", "compiled"])
+def test_an_nan_lr_skips_a_device_step_and_writes_nothing(name):
+    """A device step cannot raise on the lr's value: it skips every parameter of the group, counted, and
+    the masked update adds exact zeros (it computed 0 / NaN before). A tensor lr, as a scheduler's on the
+    device (a Python NaN is a constant Inductor cannot compile)."""
+    before, after, skipped = _at_lr(name, float("nan"), steps=1, tensor_lr=True)
+    assert skipped == len(before)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("name", ["sgd", "muon"])
+def test_an_nan_lr_skips_every_capturable_optimizer_and_writes_nothing(name):
+    """SGD and Muon add ``lr * direction``, and a masked direction of zeros times a NaN lr is NaN: a
+    skipped parameter's lr is taken as 0."""
+    model = tiny_model()
+    optimizer = FAMILY[name](model, lr=torch.tensor(1e-2), p=2, spectral_weight_decay=0.5, stability="clamp")
+    gradients(model, 0)
+    optimizer.step()
+    set_lr(optimizer, float("nan"))
+    gradients(model, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert sum(int(count) for count in optimizer.skipped.values()) == len(before)

@@ -160,3 +160,30 @@ def test_stability_raise_reads_the_host_and_raises_from_a_compiled_step():
     # (eager, it forgets it): step 0 and zero moments, so the next step is still the first.
     for state in optimizer.state.values():
         assert int(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+
+
+def test_an_invalid_option_set_on_a_group_raises_its_own_error_from_a_compiled_step():
+    """Options set on a group after construction are validated when the step is traced (in _init_group,
+    which torch.compile runs in Python): the error used to surface as Dynamo's InternalTorchDynamoError,
+    or not at all. In one process, as the probe ran them, each raises the package's error, writes
+    nothing, and the step compiles and runs again once the option is valid."""
+    torch._dynamo.reset()
+    model = tiny_model()
+    optimizer = SpectralAdamW(model.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5)
+    step = torch.compile(optimizer.step)
+    inputs, targets = batch(0)
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+    step()
+    group = optimizer.param_groups[0]
+    for key, value, error, message in [("p", -0.5, ValueError, "p=-0.5 < 0 cannot be a decay"),
+                                       ("rounding", "bogus", ValueError, "rounding must be one of"),
+                                       ("spectral_weight_decay", "0.5", TypeError, "must be a real number"),
+                                       ("stability", "nope", ValueError, "stability must be one of")]:
+        valid, group[key] = group[key], value
+        before = [param.detach().clone() for param in model.parameters()]
+        with pytest.raises(error, match=message):
+            step()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        group[key] = valid
+    step()
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -16,6 +16,7 @@ import spectral_ops as so
 from spectral_ops import reference
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD, param_groups_by_module
+from spectral_ops.matrix_views import unambiguous_view
 
 AGAINST_OP = dict(rtol=1e-5, atol=1e-6)
 AGAINST_SVD = 5e-5
@@ -70,6 +71,54 @@ def test_a_stack_whose_group_does_not_say_how_to_read_it_is_refused_at_construct
         OPTIMIZERS[name]([{"params": [experts], "param_names": ["experts.w1"]}])
     with pytest.raises(ValueError, match="matrix_view must be one of"):
         OPTIMIZERS[name]([experts], matrix_view="experts")
+
+
+@pytest.mark.parametrize("shape, view", [
+    ((16, 8), "flatten"), ((8,), "flatten"), ((1, 1, 24), "flatten"), ((1, 1, 1), "flatten"),  # one reading
+    ((16, 8, 1, 1), "flatten"), ((16, 8, 1, 1, 1), "flatten"), ((16, 1, 1), "flatten"),  # 1x1 convolutions
+    ((16, 8, 1), None), ((1, 24, 1), None), ((4, 16, 8), None), ((16, 8, 3, 3), None), ((2, 4, 8, 1, 1), None),
+])
+def test_the_evident_reading_of_a_shape(shape, view):
+    """What needs no matrix_view: one reading, or a batch reading whose matrices would be 1x1 (scalars).
+    (16, 8, 1) is a stack of 16 columns read as a batch, a (16, 8) matrix read flattened: both mean
+    something. A bank of 1x1 convolutions (2, 4, 8, 1, 1) is not evident: flattened, it is one (2, 32)
+    matrix, not its banks' (4, 8) ones."""
+    assert unambiguous_view(shape) == view
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_1x1_convolution_is_its_output_by_input_matrix_without_matrix_view(name):
+    """torch's generic optimizer tests build a (2, 4, 1, 1) Conv2d weight, which was refused without
+    matrix_view. Its batch reading would decay 1x1 matrices, scalars, one by one (sign(w) |w|^p): the
+    (out, in) matrix is its one reading that is a matrix, taken without a word."""
+    W = stack((16, 8)).reshape(16, 8, 1, 1)
+    oracle = reference.spectral_decay_svd(W.reshape(16, 8), 2, LR, SPECTRAL).reshape(W.shape)
+    assert relative_error(decayed_by(name, W), oracle) < AGAINST_SVD
+    with pytest.raises(ValueError, match=r"\(16, 8, 1\).*matrix_view"):
+        OPTIMIZERS[name]([torch.nn.Parameter(torch.randn(16, 8, 1))])
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_filter_that_turned_channels_last_after_construction_steps_as_a_contiguous_one(name):
+    """model.to(memory_format=torch.channels_last) after the optimizer was built: the "flatten" matrix of
+    the filter is no view of it. Muon raised in its commit after other parameters, their momentum and the
+    step count were written; the decay raised before. Now the matrix is read through a copy and written
+    back (Muon adds its update in the filter's shape): the same bits as a contiguous filter's step, and
+    the filter keeps its layout."""
+    def step(channels_last):
+        torch.manual_seed(0)
+        conv = torch.nn.Conv2d(3, 16, 4, bias=False)
+        optimizer = OPTIMIZERS[name]([conv.weight], matrix_view="flatten")
+        if channels_last:
+            conv.to(memory_format=torch.channels_last)
+        for index in range(2):
+            conv.weight.grad = torch.randn(conv.weight.shape, generator=torch.Generator().manual_seed(index))
+            optimizer.step()
+        return conv.weight.detach()
+
+    contiguous, channels_last = step(False), step(True)
+    assert channels_last.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(channels_last, contiguous)
 
 
 def test_a_stack_needs_no_reading_where_its_decay_is_element_wise():
@@ -155,9 +204,18 @@ def test_clamps_of_a_stack_are_counted_and_named_per_matrix(caplog):
     assert "experts (4, 24, 16) matrix [1]" in caplog.text and "matrix [3]" in caplog.text
 
 
+def _attached_to_sgd(params, **options):
+    """The decay attached to torch's SGD: added after the host's step (a zero gradient's: no change)."""
+    host = torch.optim.SGD(params, lr=1e-3)
+    SpectralDecay(params, p=1, ordinary_weight_decay=1.0, **options).attach(host)
+    return host
+
+
 ORDINARY_ONLY = {
     "adamw": lambda params, **o: SpectralAdamW(params, lr=1e-3, weight_decay=1.0, **o),
     "decay": lambda params, **o: SpectralDecay(params, p=1, ordinary_weight_decay=1.0, lr=1e-3, **o),
+    # Its increment is rounded to nearest, then added to the weight with the group's rounding.
+    "decay-attached": _attached_to_sgd,
 }
 
 

@@ -226,8 +226,9 @@ def test_two_standalone_decays_cannot_decay_a_parameter_twice_in_one_step():
 
 
 def test_a_host_that_is_not_a_torch_optimizer_is_refused_and_the_recipe_does_what_attach_does():
-    """attach needs torch's step pre-hooks; another optimizer class calls the op at the start of its own
-    step (the recipe in docs/optimizers.md), which is what attach does for torch's SGD, bit for bit."""
+    """attach needs torch's step hooks; another optimizer class computes the decay's increment at the
+    start of its own step and adds it at the end (the recipe in docs/optimizers.md), which is what attach
+    does for torch's SGD, bit for bit."""
     class PlainSGD:  # an optimizer that is not a torch.optim.Optimizer
         def __init__(self, params, lr):
             self.params, self.lr = list(params), lr
@@ -235,9 +236,11 @@ def test_a_host_that_is_not_a_torch_optimizer_is_refused_and_the_recipe_does_wha
 
         @torch.no_grad()
         def step(self):
-            so.spectral_decay_(self.matrices, p=2, lr=self.lr, spectral_weight_decay=0.05, stability="clamp")
+            increments = so.spectral_decay(self.matrices, p=2, lr=self.lr, spectral_weight_decay=0.05,
+                                           stability="clamp", increment=True)
             for param in self.params:
                 param.add_(param.grad, alpha=-self.lr)
+            torch._foreach_add_(self.matrices, increments)
 
     with pytest.raises(TypeError, match="needs a torch.optim.Optimizer .* got PlainSGD.*spectral_decay_"):
         SpectralDecay([torch.nn.Parameter(torch.randn(4, 4))], p=2, spectral_weight_decay=0.05).attach(

@@ -476,6 +476,44 @@ def test_meta_parameters_build_and_their_step_is_refused_before_any_state(name):
     optimizer = OPTIMIZERS[name](list(model.parameters()))
     for param in model.parameters():
         param.grad = torch.empty_like(param)
-    with pytest.raises(ValueError, match=r"meta-tensor parameter, which has no values: materialise the model"):
+    with pytest.raises(ValueError, match=r"meta-device parameter .*, which has no values\. Materialise the model"):
         optimizer.step()
     assert not optimizer.state
+
+
+def _materialised(model):
+    """What FSDP2's meta-device recipe does after building the optimizer: to_empty, then initialise."""
+    model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    _gradients(model)
+    return model
+
+
+@pytest.mark.parametrize("name", ["adamw", "attached"])
+def test_an_optimizer_built_before_to_empty_refuses_to_step_and_names_the_fixes(name):
+    """Under torch's default (swap off) to_empty replaces each Parameter: an optimizer built on the meta
+    model holds the old meta ones, which get no gradient, so its steps decayed nothing, in silence. Now
+    its step raises and names both fixes; with swapping on, the same flow trains."""
+    model = tiny_model().to("meta")
+    optimizer = OPTIMIZERS[name](list(model.parameters()))
+    _materialised(model)
+    before = [param.detach().clone() for param in model.parameters()]
+    with pytest.raises(ValueError, match=r"holds the meta-device parameter .*build the optimizer after that.*"
+                                         r"set_swap_module_params_on_conversion\(True\)"):
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+    swapped = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model = tiny_model().to("meta")
+        optimizer = OPTIMIZERS[name](list(model.parameters()))
+        _materialised(model)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapped)
+    before = [param.detach().clone() for param in model.parameters()]
+    optimizer.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()) if a.ndim == 2)

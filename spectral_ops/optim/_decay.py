@@ -12,13 +12,15 @@ spread over processes is decayed on its owner (:func:`spectral_ops.optim.distrib
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from .._checks import check_same_device, renamed_argument
+from ..backends.torch_backend import round_stochastic
 from ..decay import DecayOptions, PendingDecay, check_decay_options, prepare_decay, row_block
-from ..matrix_views import as_matrices, check_matrix_view
-from ..plan import is_zero, needs_direction, plain_factor
+from ..matrix_views import as_matrices, check_matrix_view, unambiguous_view
+from ..plan import STOCHASTICALLY_ROUNDED, DecayRequest, is_zero, needs_direction, plain_factor, rounding_noise
 from .distributed import local, owner_decay
 
 # Decay keys every optimizer of the family accepts per parameter group; each constructor gives their
@@ -76,13 +78,10 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> DecayOpti
         names=(spectral, ordinary),
     )
     spectral_direction = needs_direction(options.p, group[spectral], options.band)
-    view = check_matrix_view(group["matrix_view"], optional=True)
+    check_matrix_view(group["matrix_view"], optional=True)
     for index, param in enumerate(group["params"]):
         if spectral_direction:
             check_matrices_said(param, group, index, "its spectral decay")
-        if param.ndim > 2 and view == "flatten" and not param.is_contiguous():
-            raise ValueError(f"a {tuple(param.shape)} parameter read with matrix_view='flatten' must be contiguous: "
-                             "its matrix is a view of it, which the decay writes through")
         if spectral_direction and param.is_complex() and param.ndim >= 2:
             raise TypeError(f"a complex {tuple(param.shape)} parameter cannot take the spectral decay (p={options.p}"
                             f"{', band' if options.band is not None else ''}): S_p is implemented for real matrices "
@@ -91,10 +90,18 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> DecayOpti
     return options
 
 
+def matrix_view_of_parameter(param: torch.Tensor, group: dict) -> str:
+    """How a step reads ``param``'s matrices: its group's ``matrix_view``, else the evident reading
+    (:func:`unambiguous_view`), else ``"batch"`` (a group that does not say holds no parameter whose
+    reading matters to it: :func:`check_matrices_said`; element-wise work reads any the same)."""
+    return group["matrix_view"] or unambiguous_view(param.shape) or "batch"
+
+
 def check_matrices_said(param: torch.Tensor, group: dict, index: int, reader: str) -> None:
-    """A parameter of more than two dimensions needs its group's ``matrix_view``: the two readings
-    give different maths (SPEC 1.8), and neither is safe to guess. ``reader``: what reads its matrices."""
-    if param.ndim <= 2 or group["matrix_view"] is not None:
+    """A parameter of more than two dimensions needs its group's ``matrix_view``, unless its reading is
+    evident (:func:`unambiguous_view`): the two readings give different maths (SPEC 1.8), and
+    neither is safe to guess. ``reader``: what reads its matrices."""
+    if group["matrix_view"] is not None or unambiguous_view(param.shape) is not None:
         return
     names = group.get("param_names")
     name = f"parameter {names[index]!r}" if names else f"parameter {index} of its group"
@@ -138,9 +145,23 @@ class DecayPart:
 
 @dataclasses.dataclass
 class ParameterDecay:
-    """A group's decay computed but not written (see :class:`spectral_ops.decay.PendingDecay`)."""
+    """A group's decay computed but not written (see :class:`spectral_ops.decay.PendingDecay`).
+
+    ``copies``: ``(parameter index, the parameter (this rank's part), its matrix)`` for each parameter
+    whose ``"flatten"`` matrix is no view of it (a filter that turned channels-last after the optimizer
+    was built): its matrix is a contiguous copy, decayed like any other, then copied back into it.
+
+    ``increments`` (a decay attached to another optimizer, written after that optimizer's step): every
+    value computed is the decay's increment ``-s (lambda_p S_p(W) + lambda_1 W)`` of the pre-step
+    weights, which the commit adds to the weights as they are then; ``stochastic``: that addition rounds
+    stochastically (the group's ``rounding``), where the increment itself was rounded to nearest."""
 
     parts: list = dataclasses.field(default_factory=list)
+    copies: list = dataclasses.field(default_factory=list)
+    increments: bool = False
+    stochastic: bool = False
+    # The tensor lr and coefficients the decay used, which a capturable step checks on the device.
+    coefficients: list = dataclasses.field(default_factory=list)
 
     def checks(self):
         """``(parameter index, decayed value)`` for every value computed before the commit."""
@@ -151,8 +172,52 @@ class ParameterDecay:
     def commit(self, keep: list) -> None:
         """Write the decay of the parameters ``keep`` keeps (one entry per parameter, as in
         :meth:`PendingDecay.commit`)."""
+        if self.increments:
+            self._add_increments(keep)
+            return
         for part in self.parts:
             part.pending.commit([keep[owner] for owner in part.owners])
+        for index, param, matrix in self.copies:
+            if keep[index] is not False:  # a skipped one's copy holds its old value
+                param.copy_(matrix.view(param.shape))
+
+    def _add_increments(self, keep: list) -> None:
+        # A device decision masks its increment in place first: the additions then allocate nothing
+        # but a stochastic rounding's bits, and a skipped parameter adds exact zeros.
+        added = []
+        through = {id(matrix): param for _, param, matrix in self.copies}
+        for part in self.parts:
+            for index, increment in part.pending.decayed.items():
+                kept = keep[part.owners[index]]
+                if kept is False:
+                    continue
+                if kept is not True:
+                    torch.where(kept, increment, increment.new_zeros(()), out=increment)
+                matrix = part.pending.tensors[index]
+                target = through.get(id(matrix), matrix)
+                added.append((target, increment.view(target.shape)))
+        for target, increment in added:
+            if self.stochastic and target.dtype in STOCHASTICALLY_ROUNDED:
+                noise = rounding_noise(target, STOCHASTIC_WRITE)
+                target.copy_(round_stochastic(target.float() + increment, target.dtype, noise))
+            else:
+                target.add_(increment)
+
+
+# The request whose random bits an attached decay's stochastic write draws (rounding_noise reads
+# only the rounding and the generator: the device's default one).
+STOCHASTIC_WRITE = DecayRequest(p=1, scale=0.0, spectral_weight_decay=0.0, rounding="stochastic")
+
+
+def decayed_matrices(param: torch.Tensor, view: str, decay: ParameterDecay, index: int) -> torch.Tensor:
+    """``param``'s matrices as its decay reads and writes them: a view of it, or, where its ``"flatten"``
+    matrix is no view of it (a channels-last filter), a contiguous copy recorded in ``decay.copies``
+    and copied back at the commit."""
+    if view != "flatten" or param.ndim <= 2 or param.is_contiguous():
+        return as_matrices(param, view)
+    matrix = param.reshape(param.shape[0], math.prod(param.shape[1:]))  # a copy: no view of it exists
+    decay.copies.append((index, param, matrix))
+    return matrix
 
 
 def row_blocks_of(param: torch.Tensor, blocks) -> list:
@@ -165,36 +230,44 @@ def row_blocks_of(param: torch.Tensor, blocks) -> list:
 
 @torch.no_grad()
 def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, lr, peak_lr, spectral, ordinary,
-                            blocks=None, layouts=None, exchange=None) -> ParameterDecay:
+                            blocks=None, layouts=None, exchange=None, increments=False) -> ParameterDecay:
     """The group's decay of ``params``, computed from their current values but not written, with the
     group's ``options`` validated beforehand. ``blocks``: see :func:`row_blocks_of`. ``layouts``: each
     parameter's :class:`~spectral_ops.optim.distributed.Layout` (None: computed here alone); the
-    spectral direction of a spread matrix is computed on its owner through ``exchange``."""
+    spectral direction of a spread matrix is computed on its owner through ``exchange``.
+    ``increments``: compute the increments instead of the new values (see :class:`ParameterDecay`)."""
     schedule = schedule_multiplier(lr, peak_lr) if group["convention"] == "independent" else None
     scale = lr if schedule is None else schedule
     layouts = layouts or [None] * len(params)
-    # Not said: no parameter needs it (check_decay_group), so any reading gives the same element-wise decay.
-    view = group["matrix_view"] or "batch"
-    decay = ParameterDecay()
+    decay = ParameterDecay(increments=increments, stochastic=increments and options.rounding == "stochastic")
+    if decay.stochastic and any(layout is not None and layout.replicated for layout in layouts):
+        raise ValueError("rounding='stochastic' in a SpectralDecay attached to another optimizer rounds the addition "
+                         "of the decay on each rank that holds a replica of a weight, and the replicas would drift "
+                         "apart: put the replicated weights in a group with rounding='nearest'")
+    if increments:  # rounded once more as it is added: to nearest here, the group's way there
+        options = dataclasses.replace(options, rounding="nearest")
+    views = [matrix_view_of_parameter(param, group) for param in params]
     matrices = [i for i, param in enumerate(params) if param.ndim >= 2]
     if matrices and not (is_zero(spectral) and is_zero(ordinary) and group["band"] is None):
         arguments = dict(scale=scale, spectral_weight_decay=spectral, ordinary_weight_decay=ordinary,
-                         capturable=capturable(group))
+                         capturable=capturable(group), increment=increments)
         # On their owners: spread matrices that need whole-matrix work, and replicated ones rounded
         # stochastically (one draw of the bits, which every rank then takes).
         direction = needs_direction(options.p, spectral, options.band)
         spread = [i for i in matrices if layouts[i] is not None
                   and (direction or (options.rounding == "stochastic" and layouts[i].replicated))]
-        if spread:
-            entries = [(k, rows) for k, i in enumerate(spread) for rows in row_blocks_of(params[i], blocks)]
-            pending = owner_decay(exchange, [local(params[i]) for i in spread], [layouts[i] for i in spread], entries,
+        for view in dict.fromkeys(views[i] for i in spread):
+            alike = [i for i in spread if views[i] == view]
+            entries = [(k, rows) for k, i in enumerate(alike) for rows in row_blocks_of(params[i], blocks)]
+            pending = owner_decay(exchange, [local(params[i]) for i in alike], [layouts[i] for i in alike], entries,
                                   options, arguments, matrix_view=view, eager=not capturable(group))
-            decay.parts.append(DecayPart(pending, tuple(spread[k] for k, _ in entries),
+            decay.parts.append(DecayPart(pending, tuple(alike[k] for k, _ in entries),
                                          tuple(rows for _, rows in entries)))
-            matrices = [i for i in matrices if i not in spread]
+        matrices = [i for i in matrices if i not in spread]
         entries = [(i, rows) for i in matrices for rows in row_blocks_of(params[i], blocks)]
         if entries:
-            tensors = [row_block(as_matrices(local(params[i]), view), rows) for i, rows in entries]
+            whole = {i: decayed_matrices(local(params[i]), views[i], decay, i) for i in matrices}
+            tensors = [row_block(whole[i], rows) for i, rows in entries]
             decay.parts.append(DecayPart(prepare_decay(tensors, options, **arguments),
                                          tuple(i for i, _ in entries), tuple(rows for _, rows in entries)))
     vectors = [i for i, param in enumerate(params) if param.ndim < 2]
@@ -206,6 +279,17 @@ def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, lr, p
                                     capturable=capturable(group))
         else:
             pending = PendingDecay([local(params[i]) for i in vectors], list(range(len(vectors))),
-                                   plain_factor(scale, 0.0, ordinary), {})
+                                   plain_factor(scale, 0.0, ordinary, increments), {})
         decay.parts.append(DecayPart(pending, tuple(vectors), (None,) * len(vectors)))
+    if increments:
+        for part in decay.parts:
+            increments_of_scaled(part.pending)
     return decay
+
+
+def increments_of_scaled(pending: PendingDecay) -> None:
+    """Give the weights ``pending`` decays by one multiply (its ``factor``, the increment's here) their
+    increments as values: the weights change before an attached decay is written."""
+    for index in pending.scaled:
+        pending.decayed[index] = pending.tensors[index] * pending.factor
+    pending.scaled = []

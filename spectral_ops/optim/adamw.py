@@ -34,6 +34,9 @@ def adam_update_(params, group: dict, state, masks=None) -> None:
     parameters' device and the bias corrections are device tensors, as in torch's capturable Adam,
     so nothing is read back; ``lr`` may be a 0-d device tensor. ``masks`` (capturable only): one 0-d
     bool per parameter; a False one leaves the parameter and its state unchanged.
+
+    Everything that allocates runs before the first write (the denominators are allocated empty and
+    filled in place), so that running out of memory cannot stop the update half-way.
     """
     if not params:
         return
@@ -50,44 +53,73 @@ def adam_update_(params, group: dict, state, masks=None) -> None:
     exp_avgs = [real_view(local(state[param]["exp_avg"])) for param in params]
     exp_avg_sqs = [real_view(local(state[param]["exp_avg_sq"])) for param in params]
     params = [real_view(local(param)) for param in params]
-    if masks is not None:
-        # Each operation is an exact identity on a masked-out parameter, whose gradient is replaced by
-        # zeros: the step count adds 0, the first moment lerps with weight 0, the second is multiplied
-        # by 1 and adds 0, the parameter adds 0 (its count is at least 1 in the bias corrections, so
-        # those stay finite).
-        torch._foreach_add_(steps, [mask.to(torch.float32) for mask in masks])
-        grads = [torch.where(mask, grad, 0) for mask, grad in zip(masks, grads)]
-        torch._foreach_lerp_(exp_avgs, grads, [torch.where(mask, 1 - beta1, 0.0) for mask in masks])
-        torch._foreach_mul_(exp_avg_sqs, [torch.where(mask, beta2, 1.0) for mask in masks])
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        steps = torch._foreach_clamp_min(steps, 1)
-        numerators = [torch.where(mask, exp_avg, 0) for mask, exp_avg in zip(masks, exp_avgs)]
-    else:
-        torch._foreach_add_(steps, 1)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        numerators = exp_avgs
+    denom = [torch.empty_like(exp_avg_sq) for exp_avg_sq in exp_avg_sqs]
     if on_device:
-        lr = step_scalar(group["lr"], group)
-        # -lr / (1 - beta1^t) and sqrt(1 - beta2^t), all on the device.
-        bias_correction1 = torch._foreach_neg(torch._foreach_sub(torch._foreach_pow(beta1, steps), 1))
-        bias_correction2 = torch._foreach_neg(torch._foreach_sub(torch._foreach_pow(beta2, steps), 1))
-        step_size = torch._foreach_div(bias_correction1, lr)
-        torch._foreach_reciprocal_(step_size)
-        torch._foreach_neg_(step_size)
-        # (sqrt(v) / sqrt(bc2) + eps) / (-step_size), folded so that addcdiv needs no scalar.
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, torch._foreach_mul(torch._foreach_sqrt(bias_correction2), step_size))
-        torch._foreach_add_(denom, torch._foreach_reciprocal(torch._foreach_div(step_size, eps)))
-        torch._foreach_addcdiv_(params, numerators, denom)
+        _capturable_adam_update_(params, grads, exp_avgs, exp_avg_sqs, steps, denom, group, masks)
         return
     lr = scalar(group["lr"])
+    torch._foreach_add_(steps, 1)  # the first write
+    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
     counts = [step.item() for step in steps]
-    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_copy_(denom, exp_avg_sqs)
+    torch._foreach_sqrt_(denom)
     torch._foreach_div_(denom, [(1 - beta2**count) ** 0.5 for count in counts])
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / (1 - beta1**count) for count in counts])
+
+
+def _capturable_adam_update_(params, grads, exp_avgs, exp_avg_sqs, steps, denom, group: dict, masks) -> None:
+    """:func:`adam_update_` on the device, without a host read.
+
+    ``p <- p + m / D`` with ``D = (sqrt(v) / sqrt(1 - beta2^t) + eps) / (-lr / (1 - beta1^t))``: the
+    step size folded into the denominator (addcdiv then needs no scalar on the host). ``D`` is formed
+    from its positive part (at least ``eps``) divided by the step size last, so that ``lr = 0`` makes
+    it infinite and the update exactly zero, where folding the step size into each term would make a
+    zero second moment ``0 / 0``, NaN. A masked-out parameter's step size is replaced by -1 and its
+    first moment by zeros: its update is an exact zero whatever the lr (NaN included)."""
+    beta1, beta2 = group["betas"]
+    lr = step_scalar(group["lr"], group)
+    if masks is None:
+        counts = torch._foreach_add(steps, 1)
+        numerators = exp_avgs
+    else:
+        # Each operation is an exact identity on a masked-out parameter, whose gradient is replaced by
+        # zeros: the step count adds 0, the first moment lerps with weight 0, the second is multiplied
+        # by 1 and adds 0 (its count is at least 1 in the bias corrections, so those stay finite).
+        counts = torch._foreach_add(steps, [mask.to(torch.float32) for mask in masks])
+        grads = [torch.where(mask, grad, 0) for mask, grad in zip(masks, grads)]
+        lerp_weights = [torch.where(mask, 1 - beta1, 0.0) for mask in masks]
+        factors = [torch.where(mask, beta2, 1.0) for mask in masks]
+        numerators = [torch.empty_like(exp_avg) for exp_avg in exp_avgs]
+        zeros = [exp_avg.new_zeros(()) for exp_avg in exp_avgs]
+    corrected = counts if masks is None else torch._foreach_clamp_min(counts, 1)
+    # -lr / (1 - beta1^t) and sqrt(1 - beta2^t), all on the device.
+    bias_correction1 = torch._foreach_neg(torch._foreach_sub(torch._foreach_pow(beta1, corrected), 1))
+    bias_correction2 = torch._foreach_sqrt(torch._foreach_neg(torch._foreach_sub(torch._foreach_pow(beta2, corrected),
+                                                                                 1)))
+    step_size = torch._foreach_div(bias_correction1, lr)
+    torch._foreach_reciprocal_(step_size)
+    torch._foreach_neg_(step_size)
+    if masks is not None:
+        step_size = [torch.where(mask, size, -1.0) for mask, size in zip(masks, step_size)]
+    torch._foreach_copy_(steps, counts)  # the first write
+    if masks is None:
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+    else:
+        torch._foreach_lerp_(exp_avgs, grads, lerp_weights)
+        torch._foreach_mul_(exp_avg_sqs, factors)
+        for mask, exp_avg, zero, numerator in zip(masks, exp_avgs, zeros, numerators):
+            torch.where(mask, exp_avg, zero, out=numerator)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
+    torch._foreach_copy_(denom, exp_avg_sqs)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_div_(denom, bias_correction2)
+    torch._foreach_add_(denom, group["eps"])
+    torch._foreach_div_(denom, step_size)
+    torch._foreach_addcdiv_(params, numerators, denom)
 
 
 def check_adam_options(group: dict) -> None:
@@ -117,13 +149,13 @@ class SpectralAdamW(SpectralOptimizer):
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
                  stability="clamp", decay_steps=None, decay_precision=None, decay_iteration="auto", decay_method="auto", matrix_view=None,
                  rounding="nearest",
-                 capturable=False, strict=False, process_group=None, polar_steps=None):
+                 capturable=False, strict=False, rollback=True, process_group=None, polar_steps=None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, p=p,
                         spectral_weight_decay=spectral_weight_decay, convention=convention, band=band,
                         p0_mode=p0_mode, stability=stability, decay_steps=decay_steps, polar_steps=polar_steps,
                         decay_precision=decay_precision, decay_iteration=decay_iteration, decay_method=decay_method, matrix_view=matrix_view,
                         rounding=rounding,
-                        capturable=capturable, strict=strict)
+                        capturable=capturable, strict=strict, rollback=rollback)
         super().__init__(params, defaults, process_group=process_group)
 
     def check_group(self, group: dict) -> None:

@@ -1,13 +1,20 @@
 """The base of the family, :class:`SpectralOptimizer`: construction and validation of the groups, and a
 step that writes nothing until every group's step is computed and checked.
 
-A step gathers each group's parameters (:meth:`~SpectralOptimizer.stepped_params`: those with a
-gradient) and prepares them (:meth:`~SpectralOptimizer.prepare_group`: the decay, and the part of the
-update that needs whole matrices, computed but not written, in a :class:`PreparedStep` record); runs
-the step's whole-matrix work (:class:`~spectral_ops.optim.distributed.Exchange`); checks every record
-and agrees on the decisions with the other ranks; and only then commits each record for the
-parameters it keeps (:meth:`~SpectralOptimizer.commit_group`: the decay, then the optimizer's update,
-a functional core such as :func:`~spectral_ops.optim.adamw.adam_update_`).
+A step has two phases. The plan (:meth:`~SpectralOptimizer.plan_step`) gathers each group's parameters
+(:meth:`~SpectralOptimizer.stepped_params`: those with a gradient), checks everything the writes could
+fail on (:meth:`~SpectralOptimizer.check_step`: the options, lr and coefficients, and the shapes,
+dtypes and devices of the gradients and the state), prepares them
+(:meth:`~SpectralOptimizer.prepare_group`: the decay, and the part of the update that needs whole
+matrices, computed but not written, in a :class:`PreparedStep` record), runs the step's whole-matrix
+work (:class:`~spectral_ops.optim.distributed.Exchange`), checks every record and agrees on the
+decisions with the other ranks. The commit (:meth:`~SpectralOptimizer.commit_steps`) then writes each
+record for the parameters it keeps (:meth:`~SpectralOptimizer.commit_group`: the decay, then the
+optimizer's update, a functional core such as :func:`~spectral_ops.optim.adamw.adam_update_`).
+
+A failure of the plan leaves everything as it was: nothing has been written. An eager step also keeps
+a :class:`Rollback` record of what its commit writes (``rollback=True``, the default), so that a
+failure inside a write (an interrupt, a fault in an op) is undone too; see docs/optimizers.md, "Bad steps".
 """
 
 from __future__ import annotations
@@ -67,16 +74,17 @@ def detached_peak(lr):
     return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
 
-def _option_key(value):
+def _option_key(value, identity: bool = True):
     """A comparable stand-in for an option's value: a tensor by identity (its value may change in
-    place without needing validation again), a dict by its items, a flag as a plain bool (torch.compile
-    from 2.15 traces a group's ``capturable`` as a stand-in that has a truth value but no ``==``)."""
+    place without needing validation again; ``identity=False``: any tensor, as a trace compares them),
+    a dict by its items, a flag as a plain bool (torch.compile from 2.15 traces a group's
+    ``capturable`` as a stand-in that has a truth value but no ``==``)."""
     if isinstance(value, bool):
         return bool(value)
     if isinstance(value, torch.Tensor):
-        return ("tensor", id(value))
+        return ("tensor", id(value)) if identity else ("tensor",)
     if isinstance(value, dict):
-        return tuple(sorted((k, _option_key(v)) for k, v in value.items()))
+        return tuple(sorted((k, _option_key(v, identity)) for k, v in value.items()))
     return value
 
 
@@ -112,8 +120,10 @@ class PreparedStep:
     checked: list = ()
 
     def all_checks(self) -> list:
+        """Every check, ``(i, tensor, limit)``; ``i`` None: a check of every parameter (a coefficient's)."""
         return (self.checks + [(i, d, finite_limit(d)) for i, d in enumerate(self.checked)]
-                + [(i, value, finite_limit(value)) for i, value in self.decay.checks()])
+                + [(i, value, finite_limit(value)) for i, value in self.decay.checks()]
+                + [(None, value, finite_limit(value)) for value in self.decay.coefficients])
 
 
 def device_masks(keep) -> list | None:
@@ -130,6 +140,88 @@ def commit_element_wise(update_, step: PreparedStep, keep: list, state) -> None:
         update_(step.params, step.group, state, device_masks(keep))
     else:
         update_([param for param, kept in zip(step.params, keep) if kept is not False], step.group, state)
+
+
+@torch.compiler.disable
+def _check_groups_eagerly(optimizer) -> None:
+    """Raise the error of a group whose options _init_group found invalid while torch.compile ran it:
+    run outside the trace, the package's own ValueError or TypeError."""
+    for group in optimizer.param_groups:
+        optimizer.decay_options(group)
+        optimizer.check_materialised(group)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """A step computed, checked and decided, nothing written yet: what :meth:`SpectralOptimizer.plan_step`
+    returns and :meth:`SpectralOptimizer.commit_steps` writes. ``keeps``: per record, one decision per
+    parameter (see :class:`PreparedStep`); ``skipped``: the ``(record, parameter)`` pairs an eager step
+    skips; ``created``: ``(parameter, whether it had a state)`` for those the step started tracking."""
+
+    prepared: list
+    keeps: list
+    skipped: list
+    created: list
+
+
+class Rollback:
+    """A copy of everything a step's commit writes, taken just before its first write and dropped after
+    its last (the cost: one copy of the parameters and state tensors it writes): :meth:`restore` puts
+    every tensor, state entry and reported name back as it was, whichever write failed."""
+
+    def __init__(self):
+        self.tensors = []  # (tensor, its copy)
+        self.states = []  # (the optimizer's state, a parameter, its state dict or None, that dict's items)
+        self.sets = []  # (set, its members)
+
+    def keep_tensor(self, tensor: torch.Tensor) -> None:
+        tensor = local(tensor)
+        self.tensors.append((tensor, tensor.clone()))
+
+    def keep_state(self, state: dict, param: torch.Tensor) -> None:
+        """``state[param]``, which the commit may create, fill, or update in place."""
+        entries = state.get(param)
+        self.states.append((state, param, entries, dict(entries or {})))
+        for value in (entries or {}).values():
+            if torch.is_tensor(value):
+                self.keep_tensor(value)
+
+    def keep_set(self, members: set) -> None:
+        self.sets.append((members, set(members)))
+
+    def restore(self) -> None:
+        for tensor, saved in self.tensors:
+            tensor.copy_(saved)
+        for state, param, entries, saved in self.states:
+            if entries is None:
+                state.pop(param, None)
+                continue
+            entries.clear()
+            entries.update(saved)
+            state[param] = entries
+        for members, saved in self.sets:
+            members.clear()
+            members.update(saved)
+
+
+# The state entries of the family that have their parameter's shape (Adam's moments, the momentum of
+# Muon and SGD), which a step updates in place.
+PARAMETER_SHAPED_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+
+# How to materialise a model built on the meta device, for the optimizers' errors.
+MATERIALISE = ("Materialise the model (module.to_empty(device=...), then initialise it, as FSDP2's meta-device "
+               "recipe does) and build the optimizer after that: to_empty replaces each Parameter, so an "
+               "optimizer built before it holds the old meta ones and would step nothing. Or call "
+               "torch.__future__.set_swap_module_params_on_conversion(True) before to_empty, which keeps the "
+               "Parameter objects the optimizer holds")
+
+# The fix of a gradient (True) or a state tensor (False) that does not fit its parameter.
+MISMATCH_FIXES = {
+    True: "Give each parameter a gradient of its own shape, dtype and device (Adam's moments and Muon's momentum "
+          "are held in the parameter's dtype: an fp32 gradient of a bf16 parameter, param.grad_dtype, is refused)",
+    False: "The state was loaded from another model, or the parameter changed since: load the state of this "
+           "model, or build the optimizer again",
+}
 
 
 # What a state dict holds in place of a callable group option (see SpectralOptimizer.state_dict).
@@ -228,7 +320,7 @@ class SpectralOptimizer(Optimizer):
                     param_state["step"] = torch.tensor(float(param_state["step"]), dtype=torch.float32, device=device)
 
     def check_group(self, group: dict) -> None:
-        for key in ("capturable", "strict"):
+        for key in ("capturable", "strict", "rollback"):
             if not isinstance(group[key], bool):
                 raise TypeError(f"{key} must be True or False, got {group[key]!r}")
         if group["differentiable"] is not False:
@@ -248,40 +340,48 @@ class SpectralOptimizer(Optimizer):
 
     def decay_options(self, group: dict) -> DecayOptions:
         """The group's validated decay options: validated again only when one of them changes, so a
-        step does not re-check what construction did."""
+        step does not re-check what construction did.
+
+        torch.compile runs _init_group in Python before it traces a step (and again when a changed
+        option fails a guard), where this validates as an eager step does. Where it traces _init_group
+        instead (a frame resumed after a graph break), the options are compared without the tensors'
+        identities, which a trace cannot read, and a changed one is validated in the trace."""
         cached = None
         for entry in self._validated_options:  # by identity: Dynamo cannot look a dict up by id()
             if entry[0] is group:
                 cached = entry
-        if cached is not None and torch.compiler.is_dynamo_compiling():
-            # Validated by _init_group, which torch.compile runs in Python before it traces a step (and
-            # again when a changed option fails a guard): a traced check would only add guards.
-            return cached[2]
         # The group's capturable key as validation reads it: traced, the key says True (see forbids_host_reads).
         keys = [k for k in (*DECAY_KEYS, self.spectral_key, self.ordinary_key) if k != "capturable"]
-        key = (*(_option_key(group[k]) for k in keys), forbids_host_reads(group))
-        if cached is None or cached[1] != key:
-            cached = (group, key, check_decay_group(group, spectral=self.spectral_key, ordinary=self.ordinary_key))
+        traced = torch.compiler.is_dynamo_compiling()
+        key = (*(_option_key(group[k], identity=not traced) for k in keys), forbids_host_reads(group))
+        if cached is not None and cached[3 if traced else 1] == key:
+            return cached[2]
+        options = check_decay_group(group, spectral=self.spectral_key, ordinary=self.ordinary_key)
+        if not traced:
+            cached = (group, key, options, (*(_option_key(group[k], identity=False) for k in keys), key[-1]))
             # Entries of groups the optimizer no longer has (load_state_dict replaces them) are dropped.
             self._validated_options = [entry for entry in self._validated_options if entry[0] is not group and
                                        any(entry[0] is live for live in self.param_groups)] + [cached]
-        return cached[2]
+        return options
 
-    def prepare_decay(self, params, group: dict, *, lr=None, peak_lr=None, blocks=None) -> ParameterDecay:
+    def prepare_decay(self, params, group: dict, *, lr=None, peak_lr=None, blocks=None,
+                      increments=False) -> ParameterDecay:
         """The group's decay of ``params`` (see :func:`~spectral_ops.optim._decay.prepare_parameter_decay`),
-        with the group's own lr and peak lr unless given."""
-        return prepare_parameter_decay(
-            params,
-            group,
-            self.decay_options(group),
-            lr=step_scalar(group["lr"] if lr is None else lr, group),
-            peak_lr=step_scalar(group.get("initial_lr", group["peak_lr"]) if peak_lr is None else peak_lr, group),
-            spectral=group[self.spectral_key],
-            ordinary=group[self.ordinary_key],
-            blocks=blocks,
-            layouts=[self.layout(param) for param in params],
-            exchange=self.exchange,
-        )
+        with the group's own lr and peak lr unless given.
+
+        A capturable step checks its tensor lr and coefficients on the device (an eager one read them,
+        :meth:`check_coefficients`): a NaN or Inf one skips every parameter of the group, whose masked
+        writes then add exact zeros (see :class:`PreparedStep`)."""
+        lr = step_scalar(group["lr"] if lr is None else lr, group)
+        peak_lr = step_scalar(group.get("initial_lr", group["peak_lr"]) if peak_lr is None else peak_lr, group)
+        spectral, ordinary = group[self.spectral_key], group[self.ordinary_key]
+        decay = prepare_parameter_decay(params, group, self.decay_options(group), lr=lr, peak_lr=peak_lr,
+                                        spectral=spectral, ordinary=ordinary, blocks=blocks,
+                                        layouts=[self.layout(param) for param in params], exchange=self.exchange,
+                                        increments=increments)
+        if capturable(group):
+            decay.coefficients = [value for value in (lr, peak_lr, spectral, ordinary) if torch.is_tensor(value)]
+        return decay
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -295,74 +395,36 @@ class SpectralOptimizer(Optimizer):
         return loss
 
     def run_step(self, prepare) -> None:
-        """Prepare every group's step, ``prepare(params, group)`` giving a list of
-        :class:`PreparedStep` records for the group's :meth:`stepped_params`, then commit them all
-        (:meth:`commit_steps`). A step that fails forgets the state and counts it created, so the
-        optimizer is as it was before the step."""
+        """Plan the step (:meth:`plan_step`), with ``prepare(params, group)`` giving a list of
+        :class:`PreparedStep` records for the group's :meth:`stepped_params`, then commit it
+        (:meth:`commit_steps`)."""
+        self.commit_steps(self.plan_step(prepare))
+
+    def plan_step(self, prepare) -> StepPlan:
+        """Everything a step does before its first write: each group's state and counts created
+        (:meth:`_init_group`), its inputs checked (:meth:`check_step`), its records prepared, the
+        whole-matrix work run, every record checked, and the decisions made and agreed. A failure
+        forgets the state and counts it created: the optimizer is as it was before the step."""
         self.begin_step()
+        created = self._created = []
         if torch.compiler.is_dynamo_compiling():  # a compiled step replays no _init_group: nothing to forget
-            self._prepare_and_commit(prepare)
-            return
-        created = self._created
-        created.clear()
+            return self._plan(prepare, created)
         try:
-            self._prepare_and_commit(prepare)
+            return self._plan(prepare, created)
         except BaseException:
-            for param, had_state in created:
-                if not had_state:
-                    self.state.pop(param, None)
-                self._counts.forget(param)
+            self._forget(created)
             raise
 
-    def _prepare_and_commit(self, prepare) -> None:
+    def _plan(self, prepare, created: list) -> StepPlan:
+        stepped = [[] for _ in self.param_groups]
+        valid = [self._init_group(group, params) for group, params in zip(self.param_groups, stepped)]
+        if not all(valid):  # only where torch.compile ran _init_group. Outside the loop over the groups:
+            _check_groups_eagerly(self)  # Dynamo gives up on a frame that breaks its graph in a loop
         prepared = []
-        for group in self.param_groups:
-            params = []
-            self._init_group(group, params)
+        for group, params in zip(self.param_groups, stepped):
             if params:
+                self.check_step(params, group)
                 prepared.extend(prepare(params, group))
-        self.commit_steps(prepared)
-
-    def _init_group(self, group: dict, params: list) -> None:
-        """Append the parameters a step updates (:meth:`stepped_params`) to ``params``, and create the
-        state (:meth:`init_state`) and counts of those stepped for the first time.
-
-        torch's own optimizers' name and signature, which torch.compile recognises: it runs this in
-        Python instead of tracing it, marks the state as static (CUDA graphs keep its addresses) and
-        guards on it, so the first compiled step is not compiled again once the state exists."""
-        options = self.decay_options(group)  # validated here, in Python, when the step is compiled
-        params.extend(self.stepped_params(group))
-        fresh = [param for param in params if not self._counts.tracks(param)]
-        if not fresh:
-            return
-        meta = next((param for param in fresh if param.device.type == "meta"), None)
-        if meta is not None:  # before any state exists: the step has nothing to compute with
-            raise ValueError(f"{type(self).__name__} was asked to step a {tuple(meta.shape)} meta-tensor parameter, "
-                             "which has no values: materialise the model first (module.to_empty(device=...), then "
-                             "initialise it, as FSDP2's meta-device recipe does)")
-        had_state = [bool(self.state.get(param)) for param in fresh]
-        self.init_state([param for param, had in zip(fresh, had_state) if not had], group)
-        clamps = group["stability"] == "clamp" and stability_terms(options.p, group[self.spectral_key], options.band)
-        self._counts.track(fresh, [param for param in fresh if clamps and param.ndim >= 2])
-        self._created.extend(zip(fresh, had_state))
-
-    def init_state(self, params: list, group: dict) -> None:
-        """Create the state of ``params``, which have none (none by default: it may also be created as
-        the step runs, as torch's SGD creates its momentum from the first gradient)."""
-
-    @torch.no_grad()
-    def commit_steps(self, prepared: list[PreparedStep]) -> None:
-        """Write the prepared steps, skipping each parameter whose checks fail: its weight and its state
-        stay unchanged, and the skip is counted in :attr:`skipped`.
-
-        Eager groups decide on the host (one read per device for the whole step), warn once per
-        parameter, and raise instead with ``strict=True``, before anything is written. Capturable
-        groups decide on the device, without a host read, and count on the device.
-
-        Then the stability clamps of the written parameters are counted in :attr:`clamped`, and each
-        eager one is logged with its factor (see :func:`spectral_ops.decay.log_clamp`): a matrix's
-        first clamp as a warning, its later ones at DEBUG.
-        """
         if self._exchange is not None:
             self._exchange.run()
         checks = [step.all_checks() for step in prepared]
@@ -372,26 +434,179 @@ class SpectralOptimizer(Optimizer):
         for step, step_checks in zip(prepared, checks):
             flags_of = [[] for _ in step.params]
             for index, _, _ in step_checks:
-                flags_of[index].append(next(flags))
+                flag = next(flags)
+                for of in flags_of if index is None else [flags_of[index]]:
+                    of.append(flag)
             keeps.append([conjunction(f) for f in flags_of])
         self._agree(prepared, keeps)
         skipped = []
         for step, keep in zip(prepared, keeps):
             if not capturable(step.group):
                 skipped.extend((step, param) for param, kept in zip(step.params, keep) if not kept)
-                continue
-            self._counts.count_device_skips([(param, kept) for param, kept in zip(step.params, keep)
-                                             if kept is not True])
         strict = [self.parameter_name(step.group, param) for step, param in skipped if step.group["strict"]]
         if strict:
             raise FloatingPointError(f"{type(self).__name__}: the gradient or the update of {', '.join(strict)} "
                                      "is not finite; nothing was written (strict=True)")
-        for step, param in skipped:
-            self._counts.count_skip(param, self.parameter_name(step.group, param), type(self).__name__)
+        return StepPlan(prepared, keeps, skipped, created)
+
+    def _forget(self, created: list) -> None:
+        """Drop the state and counts a failed step created (the parameters it started tracking)."""
+        for param, had_state in created:
+            if not had_state:
+                self.state.pop(param, None)
+            self._counts.forget(param)
+
+    def _init_group(self, group: dict, params: list) -> bool:
+        """Append the parameters a step updates (:meth:`stepped_params`) to ``params``, and create the
+        state (:meth:`init_state`) and counts of those stepped for the first time.
+
+        torch's own optimizers' name and signature, which torch.compile recognises: it runs this in
+        Python instead of tracing it, marks the state as static (CUDA graphs keep its addresses) and
+        guards on it, so the first compiled step is not compiled again once the state exists.
+
+        Returns whether the group's options are valid: an invalid one raises here, except while
+        torch.compile runs this, where an error would surface as Dynamo's internal error (or, in a
+        frame resumed after a graph break, be lost); the step then raises it outside the trace
+        (:func:`_check_groups_eagerly`)."""
+        try:
+            options = self.decay_options(group)  # validated here, in Python, when the step is compiled
+            self.check_materialised(group)
+        except (TypeError, ValueError):
+            if not torch.compiler.is_compiling():
+                raise
+            return False
+        params.extend(self.stepped_params(group))
+        fresh = [param for param in params if not self._counts.tracks(param)]
+        if not fresh:
+            return True
+        had_state = [bool(self.state.get(param)) for param in fresh]
+        self.init_state([param for param, had in zip(fresh, had_state) if not had], group)
+        clamps = group["stability"] == "clamp" and stability_terms(options.p, group[self.spectral_key], options.band)
+        self._counts.track(fresh, [param for param in fresh if clamps and param.ndim >= 2])
+        self._created.extend(zip(fresh, had_state))
+        return True
+
+    def check_materialised(self, group: dict) -> None:
+        """Refuse a group that holds a meta-device parameter (no values), whether or not it has a
+        gradient: stepped, it has nothing to compute with; without a gradient, it is most likely the
+        optimizer's stale copy of a parameter ``module.to_empty()`` replaced, which a step would skip
+        in silence for good."""
+        meta = next((param for param in group["params"] if param.is_meta), None)
+        if meta is None:
+            return
+        name = self.parameter_name(group, meta)
+        if meta.grad is not None:
+            raise ValueError(f"{type(self).__name__} was asked to step the meta-device parameter {name}, which has no "
+                             f"values. {MATERIALISE}")
+        raise ValueError(f"{type(self).__name__} holds the meta-device parameter {name}: {MATERIALISE}")
+
+    def init_state(self, params: list, group: dict) -> None:
+        """Create the state of ``params``, which have none (none by default: it may also be created as
+        the step runs, as torch's SGD creates its momentum from the first gradient)."""
+
+    # Whether the optimizer reads the gradients; and whether they and the state must have their
+    # parameter's dtype, as the in-place updates of Adam's moments and Muon's momentum need.
+    reads_gradients = True
+    inputs_in_parameter_dtype = True
+
+    def check_step(self, params: list, group: dict) -> None:
+        """Check, before anything is written, what the commit of ``params``' step could fail on: an
+        eager step reads lr and the coefficients again (a scheduler or a user may have set them, a
+        tensor's value changes in place); every step checks each gradient's and each state tensor's
+        shape, device and dtype against its parameter (a loaded state or a swapped ``.grad.data`` can
+        differ)."""
+        if group["lr"] is not None:  # an attached SpectralDecay's lr is the host's: checked as it prepares
+            self.check_coefficients(group)
+        for param in params:
+            weight, name = local(param), None
+            state = self.state.get(param, {})
+            expected = [("the gradient", param.grad)] if self.reads_gradients else []
+            expected += [(f"the state's {key!r}", state[key]) for key in PARAMETER_SHAPED_STATE if key in state]
+            for what, tensor in expected:
+                tensor = local(tensor)
+                dtype_differs = tensor.dtype != weight.dtype and self.inputs_in_parameter_dtype
+                misplaced = tensor.shape != weight.shape or tensor.device != weight.device
+                if misplaced or dtype_differs:
+                    name = name or self.parameter_name(group, param)
+                    raise (ValueError if misplaced else TypeError)(
+                        f"{type(self).__name__}: {what} of {name} is a {tuple(tensor.shape)} {tensor.dtype} tensor "
+                        f"on {tensor.device}, and the parameter a {tuple(weight.shape)} {weight.dtype} one on "
+                        f"{weight.device}; nothing was written. {MISMATCH_FIXES[what == 'the gradient']}")
+
+    def check_coefficients(self, group: dict, lr=None, peak_lr=None) -> None:
+        """lr (the group's, or the given one), the two decay coefficients and the peak lr, as the step
+        reads them now: a step never writes with a NaN lr. A capturable step reads no tensor's value
+        here (its device checks skip the group instead: :meth:`prepare_decay`), and a compiled one
+        reads none (a Python lr is a symbolic number there, checked as a tensor)."""
+        if torch.compiler.is_compiling():
+            return
+        values = {"lr": group["lr"] if lr is None else lr, self.spectral_key: group[self.spectral_key],
+                  self.ordinary_key: group[self.ordinary_key], "peak_lr": group.get("peak_lr") if peak_lr is None else peak_lr,
+                  "initial_lr": group.get("initial_lr")}
+        for key, value in values.items():
+            if value is not None:
+                check_coefficient(value, key, sync=not capturable(group))
+
+    @torch.no_grad()
+    def commit_steps(self, plan: StepPlan) -> None:
+        """Write a planned step (:meth:`plan_step`), skipping each parameter whose checks failed: its
+        weight and its state stay unchanged, and the skip is counted in :attr:`skipped`.
+
+        Eager groups decided on the host (one read per device for the whole step): each skip warns
+        once per parameter, before anything is written (``strict=True`` raised instead when the step
+        was planned). Capturable groups decided on the device, without a host read, and count there.
+        Then the stability clamps of the written parameters are counted in :attr:`clamped`, and each
+        eager one is logged with its factor (see :func:`spectral_ops.decay.log_clamp`): a matrix's
+        first clamp as a warning, its later ones at DEBUG.
+
+        Every temporary is allocated before the first write. Eager groups with ``rollback=True`` (the
+        default) have a copy of what the commit writes taken first (:class:`Rollback`): a failure of
+        any write restores everything, forgets what the step created, and raises.
+        """
+        record = self._rollback_record(plan.prepared, plan.keeps)
+        if record is None:  # no try block either: torch.compile traces this path
+            self._write(plan)
+            return
+        try:
+            self._write(plan)
+        except BaseException:
+            record.restore()
+            self._forget(plan.created)
+            raise
+
+    def _write(self, plan: StepPlan) -> None:
+        prepared, keeps = plan.prepared, plan.keeps
+        for step, param in plan.skipped:
+            self._counts.warn_skip(self.parameter_name(step.group, param), type(self).__name__)
+        clamp_updates = self._counts.clamp_updates([
+            (step.decay, step.params, keep, functools.partial(self.matrix_name, step.group))
+            for step, keep in zip(prepared, keeps)])
+        # The first write.
+        self._counts.count_skips([param for _, param in plan.skipped])
+        self._counts.count_device_skips([(param, kept) for step, keep in zip(prepared, keeps) if capturable(step.group)
+                                         for param, kept in zip(step.params, keep) if kept is not True])
         for step, keep in zip(prepared, keeps):
             self.commit_group(step, keep)
-        for step, keep in zip(prepared, keeps):
-            self._counts.count_clamps(step.decay, step.params, keep, functools.partial(self.matrix_name, step.group))
+        self._counts.apply_clamp_updates(clamp_updates)
+
+    def _rollback_record(self, prepared: list, keeps: list) -> Rollback | None:
+        """The :class:`Rollback` record of the eager groups that keep one (None if none does): each
+        stepped parameter's counts and reported names, and each written parameter and its state."""
+        kept = [(step, keep) for step, keep in zip(prepared, keeps)
+                if not capturable(step.group) and step.group["rollback"]]
+        if not kept:
+            return None
+        record = Rollback()
+        record.keep_set(self._counts.warned_skips)
+        record.keep_set(self._counts.logged_clamps)
+        for step, keep in kept:
+            for param, written in zip(step.params, keep):
+                for count in self._counts.of(param):
+                    record.keep_tensor(count)
+                if written is not False:
+                    record.keep_tensor(param)
+                    record.keep_state(self.state, param)
+        return record
 
     def _agree(self, prepared: list[PreparedStep], keeps: list) -> None:
         """Make the decisions about spread parameters those of every rank (see :meth:`Exchange.agree`),

@@ -61,6 +61,10 @@ class StepCounts:
                                              torch.ones((), dtype=torch.float64, device=param.device))
         return self.clamps[param]
 
+    def of(self, param: torch.Tensor) -> list:
+        """The count tensors of ``param`` (what a step's rollback record keeps)."""
+        return [self.skips[param], *self.clamps.get(param, ())] if param in self.skips else []
+
     def count_device_skips(self, decisions: list) -> None:
         """Count the skips of ``(param, keep)`` pairs a capturable step decided on the device (``keep``
         a 0-d bool tensor), without reading them."""
@@ -68,9 +72,13 @@ class StepCounts:
             torch._foreach_add_([self.skip_count(param) for param, _ in decisions],
                                 [torch.logical_not(keep).to(torch.int32) for _, keep in decisions])
 
-    def count_skip(self, param: torch.Tensor, name: str, optimizer: str) -> None:
-        """Count an eager step's skip of ``param`` (called ``name``), warning at its first one."""
-        self.skip_count(param).add_(1)
+    def count_skips(self, params: list) -> None:
+        """Count an eager step's skip of each of ``params``."""
+        for param in params:
+            self.skip_count(param).add_(1)
+
+    def warn_skip(self, name: str, optimizer: str) -> None:
+        """Warn of an eager step's skip of the parameter called ``name``, at its first one only."""
         if name not in self.warned_skips:
             self.warned_skips.add(name)
             warnings.warn(f"{optimizer} skipped the update of {name}: its gradient or update is not "
@@ -78,32 +86,46 @@ class StepCounts:
                           "optimizer.skipped without a warning; strict=True raises instead.", RuntimeWarning,
                           stacklevel=4)
 
-    def count_clamps(self, decay, params: list, keep: list, matrix_name) -> None:
-        """Count the clamps of a group's ``decay`` (a :class:`~spectral_ops.optim._decay.ParameterDecay`
-        of ``params``) in the parameters ``keep`` wrote (on the device), and log the eager ones, named
-        by ``matrix_name(param, rows)``."""
-        for part in decay.parts:
-            for index, position, factor, order in part.pending.clamped:
-                owner = part.owners[index]
-                if keep[owner] is True:
-                    # A run clamps the same matrices step after step: each one's first clamp is a
-                    # warning, the later ones are debug records (their count is in `clamped`).
-                    stack = params[owner].shape[:-2] if part.pending.tensors[index].ndim > 2 else ()
-                    name = matrix_name(params[owner], part.rows[index], matrix_index(stack, position))
-                    first = name not in self.logged_clamps
-                    self.logged_clamps.add(name)
-                    log_clamp(name, factor, order, logging.WARNING if first else logging.DEBUG,
-                              "; its later clamps are logged at DEBUG and counted in optimizer.clamped" if first else "")
-            for index, factor in part.pending.clamp_factors.items():
-                owner = part.owners[index]
-                if keep[owner] is False:
-                    continue
-                if keep[owner] is not True:
-                    factor = torch.where(keep[owner], factor, 1.0)
-                record = self.clamp_record(params[owner])
-                # A stack of matrices (matrix_view="batch") counts each of its matrices' clamps.
-                record.count.add_((factor < 1).sum(dtype=torch.int32))
-                record.smallest_factor.copy_(torch.minimum(record.smallest_factor, factor.amin()))
+    def clamp_updates(self, steps) -> list:
+        """The clamps of a step, for each ``(decay, params, keep, matrix_name)`` of its records: the
+        clamps of ``decay`` (a :class:`~spectral_ops.optim._decay.ParameterDecay` of ``params``) in the
+        parameters ``keep`` writes (on the device). The eager ones are logged now, named by
+        ``matrix_name(param, rows, index)``; the counts' new values are computed now, before the step
+        writes anything, and stored by :meth:`apply_clamp_updates` with its writes."""
+        totals = {}  # parameter -> [its record, clamps counted, smallest factor]
+        for decay, params, keep, matrix_name in steps:
+            for part in decay.parts:
+                for index, position, factor, order in part.pending.clamped:
+                    owner = part.owners[index]
+                    if keep[owner] is True:
+                        # A run clamps the same matrices step after step: each one's first clamp is a
+                        # warning, the later ones are debug records (their count is in `clamped`).
+                        stack = params[owner].shape[:-2] if part.pending.tensors[index].ndim > 2 else ()
+                        name = matrix_name(params[owner], part.rows[index], matrix_index(stack, position))
+                        first = name not in self.logged_clamps
+                        self.logged_clamps.add(name)
+                        log_clamp(name, factor, order, logging.WARNING if first else logging.DEBUG,
+                                  "; its later clamps are logged at DEBUG and counted in optimizer.clamped"
+                                  if first else "")
+                for index, factor in part.pending.clamp_factors.items():
+                    owner = part.owners[index]
+                    if keep[owner] is False:
+                        continue
+                    if keep[owner] is not True:
+                        factor = torch.where(keep[owner], factor, 1.0)
+                    record = self.clamp_record(params[owner])
+                    total = totals.setdefault(params[owner], [record, record.count, record.smallest_factor])
+                    # A stack of matrices (matrix_view="batch") counts each of its matrices' clamps.
+                    total[1] = total[1] + (factor < 1).sum(dtype=torch.int32)
+                    total[2] = torch.minimum(total[2], factor.amin())
+        return list(totals.values())
+
+    @staticmethod
+    def apply_clamp_updates(updates: list) -> None:
+        """Store the counts :meth:`clamp_updates` computed (copies: no allocation)."""
+        for record, count, smallest in updates:
+            record.count.copy_(count)
+            record.smallest_factor.copy_(smallest)
 
     def state(self, params: list) -> dict:
         """The counts by position in ``params`` (the optimizer's, in torch's order), keys with no count

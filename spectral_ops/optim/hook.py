@@ -1,11 +1,14 @@
 """SpectralDecay: spectral-power decay for any optimizer (torch's AdamW, a user's Muon, ...).
 
-``SpectralDecay(params, p=2, spectral_weight_decay=0.1).attach(optimizer)`` registers a step pre-hook:
-just before each ``optimizer.step()``, the listed parameters (those with a gradient) are decayed from
-their pre-update values with the host optimizer's *current* lr (or ``eta_t`` = lr / peak_lr under the
-independent convention, the peak being the host group's starting lr or its scheduler's
-``initial_lr``). It can also run on its own: ``SpectralDecay(params, ..., lr=0.01).step()`` decays every
-parameter it holds, gradient or not.
+``SpectralDecay(params, p=2, spectral_weight_decay=0.1).attach(optimizer)`` registers a step pre-hook
+and a step post-hook: just before each ``optimizer.step()``, the decay of the listed parameters (those
+with a gradient) is computed and checked from their pre-update values, with the host optimizer's
+*current* lr (or ``eta_t`` = lr / peak_lr under the independent convention, the peak being the host
+group's starting lr or its scheduler's ``initial_lr``); once the host's step has returned, it is added
+to the weights (SPEC 1.5's decoupled decay: ``W <- W - lr (update(W) + lambda_p S_p(W))``, both
+terms of the pre-step ``W``). A host step that raises leaves the decay unwritten. It can also run on
+its own: ``SpectralDecay(params, ..., lr=0.01).step()`` decays every parameter it holds, gradient or
+not.
 """
 
 from __future__ import annotations
@@ -67,11 +70,12 @@ class SpectralDecay(SpectralOptimizer):
 
     ordinary_key = "ordinary_weight_decay"
     lr_optional = True  # lr=None: attached use, where the host optimizer supplies the lr
+    reads_gradients = False  # a gradient belongs to whichever optimizer uses it
 
     def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
                  band=None, p0_mode="explicit", stability="clamp", decay_steps=None, decay_precision=None,
                  decay_iteration="auto", decay_method="auto", matrix_view=None,
-                 rounding="nearest", lr=None, capturable=False, strict=False,
+                 rounding="nearest", lr=None, capturable=False, strict=False, rollback=True,
                  weight_decay=None, process_group=None, polar_steps=None):
         spectral_weight_decay = renamed_spectral_coefficient("SpectralDecay", spectral_weight_decay, weight_decay,
                                                              stacklevel=2)
@@ -86,11 +90,13 @@ class SpectralDecay(SpectralOptimizer):
                         band=band, p0_mode=p0_mode, stability=stability, decay_steps=decay_steps,
                         polar_steps=polar_steps, decay_precision=decay_precision, decay_iteration=decay_iteration,
                         decay_method=decay_method, matrix_view=matrix_view,
-                        rounding=rounding, lr=lr, capturable=capturable, strict=strict)
+                        rounding=rounding, lr=lr, capturable=capturable, strict=strict, rollback=rollback)
         # None: not given, which a group that needs a spectral direction refuses (check_group).
         defaults["spectral_weight_decay"] = spectral_weight_decay
         super().__init__(params, defaults, process_group=process_group)
-        self._hook = None
+        self._handles = ()  # attached: the removable handles of the host's step pre- and post-hook
+        self._attached = False  # a plain flag, which torch.compile reads where it cannot read a handle
+        self._planned = None  # attached: the decay planned before the host's step, written after it
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(_without_deprecated_key(param_group, stacklevel=2))
@@ -101,7 +107,8 @@ class SpectralDecay(SpectralOptimizer):
         # Renamed before the family fills in missing keys, which would add a default lambda_p next to it.
         groups = [_without_deprecated_key(group, stacklevel=2) for group in state["param_groups"]]
         super().__setstate__({**state, "param_groups": groups})
-        self.__dict__.setdefault("_hook", None)  # a copy or an unpickled one is not attached
+        for key, value in (("_handles", ()), ("_attached", False), ("_planned", None)):  # a copy is not attached
+            self.__dict__.setdefault(key, value)
 
     def check_group(self, group: dict) -> None:
         if group["spectral_weight_decay"] is None:
@@ -114,10 +121,13 @@ class SpectralDecay(SpectralOptimizer):
     def stepped_params(self, group: dict):
         """Attached, the parameters the host optimizer steps (those with a gradient); standalone,
         :meth:`step` decays every parameter it holds: a decay needs no gradient."""
-        return list(self.params_with_grad(group) if self._hook is not None else group["params"])
+        return list(self.params_with_grad(group) if self._attached else group["params"])
 
     def attach(self, optimizer: torch.optim.Optimizer) -> "SpectralDecay":
-        """Decay before every ``optimizer.step()``, following that optimizer's current lr.
+        """Decay at every ``optimizer.step()``, following that optimizer's current lr: computed from the
+        pre-step weights before the host's step (a step pre-hook, which raises before the host's step
+        runs where the decay cannot be computed), added to the weights after it (a step post-hook, which
+        the host's step skips when it raises).
 
         Refused where a parameter would be decayed spectrally twice: by another SpectralDecay attached
         to ``optimizer``, or by ``optimizer`` itself (a family optimizer with a spectral decay); and
@@ -128,12 +138,14 @@ class SpectralDecay(SpectralOptimizer):
                             "spectral_ops.spectral_decay_(matrices, p, lr, spectral_weight_decay, stability='clamp') "
                             "at the start of its step, with its lr (docs/optimizers.md, 'Optimizers that are not "
                             "torch.optim.Optimizer')")
-        if self._hook is not None:
+        if self._attached:
             raise RuntimeError("this SpectralDecay is already attached; call detach() first")
         self._check_no_second_decay(optimizer)
         for group in optimizer.param_groups:
             _remember_peak(group)
-        self._hook = optimizer.register_step_pre_hook(self._before_host_step)
+        self._handles = (optimizer.register_step_pre_hook(self._before_host_step),
+                         optimizer.register_step_post_hook(self._after_host_step))
+        self._attached = True
         return self
 
     def _check_no_second_decay(self, optimizer: torch.optim.Optimizer) -> None:
@@ -152,14 +164,22 @@ class SpectralDecay(SpectralOptimizer):
                                  "place: the optimizer's groups, or this SpectralDecay")
 
     def detach(self) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._attached, self._planned = (), False, None
 
     @torch.no_grad()
     def _before_host_step(self, optimizer, args, kwargs) -> None:
-        """Decay every group before the host's step, with its lr: all computed first, then written, so
-        a failure leaves every weight unchanged (and the host's step does not run)."""
+        """Plan the decay of every group before the host's step, with its lr: computed from the pre-step
+        weights and checked, nothing written (a failure raises, and the host's step does not run).
+
+        A step torch.compile traces writes it here instead, as new values: the plan would have to
+        cross the host's own graph break (torch's AdamW breaks around its update), which Dynamo does
+        not carry reliably, and a compiled step is not rolled back anyway."""
+        compiled = torch.compiler.is_compiling()
+        stale, self._planned = self._planned, None
+        if stale is not None:  # the host's last step raised: its decay was never written
+            self._forget(stale.created)
         host_group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
 
         def prepare(params, group):
@@ -169,11 +189,21 @@ class SpectralDecay(SpectralOptimizer):
                 if host is None:
                     raise ValueError("SpectralDecay holds a parameter that the attached optimizer does not optimise")
                 by_host.setdefault(id(host), (host, []))[1].append(param)
-            return [self._prepare_decay_step(params, group, lr=host["lr"],
+            return [self._prepare_decay_step(params, group, increments=not compiled, lr=host["lr"],
                                              peak_lr=host.get("initial_lr", _remember_peak(host)))
                     for host, params in by_host.values()]
 
-        self.run_step(prepare)
+        if compiled:
+            self.run_step(prepare)
+        else:
+            self._planned = self.plan_step(prepare)
+
+    @torch.no_grad()
+    def _after_host_step(self, optimizer, args, kwargs) -> None:
+        """Add the planned decay to the weights the host's step has written (see :meth:`commit_steps`)."""
+        planned, self._planned = self._planned, None
+        if planned is not None:
+            self.commit_steps(planned)
 
     def prepare_group(self, params, group: dict) -> PreparedStep:
         """Standalone use (``.step()``): decay with this object's own lr."""
@@ -188,7 +218,7 @@ class SpectralDecay(SpectralOptimizer):
         parameters would decay it twice per training step. Checked at the step, not at construction,
         so that a SpectralDecay made again for the same parameters (a resumed run, a re-run notebook
         cell) is not refused while the old one is still referenced: only one of them steps."""
-        if torch.compiler.is_compiling() or self._hook is not None or \
+        if torch.compiler.is_compiling() or self._attached or \
                 not needs_direction(group["p"], group[self.spectral_key], group["band"]):
             return
         for param in params:
@@ -199,16 +229,19 @@ class SpectralDecay(SpectralOptimizer):
                                  "parameters decay them twice per step. Step one of them (delete the other), or "
                                  "give each its own parameters")
 
-    def _prepare_decay_step(self, params, group: dict, **lrs) -> PreparedStep:
+    def _prepare_decay_step(self, params, group: dict, increments=False, **lrs) -> PreparedStep:
         """The decay alone: a weight is skipped when its decayed value is not finite (the gradient
-        belongs to whichever optimizer uses it)."""
-        return PreparedStep(group, params, [], self.prepare_decay(params, group, **lrs))
+        belongs to whichever optimizer uses it). Attached, with the host's lr (read again here: a step
+        never writes with a NaN lr); ``increments``: as the increments the post-hook adds."""
+        if self._attached:
+            self.check_coefficients(group, **lrs)
+        return PreparedStep(group, params, [], self.prepare_decay(params, group, increments=increments, **lrs))
 
     def commit_group(self, step: PreparedStep, keep: list) -> None:
         step.decay.commit(keep)
         group = step.group
         # Not traced: Dynamo cannot represent the hook's handle, and reads no version counters.
-        if not torch.compiler.is_compiling() and self._hook is None and \
+        if not torch.compiler.is_compiling() and not self._attached and \
                 needs_direction(group["p"], group[self.spectral_key], group["band"]):
             for param, kept in zip(step.params, keep):
                 if kept is not False:

@@ -21,7 +21,7 @@ from ..coefficients import polar_express_coefficients, resolve_polar_coefficient
 from ..ops import check_precision, power_update
 from ..plan import OPERAND_DTYPES, UPDATE_FLOOR, resolve_precision
 from ..matrix_views import as_matrices, batched, matrix_dims
-from ._decay import capturable, check_matrices_said
+from ._decay import capturable, check_matrices_said, matrix_view_of_parameter
 from .adamw import adam_update_, check_adam_options, init_adam_state, prepare_adam_step
 from .base import PreparedStep, SpectralOptimizer, add_scaled_, commit_element_wise, device_masks, scalar, step_scalar
 from .distributed import local, local_block, polar_blocks_flops
@@ -127,7 +127,7 @@ class SpectralMuon(SpectralOptimizer):
                  decay_precision=None, decay_iteration="auto", decay_method="auto", matrix_view=None,
                  rounding="nearest", precision="bf16",
                  heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8,
-                 capturable=False, strict=False, process_group=None, polar_steps=None, update_power=0,
+                 capturable=False, strict=False, rollback=True, process_group=None, polar_steps=None, update_power=0,
                  update_eps=UPDATE_FLOOR):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
@@ -138,7 +138,7 @@ class SpectralMuon(SpectralOptimizer):
                         rounding=rounding, precision=precision,
                         heads=heads, splits=splits, recipe=recipe, update_power=update_power,
                         update_eps=update_eps, algorithm=algorithm, betas=betas, eps=eps, capturable=capturable,
-                        strict=strict)
+                        strict=strict, rollback=rollback)
         super().__init__(params, defaults, process_group=process_group)
 
     def check_group(self, group: dict) -> None:
@@ -167,7 +167,7 @@ class SpectralMuon(SpectralOptimizer):
                 raise TypeError(f"Muon's polar factor is implemented for real matrices only; put the complex "
                                 f"{tuple(param.shape)} parameter in a group with algorithm='adamw'")
             check_matrices_said(param, group, index, "Muon's update")
-            self._check_blocks(matrix_dims(param.shape, group["matrix_view"])[0], group)
+            self._check_blocks(matrix_dims(param.shape, matrix_view_of_parameter(param, group))[0], group)
 
     @staticmethod
     def _check_update_power(group) -> None:
@@ -208,6 +208,15 @@ class SpectralMuon(SpectralOptimizer):
             if letter == "H" and size % heads:
                 raise ValueError(f"a head-wise block of {size} rows does not split into {heads} heads")
 
+    def check_step(self, params: list, group: dict) -> None:
+        super().check_step(params, group)
+        for param in params:
+            if group["algorithm"] == "muon" and self.layout(param) is not None and param.ndim > 2 and \
+                    matrix_view_of_parameter(param, group) == "flatten" and not local(param).is_contiguous():
+                raise ValueError(f"SpectralMuon: {self.parameter_name(group, param)} is spread over ranks and read with "
+                                 "matrix_view='flatten', and its layout (channels-last?) has no view of its matrix: "
+                                 "make it contiguous (module.to(memory_format=torch.contiguous_format))")
+
     def init_state(self, params: list, group: dict) -> None:
         if group["algorithm"] == "adamw":
             init_adam_state(params, group, self.state)
@@ -246,54 +255,82 @@ class SpectralMuon(SpectralOptimizer):
             return
         group = step.group
         masks = device_masks(keep) if capturable(group) else None
-        for index, param in enumerate(step.params):
-            if keep[index] is not False:
-                self._advance_momentum(param, group, None if masks is None else masks[index])
-        step.decay.commit(keep)
         lr = step_scalar(group["lr"], group)
+        # Everything that allocates first: the momenta of a capturable step, its masked directions and
+        # lrs (a skipped parameter adds an exact zero, whatever the lr), the directions of a filter whose
+        # matrix is no view of it.
+        momenta, additions = [], []
         for index, (param, direction) in enumerate(zip(step.params, step.directions)):
             if keep[index] is False:
                 continue
-            if masks is not None:
-                direction = torch.where(masks[index], direction, 0)
-            view = group["matrix_view"]
-            target = as_matrices(local(param), view)
+            mask = None if masks is None else masks[index]
+            momenta.append((param, *self._next_momentum(param, group, mask)))
+            lr_of = lr
+            if mask is not None:
+                direction = torch.where(mask, direction, 0)
+                lr_of = torch.where(mask, lr, 0.0) if torch.is_tensor(lr) else lr
+            view = matrix_view_of_parameter(param, group)
             # Each matrix's, whole (a DTensor's shape is the global one).
             rows, cols = matrix_dims(param.shape, view)
             layout = self.layout(param)
             held = None if layout is None else layout.local_rows(view)
-            for start, size, _ in row_blocks(rows, group):
-                scale = adjusted_lr(lr, group["adjust_lr_fn"], (size, cols))
-                add_scaled_(local_block(target, start, start + size, held),
-                            local_block(direction, start, start + size, held), scale)
+            target = local(param)
+            if view != "flatten" or target.ndim <= 2 or target.is_contiguous():
+                target = as_matrices(target, view)
+                blocks = [(local_block(target, start, start + size, held), local_block(direction, start, start + size,
+                                                                                       held), size)
+                          for start, size, _ in row_blocks(rows, group)]
+            else:  # a channels-last filter: its rows are dim 0's, its direction takes its shape
+                direction = direction.reshape(target.shape)
+                blocks = [(target[start:start + size], direction[start:start + size], size)
+                          for start, size, _ in row_blocks(rows, group)]
+            additions.extend((target_block, direction_block, adjusted_lr(lr_of, group["adjust_lr_fn"], (size, cols)))
+                             for target_block, direction_block, size in blocks)
+        for param, buffer_value, count_value in momenta:  # the first write
+            self._store_momentum(param, group, buffer_value, count_value)
+        step.decay.commit(keep)
+        for target, direction, scale in additions:
+            add_scaled_(target, direction, scale)
 
     def _update(self, param, group) -> torch.Tensor:
         """Muon's update (this rank's shard) in a temporary of its own: the momentum buffer after this
         step (an EMA of the gradients, as torch.optim.Muon keeps it), then, in place, Nesterov's lerp of
         the gradient towards it. The state's buffer is advanced only when the step commits, in place
-        and to the same numbers (:meth:`_advance_momentum`): a skipped step leaves it as it was, and it
+        and to the same numbers (:meth:`_store_momentum`): a skipped step leaves it as it was, and it
         keeps its address, so that a step allocates one full-size temporary here, as torch's does."""
         grad = local(param.grad)
         update = local(self.state[param]["momentum_buffer"]).lerp(grad, 1 - group["momentum"])
         if group["nesterov"]:
             torch.lerp(grad, update, group["momentum"], out=update)
         # A copy only where the update's layout has no view of its matrices (a channels-last filter).
-        return as_matrices(update.contiguous(), group["matrix_view"])
+        return as_matrices(update.contiguous(), matrix_view_of_parameter(param, group))
 
-    def _advance_momentum(self, param, group, mask) -> None:
-        """Store the momentum buffer after this step, in place (a captured graph replays into the
-        addresses it captured); ``mask``, a capturable step's device decision, keeps the old one where
-        it is False."""
+    def _next_momentum(self, param, group, mask) -> tuple:
+        """What :meth:`_store_momentum` writes, computed before any write: None where an eager step
+        advances the buffer and the count in place; a capturable step's new buffer (the old one where
+        its device decision ``mask`` is False) and new count (on the device)."""
+        if mask is None:
+            return None, None
         grad, buffer = local(param.grad), local(self.state[param]["momentum_buffer"])
         count = self.state[param]["step"]
-        if mask is None:
-            buffer.lerp_(grad, 1 - group["momentum"])
-            count.add_(1)
-        else:
-            buffer.copy_(torch.where(mask, buffer.lerp(grad, 1 - group["momentum"]), buffer))
-            if count.device != mask.device:  # capturable switched on later: the count moves, as Adam's
-                count = self.state[param]["step"] = count.to(mask.device)
-            count.add_(mask.to(count.dtype))
+        if count.device != mask.device:  # capturable switched on later: the count moves, as Adam's
+            count = count.to(mask.device)
+        return (torch.where(mask, buffer.lerp(grad, 1 - group["momentum"]), buffer),
+                count + mask.to(count.dtype))
+
+    def _store_momentum(self, param, group, buffer_value, count_value) -> None:
+        """Store the momentum buffer after this step, in place (a captured graph replays into the
+        addresses it captured), and advance the step count (see :meth:`_next_momentum`)."""
+        state = self.state[param]
+        if buffer_value is None:
+            local(state["momentum_buffer"]).lerp_(local(param.grad), 1 - group["momentum"])
+            state["step"].add_(1)
+            return
+        local(state["momentum_buffer"]).copy_(buffer_value)
+        if state["step"].device == count_value.device:
+            state["step"].copy_(count_value)
+        else:  # capturable switched on later: the count moves to the device, as Adam's
+            state["step"] = count_value
 
     @staticmethod
     def _decay_blocks(group):
@@ -303,7 +340,7 @@ class SpectralMuon(SpectralOptimizer):
             return None
 
         def blocks(param):
-            rows = matrix_dims(param.shape, group["matrix_view"])[0]
+            rows = matrix_dims(param.shape, matrix_view_of_parameter(param, group))[0]
             return [(start + head * (size // count), size // count) for start, size, letter in row_blocks(rows, group)
                     for count in [group["heads"] if letter == "H" else 1] for head in range(count)]
         return blocks
@@ -326,23 +363,24 @@ class SpectralMuon(SpectralOptimizer):
 
         alone = [i for i in range(len(params)) if layouts[i] is None]
         keep(alone, self._orthogonalize([updates[i] for i in alone], [powers[i] for i in alone], group))
-        if spread:
-            costs = [direction_flops(matrix_dims(params[i].shape, group["matrix_view"]), group)
-                     * (params[i].shape[:-2].numel() if batched(params[i].shape, group["matrix_view"]) else 1)
-                     for i in spread]
-            view = group["matrix_view"]
+        views = [matrix_view_of_parameter(param, group) for param in params]
+        for view in dict.fromkeys(views[i] for i in spread):
+            alike = [i for i in spread if views[i] == view]
+            costs = [direction_flops(matrix_dims(params[i].shape, view), group)
+                     * (params[i].shape[:-2].numel() if batched(params[i].shape, view) else 1) for i in alike]
 
-            def orthogonalize(positions, wholes):
+            def orthogonalize(positions, wholes, view=view, alike=alike):
                 # The exchange moves parameter-shaped parts (a layout's parts are the parameter's).
                 directions = self._orthogonalize([as_matrices(whole, view) for whole in wholes],
-                                                 [powers[spread[position]] for position in positions], group)
+                                                 [powers[alike[position]] for position in positions], group)
                 return [direction.reshape(whole.shape) for direction, whole in zip(directions, wholes)]
 
-            self.exchange.map(orthogonalize, [updates[i].reshape(local(params[i]).shape) for i in spread],
-                              [layouts[i] for i in spread], costs,
-                              lambda results: keep(spread, [as_matrices(result, view) for result in results]),
+            self.exchange.map(orthogonalize, [updates[i].reshape(local(params[i]).shape) for i in alike],
+                              [layouts[i] for i in alike], costs,
+                              lambda results, view=view, alike=alike: keep(alike, [as_matrices(result, view)
+                                                                                   for result in results]),
                               # A stack sharded by its batch (experts) holds whole matrices: computed here.
-                              [layouts[i].holds_whole_matrices(view) for i in spread])
+                              [layouts[i].holds_whole_matrices(view) for i in alike])
         return directions, checked
 
     @staticmethod

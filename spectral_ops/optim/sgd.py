@@ -16,18 +16,22 @@ class SpectralSGD(SpectralOptimizer):
     ``capturable=True``: as in :class:`SpectralAdamW`.
     """
 
+    # The momentum buffer takes a gradient of another dtype in place, and may hold one (torch's SGD
+    # takes it too: a first step with dampening makes the buffer the gradient).
+    inputs_in_parameter_dtype = False
+
     def __init__(self, params, lr=1e-3, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0, p=1,
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
                  stability="clamp", decay_steps=None, decay_precision=None, decay_iteration="auto", decay_method="auto", matrix_view=None,
                  rounding="nearest",
-                 capturable=False, strict=False, process_group=None, polar_steps=None):
+                 capturable=False, strict=False, rollback=True, process_group=None, polar_steps=None):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,
                         decay_steps=decay_steps, polar_steps=polar_steps, decay_precision=decay_precision,
                         decay_iteration=decay_iteration, decay_method=decay_method, matrix_view=matrix_view,
                         rounding=rounding, capturable=capturable,
-                        strict=strict)
+                        strict=strict, rollback=rollback)
         super().__init__(params, defaults, process_group=process_group)
 
     def check_group(self, group: dict) -> None:
@@ -55,22 +59,36 @@ class SpectralSGD(SpectralOptimizer):
 def momentum_update_(params, group: dict, state, masks=None) -> None:
     """torch.optim.SGD's update (no weight decay) for a group. ``masks`` (capturable only): a False one
     makes every operation an exact identity on its parameter (a buffer created then starts at zero
-    rather than at the gradient)."""
-    momentum, lr = group["momentum"], step_scalar(group["lr"], group)
+    rather than at the gradient; its lr is taken as 0, so that a NaN lr adds nothing).
+
+    Everything that allocates (a first step's buffers, the masked gradients, the Nesterov sums) runs
+    before the first write, so that running out of memory cannot stop the update half-way."""
+    momentum, dampening, nesterov = group["momentum"], group["dampening"], group["nesterov"]
+    lr = step_scalar(group["lr"], group)
+    updates = []
     for index, param in enumerate(params):
-        direction = local(param.grad)
         mask = None if masks is None else masks[index]
-        if mask is not None:
-            direction = torch.where(mask, direction, 0)
+        direction = local(param.grad) if mask is None else torch.where(mask, local(param.grad), 0)
+        scale = lr if mask is None or not torch.is_tensor(lr) else torch.where(mask, lr, 0.0)
+        buffer = state[param].get("momentum_buffer") if momentum != 0 else None
+        created = state_like(param, direction.detach().clone()) if momentum != 0 and buffer is None else None
+        factor = momentum if mask is None else torch.where(mask, momentum, 1.0)
+        # Where the direction is not the buffer itself: the Nesterov sum, or the masked buffer.
+        scratch = torch.empty_like(direction) if momentum != 0 and (nesterov or mask is not None) else None
+        zero = None if mask is None else direction.new_zeros(())
+        updates.append((param, mask, direction, scale, buffer, created, factor, scratch, zero))
+    for param, mask, direction, scale, buffer, created, factor, scratch, zero in updates:
         if momentum != 0:
-            param_state = state[param]
-            if "momentum_buffer" not in param_state:
-                param_state["momentum_buffer"] = state_like(param, direction.detach().clone())
+            if created is not None:
+                state[param]["momentum_buffer"] = created
+                buffer = created
             else:
-                factor = momentum if mask is None else torch.where(mask, momentum, 1.0)
-                local(param_state["momentum_buffer"]).mul_(factor).add_(direction, alpha=1 - group["dampening"])
-            buffer = local(param_state["momentum_buffer"])
-            direction = direction.add(buffer, alpha=momentum) if group["nesterov"] else buffer
+                local(buffer).mul_(factor).add_(direction, alpha=1 - dampening)
+            buffer = local(buffer)
+            if nesterov:
+                direction = torch.add(direction, buffer, alpha=momentum, out=scratch)
+            else:
+                direction = buffer
             if mask is not None:
-                direction = torch.where(mask, direction, 0)
-        add_scaled_(local(param), direction, lr)
+                direction = torch.where(mask, direction, zero, out=scratch)
+        add_scaled_(local(param), direction, scale)
