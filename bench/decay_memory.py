@@ -148,9 +148,9 @@ def decay_call(tensors, p: int, band=None):
     return lambda: spectral_ops.spectral_decay_(argument, p, LR, COEFFICIENT, band=band, method="gram")
 
 
-def optimizer_step(tensors, p: int | None, rollback: bool = True):
+def optimizer_step(tensors, p: int | None, rollback: bool = False):
     """One step of SpectralAdamW (or, for ``p=None``, torch.optim.AdamW's foreach step); ``rollback``: the
-    step keeps its rollback record (the default: a copy of the weights and both moments as it writes them)."""
+    step keeps its rollback record (a copy of the weights and both moments as it writes them; off by default)."""
     parameters = [torch.nn.Parameter(t) for t in tensors]
     if p is None:
         optimizer = torch.optim.AdamW(parameters, lr=LR, weight_decay=COEFFICIENT, foreach=True)

@@ -116,22 +116,22 @@ def test_a_spectral_decay_stays_within_the_temporaries_of_the_plan(count, shape,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_p1_spectral_adamw_step_allocates_what_torch_adamw_does(dtype):
-    """Without its rollback record: Adam's denominators, allocated before the first write, as torch's."""
+    """The default step (no rollback record): Adam's denominators, allocated before the first write, as torch's."""
     shape = (64, 96)
-    ours = decay_memory.peak(decay_memory.optimizer_step(decay_memory.weights(2, shape, dtype), 1, rollback=False))
+    ours = decay_memory.peak(decay_memory.optimizer_step(decay_memory.weights(2, shape, dtype), 1))
     torchs = decay_memory.peak(decay_memory.optimizer_step(decay_memory.weights(2, shape, dtype), None))
     assert ours.total <= torchs.total + SLACK
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_rollback_record_is_one_copy_of_what_the_step_writes(dtype):
-    """The default step (rollback=True) copies what it writes before its first write, and holds the copy
+    """A step with rollback=True copies what it writes before its first write, and holds the copy
     until its last: the weights and both moments, three copies of the weights (and their 0-d counts), on
     top of torch's step. Not one byte of a fourth: the bound is tighter than one more copy."""
     shape = (64, 96)
     weights = decay_memory.weights(2, shape, dtype)
     record = 3 * sum(w.numel() * w.element_size() for w in weights)
-    ours = decay_memory.peak(decay_memory.optimizer_step(weights, 1))
+    ours = decay_memory.peak(decay_memory.optimizer_step(weights, 1, rollback=True))
     torchs = decay_memory.peak(decay_memory.optimizer_step(decay_memory.weights(2, shape, dtype), None))
     assert torchs.total + record <= ours.total <= torchs.total + record + SLACK
 

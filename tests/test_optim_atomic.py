@@ -1,7 +1,7 @@
 """A step that raises changes nothing (#43): everything a step can fail on is checked before its first
-write, and an eager step keeps a rollback record of what it writes, so that a fault inside any write
-leaves every weight, state tensor and count bitwise as it was, and a retry gives the step a clean run
-gives.
+write, and an eager step with ``rollback=True`` keeps a record of what it writes, so that a fault inside
+any write leaves every weight, state tensor and count bitwise as it was, and a retry gives the step a
+clean run gives.
 
 The faults are injected where the writes happen: a dispatch mode sees every aten op (multi-tensor ops
 included) that writes into the storage of a parameter, a state tensor or a count, and raises at the
@@ -67,15 +67,17 @@ def _muon(params, **options):
 # Each optimizer with a spectral decay clamped on some matrices (lambda_p large enough: the clamp counts
 # are written too) and an ordinary one on the vectors.
 SPECTRAL = dict(p=2, spectral_weight_decay=40.0, stability="clamp", decay_method="gram")
+# The rollback record (opt-in: it costs a copy of what a step writes) undoes a fault inside a write.
+RECORDED = dict(SPECTRAL, rollback=True)
 OPTIMIZERS = {
-    "adamw": lambda params: SpectralAdamW(params, lr=1e-2, weight_decay=0.1, **SPECTRAL),
+    "adamw": lambda params: SpectralAdamW(params, lr=1e-2, weight_decay=0.1, **RECORDED),
     "sgd-nesterov": lambda params: SpectralSGD(params, lr=5e-2, momentum=0.9, nesterov=True, weight_decay=0.1,
-                                               **SPECTRAL),
+                                               **RECORDED),
     # With dampening, a first step creates the momentum buffer as it writes.
     "sgd-dampening": lambda params: SpectralSGD(params, lr=5e-2, momentum=0.9, dampening=0.5, weight_decay=0.1,
-                                                **SPECTRAL),
-    "muon": lambda params: _muon(params, **SPECTRAL),
-    "decay": lambda params: SpectralDecay(params, lr=1e-2, ordinary_weight_decay=0.1, **SPECTRAL),
+                                                **RECORDED),
+    "muon": lambda params: _muon(params, **RECORDED),
+    "decay": lambda params: SpectralDecay(params, lr=1e-2, ordinary_weight_decay=0.1, **RECORDED),
 }
 
 
@@ -251,7 +253,7 @@ def _attached(decay_attached=True):
     of the next (``decay_attached=False``: detached then, the host's step alone)."""
     model = tiny_model()
     host = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
-    decay = SpectralDecay([p for p in model.parameters() if p.ndim == 2], **SPECTRAL).attach(host)
+    decay = SpectralDecay([p for p in model.parameters() if p.ndim == 2], **RECORDED).attach(host)
     for step in range(2):
         _gradients(model, step)
         host.step()

@@ -199,9 +199,7 @@ def muon_pair(heads, shape, iteration, precision):
         param.grad = grad.clone()
     options, torch_steps = ITERATIONS[iteration]
     head_options = {"heads": heads} if heads > 1 else {}
-    # Without the rollback record (the default keeps one: a copy of the weight and the momentum, its
-    # own cost, measured in test_decay_memory.py): the step's maths against torch's.
-    return (SpectralMuon([ours], **MUON_SETTINGS, **options, **head_options, precision=precision, rollback=False),
+    return (SpectralMuon([ours], **MUON_SETTINGS, **options, **head_options, precision=precision),
             torch.optim.Muon(theirs, **MUON_SETTINGS, ns_steps=torch_steps))
 
 

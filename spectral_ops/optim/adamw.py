@@ -149,7 +149,7 @@ class SpectralAdamW(SpectralOptimizer):
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
                  stability="clamp", decay_steps=None, decay_precision=None, decay_iteration="auto", decay_method="auto", matrix_view=None,
                  rounding="nearest",
-                 capturable=False, strict=False, rollback=True, process_group=None, polar_steps=None):
+                 capturable=False, strict=False, rollback=False, process_group=None, polar_steps=None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, p=p,
                         spectral_weight_decay=spectral_weight_decay, convention=convention, band=band,
                         p0_mode=p0_mode, stability=stability, decay_steps=decay_steps, polar_steps=polar_steps,

@@ -12,9 +12,10 @@ decisions with the other ranks. The commit (:meth:`~SpectralOptimizer.commit_ste
 record for the parameters it keeps (:meth:`~SpectralOptimizer.commit_group`: the decay, then the
 optimizer's update, a functional core such as :func:`~spectral_ops.optim.adamw.adam_update_`).
 
-A failure of the plan leaves everything as it was: nothing has been written. An eager step also keeps
-a :class:`Rollback` record of what its commit writes (``rollback=True``, the default), so that a
-failure inside a write (an interrupt, a fault in an op) is undone too; see docs/optimizers.md, "Bad steps".
+A failure of the plan leaves everything as it was: nothing has been written. An eager step of a group
+with ``rollback=True`` (off by default: it costs a copy of what the step writes) also keeps a
+:class:`Rollback` record of what its commit writes, so that a failure inside a write (an interrupt, a
+fault in an op) is undone too; see docs/optimizers.md, "Bad steps".
 """
 
 from __future__ import annotations
@@ -559,8 +560,8 @@ class SpectralOptimizer(Optimizer):
         eager one is logged with its factor (see :func:`spectral_ops.decay.log_clamp`): a matrix's
         first clamp as a warning, its later ones at DEBUG.
 
-        Every temporary is allocated before the first write. Eager groups with ``rollback=True`` (the
-        default) have a copy of what the commit writes taken first (:class:`Rollback`): a failure of
+        Every temporary is allocated before the first write. Eager groups with ``rollback=True`` (not
+        the default) have a copy of what the commit writes taken first (:class:`Rollback`): a failure of
         any write restores everything, forgets what the step created, and raises.
         """
         record = self._rollback_record(plan.prepared, plan.keeps)

@@ -75,7 +75,7 @@ class SpectralDecay(SpectralOptimizer):
     def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
                  band=None, p0_mode="explicit", stability="clamp", decay_steps=None, decay_precision=None,
                  decay_iteration="auto", decay_method="auto", matrix_view=None,
-                 rounding="nearest", lr=None, capturable=False, strict=False, rollback=True,
+                 rounding="nearest", lr=None, capturable=False, strict=False, rollback=False,
                  weight_decay=None, process_group=None, polar_steps=None):
         spectral_weight_decay = renamed_spectral_coefficient("SpectralDecay", spectral_weight_decay, weight_decay,
                                                              stacklevel=2)

@@ -127,7 +127,7 @@ class SpectralMuon(SpectralOptimizer):
                  decay_precision=None, decay_iteration="auto", decay_method="auto", matrix_view=None,
                  rounding="nearest", precision="bf16",
                  heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8,
-                 capturable=False, strict=False, rollback=True, process_group=None, polar_steps=None, update_power=0,
+                 capturable=False, strict=False, rollback=False, process_group=None, polar_steps=None, update_power=0,
                  update_eps=UPDATE_FLOOR):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,

@@ -24,7 +24,7 @@ class SpectralSGD(SpectralOptimizer):
                  spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
                  stability="clamp", decay_steps=None, decay_precision=None, decay_iteration="auto", decay_method="auto", matrix_view=None,
                  rounding="nearest",
-                 capturable=False, strict=False, rollback=True, process_group=None, polar_steps=None):
+                 capturable=False, strict=False, rollback=False, process_group=None, polar_steps=None):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
                         convention=convention, band=band, p0_mode=p0_mode, stability=stability,
