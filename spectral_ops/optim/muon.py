@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import torch
 
-from .._checks import check_choice, check_power, check_steps
+from .._checks import check_choice, check_eps, check_power, check_steps
 from ..coefficients import polar_express_coefficients, resolve_polar_coefficients, without_normalization_margin
 from ..ops import check_precision, power_update
 from ..plan import OPERAND_DTYPES, UPDATE_FLOOR, resolve_precision
@@ -172,10 +172,9 @@ class SpectralMuon(SpectralOptimizer):
     @staticmethod
     def _check_update_power(group) -> None:
         power, eps = group["update_power"], group["update_eps"]
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
-            raise ValueError(f"update_eps must be a finite number > 0 (relative to s_max), got {eps!r}")
+        check_eps(eps, "update_eps")
         if not callable(power):
-            power = check_power(power, "update_power", eps=eps, capturable=True)
+            power = check_power(power, "update_power", eps=eps, capturable=True, eps_name="update_eps")
         if (not isinstance(power, numbers.Real) or power != 0) and group["ns_coefficients"] is not None:
             raise ValueError("update_power needs a converged polar factor (|X| = X Q^T): use the default Polar "
                              "Express iteration (ns_coefficients=None), not a fixed quintic")
@@ -191,7 +190,7 @@ class SpectralMuon(SpectralOptimizer):
             # Read only for a schedule, and not where the step may not read the host: a compiled step
             # would break its graph there, and compile again for each new Python power.
             power = power(count if on_device else int(count))
-        return check_power(power, "update_power", eps=group["update_eps"], capturable=on_device)
+        return check_power(power, "update_power", eps=group["update_eps"], capturable=on_device, eps_name="update_eps")
 
     @staticmethod
     def _check_blocks(rows: int, group) -> None:
