@@ -1252,11 +1252,17 @@ def spectral_clip(kernels, W: torch.Tensor, low, high, polar_coefficients, sign_
     return checked_finite(result, "spectral_clip") if sync else result
 
 
+# Beyond this many squarings every level of the bound is s_max to float64's rounding (level j is within
+# r^(1/2^(j+2)) and its rounding's widening, at most 1e10, within 1e10^(1/2^(j+1))): more would repeat it.
+USEFUL_SQUARINGS = 64
+
+
 def spectral_norm_bounds(kernels, W: torch.Tensor, squarings: int):
-    """``(lower, upper)`` on ``s_max`` per matrix, in the compute dtype (products at its accuracy)."""
+    """``(lower, upper)`` on ``s_max`` per matrix, in the compute dtype (products at its accuracy), from at
+    most :data:`USEFUL_SQUARINGS` squarings."""
     dtype = compute_dtype(W.dtype)
     plan = GramPlan(W, kernels, "fp64" if dtype == torch.float64 else "fp32")
-    log_lower, log_upper = plan.log_spectral_norm_bounds(squarings)
+    log_lower, log_upper = plan.log_spectral_norm_bounds(min(squarings, USEFUL_SQUARINGS))
     return log_lower.exp().clamp(max=torch.finfo(dtype).max).to(dtype), log_upper.exp().to(dtype)
 
 
