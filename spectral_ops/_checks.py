@@ -147,10 +147,10 @@ def check_power(p, name: str = "p", *, eps=None, decay: bool = False, capturable
     if isinstance(p, bool) or not isinstance(p, numbers.Real) or not math.isfinite(p):
         raise ValueError(f"{name} must be a finite real number, got {p!r}")
     if abs(p) > POWER_BOUND:
-        raise ValueError(f"{name}={p:g} is beyond the powers the ops take, |{name}| <= {POWER_BOUND}: s^p moves by "
-                         f"|{name}| times a relative change of s, so W's own rounding would decide the result, and "
-                         f"every mode below half the largest is weighed below 2^-{POWER_BOUND} of it (for the top "
-                         "modes alone use band_projectors)")
+        raise ValueError(f"{name}={p:g} is beyond the powers the ops take (|{name}| <= {POWER_BOUND}): a power moves "
+                         f"by |{name}| times a relative change of a singular value, so the input's own rounding would "
+                         f"decide the result, and every mode below half the largest would weigh under 2^-{POWER_BOUND} "
+                         "of it; pass a power in that range")
     if p < 0 and decay:
         raise ValueError(f"{name}={p} < 0 cannot be a decay: s -> s - c s^p would shrink the small singular values "
                          "most and, as s -> 0, without bound (and grow them with c < 0); use p >= 0")
@@ -166,9 +166,10 @@ def check_eps(eps, name: str = "eps") -> None:
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
         raise ValueError(f"{name} must be a finite number > 0 (relative to s_max), got {eps!r}")
     if eps > EPS_BOUND:
-        raise ValueError(f"{name}={eps:g} is beyond the floors the ops take, {name} <= {EPS_BOUND:g} (relative to "
-                         f"s_max): above it the floor dominates every mode to float64's rounding, and the result is "
-                         f"(eps s_max)^p times the polar factor: compute that, or pass a smaller {name}")
+        raise ValueError(f"{name}={eps:g} is beyond the floors the ops take ({name} <= {EPS_BOUND:g}, relative to "
+                         "s_max): above it the floor outweighs every singular value to float64's rounding, so the "
+                         f"result is (eps s_max)^p times the polar factor; pass a smaller {name}, or scale the polar "
+                         "factor")
 
 
 # The most steps an iteration takes: Polar Express converges from 1e-3 in 8 and from fp32's epsilon in

@@ -51,7 +51,7 @@ from .coefficients import (NORMALIZATION_MARGIN, floor_polynomial, interpolated_
                            inverse_root_coefficients, polar_express_coefficients, polar_express_design,
                            power_polynomial)
 from .linalg import (SpectralFactors, as_float64, compute_dtype, frobenius_normalized, is_tall, power_weights, ratio,
-                     scaled_, wide)
+                     relative_powers, scaled_, wide)
 
 Scale = Union[float, torch.Tensor]  # a Python number, a 0-d tensor, or one value per matrix (..., 1, 1)
 
@@ -1048,23 +1048,21 @@ class FactorisedPlan(GramPlan):
         return (torch.sign(self.factors.s.double() - threshold) + 1) / 2
 
     def scaled_power(self, p, coefficients=(), iteration: str = "rectangle", eps=None):
-        """Each mode's weight relative to the largest, ``x^p`` of ``x = s / s_max`` (floored:
-        ``(x^2 + eps^2)^(p/2)`` over its largest, at ``x = 1`` for ``p > 0`` and ``x = 0`` for ``p < 0``, from
-        its log), and ``s_max^p`` (with that largest) in the scale: ``s^p`` of the unit-norm ``X``, whose
-        ``s_max`` is down to ``r^(-1/2)``, leaves float32 from ``p ~ 50`` at ``r = 64``."""
+        """Each mode's weight relative to the largest (:func:`~.linalg.relative_powers`; floored:
+        ``(x^2 + eps^2)^(p/2)`` of ``x = s / s_max`` over its largest, at ``x = 1`` for ``p > 0`` and ``x = 0``
+        for ``p < 0``, from its log), and ``s_max^p`` (with that largest) in the scale."""
         if eps is None and p == 1:
             return super().scaled_power(p, coefficients)
-        s = self.factors.s
-        # The modes that are not zero, at the factorisation's own round-off (its dtype's).
-        nonzero = power_weights(s, 0, self.shape[-1])
-        top = s.double().amax(-1, keepdim=True)
-        x = s.double() / top.clamp_min(torch.finfo(torch.float64).tiny)  # 0 for a zero matrix
-        log_factor = p * (self.log_scale + top.log()[..., None]) if p else torch.zeros_like(self.log_scale)
+        s, size = self.factors.s, self.shape[-1]
+        weights, log_top = relative_powers(s, p, size)
+        log_factor = p * (self.log_scale + log_top[..., None]) if p else torch.zeros_like(self.log_scale)
         if eps is None:
-            return self.factors.modes(x**p if p else nonzero), log_factor
+            return self.factors.modes(weights), log_factor
+        x = relative_powers(s, 1, size)[0]
         log_peak = max(p / 2 * math.log1p(eps * eps), p * math.log(eps))
         log_floored = torch.logaddexp(2 * x.log(), torch.full_like(x, 2 * math.log(eps))) * (p / 2)
-        return self.factors.modes(nonzero * (log_floored - log_peak).exp()), log_factor + log_peak
+        # The modes that are not zero, at the factorisation's own round-off (its dtype's).
+        return self.factors.modes(power_weights(s, 0, size) * (log_floored - log_peak).exp()), log_factor + log_peak
 
     def scaled_direction(self, p, polar_coefficients, iteration: str, eps=None):
         return self.scaled_power(p, eps=eps)
@@ -1182,16 +1180,21 @@ def polar(kernels, W: torch.Tensor, polar_coefficients, precision: str | None = 
 # (RESOLUTION); a negative power lifts the small modes, mostly the momentum's noise, to at most 100^|q|
 # times the top's weight.
 UPDATE_FLOOR = 1e-2
+# How a Muon-family update is scaled: "polar", to the polar factor's Frobenius norm per matrix (a learning
+# rate means what it means for Muon); "raw", not at all: U diag((s^2 + (eps s_max)^2)^(q/2)) V^T as it is,
+# DynMuon's update (its norm follows ||X||^q).
+UPDATE_SCALES = ("polar", "raw")
 
 
 def power_update(kernels, X: torch.Tensor, power, polar_coefficients, precision: str | None, eps: float,
-                 dtype: torch.dtype | None = None, overwrite_input: bool = False) -> torch.Tensor:
+                 dtype: torch.dtype | None = None, overwrite_input: bool = False, scale: str = "polar") -> torch.Tensor:
     """A Muon-family update with update power ``power`` (capturable): for a number 0, ``X``'s polar
     factor on the rectangle, as torch.optim.Muon iterates it (a square ``X`` as laid out: :func:`polar`
     counts it as tall and would iterate on its transpose, a strided view whose result comes out
     strided); else ``U diag((s^2 + (eps s_max)^2)^(power/2)) V^T`` (:meth:`GramPlan.scaled_real_power`),
-    renormalised to the polar factor's Frobenius norm ``sqrt(min(m, n))`` per matrix, so that a
-    learning rate means what it means for Muon (0 for a zero ``X``).
+    scaled as ``scale`` says (:data:`UPDATE_SCALES`): by default renormalised to the polar factor's
+    Frobenius norm ``sqrt(min(m, n))`` per matrix, so that a learning rate means what it means for Muon
+    (0 for a zero ``X``); ``"raw"``: as it is (Inf where that overflows: nothing is read back).
 
     The renormalisation takes the direction at unit scale as it is: the scale ``c^power`` cancels in it,
     and applied first it can leave the range (``||.||_F`` of a power 1 of a 1e-30 ``X`` underflows fp32)."""
@@ -1200,11 +1203,15 @@ def power_update(kernels, X: torch.Tensor, power, polar_coefficients, precision:
             return polar(kernels, X, polar_coefficients, precision, dtype, overwrite_input)
         return polar(kernels, X.mT, polar_coefficients, precision, dtype, overwrite_input).mT
     plan = GramPlan(X, kernels, resolve_precision(precision, X.dtype))
-    D = plan.scaled_direction(power, polar_coefficients, "auto", eps)[0]  # the plan's own: scaled in place
-    norm = torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True, dtype=compute_dtype(D.dtype))
-    # A zero X's direction is 0 (its norm too): 0, not 0/0. A non-finite one stays non-finite.
-    scale = torch.where(norm == 0, 0.0, math.sqrt(min(X.shape[-2:])) / norm)
-    return beyond_tensor_power_nan(plan.oriented(D.mul_(scale.to(D.dtype))).to(dtype or X.dtype), power)
+    D, log_factor = plan.scaled_direction(power, polar_coefficients, "auto", eps)
+    if scale == "raw":
+        result = plan.result(D, log_factor)
+    else:
+        norm = torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True, dtype=compute_dtype(D.dtype))
+        # A zero X's direction is 0 (its norm too): 0, not 0/0. A non-finite one stays non-finite.
+        factor = torch.where(norm == 0, 0.0, math.sqrt(min(X.shape[-2:])) / norm)
+        result = plan.oriented(D.mul_(factor.to(D.dtype)))  # D is the plan's own: scaled in place
+    return beyond_tensor_power_nan(result.to(dtype or X.dtype), power)
 
 
 def msign(kernels, A: torch.Tensor, sign_coefficients, precision: str | None = None) -> torch.Tensor:
