@@ -114,8 +114,19 @@ def check_same_device(tensors: Iterable[torch.Tensor], name: str = "W") -> None:
         raise ValueError(f"all tensors in {name} must be on one device, got {sorted(map(str, devices))}")
 
 
-def check_power(p, name: str = "p", *, eps=None, decay: bool = False, capturable: bool = False):
-    """A real power as the ops take it: an int where it is integral (``2.0`` is 2), else a float.
+# The largest |p| (and floor eps, relative to s_max) the ops take. s^p moves by p times a relative change
+# of s, so at |p| = 1000 float32's own rounding of W (6e-8) already moves S_p by 6e-5, and every mode
+# below 0.5 s_max is weighed 2^-1000 of the top (below float64's range). A floor above EPS_BOUND
+# dominates every mode to float64's rounding: (s^2 + (eps s_max)^2)^(p/2) is (eps s_max)^p (1 + p s^2 /
+# (2 eps^2 s_max^2)), the polar factor scaled, to within |p| 5e-17.
+POWER_BOUND = 1000
+EPS_BOUND = 1e8
+
+
+def check_power(p, name: str = "p", *, eps=None, decay: bool = False, capturable: bool = False,
+                eps_name: str = "eps"):
+    """A real power as the ops take it: an int where it is integral (``2.0`` is 2), else a float, with
+    ``|p| <=`` :data:`POWER_BOUND`; ``eps_name``: what the caller calls the floor.
 
     ``eps`` floors the spectrum, ``U diag((s^2 + (eps s_max)^2)^(p/2)) V^T``; ``p < 0`` needs one (without
     it the small singular values blow up) and is refused for a ``decay``, which it would turn into growth
@@ -129,12 +140,17 @@ def check_power(p, name: str = "p", *, eps=None, decay: bool = False, capturable
         if eps is None:
             raise ValueError(f"{name} held in a tensor is floored either way (its sign is not read on the host): "
                              "pass eps > 0 (relative to s_max)")
-        _check_eps(eps)
+        check_eps(eps, eps_name)
         return p
     if isinstance(p, torch.Tensor) and p.dim() == 0:
         p = p.item()
     if isinstance(p, bool) or not isinstance(p, numbers.Real) or not math.isfinite(p):
         raise ValueError(f"{name} must be a finite real number, got {p!r}")
+    if abs(p) > POWER_BOUND:
+        raise ValueError(f"{name}={p:g} is beyond the powers the ops take (|{name}| <= {POWER_BOUND}): a power moves "
+                         f"by |{name}| times a relative change of a singular value, so the input's own rounding would "
+                         f"decide the result, and every mode below half the largest would weigh under 2^-{POWER_BOUND} "
+                         "of it; pass a power in that range")
     if p < 0 and decay:
         raise ValueError(f"{name}={p} < 0 cannot be a decay: s -> s - c s^p would shrink the small singular values "
                          "most and, as s -> 0, without bound (and grow them with c < 0); use p >= 0")
@@ -142,13 +158,24 @@ def check_power(p, name: str = "p", *, eps=None, decay: bool = False, capturable
         raise ValueError(f"{name}={p} < 0 needs a floor: pass eps > 0 (relative to s_max) for "
                          "U diag((s^2 + (eps s_max)^2)^(p/2)) V^T; without one the small singular values blow up")
     if eps is not None:
-        _check_eps(eps)
+        check_eps(eps, eps_name)
     return int(p) if float(p).is_integer() else float(p)
 
 
-def _check_eps(eps) -> None:
+def check_eps(eps, name: str = "eps") -> None:
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
-        raise ValueError(f"eps must be a finite number > 0 (relative to s_max), got {eps!r}")
+        raise ValueError(f"{name} must be a finite number > 0 (relative to s_max), got {eps!r}")
+    if eps > EPS_BOUND:
+        raise ValueError(f"{name}={eps:g} is beyond the floors the ops take ({name} <= {EPS_BOUND:g}, relative to "
+                         "s_max): above it the floor outweighs every singular value to float64's rounding, so the "
+                         f"result is (eps s_max)^p times the polar factor; pass a smaller {name}, or scale the polar "
+                         "factor")
+
+
+# The most steps an iteration takes: Polar Express converges from 1e-3 in 8 and from fp32's epsilon in
+# about 12, Newton-Schulz's sign in about 30; a count in the thousands is a mistake (a training run's
+# steps?), whose design and iteration would run for minutes.
+STEPS_BOUND = 1000
 
 
 def check_steps(steps, name: str = "steps"):
@@ -156,6 +183,9 @@ def check_steps(steps, name: str = "steps"):
         return None
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {steps!r}")
+    if steps > STEPS_BOUND:
+        raise ValueError(f"{name}={steps} is beyond the iterations' steps, at most {STEPS_BOUND}: Polar Express "
+                         "converges in about 12 and Newton-Schulz's sign in about 30")
     return int(steps)
 
 

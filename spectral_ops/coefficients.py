@@ -14,6 +14,7 @@ import math
 import numpy as np
 import torch
 
+from ._checks import check_steps
 from ._compile import constant_when_traced
 
 # polar() starts from X_0 = W / (1.01 ||W||_F), so every singular value is in (0, 1/1.01]: inside the
@@ -116,8 +117,7 @@ def polar_express_coefficients(steps: int = 8, lower: float = 1e-3, safety: floa
     that round-off cannot push a singular value past where the next polynomial was designed.
     Results are cached; the returned tuple is immutable.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    steps = _checked_steps(steps)
     if not (isinstance(lower, (int, float)) and 0.0 < lower < 1.0):
         raise ValueError(f"lower must be a float in (0, 1), got {lower!r}")
     if not (isinstance(safety, (int, float)) and safety >= 1.0):
@@ -336,9 +336,9 @@ def without_normalization_margin(coefficients):
 
 
 def _checked_steps(steps) -> int:
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
-    return steps
+    if steps is None:
+        raise ValueError("steps must be an integer >= 1, got None")
+    return check_steps(steps)
 
 
 def _is_single_triple(coefficients) -> bool:

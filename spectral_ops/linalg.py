@@ -120,6 +120,18 @@ def power_weights(s: torch.Tensor, p: int, size: int) -> torch.Tensor:
     return (s > cutoff).to(s.dtype)
 
 
+def relative_powers(s: torch.Tensor, p, size: int):
+    """``(weights, ln s_max)``: each mode's ``s^p`` relative to the largest's, ``(s / s_max)^p`` (float64;
+    ``p = 0``: :func:`power_weights`, 1 on the non-zero modes), and ``ln s_max`` (``(..., 1)``; ``-inf`` for
+    a zero matrix, whose weights are 0), which gives the scale ``s_max^p``. ``s^p`` itself can leave the
+    range where the result does not: a unit-norm matrix's ``s_max`` is down to ``r^(-1/2)``, and its
+    ``s^p`` underflows float32 from ``p ~ 50`` at ``r = 64`` (float64 from ``p ~ 360``)."""
+    top = s.double().amax(-1, keepdim=True)
+    if p == 0:
+        return power_weights(s, 0, size).double(), top.log()
+    return (s.double() / top.clamp_min(torch.finfo(torch.float64).tiny)) ** p, top.log()
+
+
 class SpectralFactors:
     """The singular values ``s`` (``(..., r)``) of a wide unit-norm ``Xn`` and its small side's singular
     vectors ``U``, from a thin SVD (``method="svd"``) or an eigendecomposition of the Gram
@@ -161,8 +173,9 @@ def factorised_spectral_power(W: torch.Tensor, p: int, dtype: torch.dtype, metho
     unit norm, the scale ``||W||_F^p`` applied last (it can overflow where the result does not)."""
     Xn, log_scale = frobenius_normalized(wide(W).to(dtype))
     factors = SpectralFactors(Xn, method)
-    log_factor = p * log_scale if p else torch.zeros_like(log_scale)  # 0 * ln 0 would be NaN
-    direction = scaled_(factors.modes(power_weights(factors.s, p, max(W.shape[-2:]))), log_factor)
+    weights, log_top = relative_powers(factors.s, p, max(W.shape[-2:]))
+    log_factor = p * (log_scale + log_top[..., None]) if p else torch.zeros_like(log_scale)  # 0 * ln 0 is NaN
+    direction = scaled_(factors.modes(weights), log_factor)
     return direction.mT if is_tall(W) else direction
 
 

@@ -208,30 +208,37 @@ def spectral_power(W: torch.Tensor, p, method: str = "auto", *, steps: int | Non
 @torch.no_grad()
 def power_update(X: torch.Tensor, q=0, *, eps: float = plan.UPDATE_FLOOR, steps: int | None = None, coefficients=None,
                  precision: str | None = None, capturable: bool = False, dtype: torch.dtype | None = None,
-                 overwrite_input: bool = False, matrix_view: str | None = None) -> torch.Tensor:
+                 overwrite_input: bool = False, scale: str = "polar", matrix_view: str | None = None) -> torch.Tensor:
     """A Muon-family update with update power ``q``: ``U diag((s^2 + (eps s_max)^2)^(q/2)) V^T`` of the
     momentum ``X = U diag(s) V^T``, renormalised to the polar factor's Frobenius norm
-    ``sqrt(min(m, n))`` per matrix, so that a learning rate means what it means for Muon; ``q = 0`` (a
-    number) is the polar factor :func:`polar` gives, as Muon iterates it, bit for bit. DynMuon's
-    schedule (+0.25 to -0.25) and the Schatten-p steepest descents take fractional and negative ``q``.
+    ``sqrt(min(m, n))`` per matrix, so that a learning rate means what it means for Muon (a zero ``X``
+    gives 0); ``q = 0`` (a number) is the polar factor :func:`polar` gives, as Muon iterates it, bit for
+    bit. DynMuon's schedule (+0.25 to -0.25) and the Schatten-p steepest descents take fractional and
+    negative ``q``. ``scale="raw"`` leaves the power as it is, DynMuon's update (its norm follows
+    ``||X||^q``): ``power_update(X, q, eps=1e-6, scale="raw", precision="fp32")`` is DynMuon's form
+    (docs/real-powers.md, "Porting from DynMuon").
 
     On the Gram route (docs/real-powers.md): Polar Express (``steps``/``coefficients`` as in
     :func:`polar`, Muon's 8 steps by default), then a polynomial in an inverse root of ``|X|``; about
-    1.4x the FLOPs of the polar factor, and 1e-2 from the FP64 SVD in bf16 on Gaussian momenta
-    (``python -m spectral_ops.experiments real-powers``). ``eps`` (relative to ``s_max``): the floor,
-    at least the iterate's resolution (``plan.RESOLUTION``: 2^-6 in bf16). ``capturable=True``: ``q``
-    may be a 0-d tensor on the device, with ``|q| <= 1`` (NaN beyond). ``dtype``, ``overwrite_input``: as
-    in :func:`polar`. :class:`~spectral_ops.optim.SpectralMuon` takes it as ``update_power``.
-    ``matrix_view``: as in :func:`polar` (a conv filter's momentum is one matrix: ``"flatten"``, as Muon).
+    1.4x the FLOPs of the polar factor. In bf16 (``python -m spectral_ops.experiments real-powers``):
+    1e-2 from the FP64 SVD on Gaussian momenta; on low-rank momenta over noise 1.4e-2 where the noise
+    reaches 1e-1 of ``s_max``, 5e-2 at 1e-2, 0.35 at 1e-3, where the noise modes are below Polar
+    Express's design bound (Muon's own polar factor errs as much there: fp32 takes the error to 1e-2).
+    ``eps`` (relative to ``s_max``): the floor, at least the iterate's resolution (``plan.RESOLUTION``:
+    2^-6 in bf16). ``capturable=True``: ``q`` may be a 0-d tensor on the device, with ``|q| <= 1`` (NaN
+    beyond). ``dtype``, ``overwrite_input``: as in :func:`polar`. :class:`~spectral_ops.optim.SpectralMuon`
+    takes it as ``update_power`` (and ``scale`` as ``update_scale``). ``matrix_view``: as in :func:`polar`
+    (a conv filter's momentum is one matrix: ``"flatten"``, as Muon reads it).
     """
     M = _validated(X, "X", capturable=capturable, matrix_view=matrix_view)
     q = check_power(q, "q", eps=eps, capturable=capturable)
     polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
     _check_iterate_options(precision, dtype, overwrite_input)
+    check_choice(scale, "scale", plan.UPDATE_SCALES)
     if X.numel() == 0:
         return X.to(dtype or X.dtype, copy=True)
     return _shaped_as(plan.power_update(dispatch.kernels_for("power_update", M), M, q, polar_c, precision, eps,
-                                        dtype, overwrite_input), X)
+                                        dtype, overwrite_input, scale), X)
 
 
 def check_iteration(iteration) -> str:

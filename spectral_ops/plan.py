@@ -45,13 +45,13 @@ from typing import Union
 
 import torch
 
-from ._checks import renamed_argument, user_stacklevel
+from ._checks import check_power, renamed_argument, user_stacklevel
 from ._compile import constant_when_traced
 from .coefficients import (NORMALIZATION_MARGIN, floor_polynomial, interpolated_coefficients,
                            inverse_root_coefficients, polar_express_coefficients, polar_express_design,
                            power_polynomial)
 from .linalg import (SpectralFactors, as_float64, compute_dtype, frobenius_normalized, is_tall, power_weights, ratio,
-                     scaled_, wide, zero_mode_cutoff)
+                     relative_powers, scaled_, wide, zero_mode_cutoff)
 
 Scale = Union[float, torch.Tensor]  # a Python number, a 0-d tensor, or one value per matrix (..., 1, 1)
 
@@ -252,6 +252,9 @@ def repeated_squaring(k: int, square, multiply):
     ``square`` caches the squares (each computed at most once); ``multiply`` is the product of two
     commuting symmetric factors.
     """
+    if not isinstance(k, int) or k < 0:
+        # A negative k never reaches 0 by k >>= 1: the loop would never end.
+        raise ValueError(f"repeated_squaring computes G^k for an integer k >= 0, got {k!r}")
     result, exponent = None, 1
     while k:
         if k & 1:
@@ -385,27 +388,47 @@ def symmetric_polynomial(kernels, U: torch.Tensor, coefficients, precision: str,
     return result
 
 
+def root_squarings(largest: float, tolerance: float) -> tuple[int, float]:
+    """``(j, tolerance')`` for a power of exponent up to ``largest`` in magnitude, taken as a polynomial of
+    its ``2^j``-th root and ``j`` squarings: ``j`` the least that brings the exponent to at most 1 (a steep
+    power needs a high degree, its root a low one), and the polynomial's design tolerance, so that the
+    squarings, each doubling its relative error, keep the power within ``tolerance``."""
+    squarings = max(0, math.ceil(math.log2(largest))) if largest else 0
+    # No finer than float64 resolves on the grid the design is checked on.
+    return squarings, max(tolerance / 2**squarings, 1e-14)
+
+
+# The functions a real power evaluates by a polynomial, as (exponent, lo, hi, tolerance) -> the
+# design of coefficients.power_polynomial: z^exponent on [lo, hi], and (1 - w)^exponent on [0, hi].
+POLYNOMIALS = {"power": power_polynomial,
+               "floor": lambda exponent, lo, hi, tolerance: floor_polynomial(exponent, hi, tolerance)}
+
+
+def function_polynomial(kernels, M: torch.Tensor, function: str, exponent, lo: float, hi: float, tolerance: float,
+                        precision: str, identity: torch.Tensor, bound: float = 1.0) -> torch.Tensor:
+    """:data:`POLYNOMIALS` ``[function]`` of a symmetric ``M`` with eigenvalues in ``[lo, hi]``, by one
+    polynomial (Paterson-Stockmeyer). An ``exponent`` held in a 0-d tensor (a capturable step's power),
+    of magnitude at most ``bound``, has its coefficients computed on its device
+    (:func:`~spectral_ops.coefficients.interpolated_coefficients`)."""
+    if torch.is_tensor(exponent):
+        coefficients = interpolated_coefficients(function, exponent, lo, hi, max(tolerance, DEVICE_DESIGN_TOLERANCE),
+                                                 (-bound, bound))
+    else:
+        coefficients, lo, hi = POLYNOMIALS[function](exponent, lo, hi, tolerance)
+    U = (2.0 / (hi - lo)) * M - ((hi + lo) / (hi - lo)) * identity.to(M.dtype)
+    return symmetric_polynomial(kernels, U, coefficients, precision, identity)
+
+
 def matrix_power_of_root(kernels, Z: torch.Tensor, gamma, lo: float, hi: float, tolerance: float,
                          precision: str, identity: torch.Tensor, span: float | None = None) -> torch.Tensor:
     """``Z^gamma`` for a symmetric ``Z`` with eigenvalues in ``[lo, hi]``: ``z^(gamma / 2^j)`` by a
-    polynomial (:func:`~spectral_ops.coefficients.power_polynomial`), then ``j`` squarings, with ``j``
-    the least that brings the exponent to at most 1 (a steep ``z^gamma`` needs a high degree, its
-    square root a low one; each squaring doubles the polynomial's relative error, which it is
-    designed for). A ``gamma`` held in a 0-d tensor (a capturable step's power) takes the squarings
-    and the degree of the largest ``|gamma|`` it may be, ``span``, and its coefficients are computed on
-    its device (:func:`~spectral_ops.coefficients.interpolated_coefficients`)."""
+    polynomial (:func:`~spectral_ops.coefficients.power_polynomial`), then ``j`` squarings
+    (:func:`root_squarings`). A ``gamma`` held in a 0-d tensor (a capturable step's power) takes the
+    squarings and the degree of the largest ``|gamma|`` it may be, ``span``."""
     largest = span if torch.is_tensor(gamma) else abs(gamma)
-    squarings = max(0, math.ceil(math.log2(largest))) if largest else 0
-    # No finer than float64 resolves on the grid the design is checked on.
-    tolerance = max(tolerance / 2**squarings, 1e-14)
-    if torch.is_tensor(gamma):
-        bound = largest / 2**squarings
-        coefficients = interpolated_coefficients("power", gamma / 2**squarings, lo, hi,
-                                                 max(tolerance, DEVICE_DESIGN_TOLERANCE), (-bound, bound))
-    else:
-        coefficients, lo, hi = power_polynomial(gamma / 2**squarings, lo, hi, tolerance)
-    U = (2.0 / (hi - lo)) * Z - ((hi + lo) / (hi - lo)) * identity.to(Z.dtype)
-    F = symmetric_polynomial(kernels, U, coefficients, precision, identity)
+    squarings, tolerance = root_squarings(largest, tolerance)
+    F = function_polynomial(kernels, Z, "power", gamma / 2**squarings, lo, hi, tolerance, precision, identity,
+                            largest / 2**squarings)
     for _ in range(squarings):
         F = kernels.symmetric(F, F, precision)
     return F
@@ -809,24 +832,24 @@ class GramPlan:
             base, log_base = self.scaled_power(whole, coefficients, iteration)
         A = (P * b.reciprocal().to(operand) + shift * identity.to(operand)) * (1.0 / (1.0 + shift))
         log_factor = log_base + fraction * (self.log_scale + (b * (1.0 + shift)).double().log())
-        _, F = self._root_and_power(A, max(shift / (1.0 + shift), ROOT_LOWER), fraction)
+        Z, lo, hi = self._inverse_root(A, max(shift / (1.0 + shift), ROOT_LOWER))
+        F = matrix_power_of_root(self.kernels, Z, -ROOT_ORDER * fraction, lo, hi, REAL_POWER_TOLERANCE[precision],
+                                 precision, identity)
         return self.product(F, base.to(operand)).to(self.dtype), log_factor
 
-    def _root_and_power(self, A, lower: float, exponent):
-        """``(Z, A^exponent)`` with ``Z = A^(-1/8)`` (:func:`inverse_root`), for ``A``'s eigenvalues in
-        ``[lower, 1]``, ``A^exponent = Z^(-8 exponent)`` a polynomial (:func:`matrix_power_of_root`; an
-        ``exponent`` in a tensor is at most :data:`TENSOR_POWER_BOUND`)."""
-        precision, identity, n = self.precision, self.identity(), ROOT_ORDER
+    def _inverse_root(self, A, lower: float):
+        """``(Z, lo, hi)``: ``Z = A^(-1/8)`` (:func:`inverse_root`) for ``A``'s eigenvalues in ``[lower, 1]``,
+        and an interval that holds ``Z``'s eigenvalues, where a polynomial in ``Z`` is designed."""
+        precision, n = self.precision, ROOT_ORDER
         tolerance = REAL_POWER_TOLERANCE[precision]
         root = inverse_root_coefficients(n, lower, tolerance / n)
-        Z = inverse_root(self.kernels, A, n, root, precision, identity)
+        Z = inverse_root(self.kernels, A, n, root, precision, self.identity())
         # Z's eigenvalues: from 1 (A's top) to lower^(-1/n) at the design bound, and at most the product of
         # the steps' a (the lift of a mode below it, which the polynomial then takes to about the
         # bound's value, bounded, instead of extrapolating), widened for the residual and rounding.
         widening = design_widening(tolerance)
         largest = max(math.prod([a for a, _, _ in root]), lower ** (-1.0 / n))
-        return Z, matrix_power_of_root(self.kernels, Z, -n * exponent, 1.0 / widening, largest * widening,
-                                       tolerance, precision, identity, span=n * TENSOR_POWER_BOUND)
+        return Z, 1.0 / widening, largest * widening
 
     def _floored_power(self, p, P, Q, b, eps: float):
         """``U diag((s^2 + e^2)^(p/2)) V^T``, ``e = eps s_max``, scaled, from ``P = |Xn|`` and ``b``, a bound on
@@ -841,29 +864,38 @@ class GramPlan:
         (:func:`~spectral_ops.coefficients.floor_polynomial`); ``Q`` is 0 on a zero mode, which has no
         singular vectors: it stays 0. A floor below the precision's :data:`RESOLUTION` is raised to it, and
         one below the design bound (:data:`ROOT_LOWER` of ``b``) leaves the modes below the bound as the positive
-        powers leave them: about the bound's value."""
-        operand, identity = OPERAND_DTYPES[self.precision], self.identity().to(OPERAND_DTYPES[self.precision])
+        powers leave them: about the bound's value.
+
+        Both factors are polynomials at the exponent ``p / 2^j`` (:func:`root_squarings` for the root's
+        ``8 p``), and their product is squared ``j`` times: ``A^p`` and ``(1 - W)^(p/2)`` each span up to
+        ``(d / (1 + d))^p`` and ``2^(|p|/2)``, beyond fp32 from ``|p| ~ 20`` and ``250``, where their product
+        does not. The product's ``2^j``-th root is at most ``(d / (1 + d))^(p / 2^j)`` (at ``s = 0``) for
+        ``p < 0`` and 1 otherwise: divided by that, its squares stay in range for every ``|p|`` up to
+        :data:`~spectral_ops._checks.POWER_BOUND`, the division going into the scale."""
+        precision, n = self.precision, ROOT_ORDER
+        operand, identity = OPERAND_DTYPES[precision], self.identity().to(OPERAND_DTYPES[precision])
         # b is 1.01 of the estimate of s_max that sets the floor: d = e / b is the same for every matrix.
-        d = max(eps / NORMALIZATION_MARGIN, RESOLUTION[self.precision])
+        d = max(eps / NORMALIZATION_MARGIN, RESOLUTION[precision])
         A = (P * b.reciprocal().to(operand) + d * identity) * (1.0 / (1.0 + d))
-        Z, F = self._root_and_power(A, max(d / (1.0 + d), ROOT_LOWER), p)
+        Z, lo, hi = self._inverse_root(A, max(d / (1.0 + d), ROOT_LOWER))
         V = Z
-        for _ in range(ROOT_ORDER.bit_length() - 1):
+        for _ in range(n.bit_length() - 1):
             V = self.symmetric(V, V)
         V = V * (d / (1.0 + d))
         W = 2 * (V - self.symmetric(V, V))
-        tolerance = REAL_POWER_TOLERANCE[self.precision]
-        hi = 0.5 * design_widening(tolerance)
-        if torch.is_tensor(p):
-            half = TENSOR_POWER_BOUND / 2
-            coefficients = interpolated_coefficients("floor", p / 2, 0.0, hi, max(tolerance, DEVICE_DESIGN_TOLERANCE),
-                                                     (-half, half))
-        else:
-            coefficients = floor_polynomial(p / 2, hi, tolerance)[0]
-        G = symmetric_polynomial(self.kernels, (2.0 / hi) * W - identity, coefficients, self.precision,
-                                 identity)
-        log_factor = p * (self.log_scale + (b * (1.0 + d)).double().log())
-        return self.product(self.symmetric(F, G), Q).to(self.dtype), log_factor
+        largest = n * (TENSOR_POWER_BOUND if torch.is_tensor(p) else abs(p))
+        squarings, tolerance = root_squarings(largest, REAL_POWER_TOLERANCE[precision])
+        exponent, bound = p / 2**squarings, largest / 2**squarings
+        F = function_polynomial(self.kernels, Z, "power", -n * exponent, lo, hi, tolerance, precision, identity, bound)
+        G = function_polynomial(self.kernels, W, "floor", exponent / 2, 0.0, 0.5 * design_widening(tolerance),
+                                tolerance, precision, identity, bound / (2 * n))
+        log_peak = (p.clamp(max=0).double() if torch.is_tensor(p) else min(p, 0)) * math.log(d / (1.0 + d))
+        root_peak = -log_peak / 2**squarings
+        H = self.symmetric(F, G) * (root_peak.exp().to(operand) if torch.is_tensor(p) else math.exp(root_peak))
+        for _ in range(squarings):
+            H = self.symmetric(H, H)
+        log_factor = p * (self.log_scale + (b * (1.0 + d)).double().log()) + log_peak
+        return self.product(H, Q).to(self.dtype), log_factor
 
     def absolute(self, Q: torch.Tensor) -> torch.Tensor:
         """``|Xn| = Xn Q^T = U diag(s) U^T`` from the polar factor ``Q`` (operand dtype): one product."""
@@ -1039,8 +1071,8 @@ class GramPlan:
         """``S_p`` scaled, ``(D, ln f)``, as :func:`route` says: a backend's fused chain first where it may
         run, else the plan's iteration."""
         chosen = route(self.shape, self.dtype, self.log_scale.device.type, p, self.precision, method="gram",
-                       iteration=iteration, steps=len(polar_coefficients))
-        if chosen.chain and eps is None:
+                       iteration=iteration, steps=len(polar_coefficients), floored=eps is not None)
+        if chosen.chain:
             chained = chained_power(self.kernels, self, p, polar_coefficients)
             if chained is not None:
                 return chained
@@ -1048,6 +1080,12 @@ class GramPlan:
 
     def oriented(self, S: torch.Tensor) -> torch.Tensor:
         return S.mT if self.transposed else S
+
+    def result(self, D: torch.Tensor, log_factor: torch.Tensor) -> torch.Tensor:
+        """An op's result ``f D`` from its scaled pair ``(D, ln f)`` (:func:`~.linalg.scaled_`), oriented as
+        the input: 0 for a zero matrix, as every spectral form of it is, where its ``ln c = -inf`` would
+        make ``0 * inf`` (``c^p`` for ``p < 0``, a floor's ``tau / c``)."""
+        return self.oriented(torch.where(self.log_scale == -math.inf, 0.0, scaled_(D, log_factor)))
 
 
 class FactorisedPlan(GramPlan):
@@ -1101,14 +1139,21 @@ class FactorisedPlan(GramPlan):
         return (torch.sign(self.factors.s.double() - threshold) + 1) / 2
 
     def scaled_power(self, p, coefficients=(), iteration: str = "rectangle", eps=None):
+        """Each mode's weight relative to the largest (:func:`~.linalg.relative_powers`; floored:
+        ``(x^2 + eps^2)^(p/2)`` of ``x = s / s_max`` over its largest, at ``x = 1`` for ``p > 0`` and ``x = 0``
+        for ``p < 0``, from its log), and ``s_max^p`` (with that largest) in the scale."""
         if eps is None and p == 1:
             return super().scaled_power(p, coefficients)
-        s = self.factors.s
-        if eps is not None:  # floored: (s^2 + (eps s_max)^2)^(p/2) on the non-zero modes, scaled by c^p
-            floored = (s.double() ** 2 + (eps * s.double().amax(-1, keepdim=True)) ** 2) ** (p / 2)
-            return self.factors.modes(power_weights(s, 0, self.shape[-1]) * floored), p * self.log_scale
-        direction = self.factors.modes(power_weights(s, p, self.shape[-1]))
-        return direction, p * self.log_scale if p else torch.zeros_like(self.log_scale)
+        s, size = self.factors.s, self.shape[-1]
+        weights, log_top = relative_powers(s, p, size)
+        log_factor = p * (self.log_scale + log_top[..., None]) if p else torch.zeros_like(self.log_scale)
+        if eps is None:
+            return self.factors.modes(weights), log_factor
+        x = relative_powers(s, 1, size)[0]
+        log_peak = max(p / 2 * math.log1p(eps * eps), p * math.log(eps))
+        log_floored = torch.logaddexp(2 * x.log(), torch.full_like(x, 2 * math.log(eps))) * (p / 2)
+        # The modes that are not zero, at the factorisation's own round-off (its dtype's).
+        return self.factors.modes(power_weights(s, 0, size) * (log_floored - log_peak).exp()), log_factor + log_peak
 
     def scaled_direction(self, p, polar_coefficients, iteration: str, eps=None):
         return self.scaled_power(p, eps=eps)
@@ -1195,15 +1240,18 @@ def spectral_power(kernels, W: torch.Tensor, p, polar_coefficients, precision: s
     ``eps`` (:meth:`GramPlan.scaled_real_power`; ``p = 0`` is the polar factor, floored or not)."""
     if eps is None and p == 1:
         return W.clone()  # S_1(W) = W, and the result must never alias the input
-    method = routed(kernels, W, p, precision, method, iteration=iteration)
+    method = routed(kernels, W, p, precision, method, iteration=iteration, floored=eps is not None)
     if method == "gram" and not torch.is_tensor(p) and p == 0:
         return polar_factor(kernels, W, polar_coefficients, precision, iteration)
     plan = plan_for(W, kernels, precision, method)
-    direction, log_factor = plan.scaled_direction(p, polar_coefficients, iteration, eps)
-    result = plan.oriented(scaled_(direction, log_factor)).to(W.dtype)
-    if torch.is_tensor(p):
-        result = torch.where(p.abs() <= TENSOR_POWER_BOUND, result, torch.nan)
+    result = plan.result(*plan.scaled_direction(p, polar_coefficients, iteration, eps)).to(W.dtype)
+    result = beyond_tensor_power_nan(result, p)
     return checked_finite(result, "spectral_power") if sync else result
+
+
+def beyond_tensor_power_nan(result: torch.Tensor, p) -> torch.Tensor:
+    """``result``, NaN where ``p`` is held in a tensor beyond :data:`TENSOR_POWER_BOUND` (its design)."""
+    return torch.where(p.abs() <= TENSOR_POWER_BOUND, result, torch.nan) if torch.is_tensor(p) else result
 
 
 def polar_factor(kernels, W: torch.Tensor, polar_coefficients, precision: str | None = None,
@@ -1226,24 +1274,38 @@ def polar(kernels, W: torch.Tensor, polar_coefficients, precision: str | None = 
 # (RESOLUTION); a negative power lifts the small modes, mostly the momentum's noise, to at most 100^|q|
 # times the top's weight.
 UPDATE_FLOOR = 1e-2
+# How a Muon-family update is scaled: "polar", to the polar factor's Frobenius norm per matrix (a learning
+# rate means what it means for Muon); "raw", not at all: U diag((s^2 + (eps s_max)^2)^(q/2)) V^T as it is,
+# DynMuon's update (its norm follows ||X||^q).
+UPDATE_SCALES = ("polar", "raw")
 
 
 def power_update(kernels, X: torch.Tensor, power, polar_coefficients, precision: str | None, eps: float,
-                 dtype: torch.dtype | None = None, overwrite_input: bool = False) -> torch.Tensor:
+                 dtype: torch.dtype | None = None, overwrite_input: bool = False, scale: str = "polar") -> torch.Tensor:
     """A Muon-family update with update power ``power`` (capturable): for a number 0, ``X``'s polar
     factor on the rectangle, as torch.optim.Muon iterates it (a square ``X`` as laid out: :func:`polar`
     counts it as tall and would iterate on its transpose, a strided view whose result comes out
     strided); else ``U diag((s^2 + (eps s_max)^2)^(power/2)) V^T`` (:meth:`GramPlan.scaled_real_power`),
-    renormalised to the polar factor's Frobenius norm ``sqrt(min(m, n))`` per matrix, so that a
-    learning rate means what it means for Muon."""
+    scaled as ``scale`` says (:data:`UPDATE_SCALES`): by default renormalised to the polar factor's
+    Frobenius norm ``sqrt(min(m, n))`` per matrix, so that a learning rate means what it means for Muon
+    (0 for a zero ``X``); ``"raw"``: as it is (Inf where that overflows: nothing is read back).
+
+    The renormalisation takes the direction at unit scale as it is: the scale ``c^power`` cancels in it,
+    and applied first it can leave the range (``||.||_F`` of a power 1 of a 1e-30 ``X`` underflows fp32)."""
     if not torch.is_tensor(power) and power == 0:
         if X.shape[-2] != X.shape[-1]:
             return polar(kernels, X, polar_coefficients, precision, dtype, overwrite_input)
         return polar(kernels, X.mT, polar_coefficients, precision, dtype, overwrite_input).mT
-    D = spectral_power(kernels, X, power, polar_coefficients, precision, sync=False, method="gram", eps=eps)
-    norm = torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True, dtype=compute_dtype(D.dtype))
-    scale = math.sqrt(min(X.shape[-2:])) / norm.clamp_min(torch.finfo(norm.dtype).tiny)
-    return D.mul_(scale.to(D.dtype)).to(dtype or X.dtype)  # D is this call's own: scaled in place
+    plan = GramPlan(X, kernels, resolve_precision(precision, X.dtype))
+    D, log_factor = plan.scaled_direction(power, polar_coefficients, "auto", eps)
+    if scale == "raw":
+        result = plan.result(D, log_factor)
+    else:
+        norm = torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True, dtype=compute_dtype(D.dtype))
+        # A zero X's direction is 0 (its norm too): 0, not 0/0. A non-finite one stays non-finite.
+        factor = torch.where(norm == 0, 0.0, math.sqrt(min(X.shape[-2:])) / norm)
+        result = plan.oriented(D.mul_(factor.to(D.dtype)))  # D is the plan's own: scaled in place
+    return beyond_tensor_power_nan(result.to(dtype or X.dtype), power)
 
 
 def msign(kernels, A: torch.Tensor, sign_coefficients, precision: str | None = None) -> torch.Tensor:
@@ -1276,7 +1338,7 @@ def svt(kernels, W: torch.Tensor, t, polar_coefficients, sign_coefficients, prec
         sync: bool = True, method: str = "gram", threshold_ratio: float | None = None):
     method = routed(kernels, W, 0, precision, method, band=True)
     plan = plan_for(W, kernels, precision, method, not sync, threshold_ratio)
-    result = plan.oriented(scaled_(*plan.scaled_svt(t, polar_coefficients, sign_coefficients))).to(W.dtype)
+    result = plan.result(*plan.scaled_svt(t, polar_coefficients, sign_coefficients)).to(W.dtype)
     return checked_finite(result, "svt") if sync else result
 
 
@@ -1289,15 +1351,21 @@ def spectral_clip(kernels, W: torch.Tensor, low, high, polar_coefficients, sign_
     method = routed(kernels, W, 0, precision, method, band=True)
     plan = plan_for(W, kernels, precision, method, not sync, threshold_ratio)
     clipped = plan.scaled_clip(low, high, polar_coefficients, sign_coefficients)
-    result = plan.oriented(scaled_(*clipped)).to(W.dtype)
+    result = plan.result(*clipped).to(W.dtype)
     return checked_finite(result, "spectral_clip") if sync else result
 
 
+# Beyond this many squarings every level of the bound is s_max to float64's rounding (level j is within
+# r^(1/2^(j+2)) and its rounding's widening, at most 1e10, within 1e10^(1/2^(j+1))): more would repeat it.
+USEFUL_SQUARINGS = 64
+
+
 def spectral_norm_bounds(kernels, W: torch.Tensor, squarings: int):
-    """``(lower, upper)`` on ``s_max`` per matrix, in the compute dtype (products at its accuracy)."""
+    """``(lower, upper)`` on ``s_max`` per matrix, in the compute dtype (products at its accuracy), from at
+    most :data:`USEFUL_SQUARINGS` squarings."""
     dtype = compute_dtype(W.dtype)
     plan = GramPlan(W, kernels, "fp64" if dtype == torch.float64 else "fp32")
-    log_lower, log_upper = plan.log_spectral_norm_bounds(squarings)
+    log_lower, log_upper = plan.log_spectral_norm_bounds(min(squarings, USEFUL_SQUARINGS))
     return log_lower.exp().clamp(max=torch.finfo(dtype).max).to(dtype), log_upper.exp().to(dtype)
 
 
@@ -1305,11 +1373,10 @@ def spectral_norm_bounds(kernels, W: torch.Tensor, squarings: int):
 
 # The CPU's fastest accurate method for S_p, from the crossovers measured with
 # bench/test_bench_ops.py::test_method_selection (docs/backends.md, "Choosing a method on a CPU"):
-# for p >= 2 the Gram's eigendecomposition won at every measured shape; for p = 0 (where eigh is
-# inaccurate) Polar Express beat LAPACK's SVD in float32 for small sides in CPU_POLAR_SIDES (and from
-# CPU_POLAR_LARGE_SIDE), in float64 only on square matrices there.
-CPU_POLAR_SIDES = (128, 256)
-CPU_POLAR_LARGE_SIDE = 1024
+# for p >= 2 the Gram's eigendecomposition won at every measured shape. For p = 0 (where eigh is
+# inaccurate) Polar Express beat LAPACK's SVD by up to 1.55x at some sides, but only on spectra inside
+# its design bound (1e-3 of ||W||_F): at kappa 1e3 it erred 1.3e-3 (128 x 128) to 3e-2 (512 x 512)
+# against the SVD's 1e-5 in fp32, so the SVD is taken at every side.
 # The routes that factorise (spectral_ops.linalg.SpectralFactors) instead of iterating.
 FACTORISATIONS = ("svd", "eigh")
 METHODS = ("auto", "gram") + FACTORISATIONS
@@ -1328,7 +1395,8 @@ class Route:
 
 
 def route(shape, dtype: torch.dtype, device_type: str, p: int, precision: str, *, method: str = "auto",
-          iteration: str = "auto", steps: int = 8, band: bool = False, provider: str = "torch") -> Route:
+          iteration: str = "auto", steps: int = 8, band: bool = False, provider: str = "torch",
+          floored: bool = False) -> Route:
     """Every choice of algorithm, from the shape, dtype, device, power and precision (dispatch
     chooses providers, this chooses what they compute).
 
@@ -1339,13 +1407,17 @@ def route(shape, dtype: torch.dtype, device_type: str, p: int, precision: str, *
       torch's (a forced backend: the measurements weighed LAPACK against torch's composed products,
       and forcing a backend asks for its kernels). On a CPU the faster accurate one of the
       measurements (docs/backends.md): for ``S_p``, the Gram route for ``p = 1``, ``eigh`` for
-      ``p >= 2``, and for ``p = 0`` Polar Express or the SVD by :data:`CPU_POLAR_SIDES`. A ``band`` form
+      ``p > 1``, and the SVD for ``p = 0`` (Polar Express, up to 1.55x faster at some sides, resolves
+      only the modes above its design bound), for a real ``p < 1`` and for a ``floored`` power (with
+      ``eps``: its small modes' weights do not vanish with ``s``, which ``eigh`` would amplify). A ``band`` form
       (the band ops, soft-thresholding, a band or prox decay) splits the modes at a threshold: the SVD,
       which resolves one anywhere above its rounding (``eps s_max``), where the Gram route's sign
       iteration and ``eigh`` both see ``s^2`` (a threshold ``tau`` loses modes once ``tau^2 / s_max^2``
       nears their resolution: the design bound 1e-3, or eigh's rounding over the gap). It was also
       1.1-2.2x faster than the Gram route for ``band_direction`` and ``svt`` at every measured shape,
       and up to 2.2x slower for ``band_projectors`` (no polar factor on the Gram route): accuracy first.
+    * A ``floored`` power, a negative one or a power in a tensor is a real power (the Gram route's
+      :meth:`GramPlan.scaled_real_power`): its iteration is its polar factor's, never ``G^k``'s.
     * ``iteration="auto"``: Gram space for an even ``p`` at a precision where it is as accurate as the
       rectangle (:data:`GRAM_SPACE_PRECISIONS`) and where :func:`cost` says it saves at least
       :data:`GRAM_SPACE_SAVING` of the op's FLOPs (an aspect ratio of about 3.5 or more; on a square
@@ -1357,30 +1429,27 @@ def route(shape, dtype: torch.dtype, device_type: str, p: int, precision: str, *
     """
     *_, m, n = shape
     r, side = min(m, n), max(m, n)
+    # The integer route (G^k by repeated squaring) takes a number p >= 0 without a floor; every other
+    # power, a negative one included, is a real one.
+    integer = isinstance(p, int) and p >= 0 and not floored
     if method == "auto":
         if iteration == "gram_space" or device_type != "cpu" or provider != "torch":
             method = "gram"
-        elif band or torch.is_tensor(p):  # a power on the device, of either sign: as a real one below 1
+        elif band or floored or torch.is_tensor(p):  # a power on the device is floored, of either sign
             method = "svd"
         elif p == 1:
             method = "gram"
         elif p > 1:
             method = "eigh"
-        elif p != 0:  # a real power below 1, or a floored negative one: the SVD resolves every mode
+        else:  # p = 0 and the real powers below 1: the SVD resolves every mode
             method = "svd"
-        else:
-            polar_sides = CPU_POLAR_SIDES[0] <= r <= CPU_POLAR_SIDES[1]
-            if compute_dtype(dtype) == torch.float32:
-                method = "gram" if polar_sides or r >= CPU_POLAR_LARGE_SIDE else "svd"
-            else:
-                method = "gram" if m == n and polar_sides else "svd"
-    chain = iteration != "gram_space" and isinstance(p, int) and p // 2 * math.log2(max(r, 2)) <= CHAIN_POWER_RANGE_BITS
+    chain = iteration != "gram_space" and integer and p // 2 * math.log2(max(r, 2)) <= CHAIN_POWER_RANGE_BITS
     if iteration == "auto":
         iteration = "rectangle"
         # An even power and a real one (p = 0's polar factor is its base) iterate a polar factor.
-        if (not isinstance(p, int) or p % 2 == 0) and precision in GRAM_SPACE_PRECISIONS:
+        if (not integer or p % 2 == 0) and precision in GRAM_SPACE_PRECISIONS:
             # A real power's iteration is its polar factor's: the rest costs the same either way.
-            p_iterated = p if isinstance(p, int) else 0
+            p_iterated = p if integer else 0
             flops = {it: cost("spectral_power", (r, side), p=p_iterated, iteration=it, steps=steps,
                               symmetric_at_half=True)
                      for it in ("gram_space", "rectangle")}
@@ -1394,14 +1463,14 @@ CHAIN_POWER_RANGE_BITS = 100
 
 
 def routed(kernels, W: torch.Tensor, p: int, precision: str | None, method: str, *, iteration: str = "auto",
-           band: bool = False) -> str:
+           band: bool = False, floored: bool = False) -> str:
     """:func:`route`'s method for a call on ``W`` with ``kernels``."""
     precision = resolve_precision(precision, W.dtype)
     # Asked only where it can decide: it routes (and may self-check) a provider.
     asks = method == "auto" and W.device.type == "cpu"
     provider = kernels.provider_of("product", OPERAND_DTYPES[precision], W.shape, precision) if asks else "torch"
     return route(W.shape, W.dtype, W.device.type, p, precision, method=method, iteration=iteration, band=band,
-                 provider=provider).method
+                 provider=provider, floored=floored).method
 
 
 @constant_when_traced  # read off the plan on meta tensors, not traced (nor its cache, which Dynamo would skip)
@@ -1427,6 +1496,8 @@ def cost(op: str, shape: tuple, *, p=0, precision: str = "fp32", iteration: str 
     """
     if threshold is not None and not (isinstance(threshold, (int, float)) and threshold > 0):
         raise ValueError(f"threshold is tau / ||W||_F, a number > 0 (or None), got {threshold!r}")
+    # A power_update without eps takes its default floor, as the op does.
+    p = check_power(p, eps=UPDATE_FLOOR if op == "power_update" and eps is None else eps, decay=op == "decay_")
     return _counted(op, tuple(shape), p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard,
                     symmetric_at_half, eps, threshold)
 

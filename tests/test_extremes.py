@@ -13,7 +13,10 @@ from its float64 log, ``|ln c^p| * 2^-53`` relative: up to ~1e-13 at 1e+-300), a
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import math
+import warnings
 
 import pytest
 import torch
@@ -43,6 +46,19 @@ def symmetric_with_eigenvalues(r, scale, dtype, seed=0):
     Z, _ = torch.linalg.qr(torch.randn(r, r, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)))
     xi = log_spaced_spectrum(r, 10.0) * scale * torch.tensor([1.0, -1.0], dtype=torch.float64).repeat(r // 2)
     return ((Z * xi) @ Z.mT).to(dtype)
+
+
+@contextlib.contextmanager
+def returns_within(seconds: float = 60.0):
+    """Fail rather than hang: a call that loops forever (a negative power's repeated squaring once did,
+    ``while k: k >>= 1``) ends the test run after ``seconds``, with every thread's traceback, which names
+    the loop (faulthandler: nothing under test can catch it). A healthy call here takes well under a
+    second; the limit only has to end a hang."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def guard_bounds(W: torch.Tensor, precision: str | None = None):
@@ -179,6 +195,173 @@ def test_a_zero_matrix_stays_zero():
     assert torch.equal(so.spectral_power(Z, 3, method="gram"), Z)
     assert torch.equal(so.svt(Z, 1.0), Z)
     assert torch.equal(torch.stack(so.spectral_norm_bounds(Z)), torch.zeros(2, 2))
+
+
+# Every op of a zero matrix, as (name, call): each gives 0, whatever the power, bound or method.
+ZERO_CALLS = [
+    *[(f"spectral_power p={p} eps={eps} {method}", lambda Z, p=p, eps=eps, method=method:
+       so.spectral_power(Z, p, method, eps=eps))
+      for p, eps in ((-2, 1e-2), (-0.5, 1e-2), (0, None), (0.5, None), (2, None), (3, None), (2, 1e-2))
+      for method in ("gram", "svd", "auto")],
+    *[(f"power_update q={q} {scale}", lambda Z, q=q, scale=scale: so.power_update(Z, q, scale=scale))
+      for q in (-0.5, -0.25, 0, 0.25, 1) for scale in ("polar", "raw")],
+    *[(f"spectral_clip {bounds} {method}", lambda Z, bounds=bounds, method=method:
+       so.spectral_clip(Z, **bounds, method=method))
+      for bounds in ({"min": 0.1}, {"max": 0.1}, {"min": 0.1, "max": 0.5}) for method in ("gram", "svd")],
+    *[(f"band_direction {mode} {method}", lambda Z, mode=mode, method=method:
+       so.band_direction(Z, 0.5, 1 if mode == "clip" else 2, mode, p_bot=0.5, method=method))
+      for mode in ("top", "bot", "top_only", "bot_only", "two_band", "clip") for method in ("gram", "svd")],
+    *[(f"svt {method}", lambda Z, method=method: so.svt(Z, 1.0, method=method)) for method in ("gram", "svd")],
+    ("polar", lambda Z: so.polar(Z)),
+    *[(f"spectral_decay p={p} {p0_mode}", lambda Z, p=p, p0_mode=p0_mode:
+       so.spectral_decay(Z, p, 0.1, 0.5, ordinary_weight_decay=0.1, p0_mode=p0_mode))
+      for p, p0_mode in ((0, "explicit"), (0, "prox"), (0.5, "explicit"), (2, "explicit"))],
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_a_zero_matrix_gives_zero_for_every_op_and_power(dtype):
+    """The docs' promise, for every op and power: a zero matrix has no singular vectors, so every spectral
+    form of it is 0. Its ln ||W||_F = -inf made c^p = inf for p < 0 (0 * inf: NaN, reported as an
+    OverflowError) and a floor's min / c inf (the Gram route's clip); power_update divided 0 by 0."""
+    Z = torch.zeros(2, 6, 4, dtype=dtype)
+    with warnings.catch_warnings(), returns_within():
+        warnings.simplefilter("error")
+        for name, call in ZERO_CALLS:
+            result = call(Z)
+            assert torch.equal(result, torch.zeros_like(result)), name
+        A = torch.zeros(4, 4, dtype=dtype)
+        assert torch.equal(so.msign(A), A)
+        P_top, P_bot = so.band_projectors(Z, 0.5)
+        assert torch.equal(P_top, torch.zeros_like(P_top))
+        assert torch.equal(P_bot, torch.eye(4, dtype=dtype).expand(2, 4, 4))
+
+
+@pytest.mark.parametrize("method", ["gram", "svd"])
+def test_a_zero_matrix_inside_a_stack_is_zero_and_the_others_are_right(method):
+    # One zero matrix in a stack: its 0 must not reach the others (one scale per matrix), nor theirs it.
+    W = conditioned((3, 12, 8), 1.0, torch.float64)
+    W[1] = 0
+    cases = [(lambda X: so.spectral_power(X, -0.5, method, eps=1e-2),
+              lambda X: reference.spectral_power_svd(X, -0.5, 1e-2)),
+             (lambda X: so.power_update(X, -0.25), lambda X: reference.power_update_svd(X, -0.25, 1e-2)),
+             (lambda X: so.spectral_clip(X, min=0.3, method=method), lambda X: reference.spectral_clip_svd(X, 0.3))]
+    for ours, oracle in cases:
+        result = ours(W)
+        assert torch.equal(result[1], torch.zeros_like(result[1]))
+        for i in (0, 2):
+            # fp64 tolerance of the real-power construction (docs/real-powers.md: its stages are designed for
+            # 1e-13, the products add their rounding); the clip's sign steps resolve modes 1% from the bound.
+            assert relative_error(result[i], oracle(W[i])) < 1e-9
+
+
+def test_muon_steps_an_exactly_zero_gradient_with_a_negative_power():
+    """A zero gradient gives a zero update (it gave NaN: every step was skipped, and the weight decay
+    with it): the decoupled decay W <- (1 - lr lambda_1) W runs and nothing is skipped."""
+    W0 = conditioned((12, 8), 1.0, torch.float32)
+    weight = torch.nn.Parameter(W0.clone())
+    optimizer = so.optim.SpectralMuon([weight], lr=0.1, weight_decay=0.5, update_power=-0.25)
+    for _ in range(2):
+        weight.grad = torch.zeros_like(weight)
+        optimizer.step()
+    torch.testing.assert_close(weight.detach(), W0 * (1 - 0.1 * 0.5) ** 2)
+    assert all(int(count) == 0 for count in optimizer.skipped.values())
+
+
+UPDATE_POWERS = (-1, -0.5, 0, 0.25, 0.5, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("q", UPDATE_POWERS)
+def test_power_update_is_scale_invariant(q, dtype):
+    """power_update renormalises, so X and a X give the same update for every a > 0. It took the
+    Frobenius norm of the unscaled power: at |q| = 1 that underflowed (1e-30 X) or overflowed (1e30 X)
+    fp32, and the update came out 8.7e8 times too large, or 0. Against the FP64 SVD of each (rounded)
+    input: fp32's tolerance above; fp64 the real-power construction's (stages designed for 1e-13)."""
+    X = torch.randn(24, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    tolerance = 1e-9 if dtype == torch.float64 else TOLERANCE[torch.float32]
+    with returns_within():
+        for scale in (1e-30, 1e-20, 1e-10, 1.0, 1e10, 1e20, 1e30):
+            scaled = (X * scale).to(dtype)
+            update = so.power_update(scaled, q)
+            assert relative_error(update, reference.power_update_svd(scaled, q, 1e-2)) < tolerance, scale
+
+
+def test_muon_takes_the_same_step_for_a_tiny_gradient():
+    # The issue: update_power=1 on a 1e-25 gradient stepped by 1.7e11 (no skip); Muon's step is the same at any
+    # gradient scale (fp32: the update's rounding).
+    G = torch.randn(24, 16, generator=torch.Generator().manual_seed(1))
+    steps = []
+    for scale in (1.0, 1e-25, 1e25):
+        weight = torch.nn.Parameter(torch.zeros(24, 16))
+        optimizer = so.optim.SpectralMuon([weight], lr=0.02, weight_decay=0.0, update_power=1.0, precision="fp32")
+        weight.grad = G * scale
+        optimizer.step()
+        steps.append(weight.detach().clone())
+    for step in steps[1:]:
+        assert relative_error(step, steps[0]) < TOLERANCE[torch.float32]
+
+
+def good_weight():
+    return conditioned((12, 8), 1.0, torch.float32)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda W: so.spectral_power(W, 1e30), r"p=1e\+30 is beyond the powers the ops take \(\|p\| <= 1000\)"),
+    (lambda W: so.spectral_power(W, -1e30, eps=1e-2), r"p=-1e\+30 is beyond"),
+    (lambda W: so.spectral_power(W, 1000.5), r"p=1000.5 is beyond"),
+    (lambda W: so.power_update(W, 1e30), r"q=1e\+30 is beyond"),
+    (lambda W: so.band_direction(W, 0.5, 2, "two_band", p_bot=1e30), r"p_bot=1e\+30 is beyond"),
+    (lambda W: so.spectral_decay_(W, 1e30, 0.1, 0.1), r"p=1e\+30 is beyond"),
+    (lambda W: so.spectral_power(W, 0.5, eps=1e30), r"eps=1e\+30 is beyond the floors the ops take \(eps <= 1e\+08"),
+    # The Gram route once failed here deep in the design, with "need 0 < lower < 1" and no name.
+    (lambda W: so.spectral_power(W, -0.5, "gram", eps=1e20), r"eps=1e\+20 is beyond"),
+    (lambda W: so.power_update(W, -0.25, eps=1e30), r"eps=1e\+30 is beyond"),
+    (lambda W: so.optim.SpectralMuon([torch.nn.Parameter(W)], update_power=1e30), r"update_power=1e\+30 is beyond"),
+    (lambda W: so.optim.SpectralMuon([torch.nn.Parameter(W)], update_power=-0.25, update_eps=1e30),
+     r"update_eps=1e\+30 is beyond"),
+    (lambda W: so.optim.SpectralAdamW([torch.nn.Parameter(W)], p=1e30, spectral_weight_decay=0.1),
+     r"p=1e\+30 is beyond"),
+    (lambda W: plan.cost("spectral_power", tuple(W.shape), p=1e30), r"p=1e\+30 is beyond"),
+])
+def test_a_power_or_floor_beyond_its_bound_is_refused_by_name(call, match):
+    """p or q = 1e30 raised "OverflowError: int too big to convert" from deep in the plan (the integer
+    route's p * ln c); eps = 1e30 "need 0 < lower < 1". Now a ValueError names the argument and its
+    bound, before anything is written."""
+    W = good_weight()
+    with returns_within(), pytest.raises(ValueError, match=match):
+        call(W)
+    assert torch.equal(W, good_weight())
+
+
+def test_a_scheduled_power_beyond_the_bound_raises_before_the_step_writes():
+    weight = torch.nn.Parameter(good_weight())
+    optimizer = so.optim.SpectralMuon([weight], update_power=lambda step: 1e30)
+    weight.grad = torch.ones(12, 8)
+    with returns_within(), pytest.raises(ValueError, match=r"update_power=1e\+30 is beyond"):
+        optimizer.step()
+    assert torch.equal(weight.detach(), good_weight())
+
+
+def test_powers_and_floors_at_their_bounds_are_taken():
+    W = conditioned((12, 8), 1.0, torch.float64)  # s_max = 1: S_1000 is the top mode, exactly in range
+    with returns_within():
+        assert torch.isfinite(so.spectral_power(W, 1000, "gram")).all()
+        assert torch.isfinite(so.spectral_power(W, -0.5, "gram", eps=1e8)).all()
+
+
+def test_every_loop_over_a_callers_count_ends():
+    """Step counts are bounded (Polar Express converges in about 12, Newton-Schulz's sign in about 30):
+    10^9 steps would design and iterate for hours. The norm bounds' squarings stop being useful at 64
+    (every level is then s_max to float64's rounding): more return the same bounds at once."""
+    W = good_weight()
+    with returns_within():
+        for call in (lambda: so.polar(W, steps=10**9), lambda: so.coefficients.polar_express_coefficients(10**9),
+                     lambda: so.msign(W.mT @ W, steps=10**9), lambda: so.svt(W, 0.5, sign_steps=10**9)):
+            with pytest.raises(ValueError, match="at most 1000"):
+                call()
+        assert so.polar(W, steps=1000).shape == W.shape
+        torch.testing.assert_close(so.spectral_norm_bounds(W, 10**9), so.spectral_norm_bounds(W, 64), rtol=0, atol=0)
 
 
 def test_the_frobenius_bound_is_an_upper_bound_at_every_norm():

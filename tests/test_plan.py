@@ -278,6 +278,47 @@ def test_a_cpu_factorises_only_where_torch_would_run_the_products():
     assert method(method="eigh", band=True) == "eigh"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("side", [64, 128, 256])
+def test_cpu_auto_polar_factor_is_the_svds_at_every_side(side, dtype):
+    """CPU ``method="auto"`` for ``p = 0`` took Polar Express at sides 128 and 256 (up to 1.55x faster than
+    LAPACK there), which resolves only the modes above its design bound (1e-3 of ||W||_F): at kappa 1e3 it
+    erred 1.3e-3 (128) and 9.2e-3 (256). The SVD's backward error (eps s_max) moves the polar factor by
+    about kappa eps (measured 8e-6 to 1.1e-5 in fp32)."""
+    from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
+
+    W = matrix_with_spectrum((side, side), log_spaced_spectrum(side, 1e3), dtype, seed=0)
+    assert plan.route(W.shape, dtype, "cpu", 0, plan.resolve_precision(None, dtype)).method == "svd"
+    assert relative_error(so.spectral_power(W, 0), so.reference.polar_svd(W)) < 1e3 * torch.finfo(dtype).eps
+
+
+def test_cpu_auto_never_takes_the_iteration_for_a_polar_factor():
+    for side in (64, 128, 256, 512, 1024, 4096):
+        for shape in ((side, side), (4 * side, side)):
+            for dtype in (torch.float32, torch.float64):
+                assert plan.route(shape, dtype, "cpu", 0, plan.resolve_precision(None, dtype)).method == "svd"
+
+
+def test_a_negative_or_floored_power_is_routed_as_a_real_one():
+    """A floored power (every negative one is) is a real power: its iteration is its polar factor's, never
+    G^k's (route() costed G^(p/2) for p = -2, and repeated squaring never ended for k < 0), no chain, and on
+    a CPU the SVD (eigh would amplify the floor's weights on its small modes)."""
+    from test_extremes import returns_within
+
+    polar = plan.route((2048, 512), torch.float32, "cuda", 0, "fp32")
+    with returns_within():
+        for p in (-2, -30, -0.5, 2, 0.5):
+            chosen = plan.route((2048, 512), torch.float32, "cuda", p, "fp32", floored=True)
+            assert chosen.iteration == polar.iteration and not chosen.chain
+            assert plan.route((128, 64), torch.float32, "cpu", p, "fp32", floored=True).method == "svd"
+        assert plan.cost("spectral_power", (64, 32), p=-2, eps=1e-2) == plan.cost("spectral_power", (64, 32), p=-2.0,
+                                                                                  eps=1e-2) > 0
+        with pytest.raises(ValueError, match="needs a floor"):
+            plan.cost("spectral_power", (64, 32), p=-2)
+        with pytest.raises(ValueError, match="integer k >= 0"):
+            plan.repeated_squaring(-1, None, None)
+
+
 def test_auto_takes_a_backends_fused_chain_first(monkeypatch):
     """Where a backend fuses the rectangle's whole iteration into one kernel per matrix (small
     matrices), launches bound the time and Gram space would save nothing: "auto" takes the chain even

@@ -214,3 +214,120 @@ def test_a_tensor_power_out_of_its_design_is_nan_and_needs_a_floor():
         so.spectral_power(W, torch.tensor(0.5), method="gram", capturable=True)
     # Outside a capturable call it is read, as a number is taken.
     assert torch.equal(so.spectral_power(W, torch.tensor(0.5), method="gram"), so.spectral_power(W, 0.5, method="gram"))
+
+
+# ----- extreme powers (issue #43): every power returns, on every route, and is right up to the bound
+
+@pytest.mark.parametrize("p", [-2, -4, -30, -2.0, -30.0])
+@pytest.mark.parametrize("method", ["gram", "svd", "eigh", "auto"])
+def test_negative_even_powers_return_on_every_route(p, method):
+    """A floored negative even power never returned, on any route: route() costed the integer route's G^k
+    with k = p / 2 < 0, and repeated squaring's ``while k: k >>= 1`` never ends for k < 0. Against the FP64
+    SVD with the floor. fp64: the Gram route's stages are designed for 1e-13 (measured 8e-13 at -30), the
+    factorisations are exact to their rounding (1e-14); fp32: the real powers' goal 2e-5, and beyond
+    |p| = 20 the power's condition |p| times a few fp32 roundings (measured 1.9e-5 at -30). eigh sees
+    s^2, whose fp32 rounding is 2^-24 kappa^2 = 1e-5 of the smallest mode here, raised to |p| / 2
+    (measured 8.8e-5 at -30)."""
+    from test_extremes import returns_within
+
+    W, U, s, V = matrix(48, 24, 10)
+    expected = so.reference.spectral_power_svd(W, p, eps=1e-2)
+    with returns_within():
+        result = so.spectral_power(W, p, method, eps=1e-2)
+        single = so.spectral_power(W.float(), p, method, eps=1e-2)
+    assert relative_error(result, expected) < (1e-9 if method == "gram" else 1e-12)
+    bound = 1e-5 * max(2, abs(p) / 2) if method == "eigh" else 1e-6 * max(20, abs(p))
+    assert relative_error(single, expected) < bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_negative_even_update_powers_return_in_the_op_and_the_optimizer(dtype):
+    from test_extremes import returns_within
+
+    W = matrix(48, 24, 10)[0].to(dtype)
+    tolerance = 1e-9 if dtype == torch.float64 else 2e-5
+    with returns_within():
+        for q in (-2, -4.0):
+            assert relative_error(so.power_update(W, q), so.reference.power_update_svd(W, q, 1e-2)) < tolerance
+        weight = torch.nn.Parameter(torch.zeros_like(W))
+        optimizer = so.optim.SpectralMuon([weight], lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False,
+                                          precision=None, adjust_lr_fn=lambda lr, shape: lr, update_power=-2)
+        weight.grad = W
+        optimizer.step()
+    assert relative_error(-weight.detach(), so.reference.power_update_svd(W, -2, 1e-2)) < tolerance
+
+
+@pytest.mark.parametrize("p, eps", [(1000, None), (999.5, None), (256, 1e-2), (-256, 0.5), (1000, 0.5), (-1000, 0.5),
+                                    (-30.5, 1e-2)])
+def test_powers_up_to_the_bound_are_right(p, eps):
+    """Up to |p| = 1000 (_checks.POWER_BOUND) on both routes, in fp64, against the matrix's own factors (s_max
+    = 1, and floors whose powers fit float64). A floored power's two factors, A^p and (1 - W)^(p/2), once
+    needed a polynomial of (1 - w)^(p/2) (none of degree 60 exists from |p| ~ 30) and each left fp32 from
+    |p| ~ 20: both are taken at p / 2^j, multiplied, divided by their peak and squared j times. The SVD route
+    took s^p at unit norm, which underflowed to 0. Tolerance: the power multiplies its stages' rounding by
+    |p| (1e-12 per unit on the Gram route, whose stages are designed for 1e-13: 8.7e-11 measured at 1000;
+    1e-14 on the SVD's)."""
+    from test_extremes import returns_within
+
+    W, U, s, V = matrix(48, 24, 10)
+    expected = reference(U, s, V, p, eps)
+    scale = expected.abs().max()  # compared at unit scale: the norm of a 1e291 result would overflow
+
+    def error(result):
+        return relative_error(result / scale, expected / scale)
+
+    with returns_within():
+        assert error(so.spectral_power(W, p, "gram", eps=eps)) < abs(p) * 1e-12
+        assert error(so.spectral_power(W, p, "svd", eps=eps)) < abs(p) * 1e-14
+        assert error(so.reference.spectral_power_svd(W, p, eps=eps)) < abs(p) * 1e-14
+
+
+@pytest.mark.parametrize("method", ["auto", "svd", "eigh"])
+def test_a_large_power_on_a_factorised_route_is_not_zero(method):
+    # CPU auto (eigh for p >= 2) took s^p of the unit-norm matrix: (1/8)^60 underflows fp32 on this flat
+    # 64 x 64 spectrum (s_max = 1), and S_60 came out 0, silently. Tolerance: fp32's rounding of the factors
+    # (1e-6), which the power multiplies by |p| (measured 1.4e-5).
+    W = so.linalg.matrix_with_spectrum((64, 64), so.linalg.log_spaced_spectrum(64, 1.5), torch.float32)
+    result = so.spectral_power(W, 60, method)
+    assert relative_error(result, so.reference.spectral_power_svd(W.double(), 60)) < 60 * 1e-6
+
+
+@pytest.mark.parametrize("q", [-0.25, 0.5, 1])
+def test_power_update_scales_against_the_svd(q):
+    """``scale="polar"`` (the default) renormalises to the polar factor's norm; ``"raw"`` is the floored
+    power as it is, DynMuon's update. fp64: the construction's 1e-9 (above); fp32: the real powers' 2e-5."""
+    W, U, s, V = matrix(64, 32, 100)
+    raw = so.reference.spectral_power_svd(W, q, eps=1e-2)
+    for X, tolerance in ((W, 1e-9), (W.float(), 2e-5)):
+        assert relative_error(so.power_update(X, q, scale="raw"), raw) < tolerance
+        polar = so.power_update(X, q)
+        assert relative_error(polar, so.reference.power_update_svd(X.double(), q, 1e-2)) < tolerance
+        assert math.isclose(float(polar.double().norm()), math.sqrt(32), rel_tol=tolerance)
+    # q = 0 is the polar factor either way, bit for bit.
+    assert torch.equal(so.power_update(W, 0, scale="raw"), so.power_update(W, 0))
+    with pytest.raises(ValueError, match="scale must be one of"):
+        so.power_update(W, q, scale="dynmuon")
+
+
+def test_dynmuons_update_is_the_raw_power_with_its_floor():
+    """docs/real-powers.md's porting table: DynMuon's update U diag(s^q) V^T with a floor of 1e-6 is
+    power_update(X, q, eps=1e-6, scale="raw") in fp32 (bf16 operands raise a floor to 2^-6). A Gaussian
+    momentum (kappa ~3) has every mode inside the design: fp32's 2e-5."""
+    X = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))
+    for q in (-0.25, 0.25):
+        ours = so.power_update(X, q, eps=1e-6, scale="raw", precision="fp32")
+        assert relative_error(ours, so.reference.spectral_power_svd(X.double(), q, eps=1e-6)) < 2e-5
+
+
+def test_muon_takes_the_raw_update_scale():
+    from spectral_ops.optim import SpectralMuon
+
+    G = matrix(24, 16, 100)[0]
+    weight = torch.nn.Parameter(torch.zeros_like(G))
+    optimizer = SpectralMuon([weight], lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False, precision=None,
+                             adjust_lr_fn=lambda lr, shape: lr, update_power=-0.25, update_scale="raw")
+    weight.grad = G
+    optimizer.step()
+    assert relative_error(-weight.detach(), so.reference.spectral_power_svd(G, -0.25, eps=1e-2)) < 1e-9
+    with pytest.raises(ValueError, match="update_scale must be one of"):
+        SpectralMuon([torch.nn.Parameter(G)], update_power=-0.25, update_scale="norm")

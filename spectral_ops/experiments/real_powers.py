@@ -5,7 +5,8 @@
 * floored powers ``(s^2 + (eps s_max)^2)^(p/2)`` for negative ``p`` and floors down to 1e-8;
 * bf16 Muon-family updates ``power_update(X, q)`` on Gaussian momenta against DynMuon's Taylor
   construction (``bench/baselines.py``), with their FLOPs per Polar Express Muon step (goals: 2e-2,
-  10x the Taylor construction's accuracy, 1.5x the step).
+  10x the Taylor construction's accuracy, 1.5x the step);
+* the same updates (bf16 and fp32) on low-rank momenta over a noise floor, at three noise levels.
 
 The Taylor baseline lives in the repository's ``bench/``: this experiment runs from a checkout.
 """
@@ -38,6 +39,11 @@ FLOOR_POWERS, FLOORS = (-0.25, -1.5), (1e-1, 1e-2, 1e-3, 1e-5, 1e-8)
 UPDATE_POWERS = (-0.25, -0.1155, 0.0, 0.1155, 0.25)
 MOMENTA, QUICK_MOMENTA = ((1024, 4096), (4096, 1024), (8, 128, 768)), ((128, 512), (512, 128), (2, 64, 384))
 UPDATE_GOAL, TAYLOR_FACTOR, UPDATE_COST = 2e-2, 10.0, 1.5
+# Low-rank momenta over a noise floor (a gradient's few strong directions and its noise): rank r/16, singular
+# values log-spaced from 1 to 0.1, plus Gaussian noise whose largest singular value is NOISE_LEVELS of the top:
+# above the update's floor (1e-2), at it, and at 1e-3, where the noise modes sit below Polar Express's design
+# bound (1e-3 of ||X||_F) and below bf16's resolution of |X| (plan.RESOLUTION, 2^-6).
+LOW_RANK_FRACTION, NOISE_LEVELS, LOW_RANK_POWERS = 1 / 16, (1e-1, 1e-2, 1e-3), (-0.25, 0.0, 0.25)
 
 
 def taylor_baseline():
@@ -132,11 +138,42 @@ def update_accuracy(shapes):
     return records, table
 
 
+def low_rank_plus_noise(shape, noise: float, seed: int = 3) -> torch.Tensor:
+    """A float32 momentum of ``shape``: rank ``r / 16`` with singular values log-spaced from 1 to 0.1, plus
+    Gaussian noise scaled so that its largest singular value, about ``sqrt(m) + sqrt(n)`` times its
+    entries' deviation, is ``noise``."""
+    *_, m, n = shape
+    r = min(m, n)
+    rank = max(1, int(r * LOW_RANK_FRACTION))
+    spectrum = torch.cat([torch.logspace(0, -1, rank, dtype=torch.float64), torch.zeros(r - rank, dtype=torch.float64)])
+    signal = matrix_with_spectrum(shape, spectrum, torch.float64, seed=seed)
+    gaussian = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
+    return (signal + gaussian * (noise / (math.sqrt(m) + math.sqrt(n)))).float()
+
+
+def low_rank_accuracy(shapes):
+    rows, records = [], []
+    for shape in progress(shapes, desc="real-powers low rank", unit="shape"):
+        for noise in NOISE_LEVELS:
+            X = low_rank_plus_noise(shape, noise)
+            for q in LOW_RANK_POWERS:
+                expected = reference.power_update_svd(X, q, plan.UPDATE_FLOOR)
+                record = {"shape": list(shape), "noise": noise, "q": q}
+                for precision in ("bf16", "fp32"):
+                    result = power_update(X, q, precision=precision, dtype=plan.OPERAND_DTYPES[precision])
+                    record[precision] = relative_error(result, expected)
+                records.append(record)
+                rows.append(["x".join(map(str, shape)), noise, q, record["bf16"], record["fp32"]])
+    return records, markdown_table(["momentum", "noise / s_max", "q", "ours (bf16)", "ours (fp32)"], rows)
+
+
 def run(out_dir, quick: bool = False) -> str:
     records, table, costs, cost_table = fp32_accuracy(QUICK_SHAPES if quick else SHAPES)
     floored, floored_table = floored_accuracy(QUICK_SHAPES[0] if quick else SHAPES[0])
     momenta = QUICK_MOMENTA if quick else MOMENTA
     updates, update_table = update_accuracy(momenta)
+    low_rank, low_rank_table = low_rank_accuracy(momenta)
+    worst_low_rank = {noise: max(r["bf16"] for r in low_rank if r["noise"] == noise) for noise in NOISE_LEVELS}
     fractional = [u for u in updates if u["q"] != 0]
     worst_update = max(u["ours"] for u in updates)
     worst_ratio = min(u["taylor"] / u["ours"] for u in fractional)
@@ -183,6 +220,19 @@ ours is by construction), against `reference.power_update_svd` (FP64 SVD), on Ga
 Worst error {worst_update:.2g} (goal {UPDATE_GOAL:g}); the Taylor construction is at least
 {worst_ratio:.1f}x less accurate at q != 0 (goal {TAYLOR_FACTOR:g}x); worst cost {worst_cost:.2f}x a Muon
 step (goal {UPDATE_COST:g}x).
+
+## bf16 updates on low-rank momenta over noise
+
+The same `power_update(X, q)` (and in fp32, to tell the operands' rounding from the iteration's design) on
+momenta of rank r/{round(1 / LOW_RANK_FRACTION)} (singular values log-spaced from 1 to 0.1) plus Gaussian noise
+whose largest singular value is the given fraction of the top: above the floor `eps = {plan.UPDATE_FLOOR:g}`, at
+it, and at 1e-3, below Polar Express's design bound (1e-3 of `||X||_F`) and bf16's resolution of `|X|`
+(`2^-6` of the top, `plan.RESOLUTION`), against `reference.power_update_svd` (the polar factor at `q = 0`
+weighs every noise mode 1).
+
+{low_rank_table}
+
+Worst bf16 error by noise level: {", ".join(f"{noise:g}: {worst_low_rank[noise]:.2g}" for noise in NOISE_LEVELS)}.
 """
     figure, (ax_fp32, ax_bf16) = plt.subplots(1, 2, figsize=(10, 3.6))
     for p in POWERS:
@@ -202,9 +252,11 @@ step (goal {UPDATE_COST:g}x).
     ax_bf16.legend(fontsize=6)
     data = {"protocol": {"powers": POWERS, "kappas": KAPPAS, "shapes": QUICK_SHAPES if quick else SHAPES,
                          "floors": FLOORS, "update_powers": UPDATE_POWERS, "momenta": momenta,
-                         "update_floor": plan.UPDATE_FLOOR},
-            "fp32": records, "flops_per_s2": costs, "floored": floored, "updates": updates,
+                         "update_floor": plan.UPDATE_FLOOR, "low_rank_fraction": LOW_RANK_FRACTION,
+                         "noise_levels": NOISE_LEVELS, "low_rank_powers": LOW_RANK_POWERS},
+            "fp32": records, "flops_per_s2": costs, "floored": floored, "updates": updates, "low_rank": low_rank,
             "summary": {"worst_update_error": worst_update, "least_taylor_ratio": worst_ratio,
-                        "worst_update_cost": worst_cost}}
+                        "worst_update_cost": worst_cost,
+                        "worst_low_rank_error": {str(noise): e for noise, e in worst_low_rank.items()}}}
     write_outputs(out_dir, "real-powers", markdown, data, figure)
     return markdown

@@ -16,10 +16,10 @@ from collections import defaultdict
 
 import torch
 
-from .._checks import check_choice, check_power, check_steps
+from .._checks import check_choice, check_eps, check_power, check_steps
 from ..coefficients import polar_express_coefficients, resolve_polar_coefficients, without_normalization_margin
 from ..ops import check_precision, power_update
-from ..plan import OPERAND_DTYPES, UPDATE_FLOOR, resolve_precision
+from ..plan import OPERAND_DTYPES, UPDATE_FLOOR, UPDATE_SCALES, resolve_precision
 from ..matrix_views import as_matrices, batched, matrix_dims
 from ._decay import capturable, check_matrices_said, matrix_view_of_parameter
 from .adamw import adam_update_, check_adam_options, init_adam_state, prepare_adam_step
@@ -118,7 +118,9 @@ class SpectralMuon(SpectralOptimizer):
       resolution, 2^-6 in bf16, :data:`spectral_ops.plan.RESOLUTION`) is ``s^q`` on the modes above
       it and keeps those below it, mostly noise, from dominating a negative ``q``. It needs the
       default Polar Express iteration: a fixed quintic (``ns_coefficients``) does not converge, and
-      ``|X| = X Q^T`` would not be ``X``'s.
+      ``|X| = X Q^T`` would not be ``X``'s. ``update_scale="raw"`` takes the power as it is, not
+      renormalised: DynMuon's update, whose norm follows the momentum's (``||X||^q``; docs/real-powers.md,
+      "Porting from DynMuon").
     """
 
     def __init__(self, params, lr=1e-3, momentum=0.95, nesterov=True, ns_coefficients=None, ns_steps=None,
@@ -128,7 +130,7 @@ class SpectralMuon(SpectralOptimizer):
                  rounding="nearest", precision="bf16",
                  heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8,
                  capturable=False, strict=False, rollback=False, process_group=None, polar_steps=None, update_power=0,
-                 update_eps=UPDATE_FLOOR):
+                 update_eps=UPDATE_FLOOR, update_scale="polar"):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
@@ -137,8 +139,8 @@ class SpectralMuon(SpectralOptimizer):
                         decay_iteration=decay_iteration, decay_method=decay_method, matrix_view=matrix_view,
                         rounding=rounding, precision=precision,
                         heads=heads, splits=splits, recipe=recipe, update_power=update_power,
-                        update_eps=update_eps, algorithm=algorithm, betas=betas, eps=eps, capturable=capturable,
-                        strict=strict, rollback=rollback)
+                        update_eps=update_eps, update_scale=update_scale, algorithm=algorithm, betas=betas, eps=eps,
+                        capturable=capturable, strict=strict, rollback=rollback)
         super().__init__(params, defaults, process_group=process_group)
 
     def check_group(self, group: dict) -> None:
@@ -172,10 +174,10 @@ class SpectralMuon(SpectralOptimizer):
     @staticmethod
     def _check_update_power(group) -> None:
         power, eps = group["update_power"], group["update_eps"]
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
-            raise ValueError(f"update_eps must be a finite number > 0 (relative to s_max), got {eps!r}")
+        check_eps(eps, "update_eps")
+        check_choice(group["update_scale"], "update_scale", UPDATE_SCALES)
         if not callable(power):
-            power = check_power(power, "update_power", eps=eps, capturable=True)
+            power = check_power(power, "update_power", eps=eps, capturable=True, eps_name="update_eps")
         if (not isinstance(power, numbers.Real) or power != 0) and group["ns_coefficients"] is not None:
             raise ValueError("update_power needs a converged polar factor (|X| = X Q^T): use the default Polar "
                              "Express iteration (ns_coefficients=None), not a fixed quintic")
@@ -191,7 +193,7 @@ class SpectralMuon(SpectralOptimizer):
             # Read only for a schedule, and not where the step may not read the host: a compiled step
             # would break its graph there, and compile again for each new Python power.
             power = power(count if on_device else int(count))
-        return check_power(power, "update_power", eps=group["update_eps"], capturable=on_device)
+        return check_power(power, "update_power", eps=group["update_eps"], capturable=on_device, eps_name="update_eps")
 
     @staticmethod
     def _check_blocks(rows: int, group) -> None:
@@ -416,7 +418,8 @@ class SpectralMuon(SpectralOptimizer):
             # The step's own update: the normalisation may overwrite it rather than copy it.
             result = power_update(batch[0] if len(batch) == 1 else batch, power, eps=group["update_eps"],
                                   coefficients=coefficients, precision=precision, capturable=True,
-                                  dtype=operand_dtypes[members[0][0]], overwrite_input=True)
+                                  dtype=operand_dtypes[members[0][0]], overwrite_input=True,
+                                  scale=group["update_scale"])
             result = result.view(batch.shape)
             for (index, start, size, _), piece in zip(members, result.split([s.shape[0] for s in sources])):
                 piece = piece.reshape(*updates[index].shape[:-2], size, cols)
