@@ -143,7 +143,9 @@ def commit_element_wise(update_, step: PreparedStep, keep: list, state) -> None:
         update_([param for param, kept in zip(step.params, keep) if kept is not False], step.group, state)
 
 
-@torch.compiler.disable
+# torch.compiler.disable, as torch's optimizers apply it to their own methods: it imports Dynamo at the first
+# call, not at `import spectral_ops` (tests/test_compile.py).
+@torch._disable_dynamo
 def _check_groups_eagerly(optimizer) -> None:
     """Raise the error of a group whose options _init_group found invalid while torch.compile ran it:
     run outside the trace, the package's own ValueError or TypeError."""
