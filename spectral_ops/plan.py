@@ -419,16 +419,13 @@ def function_polynomial(kernels, M: torch.Tensor, function: str, exponent, lo: f
     return symmetric_polynomial(kernels, U, coefficients, precision, identity)
 
 
-def matrix_power_of_root(kernels, Z: torch.Tensor, gamma, lo: float, hi: float, tolerance: float,
-                         precision: str, identity: torch.Tensor, span: float | None = None) -> torch.Tensor:
+def matrix_power_of_root(kernels, Z: torch.Tensor, gamma: float, lo: float, hi: float, tolerance: float,
+                         precision: str, identity: torch.Tensor) -> torch.Tensor:
     """``Z^gamma`` for a symmetric ``Z`` with eigenvalues in ``[lo, hi]``: ``z^(gamma / 2^j)`` by a
     polynomial (:func:`~spectral_ops.coefficients.power_polynomial`), then ``j`` squarings
-    (:func:`root_squarings`). A ``gamma`` held in a 0-d tensor (a capturable step's power) takes the
-    squarings and the degree of the largest ``|gamma|`` it may be, ``span``."""
-    largest = span if torch.is_tensor(gamma) else abs(gamma)
-    squarings, tolerance = root_squarings(largest, tolerance)
-    F = function_polynomial(kernels, Z, "power", gamma / 2**squarings, lo, hi, tolerance, precision, identity,
-                            largest / 2**squarings)
+    (:func:`root_squarings`). A power held in a tensor is floored, and takes :meth:`GramPlan._floored_power`."""
+    squarings, tolerance = root_squarings(abs(gamma), tolerance)
+    F = function_polynomial(kernels, Z, "power", gamma / 2**squarings, lo, hi, tolerance, precision, identity)
     for _ in range(squarings):
         F = kernels.symmetric(F, F, precision)
     return F
