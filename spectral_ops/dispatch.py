@@ -363,6 +363,16 @@ def backend_for(op: str, W: torch.Tensor) -> str:
     return _select_for(op, "product", W.device, OPERAND_DTYPES[precision], tuple(wide(W).shape), precision).name
 
 
+def provider_for(primitive: str, device, dtype: torch.dtype, shape, precision: str | None = None,
+                 steps: int = 0) -> str | None:
+    """The backend that a call of ``primitive`` on ``dtype`` operands of ``shape`` on ``device`` would run
+    on now, by the same rules as a call (None: none can), without timing anything: for reports (the GPU
+    check prints it next to what it measured) and tests."""
+    backend = _select_for("provider_for", primitive, torch.device(device), dtype, tuple(shape), precision,
+                          optional=True, steps=steps)
+    return None if backend is None else backend.name
+
+
 def last_backend(op: str) -> str | None:
     """The backend(s) the most recent call of ``op`` ran on (``"triton+torch"`` for a mix), or None."""
     used = _last_choice.get(op)
