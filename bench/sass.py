@@ -20,6 +20,10 @@ API (stable: ``bench/gpu_checks/compile_only.py`` and ``tests/test_cuda_sass.py`
     ``"LDSM.16.MT88.4" -> "LDSM"``.
 ``opcode_counts(opcodes) -> collections.Counter``
     How often each base opcode occurs.
+``features(opcodes) -> {"HGMMA": n, "HMMA": n, "TMA": n, "LDGSTS": n, "LDL/STL": n}``
+    How many instructions of each kind that decides a kernel's speed: Hopper's warpgroup MMA
+    (wgmma), Ampere's warp MMA (mma.sync), the tensor-memory-accelerator copies (``UTMALDG``,
+    ``UTMASTG``, ... and the bulk copy ``UBLKCP``), cp.async (``LDGSTS``) and local-memory accesses.
 ``demangle(names) -> {mangled: demangled}``
     Through ``c++filt`` when it exists; names it cannot demangle map to themselves.
 ``matching(table, *substrings) -> {kernel: value}``
@@ -58,6 +62,8 @@ _SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A
 _FIELD_NAMES = {"REG": "registers", "CONSTANT[0]": "constant"}
 # Local-memory opcodes: spilled registers and stack-allocated arrays both live there.
 _LOCAL_OPCODES = {"LDL", "STL"}
+# sm90's tensor memory accelerator: tiled loads, stores, prefetches and reductions, and bulk copies.
+TMA_OPCODES = {"UTMALDG", "UTMASTG", "UTMAPF", "UTMAREDG", "UTMACCTL", "UBLKCP", "UBLKRED", "UBLKPF"}
 
 
 def find_cuobjdump(env: Mapping[str, str] | None = None) -> str | None:
@@ -142,6 +148,12 @@ def base_opcode(opcode: str) -> str:
 
 def opcode_counts(opcodes: Iterable[str]) -> collections.Counter:
     return collections.Counter(base_opcode(op) for op in opcodes)
+
+
+def features(opcodes: Iterable[str]) -> dict[str, int]:
+    counts = opcode_counts(opcodes)
+    return {"HGMMA": counts["HGMMA"], "HMMA": counts["HMMA"], "TMA": sum(counts[op] for op in TMA_OPCODES),
+            "LDGSTS": counts["LDGSTS"], "LDL/STL": sum(counts[op] for op in _LOCAL_OPCODES)}
 
 
 def demangle(names: Iterable[str]) -> dict[str, str]:

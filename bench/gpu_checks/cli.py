@@ -33,4 +33,7 @@ def parse(argv):
                         help="no GPU: compile every Triton kernel variant the cases launch for these targets "
                              "(comma-separated: sm80, sm90) and report its registers, stack (spills) and shared "
                              "memory from cuobjdump, and those of the built _C's kernels, instead of running")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="processes that compile Triton variants (--compile-only, and on a GPU while _C builds); "
+                             "default: one per core, at most 16")
     return parser.parse_args(argv)

@@ -11,15 +11,22 @@ It relies on Triton's launcher internals (``JITFunction.run``, checked against t
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import importlib
 import importlib.util
 import json
+import multiprocessing
+import os
+import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from .cases import REGISTRY, selected
-from .checkout import bench_module
+from .checkout import bench_module, use_this_checkout
 from .report import report_paths
 from .tables import number, row_status, table
 
@@ -28,14 +35,35 @@ SASS = bench_module("sass")  # resource usage and SASS read with cuobjdump
 # Shared memory a block may use (opt-in maximum), per target.
 SHARED_MEMORY_LIMIT = {"sm80": 166912, "sm90": 232448}
 STATIC_SHARED_LIMIT = 48 * 1024  # static __shared__ arrays; beyond it a kernel must use dynamic shared memory
+# Each worker holds torch and an LLVM context (~0.5 GB); a GPU machine has 16 or more cores.
+MAX_COMPILE_WORKERS = 16
 
 
-def record_launches(args, arch: str) -> dict:
-    """Every distinct kernel specialisation the selected cases launch with ``arch``'s configs.
+@contextlib.contextmanager
+def zero_filled_allocations():
+    """``torch.empty``, ``empty_like`` and ``Tensor.new_empty`` return zeros while launches are recorded.
+
+    A recorded kernel writes nothing, so its output keeps what the allocation held: uninitialised
+    memory may hold an infinity or a NaN, which a host-side check of the result (``checked_finite``)
+    then reports as an overflow. Zeros are finite, and the same on every run."""
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+    torch.empty = lambda *args, **kwargs: empty(*args, **kwargs).zero_()
+    torch.empty_like = lambda *args, **kwargs: empty_like(*args, **kwargs).zero_()
+    torch.Tensor.new_empty = lambda self, *args, **kwargs: new_empty(self, *args, **kwargs).zero_()
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like, torch.Tensor.new_empty = empty, empty_like, new_empty
+
+
+def record_launches(args, arch: str) -> tuple[dict, list[dict]]:
+    """Every distinct kernel specialisation the selected cases launch with ``arch``'s configs, and one
+    row per case whose recording stopped early.
 
     The cases run on CPU tensors; each launch is bound and specialised exactly as Triton's
-    launcher would for that target, then recorded instead of compiled and run (outputs stay
-    uninitialised, which no host-side decision depends on).
+    launcher would for that target, then recorded instead of compiled and run (outputs are zeros:
+    :func:`zero_filled_allocations`). A case whose host code raises on those zeros keeps the launches
+    it made before; its row names the case and the error (no verdict on a kernel: ``ok`` is None).
     """
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -56,16 +84,24 @@ def record_launches(args, arch: str) -> dict:
         key = (kernel.fn.__name__, str(signature), str(sorted(constexprs.items())), str(attrs), str(options))
         launches.setdefault(key, (kernel, signature, constexprs, attrs, options))
 
+    stopped = []
     real_run, real_arch = JITFunction.run, common.arch
     JITFunction.run, common.arch = record, (lambda device: arch)
     try:
         for case in (case for case in REGISTRY if case.backend == "triton" and selected(case.name, args.only)):
             for dtype in case.dtypes:
                 for shape in case.tiny_shapes if args.dry_run else case.shapes:
-                    case.fn(case.inputs(shape, dtype, torch.device("cpu")))
+                    try:
+                        with zero_filled_allocations():
+                            case.fn(case.inputs(shape, dtype, torch.device("cpu")))
+                    except Exception as error:
+                        stopped.append({"source": "recording", "case": case.name, "arch": arch,
+                                        "dtype": str(dtype).removeprefix("torch."), "shape": list(shape), "ok": None,
+                                        "status": "stopped early",
+                                        "reason": f"{type(error).__name__}: {error}"[:300]})
     finally:
         JITFunction.run, common.arch = real_run, real_arch
-    return launches
+    return launches, stopped
 
 
 def _resources(usage: dict) -> dict:
@@ -75,9 +111,26 @@ def _resources(usage: dict) -> dict:
             "static_shared": usage.get("shared", 0)}
 
 
-def compile_launches(launches: dict, arch: str) -> list[dict]:
-    """Each recorded specialisation compiled for ``arch`` by Triton (its bundled ``ptxas``, or the one
-    ``TRITON_PTXAS_PATH`` names), its cubin read back with cuobjdump: what the GPU would load."""
+def compile_jobs(launches: dict, arch: str) -> list[dict]:
+    """One picklable description per recorded specialisation: a worker process finds the kernel by
+    its module and name, and compiles it exactly as Triton's launcher would."""
+    jobs = []
+    for kernel, signature, constexprs, attrs, options in launches.values():
+        flags = {kernel.arg_names[path[0]]: value for path, value in constexprs.items()
+                 if kernel.arg_names[path[0]].isupper()}
+        pointers = sorted({kind for kind in signature.values() if kind.startswith("*")})
+        jobs.append({"module": kernel.fn.__module__, "name": kernel.fn.__name__, "arch": arch,
+                     "signature": signature, "constexprs": constexprs, "attrs": attrs, "options": options.__dict__,
+                     "row": {"source": "triton", "kernel": kernel.fn.__name__, "arch": arch,
+                             "operands": " ".join(pointers), "num_warps": options.num_warps,
+                             "num_stages": options.num_stages, "constexprs": flags}})
+    return jobs
+
+
+def compile_variant(job: dict) -> dict:
+    """One specialisation compiled for its arch by Triton (its bundled ``ptxas``, or the one
+    ``TRITON_PTXAS_PATH`` names), its cubin read back with cuobjdump: what the GPU would load. The
+    compiled kernel lands in Triton's cache, where a later launch of the same specialisation finds it."""
     import tempfile
 
     import triton
@@ -85,37 +138,52 @@ def compile_launches(launches: dict, arch: str) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    target = GPUTarget("cuda", int(arch[2:]), 32)
+    kernel = getattr(importlib.import_module(job["module"]), job["name"])
+    arch = job["arch"]
     ptxas = knobs.nvidia.ptxas
-    rows = []
-    for kernel, signature, constexprs, attrs, options in launches.values():
-        flags = {kernel.arg_names[path[0]]: value for path, value in constexprs.items()
-                 if kernel.arg_names[path[0]].isupper()}
-        pointers = sorted({kind for kind in signature.values() if kind.startswith("*")})
-        row = {"source": "triton", "kernel": kernel.fn.__name__, "arch": arch, "operands": " ".join(pointers),
-               "num_warps": options.num_warps, "num_stages": options.num_stages, "constexprs": flags,
-               "ptxas": f"{ptxas.version} ({ptxas.path})"}
-        try:
-            compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
-                                      options=options.__dict__)
-        except Exception as error:
-            # Triton's message is the source around the failure, then the cause: keep the cause.
-            message = str(error)
-            reason = message if len(message) <= 500 else "..." + message[-500:]
-            rows.append({**row, "ok": False, "status": "failed", "reason": f"{type(error).__name__}: {reason}"})
-            continue
-        with tempfile.TemporaryDirectory() as folder:
-            cubin = Path(folder) / "kernel.cubin"
-            cubin.write_bytes(compiled.asm["cubin"])
-            row.update(_resources(SASS.resource_usage(cubin)[compiled.metadata.name]))
-        # Triton asks for its shared memory at launch (dynamic); static arrays come on top.
-        row["shared"] = compiled.metadata.shared + row["static_shared"]
-        row["ok"] = row["shared"] <= SHARED_MEMORY_LIMIT[arch]
-        row["status"] = "ok" if row["ok"] else "failed"
-        if not row["ok"]:
-            row["reason"] = f"needs {row['shared']} B of shared memory, {arch} has {SHARED_MEMORY_LIMIT[arch]}"
-        rows.append(row)
-    return rows
+    row = {**job["row"], "ptxas": f"{ptxas.version} ({ptxas.path})"}
+    started = time.monotonic()
+    try:
+        compiled = triton.compile(ASTSource(kernel, job["signature"], job["constexprs"], job["attrs"]),
+                                  target=GPUTarget("cuda", int(arch[2:]), 32), options=job["options"])
+    except Exception as error:
+        # Triton's message is the source around the failure, then the cause: keep the cause.
+        message = str(error)
+        reason = message if len(message) <= 500 else "..." + message[-500:]
+        return {**row, "ok": False, "status": "failed", "reason": f"{type(error).__name__}: {reason}"}
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        row.update(_resources(SASS.resource_usage(cubin)[compiled.metadata.name]))
+        row.update(SASS.features(SASS.sass_instructions(cubin)[compiled.metadata.name]))
+    row["compile_s"] = round(time.monotonic() - started, 2)
+    # Triton asks for its shared memory at launch (dynamic); static arrays come on top.
+    row["shared"] = compiled.metadata.shared + row["static_shared"]
+    row["ok"] = row["shared"] <= SHARED_MEMORY_LIMIT[arch]
+    row["status"] = "ok" if row["ok"] else "failed"
+    if not row["ok"]:
+        row["reason"] = f"needs {row['shared']} B of shared memory, {arch} has {SHARED_MEMORY_LIMIT[arch]}"
+    return row
+
+
+def compile_pool(workers: int):
+    """Worker processes that compile Triton variants (:func:`compile_variant`), started fresh
+    (``spawn``): a fork of a process that has run torch's thread pools may hang. Each imports the
+    package from this checkout first."""
+    context = multiprocessing.get_context("spawn")
+    return concurrent.futures.ProcessPoolExecutor(workers, mp_context=context, initializer=use_this_checkout)
+
+
+def compile_workers() -> int:
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_COMPILE_WORKERS))
+
+
+def compile_all(jobs: list[dict], workers: int) -> list[dict]:
+    """Every job's row, in the jobs' order: in this process for one worker, else in a pool."""
+    if workers <= 1:
+        return [compile_variant(job) for job in jobs]
+    with compile_pool(workers) as pool:
+        return list(pool.map(compile_variant, jobs))
 
 
 def extension_resources(arch: str) -> list[dict]:
@@ -132,25 +200,43 @@ def extension_resources(arch: str) -> list[dict]:
         return [{**head, "ok": None, "status": "skipped", "reason": f"the build holds no {gpu} code (python -m "
                  "spectral_ops lists what it holds): set SPECTRAL_OPS_CUDA_ARCHS and rebuild"}]
     names = SASS.demangle(usage)
+    code = SASS.sass_instructions(found.origin, arch=gpu)
     rows = []
     for name in sorted(usage, key=names.get):
-        row = {**head, "kernel": names[name], **_resources(usage[name])}
+        row = {**head, "kernel": names[name], **_resources(usage[name]), **SASS.features(code.get(name, []))}
         row["ok"] = row["static_shared"] <= STATIC_SHARED_LIMIT
         row["status"] = "ok" if row["ok"] else "failed"
         rows.append(row)
     return rows
 
 
+def cpu_description() -> dict:
+    """This machine's CPU: its model, cores and instruction-set flags (the recording runs the cases'
+    host code on it; the compiled code does not depend on it)."""
+    fields = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    return {"model": fields.get("model name", platform.processor() or platform.machine()),
+            "cores": len(os.sched_getaffinity(0)), "flags": fields.get("flags", "").split()}
+
+
+# The flags that decide how fast torch's CPU kernels run the recording's host code (bf16 is emulated without them).
+_NOTABLE_CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
 _RESOURCE_COLUMNS = [("registers", number("registers", "d")), ("stack B", number("stack", "d")),
                      ("local B", number("local", "d"))]
+_SASS_COLUMNS = [(name, number(name, "d")) for name in ("HGMMA", "HMMA", "TMA", "LDGSTS")]
 _TRITON_COLUMNS = [("kernel", lambda r: r["kernel"]), ("arch", lambda r: r["arch"]),
                    ("operands", lambda r: r["operands"]), ("warps", lambda r: r["num_warps"]),
                    ("stages", lambda r: r["num_stages"]), *_RESOURCE_COLUMNS,
-                   ("shared KiB", lambda r: f"{r['shared'] / 1024:.1f}" if "shared" in r else ""),
+                   ("shared KiB", lambda r: f"{r['shared'] / 1024:.1f}" if "shared" in r else ""), *_SASS_COLUMNS,
                    ("status", row_status), ("constexprs", lambda r: r["constexprs"])]
 _EXTENSION_COLUMNS = [("kernel", lambda r: r["kernel"]), ("arch", lambda r: r["arch"]), *_RESOURCE_COLUMNS,
                       ("static shared KiB", lambda r: f"{r['static_shared'] / 1024:.1f}" if "static_shared" in r
-                       else ""), ("status", row_status)]
+                       else ""), *_SASS_COLUMNS, ("status", row_status)]
+_RECORDING_COLUMNS = [("case", lambda r: r["case"]), ("arch", lambda r: r["arch"]), ("dtype", lambda r: r["dtype"]),
+                      ("shape", lambda r: "x".join(map(str, r["shape"]))), ("status", row_status)]
 
 
 def compile_only(args) -> int:
@@ -167,21 +253,48 @@ def compile_only(args) -> int:
     if unknown:
         print(f"unknown target(s) {unknown}; known: {', '.join(SHARED_MEMORY_LIMIT)}", file=sys.stderr)
         return 2
-    rows = []
+    started = time.monotonic()
+    jobs, stopped = [], []
     for arch in archs:
-        rows += compile_launches(record_launches(args, arch), arch)
-        rows += extension_resources(arch)
+        launches, stopped_here = record_launches(args, arch)
+        jobs += compile_jobs(launches, arch)
+        stopped += stopped_here
+    recorded = time.monotonic()
+    workers = args.workers or compile_workers()
+    print(f"recorded {len(jobs)} Triton variants in {recorded - started:.0f} s; compiling them in {workers} "
+          f"process(es) ...", flush=True)
+    rows = compile_all(jobs, workers)
+    compiled = time.monotonic()
+    rows += [row for arch in archs for row in extension_resources(arch)]
+    timing = {"record_s": round(recorded - started, 1), "compile_s": round(compiled - recorded, 1),
+              "extension_s": round(time.monotonic() - compiled, 1), "total_s": round(time.monotonic() - started, 1),
+              "workers": workers}
+    cpu = cpu_description()
+    failed = [row for row in rows if row["ok"] is False]
     text = "\n".join([
         f"# Kernel resources for {', '.join(archs)} (cuobjdump {SASS.find_cuobjdump()}; Triton's ptxas "
         f"{knobs.nvidia.ptxas.version})", "",
+        f"No GPU: CPU {cpu['model']}, {cpu['cores']} cores (flags: "
+        f"{', '.join(flag for flag in _NOTABLE_CPU_FLAGS if flag in cpu['flags']) or 'none of ' + '/'.join(_NOTABLE_CPU_FLAGS)}); "
+        f"torch {torch.__version__}, triton {triton.__version__}. Seconds: recording {timing['record_s']:.0f}, "
+        f"compiling {timing['compile_s']:.0f} ({workers} processes), _C {timing['extension_s']:.0f}, "
+        f"total {timing['total_s']:.0f}.", "",
+        f"{len(jobs)} Triton variants, {len(failed)} failed; {len(stopped)} case recordings stopped early. "
+        "HGMMA: Hopper warpgroup MMA (wgmma); HMMA: warp MMA (mma.sync); TMA: tensor-memory-accelerator "
+        "copies (UTMALDG, UTMASTG, UBLKCP, ...); LDGSTS: cp.async. Counts are static SASS instructions.", "",
         "## Triton kernels (one row per specialisation the cases launch)", "",
         table([r for r in rows if r["source"] == "triton"], _TRITON_COLUMNS), "",
         "## spectral_ops._C (static shared memory only; dynamic is set at launch)", "",
-        table([r for r in rows if r["source"] == "_C"], _EXTENSION_COLUMNS), ""])
+        table([r for r in rows if r["source"] == "_C"], _EXTENSION_COLUMNS), "",
+        "## Case recordings that stopped early (their launches before the error are compiled above)", "",
+        table(stopped, _RECORDING_COLUMNS) if stopped else "(none)", ""])
     print(text)
     json_path, markdown_path = report_paths(args, "compile_only")
-    json_path.write_text(json.dumps({"compile_only": rows}, indent=1, default=str))
+    report = {"cpu": cpu, "torch": torch.__version__, "triton": triton.__version__,
+              "ptxas": knobs.nvidia.ptxas.version, "timing": timing, "compile_only": rows, "stopped": stopped}
+    json_path.write_text(json.dumps(report, indent=1, default=str))
     if markdown_path is not None:
         markdown_path.write_text(text)
     print(f"wrote {json_path}" + (f" and {markdown_path}" if markdown_path is not None else ""))
-    return 1 if any(r["ok"] is False for r in rows) else 0
+    # A recording that stopped early is no verdict on a kernel: only a compile or shared-memory failure fails.
+    return 1 if failed else 0
