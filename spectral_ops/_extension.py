@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.machinery
 import json
 import numbers
 from pathlib import Path
@@ -32,12 +33,34 @@ DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.floa
 PRECISION_CODES = {"ieee": 0, "tf32x3": 1, "tf32": 2}
 
 
-def build_info() -> dict | None:
-    """The record the build wrote (``_build_info.json``), or None when there is none."""
+# Files an installer unpacks together get its clock's times in any order: only a module built this
+# much later than the record is taken to be another build's.
+_STALE_RECORD_MARGIN_NS = 2_000_000_000
+
+
+def _module_beside(folder: Path) -> Path | None:
+    """The ``_C`` extension module in ``folder``, under any file name this interpreter imports."""
+    return next((folder / f"_C{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES
+                 if (folder / f"_C{suffix}").exists()), None)
+
+
+def build_info(folder: Path = Path(__file__).parent) -> dict | None:
+    """The record the build wrote (``_build_info.json`` in the package's ``folder``), or None when there
+    is none or it does not describe the ``_C`` module beside it.
+
+    A build writes its record after its module, so a module newer than the record is another build's:
+    e.g. ``cuda_built: false`` left by a CPU-only editable install, then ``_C`` built in the tree by
+    CMake (``bench/gpu_check.py`` on a bare GPU machine). That record says nothing about this module."""
+    path = folder / BUILD_INFO_FILENAME
     try:
-        return json.loads(Path(__file__).with_name(BUILD_INFO_FILENAME).read_text())
+        info = json.loads(path.read_text())
+        recorded_ns = path.stat().st_mtime_ns
     except FileNotFoundError:
         return None
+    module = _module_beside(folder)
+    if module is not None and module.stat().st_mtime_ns > recorded_ns + _STALE_RECORD_MARGIN_NS:
+        return None
+    return info
 
 
 @functools.cache
@@ -51,7 +74,7 @@ def load_extension() -> tuple[ModuleType | None, str]:
         return importlib.import_module("spectral_ops._C"), ""
     except ImportError as exc:
         if info is None:
-            return None, f"the CUDA extension is not built here (no {BUILD_INFO_FILENAME}; import says: {exc})"
+            return None, f"the CUDA extension is not built here (no {BUILD_INFO_FILENAME} describes it; import says: {exc})"
         return None, f"the CUDA extension was built but does not import: {exc}"
 
 

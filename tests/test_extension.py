@@ -209,3 +209,22 @@ def test_wrapper_refuses_to_bypass_autograd(C):
     w = torch.zeros(4, requires_grad=True)
     with pytest.raises(RuntimeError, match="requires grad"):
         _extension.decay_epilogue_(w, torch.zeros(4), 0.5, 1.0)
+
+
+def test_a_build_record_older_than_the_module_beside_it_is_ignored(tmp_path):
+    """A CPU-only editable install leaves ``cuda_built: false``; a ``_C`` built later in the tree (by
+    bench/gpu_check.py on a bare GPU machine) is another build, which that record does not describe."""
+    import importlib.machinery
+    import json
+
+    record = tmp_path / _extension.BUILD_INFO_FILENAME
+    record.write_text(json.dumps({"cuda_built": False, "reason": "no nvcc"}))
+    assert _extension.build_info(tmp_path) == {"cuda_built": False, "reason": "no nvcc"}
+    module = tmp_path / f"_C{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    module.write_bytes(b"")
+    recorded = record.stat().st_mtime_ns
+    os.utime(module, ns=(recorded, recorded))  # unpacked together: the record still describes it
+    assert _extension.build_info(tmp_path) is not None
+    later = recorded + 60 * 10**9
+    os.utime(module, ns=(later, later))  # built a minute after the record was written
+    assert _extension.build_info(tmp_path) is None

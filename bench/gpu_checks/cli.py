@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 
 from .checkout import BENCH
+from .schedule import DEFAULT_BUDGET_S, HEADLINE_DEADLINE_S, TIMEOUT_S
 
 
 def parse(argv):
@@ -25,14 +26,16 @@ def parse(argv):
                                                  "the routing cache goes to its routing/ folder; overrides --json")
     parser.add_argument("--only", default="", help="comma-separated substrings of case names to run "
                                                    "(the optimizer cases and the yardstick included)")
-    parser.add_argument("--budget-s", type=float, default=420.0,
-                        help="the whole run's time limit in seconds, build included: checks start before 55%% "
-                             "of it, headline timings before 80%%, and a running case is stopped at 100%% "
-                             "(the default fits the run in 8 minutes)")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                        help=f"the whole run's time limit in seconds, build included: no headline task starts after "
+                             f"{HEADLINE_DEADLINE_S:.0f} s (scaled with the budget), no breadth task after 80%%, and "
+                             f"the CUDA cases' child is stopped at 100%% (the default: `timeout {TIMEOUT_S:.0f}` less "
+                             f"Python's start-up and the report)")
     parser.add_argument("--compile-only", metavar="ARCHS", default="",
                         help="no GPU: compile every Triton kernel variant the cases launch for these targets "
                              "(comma-separated: sm80, sm90) and report its registers, stack (spills) and shared "
                              "memory from cuobjdump, and those of the built _C's kernels, instead of running")
+    parser.add_argument("--cuda-child", type=int, default=None, metavar="START", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=0,
                         help="processes that compile Triton variants (--compile-only, and on a GPU while _C builds); "
                              "default: one per core, at most 16")

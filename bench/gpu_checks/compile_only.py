@@ -56,12 +56,13 @@ def zero_filled_allocations():
         torch.empty, torch.empty_like, torch.Tensor.new_empty = empty, empty_like, new_empty
 
 
-def record_launches(args, arch: str) -> tuple[dict, list[dict]]:
+def record_launches(cases, arch: str, device=torch.device("cpu"), tiny: bool = False) -> tuple[dict, list[dict]]:
     """Every distinct kernel specialisation the selected cases launch with ``arch``'s configs, and one
     row per case whose recording stopped early.
 
-    The cases run on CPU tensors; each launch is bound and specialised exactly as Triton's
-    launcher would for that target, then recorded instead of compiled and run (outputs are zeros:
+    The cases run on ``device``'s tensors (the CPU without a GPU; on a GPU its host code is quicker
+    there) at their full shapes (``tiny``: their interpreter shapes); each launch is bound and
+    specialised exactly as Triton's launcher would for that target, then recorded instead of compiled and run (outputs are zeros:
     :func:`zero_filled_allocations`). A case whose host code raises on those zeros keeps the launches
     it made before; its row names the case and the error (no verdict on a kernel: ``ok`` is None).
     """
@@ -88,12 +89,12 @@ def record_launches(args, arch: str) -> tuple[dict, list[dict]]:
     real_run, real_arch = JITFunction.run, common.arch
     JITFunction.run, common.arch = record, (lambda device: arch)
     try:
-        for case in (case for case in REGISTRY if case.backend == "triton" and selected(case.name, args.only)):
+        for case in cases:
             for dtype in case.dtypes:
-                for shape in case.tiny_shapes if args.dry_run else case.shapes:
+                for shape in case.tiny_shapes if tiny else case.shapes:
                     try:
                         with zero_filled_allocations():
-                            case.fn(case.inputs(shape, dtype, torch.device("cpu")))
+                            case.fn(case.inputs(shape, dtype, device))
                     except Exception as error:
                         stopped.append({"source": "recording", "case": case.name, "arch": arch,
                                         "dtype": str(dtype).removeprefix("torch."), "shape": list(shape), "ok": None,
@@ -159,10 +160,11 @@ def compile_variant(job: dict) -> dict:
     row["compile_s"] = round(time.monotonic() - started, 2)
     # Triton asks for its shared memory at launch (dynamic); static arrays come on top.
     row["shared"] = compiled.metadata.shared + row["static_shared"]
-    row["ok"] = row["shared"] <= SHARED_MEMORY_LIMIT[arch]
+    limit = SHARED_MEMORY_LIMIT.get(arch, SHARED_MEMORY_LIMIT["sm80"])  # a GPU's own arch: sm80's is the least
+    row["ok"] = row["shared"] <= limit
     row["status"] = "ok" if row["ok"] else "failed"
     if not row["ok"]:
-        row["reason"] = f"needs {row['shared']} B of shared memory, {arch} has {SHARED_MEMORY_LIMIT[arch]}"
+        row["reason"] = f"needs {row['shared']} B of shared memory, {arch} has {limit}"
     return row
 
 
@@ -239,6 +241,22 @@ _RECORDING_COLUMNS = [("case", lambda r: r["case"]), ("arch", lambda r: r["arch"
                       ("shape", lambda r: "x".join(map(str, r["shape"]))), ("status", row_status)]
 
 
+def warm_triton_cache(cases, device, workers: int) -> dict:
+    """On a GPU, before the checks: record the Triton variants the cases launch on this GPU (no kernel
+    runs) and compile them in a pool of ``workers`` processes into Triton's cache, where each first
+    launch then finds its kernel. Returns the summary the report shows."""
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = f"sm{major}{minor}"
+    started = time.monotonic()
+    launches, stopped = record_launches(cases, arch, device)
+    recorded = time.monotonic()
+    rows = compile_all(compile_jobs(launches, arch), workers)
+    return {"arch": arch, "variants": len(rows), "failed": [row.get("reason") for row in rows if row["ok"] is False],
+            "with_stack": sum(bool(row.get("stack")) for row in rows), "recordings_stopped": len(stopped),
+            "record_s": round(recorded - started, 1), "compile_s": round(time.monotonic() - recorded, 1),
+            "workers": workers}
+
+
 def compile_only(args) -> int:
     import triton.runtime.interpreter
     from triton import knobs
@@ -255,8 +273,9 @@ def compile_only(args) -> int:
         return 2
     started = time.monotonic()
     jobs, stopped = [], []
+    cases = [case for case in REGISTRY if case.backend == "triton" and selected(case.name, args.only)]
     for arch in archs:
-        launches, stopped_here = record_launches(args, arch)
+        launches, stopped_here = record_launches(cases, arch, tiny=args.dry_run)
         jobs += compile_jobs(launches, arch)
         stopped += stopped_here
     recorded = time.monotonic()

@@ -45,7 +45,9 @@ import torch
 
 from spectral_ops.linalg import relative_error
 
+from . import model_columns
 from .cases import Case
+from .schedule import DEFAULT_BUDGET_S, HEADLINE_DEADLINE_S, STARTUP_S
 from .tables import row_status
 
 
@@ -91,9 +93,33 @@ def _clone(d):
     return {k: tuple(t.clone() for t in v) if isinstance(v, tuple) else v.clone() for k, v in d.items()}
 
 
+# torch.set_float32_matmul_precision per row precision: fp32 rows against exact fp32 cuBLAS, tf32
+# rows against cuBLAS with TF32 allowed (16-bit rows do not read it).
+MATMUL_PRECISION = {"tf32": "high", "fp32": "highest"}
+
+
+@contextlib.contextmanager
+def float32_matmul_precision(precision: str):
+    """torch's float32 matmul precision for ``precision`` (a row's: ``"tf32"``, ``"fp32"``, ...), restored after."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(MATMUL_PRECISION.get(precision, previous))
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def row_precision(case: Case, dtype) -> str:
+    """``"bf16"``, ``"fp16"``, ``"fp32"`` or the case's own (``"tf32"``): what both sides of its timing run at."""
+    return case.precision or {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+
+
 def check_case(case: Case, shape, dtype, device, stop_at) -> dict:
     inputs = case.inputs(shape, dtype, device)
-    error = relative_error(case.fn(_clone(inputs)), case.reference(_clone(inputs)))
+    result = case.fn(_clone(inputs))
+    with float32_matmul_precision("fp32"):  # the reference is exact at its dtype, whatever the row's precision
+        reference = case.reference(_clone(inputs))
+    error = relative_error(result, reference)
     result = {"error": error, "tolerance": case.tolerance[dtype], "ok": error <= case.tolerance[dtype]}
     if case.ran_on is not None:
         result["note"] = f"ran on {case.ran_on()}"
@@ -103,16 +129,21 @@ def check_case(case: Case, shape, dtype, device, stop_at) -> dict:
 def time_case(case: Case, shape, dtype, device, dry_run, stop_at) -> dict:
     inputs = case.inputs(shape, dtype, device)
     baseline = case.baseline or case.reference
-    return {"ok": True, **timings(lambda: case.fn(inputs), lambda: baseline(inputs), device, dry_run, stop_at)}
+    precision = row_precision(case, dtype)
+    with float32_matmul_precision(precision):
+        measured = timings(lambda: case.fn(inputs), lambda: baseline(inputs), device, dry_run, stop_at)
+        model = model_columns.columns(case, shape, dtype, device, precision, measured["ms"], measured["baseline_ms"])
+    return {"ok": True, "precision": precision, **measured, **model}
 
 
 # ----- the run: tasks in order, each under a time limit -----
 
-PHASES = ("check", "headline", "rest")
-# No task of a phase starts after this fraction of the budget: a cut falls on the rest timings first.
-PHASE_SHARE = {"check": 0.55, "headline": 0.8, "rest": 1.0}
+PHASES = ("headline", "breadth", "cuda")
+# No task of a phase starts after this fraction of the budget: a cut falls on the breadth first, and
+# the CUDA cases keep the end of the budget (their child process starts after the breadth).
+PHASE_SHARE = {"headline": (HEADLINE_DEADLINE_S - STARTUP_S) / DEFAULT_BUDGET_S, "breadth": 0.8, "cuda": 1.0}
 HEADLINE_DTYPES = (torch.bfloat16, torch.float32)
-CHECK_TIMEOUT_S = 120.0  # a check includes the JIT compile of every Triton specialisation it launches
+CHECK_TIMEOUT_S = 120.0  # a check includes the JIT compile of every Triton specialisation the pool missed
 TIMING_TIMEOUT_S = 30.0
 OPTIMIZER_TIMEOUT_S = 90.0  # dispatch's first-use self-checks and compiles, then the steps
 # Timing loops stop at this fraction of their limit: a slow case then reports fewer runs, not none.
@@ -151,6 +182,7 @@ class Task:
     here. ``needs``: the key of the check a timing waits on."""
 
     phase: str
+    kind: str  # "check" or "timing"
     case: str
     backend: str
     dtype: str
@@ -159,13 +191,18 @@ class Task:
     timeout_s: float
     baseline: str = ""
     needs: tuple | None = None
+    cost: str | None = None  # its kind of work for the plan's estimate (schedule.ESTIMATE_S), if not ``kind``
+
+    @property
+    def estimate_kind(self) -> str:
+        return self.cost or self.kind
 
     @property
     def key(self) -> tuple:
-        return self.case, self.backend, self.dtype, tuple(self.shape)
+        return self.kind, self.case, self.backend, self.dtype, tuple(self.shape)
 
     def row(self, **results) -> dict:
-        return {"phase": self.phase, "case": self.case, "backend": self.backend, "dtype": self.dtype,
+        return {"phase": self.phase, "kind": self.kind, "case": self.case, "backend": self.backend, "dtype": self.dtype,
                 "shape": list(self.shape), "baseline": self.baseline, **results}
 
 
@@ -180,32 +217,62 @@ def dtype_name(dtype) -> str:
 
 
 def case_tasks(cases, device, dry_run, cuda_reason) -> list[Task]:
-    """A check of every case at each of its shapes and dtypes, then the timings: headline, then rest."""
-    checks, headline, rest = [], [], []
-    # CUDA first: its kernels were compiled at build time, Triton's compile at their first launch.
-    for case in sorted(cases, key=lambda case: case.backend != "cuda"):
+    """Every case's checks and timings, in run order.
+
+    1. headline: each headline case at its headline shapes in bf16 and fp32, checked then timed at
+       once (in the dry run, the tiny shapes in fp32 stand in);
+    2. breadth: every other check, then every other timing;
+    3. cuda: the CUDA extension's cases, checked then timed (run in a child process: :mod:`cuda_child`).
+    """
+    headline, checks, timings_, cuda = [], [], [], []
+    for case in cases:
         cannot = cuda_reason if case.backend == "cuda" else None
         if cannot is None and dry_run and not case.tiny_shapes:
             cannot = "GPU only: no interpreter-sized shape"
+        phase = "cuda" if case.backend == "cuda" else "breadth"
         if cannot is not None:  # one row for the whole case
-            checks.append(Task("check", case.name, case.backend, dtype_name(case.dtypes[0]), case.shapes[0],
-                               skipping(cannot), CHECK_TIMEOUT_S))
+            (cuda if phase == "cuda" else checks).append(Task(
+                phase, "check", case.name, case.backend, dtype_name(case.dtypes[0]), case.shapes[0],
+                skipping(cannot), CHECK_TIMEOUT_S))
             continue
         dtypes = [d for d in case.dtypes if not (dry_run and d == torch.bfloat16)]
         for dtype in dtypes:
             for shape in case.tiny_shapes if dry_run else case.shapes:
-                check = Task("check", case.name, case.backend, dtype_name(dtype), shape,
+                is_headline = (phase != "cuda" and dtype in HEADLINE_DTYPES and bool(case.headline)
+                               and (dry_run or shape in case.headline))
+                task_phase = "headline" if is_headline else phase
+                check = Task(task_phase, "check", case.name, case.backend, dtype_name(dtype), shape,
                              functools.partial(check_case, case, shape, dtype, device),
                              case.timeout_s or CHECK_TIMEOUT_S)
-                checks.append(check)
-                if not case.timed:
-                    continue
-                is_headline = dtype in HEADLINE_DTYPES and bool(case.headline) and (dry_run or shape in case.headline)
-                (headline if is_headline else rest).append(Task(
-                    "headline" if is_headline else "rest", case.name, case.backend, dtype_name(dtype), shape,
-                    functools.partial(time_case, case, shape, dtype, device, dry_run),
-                    case.timeout_s or TIMING_TIMEOUT_S, baseline=case.baseline_name, needs=check.key))
-    return checks + headline + rest
+                timing = Task(task_phase, "timing", case.name, case.backend, dtype_name(dtype), shape,
+                              functools.partial(time_case, case, shape, dtype, device, dry_run),
+                              case.timeout_s or TIMING_TIMEOUT_S, baseline=case.baseline_name, needs=check.key)
+                if is_headline or phase == "cuda":
+                    (headline if is_headline else cuda).extend([check, timing] if case.timed else [check])
+                else:
+                    checks.append(check)
+                    if case.timed:
+                        timings_.append(timing)
+    return headline + checks + timings_ + cuda
+
+
+# The headline in the issue's order; a 96-head stack of 128 x 768 (the per-head decay, the small path,
+# Muon's heads) is the last group whichever op it is.
+HEADLINE_GROUPS = (("yardstick", ("yardstick",)), ("Gram", ("syrk",)), ("product", ("update",)),
+                   ("S_2 decay", ("decay_",)), ("Polar Express / Muon", ("polar", "Muon")), ("heads", ()))
+
+
+def headline_group(task: Task) -> str:
+    if len(task.shape) == 3 and task.shape[0] == 96:
+        return "heads"
+    return next((group for group, words in HEADLINE_GROUPS if any(word in task.case for word in words)), "heads")
+
+
+def in_run_order(tasks: list[Task]) -> list[Task]:
+    """By phase, the headline by group, each check just before its timing (a stable sort keeps both)."""
+    groups = [group for group, _ in HEADLINE_GROUPS]
+    return sorted(tasks, key=lambda task: (PHASES.index(task.phase),
+                                           groups.index(headline_group(task)) if task.phase == "headline" else 0))
 
 
 def run_task(task: Task, device, end: float) -> dict:
@@ -235,16 +302,18 @@ def run_task(task: Task, device, end: float) -> dict:
 NEEDED = {"failed": "its check failed", "timed out": "its check timed out", "skipped": "its check was skipped"}
 
 
-def run_tasks(tasks, device, started: float, budget_s: float, save) -> list[dict]:
-    """Every task in order, ``save(rows)`` after each: a run cut short (or hung) keeps what it did."""
+def run_tasks(tasks, device, started: float, budget_s: float, save, stop_if=lambda row: False) -> list[dict]:
+    """Every task in order, ``save(rows)`` after each: a run cut short (or hung) keeps what it did.
+    ``stop_if(row)`` true ends the run after that row."""
     rows, status = [], {}
     for task in tasks:
         now = time.monotonic()
         print(f"{now - started:6.1f} s  {task.phase:<8} {task.case} [{task.backend}, {task.dtype}, "
               f"{'x'.join(map(str, task.shape))}] ...", end="", flush=True)
         phase_end = PHASE_SHARE[task.phase] * budget_s
-        if task.needs is not None and status[task.needs] != "ok":
-            row = task.row(ok=None, status="skipped", reason=NEEDED[status[task.needs]])
+        # A check missing from this run's rows ran in a CUDA child that died in it (cuda_child).
+        if task.needs is not None and status.get(task.needs, "failed") != "ok":
+            row = task.row(ok=None, status="skipped", reason=NEEDED[status.get(task.needs, "failed")])
         elif now - started >= phase_end:
             row = task.row(ok=None, status="skipped", reason=f"time budget: no {task.phase} task starts after "
                                                              f"{phase_end:.0f} s")
@@ -254,4 +323,6 @@ def run_tasks(tasks, device, started: float, budget_s: float, save) -> list[dict
         rows.append(row)
         save(rows)
         print(f" {row_status(row)}" + (f" ({row['wall_s']:.1f} s)" if "wall_s" in row else ""), flush=True)
+        if stop_if(row):
+            break
     return rows

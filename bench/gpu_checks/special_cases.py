@@ -132,12 +132,12 @@ def yardstick(n, dtype, device, dry_run, stop_at=math.inf) -> dict:
 
 
 def special_tasks(device, dry_run) -> list[Task]:
-    """The headline cases that are not kernels: the yardstick, SpectralMuon against torch's, and the
-    compiled steps and the CUDA-graph replay, last, so that a failed capture cannot disturb the timings
-    before them."""
+    """The cases that are not kernels: the yardstick and SpectralMuon against torch's (headline), and
+    the compiled steps and the CUDA-graph replay (breadth, last, so that a failed capture cannot disturb
+    the timings before them)."""
     needs_cuda = None if device.type == "cuda" else "needs a CUDA device"
     n = 64 if dry_run else 4096
-    tasks = [Task("headline", "torch matmul (yardstick)", "torch", dtype_name(dtype), (n, n, n),
+    tasks = [Task("headline", "timing", "torch matmul (yardstick)", "torch", dtype_name(dtype), (n, n, n),
                   functools.partial(yardstick, n, dtype, device, dry_run), TIMING_TIMEOUT_S)
              for dtype in HEADLINE_DTYPES if not (dry_run and dtype == torch.bfloat16)]
     no_muon = needs_cuda or (None if hasattr(torch.optim, "Muon")
@@ -145,15 +145,16 @@ def special_tasks(device, dry_run) -> list[Task]:
     for variant in MUON_VARIANTS:
         for heads, rows, cols in MUON_SHAPES:
             run = functools.partial(muon_against_torch, heads, rows, cols, variant, device, dry_run)
-            tasks.append(Task("headline", f"SpectralMuon ({variant}, bf16) vs torch.optim.Muon", "auto", "float32",
+            tasks.append(Task("headline", "timing", f"SpectralMuon ({variant}, bf16) vs torch.optim.Muon", "auto", "float32",
                               (heads, rows, cols), skipping(no_muon) if no_muon else run, OPTIMIZER_TIMEOUT_S,
-                              baseline="torch.optim.Muon"))
+                              baseline="torch.optim.Muon", cost="optimizer"))
     captures = {"SpectralAdamW default step, torch.compile": dict(capture=compiled(), capturable=False),
                 "SpectralAdamW default step, torch.compile reduce-overhead":
                     dict(capture=compiled("reduce-overhead"), capturable=False),
                 "SpectralAdamW step in a CUDA graph": {}}
     for name, options in captures.items():
         run = functools.partial(graph_against_eager, GRAPH_SHAPE, device, dry_run, **options)
-        tasks.append(Task("headline", name, "auto", "float32", GRAPH_SHAPE,
-                          skipping(needs_cuda) if needs_cuda else run, OPTIMIZER_TIMEOUT_S, baseline="eager step"))
+        tasks.append(Task("breadth", "timing", name, "auto", "float32", GRAPH_SHAPE,
+                          skipping(needs_cuda) if needs_cuda else run, OPTIMIZER_TIMEOUT_S, baseline="eager step",
+                          cost="compiled step" if "compile" in name else "optimizer"))
     return tasks
