@@ -15,12 +15,17 @@ Each case is a plain dict:
     run          callable(*inputs) -> Tensor: the CUDA kernel(s); never modifies the inputs
     reference    callable(*inputs) -> Tensor: torch (float64 for single products, else the torch backend)
     tolerance    the largest allowed ||run - reference||_F / ||reference||_F
+    baseline     callable(*inputs) -> Tensor: what a timing case is timed against, at the case's precision
+                 (bf16 operands: a bf16 torch call, not an fp32 one); the reference where that already is
+    op_options   the op's options for the cost model (``{"p": 2}``), empty for a single kernel
 
 The whole set runs in well under a minute of GPU time on one H200 (``python bench/cuda_cases.py``
 checks every case and times the timing cases without gpu_check.py).
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -75,9 +80,10 @@ def _f64_product(a, b, y=None, alpha=1.0, beta=0.0):
     return out if y is None else out + beta * y.double()
 
 
-def _case(name, op, dtype, shape, make_inputs, run, reference, tolerance):
+def _case(name, op, dtype, shape, make_inputs, run, reference, tolerance, baseline=None, op_options=None):
     return {"name": name, "op": op, "dtype": dtype, "shape": tuple(shape), "make_inputs": make_inputs, "run": run,
-            "reference": reference, "tolerance": tolerance}
+            "reference": reference, "tolerance": tolerance, "baseline": baseline or reference,
+            "op_options": op_options or {}}
 
 
 def _dims(shape):
@@ -317,9 +323,11 @@ def timing_cases() -> list[dict]:
             def make(device, shape=shape, dtype=dtype):
                 return (_random(shape, dtype, device, 12),)
 
+            # Checked against the exact fp32 Gram, timed against torch's Gram of the same operands.
             out.append(_case(f"time/syrk/{tag}/{_dims(shape)}", "syrk", dtype, shape, make,
                              lambda X: ext.syrk(X, X.mT, torch.empty(X.shape[0], X.shape[0], device=X.device)),
-                             lambda X: X.float() @ X.float().mT, TOLERANCE[torch.float32]))
+                             lambda X: X.float() @ X.float().mT, TOLERANCE[torch.float32],
+                             baseline=lambda X: X @ X.mT))
         # The chain below and above CUDA_CHAIN_MAX_WORK, and the composed path at CUDA_TILED_MIN_SIDE and above.
         for path, label, shape in (("chain", "polar", (64, 64, 256)), ("chain", "decay_p2", (96, 32, 1024)),
                                    ("chain", "polar", (96, 128, 768)), ("composed", "polar", (2048, 2048)),
@@ -330,9 +338,10 @@ def timing_cases() -> list[dict]:
             def make_w(device, shape=shape, dtype=dtype):
                 return (_weight(shape, dtype, device, 16),)
 
+            power = re.search(r"_p(\d+)$", label)
             out.append(_case(f"time/backend.{label}[{path}]/{tag}/{_dims(shape)}", f"backend.{op}[{path}]", dtype,
                              shape, make_w, lambda W, run=run, path=path: run(_cuda(path), W), reference,
-                             CHAIN_TOLERANCE[dtype]))
+                             CHAIN_TOLERANCE[dtype], op_options={"p": int(power.group(1))} if power else None))
     return out
 
 

@@ -16,7 +16,7 @@ _spec.loader.exec_module(cuda_cases)
 # The ops whose chain-sized cases run (band forms need a spectral gap the small test spectra lack).
 CHAIN_OPS = ("polar", "spectral_power", "decay_")
 
-KEYS = {"name", "op", "dtype", "shape", "make_inputs", "run", "reference", "tolerance"}
+KEYS = {"name", "op", "dtype", "shape", "make_inputs", "run", "reference", "tolerance", "baseline", "op_options"}
 EXTENSION_OPS = {"gemm", "syrk", "poly_step", "sign_step", "small_chain", "decay_epilogue_"}
 
 
@@ -26,7 +26,7 @@ def check(cases):
     for case in cases:
         assert set(case) == KEYS
         assert isinstance(case["dtype"], torch.dtype) and isinstance(case["shape"], tuple)
-        assert all(callable(case[k]) for k in ("make_inputs", "run", "reference"))
+        assert all(callable(case[k]) for k in ("make_inputs", "run", "reference", "baseline"))
         assert 0 < case["tolerance"] < 0.1
 
 
@@ -54,3 +54,14 @@ def test_timing_cases_time_every_op_against_torch():
     timed = {case["op"].split("[")[0] for case in cases}
     assert EXTENSION_OPS - {"small_chain"} <= timed  # the chain is timed through backend.*[chain]
     assert {case["op"] for case in cases} >= {"backend.polar[chain]", "backend.polar[composed]", "backend.msign[composed]"}
+
+
+def test_timing_baselines_run_at_the_cases_precision():
+    """A bf16 Gram timed against an fp32 GEMM (``X.float() @ X.float().mT``) would report a meaningless
+    speed-up: each baseline's result has the dtype of the case's operands (on CPU, at a small size)."""
+    for case in cuda_cases.timing_cases():
+        if case["op"] != "syrk":
+            continue
+        X = torch.ones(8, 16, dtype=case["dtype"])
+        assert case["baseline"](X).dtype == case["dtype"], case["name"]
+        assert case["reference"](X).dtype == torch.float32  # checked against the exact Gram

@@ -25,7 +25,7 @@ def gpu_checks():
     package = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = package  # its modules, and dataclasses, look it up there
     spec.loader.exec_module(package)
-    for name in ("cli", "cases", "runner", "special_cases", "main"):
+    for name in ("cli", "cases", "runner", "special_cases", "main", "schedule", "cuda_child", "build", "compile_only"):
         importlib.import_module(f"{spec.name}.{name}")
     yield package
     for name in [name for name in sys.modules if name.partition(".")[0] == spec.name]:
@@ -48,7 +48,7 @@ def dry_run(gpu_checks, tmp_path_factory):
 def test_dry_run_checks_every_case_that_runs_on_a_cpu_and_writes_the_report(gpu_checks, dry_run):
     exit_status, report, markdown = dry_run
     assert exit_status == 0
-    checks = [row for row in report["results"] if row["phase"] == "check"]
+    checks = [row for row in report["results"] if row["kind"] == "check"]
     passed = {(row["case"], row["backend"]) for row in checks if row["status"] == "ok"}
     assert passed == {(case.name, case.backend) for case in gpu_checks.cases.REGISTRY if case.tiny_shapes}
     assert all(row["error"] <= row["tolerance"] for row in checks if row["status"] == "ok")
@@ -59,18 +59,44 @@ def test_dry_run_checks_every_case_that_runs_on_a_cpu_and_writes_the_report(gpu_
     assert "| op decay_ p=2 | triton | float32 | 2x40x24 | ok |" in markdown
 
 
-def test_dry_run_runs_the_checks_then_the_headline_timings_then_the_rest(gpu_checks, dry_run):
+def test_dry_run_runs_the_headline_then_the_breadth_then_the_cuda_cases(gpu_checks, dry_run):
     rows = dry_run[1]["results"]
     phases = [row["phase"] for row in rows]
     assert phases == sorted(phases, key=gpu_checks.runner.PHASES.index) and set(phases) == set(gpu_checks.runner.PHASES)
-    headline = {row["case"] for row in rows if row["phase"] == "headline"}
-    assert {"op decay_ p=2", "syrk X X^T", "torch matmul (yardstick)", "SpectralAdamW step in a CUDA graph"} <= headline
-    assert any("vs torch.optim.Muon" in case for case in headline)
-    assert rows[[row["phase"] for row in rows].index("headline") - 1]["phase"] == "check"
-    # CUDA cases are checked before the Triton ones, whose first launches compile.
-    backends = [row["backend"] for row in rows if row["phase"] == "check"]
-    assert backends.index("triton") > len(backends) - 1 - backends[::-1].index("cuda")
-    assert {row["dtype"] for row in rows if row["phase"] == "headline" and row["backend"] == "triton"} == {"float32"}
+    headline = [row for row in rows if row["phase"] == "headline"]
+    assert {"op decay_ p=2", "op polar", "syrk X X^T", "update a X + B X", "torch matmul (yardstick)",
+            "small path S_2 (one program per matrix)"} <= {row["case"] for row in headline}
+    assert any("vs torch.optim.Muon" in row["case"] for row in headline)
+    # Each headline case is timed right after its check.
+    for check, timing in zip(headline, headline[1:]):
+        if check["kind"] == "check" and timing["kind"] == "timing":
+            assert (check["case"], check["backend"], check["shape"]) == (timing["case"], timing["backend"],
+                                                                         timing["shape"])
+    assert all(row["backend"] == "cuda" for row in rows if row["phase"] == "cuda")
+    assert {row["dtype"] for row in headline if row["backend"] == "triton"} == {"float32"}
+
+
+def test_the_planned_gpu_run_ends_the_headline_within_240_s_of_the_budget(gpu_checks):
+    """Computed from the plan (the tasks of a GPU run and each kind's estimate), timing nothing."""
+    schedule = gpu_checks.schedule
+    stages = gpu_checks.main.planned_gpu_run(gpu_checks.cli.parse(["--dry-run"]))
+    assert [stage.name.split()[0].rstrip(":") for stage in stages] == ["setup", "headline", "breadth", "cuda", "report"]
+    headline = stages[1]
+    assert headline.tasks > 0 and headline.end_s <= schedule.HEADLINE_DEADLINE_S
+    assert gpu_checks.cli.parse([]).budget_s == schedule.TIMEOUT_S - schedule.STARTUP_S - schedule.REPORT_S
+    text = schedule.format_plan(stages, schedule.DEFAULT_BUDGET_S)
+    assert f"| headline | {headline.tasks} |" in text and "timeout 540" in text
+
+
+def test_the_headline_runs_in_the_issues_order(gpu_checks):
+    """Gram, product, S_2 decay, Polar Express / Muon, the per-head stack: the GPU run's own task list."""
+    args = gpu_checks.cli.parse([])
+    tasks = gpu_checks.main.all_tasks(args, torch.device("cuda"), cuda_reason=None)
+    groups = [name for name, _ in gpu_checks.runner.HEADLINE_GROUPS]
+    order = [groups.index(gpu_checks.runner.headline_group(task)) for task in tasks if task.phase == "headline"]
+    assert order == sorted(order) and set(order) == set(range(len(groups)))
+    heads = [task for task in tasks if task.phase == "headline" and gpu_checks.runner.headline_group(task) == "heads"]
+    assert all(task.shape[0] == 96 for task in heads if task.case != "torch matmul (yardstick)")
 
 
 def test_skipped_is_never_ok_and_always_says_why(dry_run):
@@ -110,13 +136,13 @@ def test_a_case_past_its_time_limit_is_reported_as_timed_out_and_the_run_goes_on
                                                       _fake_case(gpu_checks, "fake quick", lambda d: d["x"])])
     out = tmp_path / "report.json"
     assert run(gpu_checks, ["--dry-run", "--only", "fake", "--json", str(out)]) == 0
-    rows = {(row["phase"], row["case"]): row for row in json.loads(out.read_text())["results"]}
+    rows = {(row["kind"], row["case"]): row for row in json.loads(out.read_text())["results"]}
     assert list(rows) == [("check", "fake slow"), ("check", "fake quick"),
-                          ("rest", "fake slow"), ("rest", "fake quick")]
+                          ("timing", "fake slow"), ("timing", "fake quick")]
     slow = rows["check", "fake slow"]
     assert (slow["status"], slow["ok"]) == ("timed out", None) and "its limit" in slow["reason"]
-    assert rows["check", "fake quick"]["status"] == "ok" and rows["rest", "fake quick"]["status"] == "ok"
-    skipped = rows["rest", "fake slow"]
+    assert rows["check", "fake quick"]["status"] == "ok" and rows["timing", "fake quick"]["status"] == "ok"
+    skipped = rows["timing", "fake slow"]
     assert (skipped["status"], skipped["reason"]) == ("skipped", "its check timed out")
 
 
@@ -127,6 +153,77 @@ def test_cases_past_the_time_budget_are_skipped(gpu_checks, tmp_path, monkeypatc
     rows = json.loads(out.read_text())["results"]
     assert [(row["status"], row["ok"]) for row in rows] == [("skipped", None)] * 2
     assert rows[0]["reason"].startswith("time budget") and rows[1]["reason"] == "its check was skipped"
+
+
+# A stand-in for `gpu_check.py --cuda-child START`: it writes one row per task from START on, and dies
+# of SIGSEGV (as a sticky fault may end a process) at task 1, or hangs at task 3, each on its first try.
+_FAKE_CHILD = """
+import json, os, signal, sys, time
+start, path, marks = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+rows = []
+for index in range(start, 5):
+    if index == 1 and not os.path.exists(marks + "1"):
+        open(marks + "1", "w").close()
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if index == 3 and not os.path.exists(marks + "3"):
+        open(marks + "3", "w").close()
+        time.sleep(60)
+    rows.append({"case": f"case {index}", "status": "ok", "ok": True})
+    with open(path + ".partial", "w") as f:
+        json.dump(rows, f)
+    os.replace(path + ".partial", path)
+"""
+
+
+def test_a_cuda_child_that_dies_or_hangs_costs_one_case_and_the_next_child_goes_on(gpu_checks, tmp_path):
+    tasks = [gpu_checks.runner.Task("cuda", "check", f"case {index}", "cuda", "float32", (2, 2), None,
+                                    timeout_s=0.5) for index in range(5)]
+
+    def command(start, rows_path, seconds_left):
+        return [sys.executable, "-c", _FAKE_CHILD, str(start), str(rows_path), str(tmp_path / "mark")]
+
+    saved = []
+    rows = gpu_checks.cuda_child.run_in_children(tasks, command, tmp_path, time.monotonic() + 120, saved.append,
+                                                 hang_margin_s=1.0)
+    assert [row["case"] for row in rows] == [f"case {index}" for index in range(5)]
+    assert [row["status"] for row in rows] == ["ok", "failed", "ok", "timed out", "ok"]
+    assert "SIGSEGV" in rows[1]["reason"] and "hung" in rows[3]["reason"]
+    assert saved and len(saved[-1]) == 5
+
+
+def test_a_bare_machine_names_the_missing_build_tool(gpu_checks, monkeypatch):
+    build = gpu_checks.build
+    monkeypatch.setenv("CUDACXX", sys.executable)  # an executable stands in for nvcc
+    monkeypatch.setattr(build.shutil, "which", lambda name, *args, **kwargs: None if name == "cmake" else name)
+    assert "no cmake" in build.find_tools()[1]
+    monkeypatch.setattr(build.shutil, "which", lambda name, *args, **kwargs: name)
+    monkeypatch.setitem(sys.modules, "pybind11", None)  # `import pybind11` raises ImportError
+    assert "no pybind11" in build.find_tools()[1]
+
+
+def test_a_driver_older_than_the_toolkit_is_one_line(gpu_checks):
+    mismatch = gpu_checks.build.driver_mismatch
+    line = mismatch(13000, 12040)
+    assert "CUDA 13.0" in line and "CUDA 12.4" in line and "\n" not in line
+    assert mismatch(13000, 13020) is None and mismatch(13020, 13000) is None  # minor-version compatibility
+    assert mismatch(12080, 13000) is None and mismatch(None, 12040) is None
+
+
+def test_recorded_outputs_are_zeros_and_a_failing_case_is_reported_not_raised(gpu_checks):
+    compile_only = gpu_checks.compile_only
+    allocators = torch.empty, torch.empty_like, torch.Tensor.new_empty
+    with compile_only.zero_filled_allocations():
+        filled = [torch.empty(64), torch.empty_like(torch.ones(64)), torch.ones(1).new_empty(64)]
+    assert all(bool((t == 0).all()) for t in filled)
+    assert (torch.empty, torch.empty_like, torch.Tensor.new_empty) == allocators  # restored
+
+    def overflows(d):
+        raise OverflowError("spectral_power: the result does not fit in torch.bfloat16")
+
+    case = _fake_case(gpu_checks, "fake overflow", overflows)
+    launches, stopped = compile_only.record_launches([case], "sm90", tiny=True)
+    assert launches == {} and [row["status"] for row in stopped] == ["stopped early"]
+    assert stopped[0]["case"] == "fake overflow" and "OverflowError" in stopped[0]["reason"]
 
 
 def test_muon_case_compares_with_torch_muon_on_a_cpu(gpu_checks):
@@ -166,7 +263,9 @@ def test_compile_only_builds_sm90_kernels_without_a_gpu(tmp_path):
          "syrk X X^T,small path S_2,stochastic rounding", "--json", str(out)],
         capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    rows = json.loads(out.read_text())["compile_only"]
+    report = json.loads(out.read_text())
+    rows = report["compile_only"]
+    assert report["cpu"]["cores"] >= 1 and report["timing"]["total_s"] > 0
     triton = [row for row in rows if row["source"] == "triton"]
     assert {row["kernel"] for row in triton} == {"symmetric_kernel", "small_kernel", "product_kernel"}
     # The stochastic rounding of the decay's write, for both 16-bit weights (the interpreter accepted a
@@ -174,6 +273,9 @@ def test_compile_only_builds_sm90_kernels_without_a_gpu(tmp_path):
     rounded = {row["operands"] for row in triton if row["constexprs"].get("STOCHASTIC")}
     assert rounded == {"*bf16 *fp32 *i16", "*fp16 *fp32 *i16"}
     assert all(row["ok"] and row["shared"] > 0 and row["registers"] > 0 and row["stack"] >= 0 for row in triton)
+    # Read from each variant's SASS: the bf16 Gram lowers to Hopper's warpgroup MMA on sm90.
+    assert all({"HGMMA", "HMMA", "TMA", "LDGSTS"} <= set(row) for row in triton)
+    assert any(row["HGMMA"] > 0 for row in triton if row["kernel"] == "symmetric_kernel" and "*bf16" in row["operands"])
     # The built extension's kernels, read from its sm_90 code; one skipped row where it was not built for sm_90.
     extension = [row for row in rows if row["source"] == "_C"]
     assert [row["status"] for row in extension] == ["skipped"] or all(

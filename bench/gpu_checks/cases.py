@@ -276,18 +276,28 @@ _op_case("decay_ p=2 (tf32)", _decay(2, precision="tf32"), BIG + HEADS, [], dtyp
 CUDA_HEADLINE = {"time/syrk/bf16/4096x16384", "time/syrk/fp32/4096x16384"}
 
 
+# The extension's entry points as the cost model and the router name their primitives (small_chain's
+# cases run one power each, which the model does not price on its own: no model columns).
+CUDA_PRIMITIVES = {"gemm": "product", "syrk": "symmetric", "poly_step": "poly_step", "sign_step": "sign_step",
+                   "decay_epilogue_": "decay_epilogue_"}
+
+
 def _register_cuda_cases() -> None:
     """Each CUDA case checks one kernel or op at one shape and dtype; the timing cases are also timed
     against the torch call they replace. They need a GPU: no tiny interpreter shapes."""
     cuda_cases = bench_module("cuda_cases")
     for spec, timed in [(s, False) for s in cuda_cases.cases()] + [(s, True) for s in cuda_cases.timing_cases()]:
+        op = spec["op"].removeprefix("backend.").split("[")[0]
         register(Case(
             spec["name"], "cuda",
             fn=lambda d, spec=spec: spec["run"](*d["args"]),
             reference=lambda d, spec=spec: spec["reference"](*d["args"]),
+            baseline=lambda d, spec=spec: spec["baseline"](*d["args"]),
             inputs=lambda shape, dtype, device, spec=spec: {"args": spec["make_inputs"](device)},
             shapes=[spec["shape"]], tiny_shapes=[], tolerance={spec["dtype"]: spec["tolerance"]},
             dtypes=(spec["dtype"],), timed=timed, headline=[spec["shape"]] if spec["name"] in CUDA_HEADLINE else [],
+            primitive=CUDA_PRIMITIVES.get(op), op=None if op in CUDA_PRIMITIVES or op == "small_chain" else op,
+            op_options=spec["op_options"],
         ))
 
 

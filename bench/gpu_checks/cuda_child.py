@@ -64,9 +64,10 @@ def _ended(status: int | None) -> str:
 
 
 def run_in_children(tasks, command: Callable[[int, Path, float], list[str]], folder: Path, end: float,
-                    save: Callable[[list[dict]], None]) -> list[dict]:
+                    save: Callable[[list[dict]], None], hang_margin_s: float = HANG_MARGIN_S) -> list[dict]:
     """``tasks`` (the cuda phase, in order) in as many children as it takes, ``command(start, rows_path,
-    seconds_left)`` starting one; ``end``: the budget's end (``time.monotonic()``). Returns every task's row."""
+    seconds_left)`` starting one; ``end``: the budget's end (``time.monotonic()``); a case running
+    ``hang_margin_s`` past its limit is taken as hung. Returns every task's row."""
     rows: list[dict] = []
     children = 0
     while len(rows) < len(tasks):
@@ -89,7 +90,7 @@ def run_in_children(tasks, command: Callable[[int, Path, float], list[str]], fol
                 save(rows + done)
             running_for = time.monotonic() - current_since
             if status is None and current < len(tasks) and (
-                    running_for > tasks[current].timeout_s + HANG_MARGIN_S or time.monotonic() > end):
+                    running_for > tasks[current].timeout_s + hang_margin_s or time.monotonic() > end):
                 killed = running_for
                 child.kill()
                 status = child.wait()
