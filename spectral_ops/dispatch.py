@@ -437,6 +437,11 @@ def backend_for(op: str, W: torch.Tensor) -> str:
     return _select_for(op, "product", W.device, OPERAND_DTYPES[precision], tuple(wide(W).shape), precision).name
 
 
+def measured_routing_applies(device) -> bool:
+    """Whether calls on ``device`` are routed by measurement (a GPU, unless ``SPECTRAL_OPS_AUTOTUNE=0``)."""
+    return _autotuner.applies(torch.device(device))
+
+
 def provider_for(primitive: str, device, dtype: torch.dtype, shape, precision: str | None = None,
                  steps: int = 0) -> str | None:
     """The backend that a call of ``primitive`` on ``dtype`` operands of ``shape`` on ``device`` would run

@@ -357,3 +357,26 @@ def test_the_tune_command_fills_the_cache_and_the_report_shows_it(tuner, clock, 
     # Without a GPU the command refuses, with the reason, rather than filling a CPU cache.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["tune", "--shapes", "64x64"]) == 2
+
+
+def test_tuning_an_optimizer_measures_what_its_compiled_step_will_route(tuner, clock, monkeypatch):
+    """tune(optimizer) runs each group's matrices, stacked as the decay stacks them, at the group's p; a
+    step that cannot time (compiled, captured) then finds those choices measured."""
+    model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.Linear(40, 24), torch.nn.Conv2d(4, 6, 3))
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    optimizer = so.optim.SpectralAdamW([{"params": matrices, "p": 2, "spectral_weight_decay": 0.1,
+                                         "matrix_view": "flatten"}], lr=1e-3)
+    weights = [p.detach().clone() for p in model.parameters()]
+    install(clock, {"cuda": 2.0, "triton": 1.0, "torch": 3.0})
+    tuned = so.tune(optimizer)
+    assert sorted(tuned, key=str) == sorted([((2, 24, 40), torch.float32, 2), ((6, 36), torch.float32, 2)], key=str)
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))  # only random copies ran
+    monkeypatch.setattr(tuner, "can_time", lambda device: False)
+    reads = clock.reads
+    kernels = dispatch.kernels_for("routing", weight())
+    X = weight((2, 24, 40))
+    kernels.symmetric(X, X.mT, "fp32")
+    assert kernels.used == {"triton"} and clock.reads == reads
+    assert so.tune(torch.nn.Linear(3, 3).to(torch.float64), ops=("polar",)) == [((3, 3), torch.float64, 2)]
+    with pytest.raises(ValueError, match="decay, polar, spectral_power"):
+        so.tune(optimizer, ops=("muon",))
