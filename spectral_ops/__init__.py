@@ -18,6 +18,7 @@ from ._version import __version__
 from .coefficients import MUON_QUINTIC, NEWTON_SCHULZ_SIGN, polar_express_coefficients
 from .decay import Band, SpectralStabilityError, spectral_decay, spectral_decay_
 from .dispatch import BackendUnavailableError, backend_for, backend_status, last_backend, use_backend
+from .tuning import tune
 from .ops import (
     band_direction,
     band_projectors,
@@ -57,5 +58,6 @@ __all__ = [
     "spectral_norm_bounds",
     "spectral_power",
     "svt",
+    "tune",
     "use_backend",
 ]

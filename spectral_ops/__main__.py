@@ -16,10 +16,7 @@ import torch
 
 from . import __version__, compat, dispatch, environment, tuning
 from ._extension import load_extension
-from .decay import spectral_decay_
-from .ops import polar, spectral_power
 from .plan import PRECISIONS
-from .progress import progress
 
 
 def _version_of(distribution: str) -> str:
@@ -89,12 +86,6 @@ def routing_report(directory=None) -> str:
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-# What a training step runs: the p = 2 decay (SpectralAdamW's default), Muon's polar factor, S_p.
-TUNE_OPS = {
-    "decay": lambda W, precision: spectral_decay_(W, 2, 1e-3, 0.1, precision=precision),
-    "polar": lambda W, precision: polar(W, precision=precision),
-    "spectral_power": lambda W, precision: spectral_power(W, 2, method="gram", precision=precision),
-}
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -118,12 +109,10 @@ def _names(choices):
 
 
 def tune(shapes, dtypes, ops, precision=None, device="cuda") -> str:
-    """Run ``ops`` once on random weights of each shape and dtype so that every primitive they call
-    is routed by measurement and cached; returns the cache report."""
-    work = [(shape, dtype, op) for shape in shapes for dtype in dtypes for op in ops]
-    for shape, dtype, op in progress(work, desc="tuning", unit="call"):
-        W = torch.randn(shape, dtype=DTYPES[dtype], device=device)
-        TUNE_OPS[op](W, precision)
+    """Run ``ops`` once on random weights of each shape and dtype (a 3-D shape: a stack) so that every
+    primitive they call is routed by measurement and cached; returns the cache report."""
+    tuning.tune([torch.empty(shape, dtype=DTYPES[dtype], device=device) for shape in shapes for dtype in dtypes],
+                ops=ops, precision=precision)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return routing_report()
@@ -138,8 +127,8 @@ def main(argv=None) -> int:
                        help="comma-separated [batch x] rows x cols, e.g. 4096x4096,16384x4096,32x128x768")
     tuner.add_argument("--dtypes", type=_names(DTYPES), default=["bf16", "fp32"],
                        help=f"comma-separated weight dtypes from {', '.join(DTYPES)} (default: bf16,fp32)")
-    tuner.add_argument("--ops", type=_names(TUNE_OPS), default=list(TUNE_OPS),
-                       help=f"comma-separated ops to run from {', '.join(TUNE_OPS)} (default: all)")
+    tuner.add_argument("--ops", type=_names(tuning.TUNE_OPS), default=list(tuning.TUNE_OPS),
+                       help=f"comma-separated ops to run from {', '.join(tuning.TUNE_OPS)} at p = 2 (default: all)")
     tuner.add_argument("--precision", choices=PRECISIONS, default=None,
                        help="matmul precision of the ops (default: each dtype's default, see the README)")
     args = parser.parse_args(argv)

@@ -1,19 +1,25 @@
-"""The single point that decides which backend runs each primitive: the fastest by measurement on a GPU.
+"""The single point that decides which backend runs each primitive: never slower than cuBLAS by construction.
 
 An op call gets a :class:`Kernels` object (:func:`kernels_for`) and hands it to the plan; every
 primitive call the plan makes goes through it, and is routed per call from the operand's device,
 dtype and shape:
 
 * a backend must be available on the device and *able* to run the primitive (its ``supports``);
+* it must be *routable* there: the CUDA extension's products (``symmetric``, ``product``,
+  ``poly_step``, ``sign_step``) issue ``mma.sync``, which cannot reach cuBLAS's wgmma on Hopper, so
+  on sm90 and newer they are never routed to (forcing the backend still runs them);
 * it must have passed its first-use self-check for that primitive and dtype (below);
-* among the backends left, it must be the fastest. On a GPU that is **measured**
-  (:mod:`spectral_ops.tuning`): the first call of each primitive, dtype, precision and shape bucket
-  times every one of them, torch/cuBLAS included, on scratch copies of the operands, and the choice
-  is kept in memory and on disk. Where nothing is measured (``SPECTRAL_OPS_AUTOTUNE=0``, CPU
-  tensors, a new shape bucket met while a CUDA graph is captured or torch.compile traces) the
-  fixed order applies: CUDA, Triton, torch, with the CUDA kernels leaving calls below the sizes
-  where they are expected to pay off (:data:`CUDA_TILED_MIN_SIDE`, :data:`CUDA_CHAIN_MAX_WORK`) to
-  the next one.
+* among the backends left, it must be the fastest **by measurement**. On a GPU
+  (:mod:`spectral_ops.tuning`) the first call of each primitive, dtype, precision and shape bucket
+  times every one of them, torch/cuBLAS included, and the composed chain against every fused one,
+  on scratch copies of the operands; the choice is kept in memory and on disk.
+* Where nothing was measured on this machine (``SPECTRAL_OPS_AUTOTUNE=0``, a new shape bucket met
+  while a CUDA graph is captured or torch.compile traces, CPU tensors), the GPU cost model
+  (:mod:`spectral_ops.gpu_model`) chooses, and it predicts a time only for torch and for the
+  providers that a GPU check has **measured** on this GPU model (its ``MEASURED_EFFICIENCY`` table).
+  A kernel no GPU has timed is never the default: with that table empty, every such call runs on
+  torch (cuBLAS), and a fused chain only where the model, from measurements, predicts it faster
+  than the composed one.
 
 ``SPECTRAL_OPS_BACKEND=cuda|triton|torch`` or :func:`use_backend` force one backend for every
 primitive, whatever the sizes; forcing one that cannot run a call raises
@@ -23,7 +29,10 @@ plan composes the other primitives.
 **Self-checks.** The first time a backend is about to run a primitive for a dtype, it runs the
 inputs of :mod:`spectral_ops.selfcheck` and is compared with the reference. If they disagree (or it
 raises) that primitive is disabled for the backend for the process, with a warning naming both, and
-the call goes to the next backend: a wrong kernel never reaches a user's weights.
+the call goes to the next backend: a wrong kernel never reaches a user's weights. A backend whose
+kernels could fault the device (``self_check_in_child``: the CUDA extension, whose memory faults are
+sticky and would end the caller's process) is checked in a child process, every primitive and dtype
+at once; if the child dies, the backend is disabled with that reason and the caller goes on.
 """
 
 from __future__ import annotations
@@ -43,7 +52,9 @@ from .backends.torch_backend import TorchBackend
 from .backends.triton_backend import TritonBackend
 from .linalg import relative_error, wide
 from .plan import OPERAND_DTYPES, resolve_precision
-from .selfcheck import self_check_cases
+from . import gpu_model, plan, selfcheck
+from .backends.counting import Work
+from .selfcheck import EXACT_PRECISION, self_check_cases
 from .tuning import Autotuner, routing_key
 
 logger = logging.getLogger("spectral_ops")
@@ -66,19 +77,12 @@ TF32_SELF_CHECK_TOLERANCE = 5e-3
 def self_check_tolerance(dtype: torch.dtype, precision: str | None) -> float:
     return TF32_SELF_CHECK_TOLERANCE if precision == "tf32" else SELF_CHECK_TOLERANCE[dtype]
 
-# The CUDA kernels' tiles pay off from this small side up. A 128 x 128-tile symmetric product halves
-# the work of a dense one, but below about 1-2k cuBLAS (behind torch) is faster per tile than these
-# kernels and the saving does not make up for it (SPEC 8: 1.6-2x over cuBLAS from 2048, a loss below 1024).
-CUDA_TILED_MIN_SIDE = 2048
-# The CUDA chain gives each matrix one SM for its whole iteration, ~16 r^2 n fp32 FMAs for 8 Polar
-# Express steps, against ~45 launches of batched products for the composed chain (~0.3-0.5 ms of
-# launch latency before any math). One SM does ~1e11 FMA/s, so up to r^2 n of about 2M (128 x 128,
-# 64 x 512, 32 x 2048) a matrix is done within that latency and the chain wins at any stack size.
-# Beyond it the composed chain's many SMs per matrix win: 96 heads of 128 x 768 (r^2 n = 12.6M) are
-# estimated at ~2 ms on the chain against ~1.5 ms composed on an H100, so they fall through (to
-# Triton's one-program-per-matrix chain, which uses the tensor cores). An estimate from peak rates,
-# not a measurement: bench/cuda_cases.py times both sides.
-CUDA_CHAIN_MAX_WORK = 1 << 21
+# The pseudo-provider of a small chain that no fused kernel runs: the plan composes the other primitives.
+COMPOSED = "composed"
+# The CUDA extension's products issue mma.sync; Hopper's tensor cores reach their rate only through
+# wgmma, which cuBLAS uses: these are never routed to from this compute capability on.
+CUDA_MMA_SYNC_PRODUCTS = ("symmetric", "product", "poly_step", "sign_step")
+CUDA_PRODUCTS_UNROUTED_FROM = (9, 0)
 
 
 class BackendUnavailableError(RuntimeError):
@@ -88,6 +92,8 @@ class BackendUnavailableError(RuntimeError):
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("spectral_ops_backend", default=None)
 _backends: dict[str, object] = {}
 _self_check_passed: dict[tuple, bool] = {}
+_self_check_failure: dict[tuple, str] = {}
+_child_errors: dict[tuple, float] = {}
 _logged_choices: set[tuple] = set()
 _last_choice: dict[str, set[str]] = {}
 _autotuner = Autotuner()
@@ -128,8 +134,9 @@ def get_backend(name: str):
 def register_backend(backend) -> None:
     """Replace the backend called ``backend.name`` (for tests and out-of-tree backends)."""
     _backends[_check_name(backend.name, "backend.name")] = backend
-    for key in [k for k in _self_check_passed if k[0] == backend.name]:
-        del _self_check_passed[key]
+    for table in (_self_check_passed, _self_check_failure, _child_errors):
+        for key in [k for k in table if k[0] == backend.name]:
+            del table[key]
 
 
 def reset() -> None:
@@ -138,6 +145,8 @@ def reset() -> None:
     _autotuner.forget()
     _backends.clear()
     _self_check_passed.clear()
+    _self_check_failure.clear()
+    _child_errors.clear()
     _logged_choices.clear()
     _last_choice.clear()
 
@@ -147,27 +156,29 @@ def backend_status(device: torch.device | None = None) -> list[tuple[str, str | 
     return [(name, get_backend(name).unavailable_reason(device)) for name in BACKEND_NAMES]
 
 
-def _meant_to_run(name: str, primitive: str, shape) -> bool:
-    """The fixed routing: where a backend is expected to beat the ones after it in the order."""
-    if name != "cuda" or primitive == "decay_epilogue_":
-        return True
-    r, n = sorted(shape[-2:])
-    if primitive == "small_chain":
-        return r * r * n <= CUDA_CHAIN_MAX_WORK
-    return r >= CUDA_TILED_MIN_SIDE
+def _unrouted(name: str, primitive: str, device) -> str | None:
+    """Why a backend that can run ``primitive`` is still never routed to there (None: it may be)."""
+    device = torch.device(device)
+    if (name == "cuda" and primitive in CUDA_MMA_SYNC_PRODUCTS and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) >= CUDA_PRODUCTS_UNROUTED_FROM):
+        return (f"the cuda backend's {primitive} (mma.sync) is not routed to on sm90 and newer, where cuBLAS "
+                "runs wgmma; force the backend to run it")
+    return None
 
 
-def _why_not(backend, primitive: str, device, dtype, shape, precision, forced: bool, steps: int,
-             fixed_order: bool = True) -> str | None:
+def _why_not(backend, primitive: str, device, dtype, shape, precision, forced: bool, steps: int) -> str | None:
     reason = backend.unavailable_reason(device, forced)
     if reason is not None:
         return reason
     if not backend.supports(primitive, device, dtype, shape, steps=steps):
         return f"the {backend.name} backend has no {primitive} for {dtype} operands of shape {shape} on {device}"
-    if fixed_order and not forced and not _meant_to_run(backend.name, primitive, shape):
-        return f"the {backend.name} backend's {primitive} is not used at shape {shape}"
+    if not forced:
+        reason = _unrouted(backend.name, primitive, device)
+        if reason is not None:
+            return reason
     if not _passes_self_check(backend, primitive, dtype, precision, device):
-        return f"the {backend.name} backend failed its {primitive} self-check for {dtype} and is disabled"
+        failure = _self_check_failure.get(_self_check_key(backend, primitive, dtype, precision, device), "")
+        return f"the {backend.name} backend failed its {primitive} self-check for {dtype} and is disabled{failure}"
     return None
 
 
@@ -180,8 +191,8 @@ def _select(op: str, primitive: str, operand: torch.Tensor, precision: str | Non
 
 def _select_for(op: str, primitive: str, device, dtype, shape, precision=None, optional: bool = False,
                 steps: int = 0, trial=None):
-    """``trial(backends)``, when given, returns a zero-argument call per backend on scratch copies of the
-    operands, for the autotuner to time."""
+    """``trial(names)``, when given, returns a zero-argument call per backend name (and :data:`COMPOSED`
+    for a small chain) on scratch copies of the operands, for the autotuner to time."""
     forced = forced_backend()
     if forced is not None:
         backend = get_backend(forced)
@@ -194,33 +205,73 @@ def _select_for(op: str, primitive: str, device, dtype, shape, precision=None, o
     if _autotuner.applies(device):
         measured = _measured(primitive, device, dtype, shape, precision, steps, trial)
         if measured is not None:
-            return measured
-    for backend in map(get_backend, BACKEND_NAMES):
-        if _why_not(backend, primitive, device, dtype, shape, precision, False, steps) is None:
-            return backend
+            return None if measured == COMPOSED else get_backend(measured)
+    for name in _modelled_order(primitive, device, dtype, shape, precision, steps):
+        if name == COMPOSED:
+            return None
+        if _why_not(get_backend(name), primitive, device, dtype, shape, precision, False, steps) is None:
+            return get_backend(name)
     if optional:
         return None
     raise BackendUnavailableError(f"no backend can run {primitive} for {op} on {dtype} {device}")
 
 
-def _measured(primitive: str, device, dtype, shape, precision, steps: int, trial):
-    """The fastest eligible backend by measurement (timed now if ``trial`` is given and this kind of
-    call never was), or None to fall back to the fixed order. Eligible: available, capable and past
-    its self-check, whatever the size thresholds say. A remembered ranking is walked fastest first,
-    so that a new process self-checks only the backend it is going to use."""
-    def eligible(backend) -> bool:
-        return _why_not(backend, primitive, device, dtype, shape, precision, False, steps, fixed_order=False) is None
+def _arch_of(device):
+    """The cost model's GPU for ``device`` (None for a CPU, or a GPU the model does not know)."""
+    device = torch.device(device)
+    return gpu_model.arch_for(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
+
+def _modelled_order(primitive: str, device, dtype, shape, precision, steps: int) -> list[str]:
+    """The backends to try, in the cost model's order, where nothing was measured: those with a
+    predicted time (torch, and what a GPU check measured on this GPU model) fastest first, torch
+    last among equals; :data:`COMPOSED` where a small chain is better composed. Without a model of
+    this device, torch alone (CPU tensors: the torch backend is the one that serves them)."""
+    arch = _arch_of(device)
+    if arch is None:
+        return [] if primitive == "small_chain" else ["torch"]
+    precision = precision or EXACT_PRECISION[dtype]
+    able = [name for name in BACKEND_NAMES
+            if get_backend(name).unavailable_reason(device) is None
+            and get_backend(name).supports(primitive, device, dtype, shape, steps=steps)
+            and _unrouted(name, primitive, device) is None]
+    predicted = {}
+    for name in able:
+        work = gpu_model.primitive_work(primitive, shape, dtype, precision, name)
+        predicted[name] = gpu_model.predict_ms(arch, name, work, precision)
+    if primitive == "small_chain":
+        composed = gpu_model.primitive_work(primitive, shape, dtype, precision, "torch")
+        predicted[COMPOSED] = gpu_model.predict_ms(arch, "torch", Work(composed.flops, composed.bytes,
+                                                                       _composed_launches(shape, steps)), precision)
+    ranked = sorted((ms, name != "torch" and name != COMPOSED, name) for name, ms in predicted.items() if ms is not None)
+    return [name for _, _, name in ranked]
+
+
+def _composed_launches(shape, steps: int) -> int:
+    """Launches of the composed chain that a fused one replaces: one per product of its ``steps`` steps."""
+    return gpu_model.op_work("spectral_power", shape, torch.float32, "fp32", "torch", p=0, steps=steps).launches
+
+
+def _measured(primitive: str, device, dtype, shape, precision, steps: int, trial) -> str | None:
+    """The name of the fastest eligible backend (or :data:`COMPOSED`) by measurement (timed now if
+    ``trial`` is given and this kind of call never was), or None where nothing is measured. Eligible:
+    available, capable, routable and past its self-check. A remembered ranking is walked fastest
+    first, so that a new process self-checks only the backend it is going to use."""
+    def eligible(name) -> bool:
+        return name == COMPOSED or _why_not(get_backend(name), primitive, device, dtype, shape, precision, False,
+                                            steps) is None
+
+    names = [*BACKEND_NAMES, COMPOSED] if primitive == "small_chain" else list(BACKEND_NAMES)
     key = routing_key(primitive, dtype, precision, shape, steps)
     for name in _autotuner.ranking(device, key):
-        if name in BACKEND_NAMES and eligible(get_backend(name)):
-            return get_backend(name)
+        if name in names and eligible(name):
+            return name
     if trial is None or not _autotuner.can_time(device):
         return None
-    candidates = [backend for backend in map(get_backend, BACKEND_NAMES) if eligible(backend)]
+    candidates = [name for name in names if eligible(name)]
     if len(candidates) < 2:
         return candidates[0] if candidates else None
-    return get_backend(_autotuner.measure(device, key, trial(candidates)))
+    return _autotuner.measure(device, key, trial(candidates))
 
 
 def _scratch(value, copies: dict):
@@ -237,14 +288,37 @@ def _scratch(value, copies: dict):
     return value
 
 
-def _trial(primitive: str, args: tuple, kwargs: dict):
-    """Calls of ``primitive`` on each backend, all on one scratch copy of the operands: timing never
-    touches the caller's tensors (``decay_epilogue_`` writes its operand)."""
-    def runs(backends):
+def _trial(primitive: str, args: tuple, kwargs: dict, kernels=None):
+    """Calls of ``primitive`` on each named backend, all on one scratch copy of the operands: timing
+    never touches the caller's tensors (``decay_epilogue_`` writes its operand). :data:`COMPOSED` runs
+    the plan's composition of a small chain on ``kernels``, as a call without a fused chain would."""
+    def runs(names):
         scratch_args, scratch_kwargs = _scratch((args, kwargs), {})
-        return {backend.name: functools.partial(getattr(backend, primitive), *scratch_args, **scratch_kwargs)
-                for backend in backends}
+        return {name: functools.partial(_composed_chain, kernels, *scratch_args, **scratch_kwargs) if name == COMPOSED
+                else functools.partial(getattr(get_backend(name), primitive), *scratch_args, **scratch_kwargs)
+                for name in names}
     return runs
+
+
+class _WithoutChain:
+    """A :class:`Kernels` whose small chain always composes: what the plan runs when none is fused."""
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def __getattr__(self, primitive: str):
+        return getattr(self.kernels, primitive)
+
+    def small_chain(self, X, p, coefficients, precision, sign=False):
+        return None
+
+
+def _composed_chain(kernels, X, p, coefficients, precision, sign=False):
+    """The plan's composed form of a small chain on ``X`` (its ``sign`` iteration, or ``S_p``)."""
+    composing = _WithoutChain(kernels)
+    if sign:
+        return plan.matrix_sign(composing, X, coefficients, precision)
+    return plan.spectral_power(composing, X, p, coefficients, precision, sync=False, method="gram")
 
 
 @constant_when_traced
@@ -281,7 +355,7 @@ class Kernels:
         key = (primitive, operand.dtype, operand.shape, precision, steps)  # operands all share W's device
         if key not in self._choices:
             self._choices[key] = _select(self.op, primitive, operand, precision, optional=optional, steps=steps,
-                                         trial=_trial(primitive, *call))
+                                         trial=_trial(primitive, *call, kernels=self))
             if self._choices[key] is not None:
                 self._record(self._choices[key].name)
         return self._choices[key]
@@ -363,6 +437,11 @@ def backend_for(op: str, W: torch.Tensor) -> str:
     return _select_for(op, "product", W.device, OPERAND_DTYPES[precision], tuple(wide(W).shape), precision).name
 
 
+def measured_routing_applies(device) -> bool:
+    """Whether calls on ``device`` are routed by measurement (a GPU, unless ``SPECTRAL_OPS_AUTOTUNE=0``)."""
+    return _autotuner.applies(torch.device(device))
+
+
 def provider_for(primitive: str, device, dtype: torch.dtype, shape, precision: str | None = None,
                  steps: int = 0) -> str | None:
     """The backend that a call of ``primitive`` on ``dtype`` operands of ``shape`` on ``device`` would run
@@ -381,23 +460,50 @@ def last_backend(op: str) -> str | None:
     return "+".join(name for name in BACKEND_NAMES if name in used)
 
 
+def _self_check_key(backend, primitive: str, dtype: torch.dtype, precision, device) -> tuple:
+    """A self-check's key: ``precision`` None is the dtype's own, as the check runs it."""
+    return backend.name, primitive, dtype, precision or EXACT_PRECISION[dtype], torch.device(device).type
+
+
 def _passes_self_check(backend, primitive: str, dtype: torch.dtype, precision, device: torch.device) -> bool:
     if not backend.needs_self_check:
         return True
-    key = (backend.name, primitive, dtype, precision, device.type)
+    key = _self_check_key(backend, primitive, dtype, precision, device)
     if key not in _self_check_passed:
-        error = self_check_error(backend, primitive, dtype, device, precision)
+        if getattr(backend, "self_check_in_child", False):
+            error = _child_self_check_error(backend, key, device)
+        else:
+            error = self_check_error(backend, primitive, dtype, device, precision)
         tolerance = self_check_tolerance(dtype, precision)
         _self_check_passed[key] = error <= tolerance
         if not _self_check_passed[key]:
+            failure = _self_check_failure.get(key)
+            if failure is None:
+                failure = f"relative error {error:.3g} > {tolerance:.1g}"
+                _self_check_failure[key] = f" ({failure})"
             warnings.warn(
                 f"spectral_ops: the {backend.name} backend's {primitive} disagrees with the reference for "
-                f"{dtype} (relative error {error:.3g} > {tolerance:.1g}); it is disabled for this process "
-                "and the next backend is used instead",
+                f"{dtype} ({failure.strip(' ()')}); it is disabled for this process and the next backend is "
+                "used instead",
                 RuntimeWarning,
                 stacklevel=6,
             )
     return _self_check_passed[key]
+
+
+def _child_self_check_error(backend, key: tuple, device) -> float:
+    """``key``'s self-check error, from a child process that checks every primitive and dtype of
+    ``backend`` at once, the first time any is needed. A child that dies (a sticky device fault, a
+    crash) or hangs fails every check it was given, with its reason kept for the messages."""
+    if key not in _child_errors:
+        checks = {*selfcheck.all_checks(), key[1:4]}
+        errors, reason = selfcheck.errors_in_child(backend, device, sorted(checks, key=str))
+        for check in checks:
+            child_key = (backend.name, *check, key[4])
+            _child_errors[child_key] = errors.get(check, float("inf"))
+            if reason is not None:
+                _self_check_failure[child_key] = f" ({reason})"
+    return _child_errors[key]
 
 
 def self_check_error(backend, primitive: str, dtype: torch.dtype, device, precision: str | None = None) -> float:

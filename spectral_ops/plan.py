@@ -1471,12 +1471,20 @@ def routed(kernels, W: torch.Tensor, p: int, precision: str | None, method: str,
 
 
 @constant_when_traced  # read off the plan on meta tensors, not traced (nor its cache, which Dynamo would skip)
-def cost(op: str, shape: tuple, *, p=0, precision: str = "fp32", iteration: str = "rectangle",
+def cost(op: str, shape: tuple, **options) -> float:
+    """The matrix FLOPs of one call of ``op`` (one of :data:`OPS`) on a float32 tensor of ``shape``
+    (a batch counts each matrix): :func:`work`'s FLOPs, with the same options."""
+    return work(op, shape, **options).flops
+
+
+@constant_when_traced
+def work(op: str, shape: tuple, *, p=0, precision: str = "fp32", iteration: str = "rectangle",
          steps: int | None = 8, sign_steps: int | None = 8, band_mode: str | None = None, p_bot: int = 1,
          guard: bool = False, symmetric_at_half: bool = False, eps: float | None = None,
-         threshold: float | None = None) -> float:
-    """The matrix FLOPs of one call of ``op`` (one of :data:`OPS`) on a float32 tensor of ``shape``
-    (a batch counts each matrix), read off the plan: it runs on meta tensors with
+         threshold: float | None = None, dtype: torch.dtype = torch.float32):
+    """The :class:`~spectral_ops.backends.counting.Work` of one call of ``op`` (one of :data:`OPS`) on a
+    ``dtype`` tensor of ``shape`` (a batch counts each matrix): its matrix FLOPs, its primitives' bytes
+    and launches, read off the plan: it runs on meta tensors with
     :class:`~spectral_ops.backends.counting.CountingBackend`, which counts each primitive.
 
     At full cost this is what ``FlopCounterMode`` counts of the torch backend; ``symmetric_at_half``
@@ -1496,16 +1504,16 @@ def cost(op: str, shape: tuple, *, p=0, precision: str = "fp32", iteration: str 
     # A power_update without eps takes its default floor, as the op does.
     p = check_power(p, eps=UPDATE_FLOOR if op == "power_update" and eps is None else eps, decay=op == "decay_")
     return _counted(op, tuple(shape), p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard,
-                    symmetric_at_half, eps, threshold)
+                    symmetric_at_half, eps, threshold, dtype)
 
 
 @functools.lru_cache(maxsize=4096)
 def _counted(op, shape, p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard, symmetric_at_half, eps,
-             threshold):
+             threshold, dtype):
     from .backends.counting import CountingBackend
 
     kernels = CountingBackend(symmetric_at_half)
-    W = torch.empty(shape, device="meta")
+    W = torch.empty(shape, dtype=dtype, device="meta")
     polar_coefficients, sign_coefficients = (None if count is None else ((1.0, 0.0, 0.0),) * count
                                              for count in (steps, sign_steps))
     band = Band(1.0, band_mode, p_bot) if band_mode else None
@@ -1533,7 +1541,7 @@ def _counted(op, shape, p, precision, iteration, steps, sign_steps, band_mode, p
             capturable=guard or threshold is None, method="gram", threshold_ratio=threshold)),
     }
     calls[op]()
-    return kernels.flops
+    return kernels.work
 
 
 # ----- the decay: the guard, the direction and the write, for one stack of same-shape matrices

@@ -8,12 +8,24 @@ chain, which torch does not have: it is compared with the FP64 SVD and eigendeco
 
 from __future__ import annotations
 
+import importlib
+import json
+import signal
+import subprocess
+import sys
+
 import torch
 
+from .backends.base import PRIMITIVES
 from .backends.torch_backend import TorchBackend
 from .coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients
 from .linalg import compute_dtype, matrix_with_spectrum, normalized_wide, wide
 from .reference import msign_eigh, spectral_power_svd
+
+# A child process checking a backend gets this long; one that runs longer is taken as hung.
+CHILD_TIMEOUT_S = 300.0
+# The dtypes and precisions a GPU backend's kernels are called with (fp32 operands also as one TF32 pass).
+KERNEL_CHECKS = ((torch.float32, "fp32"), (torch.float32, "tf32"), (torch.bfloat16, "bf16"), (torch.float16, "fp16"))
 
 # Singular values sit in two clusters around TAU, so the sign iterations converge well inside the
 # default number of steps and the checks compare converged outputs.
@@ -93,3 +105,56 @@ def self_check_cases(primitive: str, dtype: torch.dtype, device, precision: str 
 
         return [against_reference(run)]
     raise ValueError(f"no self-check for primitive {primitive!r}")
+
+
+# ----- checking in a child process: a kernel that faults the device ends the child, not the caller
+
+
+def all_checks() -> list[tuple[str, torch.dtype, str]]:
+    """``(primitive, dtype, precision)`` of every check a GPU backend's kernels can be asked for."""
+    return [(primitive, dtype, precision) for primitive in PRIMITIVES for dtype, precision in KERNEL_CHECKS]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def errors_in_child(backend, device, checks) -> tuple[dict[tuple, float], str | None]:
+    """The self-check errors of ``backend`` (rebuilt in the child from its class, which must take no
+    arguments) for ``checks`` (``(primitive, dtype, precision)``), computed in a child process:
+    ``(errors, None)``, or ``({}, reason)`` if the child died or hung. The child gets this process's
+    ``sys.path``, so a backend defined anywhere importable here is importable there."""
+    backend_class = type(backend)
+    request = {"backend": f"{backend_class.__module__}:{backend_class.__qualname__}", "device": str(device),
+               "sys_path": sys.path, "checks": [[p, _dtype_name(d), precision] for p, d, precision in checks]}
+    command = [sys.executable, "-m", "spectral_ops.selfcheck"]
+    try:
+        done = subprocess.run(command, input=json.dumps(request), capture_output=True, text=True,
+                              timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {}, f"its self-check child process did not finish in {CHILD_TIMEOUT_S:.0f} s"
+    if done.returncode != 0:
+        how = (f"killed by {signal.Signals(-done.returncode).name}" if done.returncode < 0
+               else f"exit status {done.returncode}")
+        last = done.stderr.strip().splitlines()[-1:] or ["no message"]
+        return {}, f"its self-check child process died ({how}: {last[0][:200]})"
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    return {(p, getattr(torch, d), precision): error for p, d, precision, error in answers}, None
+
+
+def _child_main() -> None:
+    """The child: read the request on stdin, print ``[primitive, dtype, precision, error]`` rows as JSON."""
+    from .dispatch import self_check_error  # the parent's dispatch imports this module
+
+    request = json.loads(sys.stdin.read())
+    sys.path[:] = request["sys_path"]
+    module, name = request["backend"].split(":")
+    backend = getattr(importlib.import_module(module), name)()
+    device = torch.device(request["device"])
+    rows = [[p, d, precision, self_check_error(backend, p, getattr(torch, d), device, precision)]
+            for p, d, precision in request["checks"]]
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    _child_main()

@@ -248,3 +248,71 @@ class Autotuner:
             run()
         self.synchronize(device)
         return (self.clock() - start) / count
+
+
+# ----- tuning ahead of time: the calls a training step will make, measured before it is compiled or captured
+
+
+TUNE_OPS = ("decay", "polar", "spectral_power")
+
+
+def _tune_calls() -> dict:
+    """What each of :data:`TUNE_OPS` runs on a weight: the decay and ``S_p`` at the group's ``p``, Muon's
+    polar factor."""
+    from .decay import spectral_decay_
+    from .ops import polar, spectral_power
+
+    return {"decay": lambda W, p, precision: spectral_decay_(W, p, 1e-3, 0.1, precision=precision),
+            "polar": lambda W, p, precision: polar(W, precision=precision),
+            "spectral_power": lambda W, p, precision: spectral_power(W, p, method="gram", precision=precision)}
+
+
+def tune(target, *, ops=("decay", "polar"), precision: str | None = None) -> list[tuple]:
+    """Measure now the routing of the calls that a training step over ``target``'s matrices makes, so
+    that a compiled or CUDA-graph-captured step, which never times, finds every choice measured.
+
+    ``target``: an optimizer (each param group's matrices, read by its ``matrix_view``, same shapes
+    stacked as the decay stacks them, at the group's ``p``), a module (its parameters, conv filters
+    flattened), or tensors. ``ops``: from :data:`TUNE_OPS`. Each call runs once on random weights of
+    the same shape, dtype and device: the target's weights are never touched. Returns the
+    ``(shape, dtype, p)`` stacks it ran; none where routing is not measured (CPU tensors, or
+    ``SPECTRAL_OPS_AUTOTUNE=0``).
+    """
+    from .dispatch import measured_routing_applies
+    from .matrix_views import matrix_dims, unambiguous_view
+    from .progress import progress
+
+    unknown = set(ops) - set(TUNE_OPS)
+    if unknown:
+        raise ValueError(f"tune(ops=...) takes {', '.join(TUNE_OPS)}; got {sorted(unknown)}")
+    stacks: dict[tuple, int] = {}
+    for group in _groups_of(target):
+        for param in group["params"]:
+            if param.ndim < 2 or not measured_routing_applies(param.device):
+                continue
+            view = group.get("matrix_view") or unambiguous_view(param.shape) or "batch"
+            rows, cols = matrix_dims(param.shape, view)
+            key = ((rows, cols), param.dtype, param.device, group.get("p", 2))
+            stacks[key] = stacks.get(key, 0) + param.numel() // (rows * cols)
+    calls = _tune_calls()
+    tuned = []
+    for ((rows, cols), dtype, device, p), count in progress(list(stacks.items()), desc="tuning", unit="stack"):
+        W = torch.randn((count, rows, cols) if count > 1 else (rows, cols), dtype=dtype, device=device)
+        for op in ops:
+            calls[op](W, p, precision)
+        tuned.append((tuple(W.shape), dtype, p))
+    return tuned
+
+
+def _groups_of(target) -> list[dict]:
+    """``target``'s parameters as param groups (a module's with each parameter's own ``matrix_view``)."""
+    if isinstance(target, torch.optim.Optimizer):
+        return target.param_groups
+    if isinstance(target, torch.nn.Module):
+        from .optim.groups import matrix_view_of
+
+        seen: set[int] = set()
+        return [{"params": [param], "matrix_view": matrix_view_of(module, param)}
+                for module in target.modules() for param in module.parameters(recurse=False)
+                if id(param) not in seen and not seen.add(id(param))]
+    return [{"params": list(target)}]

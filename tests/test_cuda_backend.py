@@ -1,6 +1,6 @@
 """The CUDA backend on a machine without a GPU: it reports itself unavailable with the reason, dispatch
-falls through, ``supports`` states what the kernels can run, and dispatch routes them only the shapes
-where they are meant to win (spectral_ops/dispatch.py).
+falls through, and ``supports`` states what the kernels can run (where dispatch routes them:
+tests/test_dispatch.py and tests/test_tuning.py).
 
 The kernels themselves run in tests/test_cuda_emulation.py.
 """
@@ -13,7 +13,6 @@ from spectral_ops import _extension, dispatch
 from spectral_ops.backends import cuda_backend
 from spectral_ops.backends.base import PRIMITIVES
 from spectral_ops.backends.cuda_backend import CudaBackend
-from spectral_ops.dispatch import CUDA_TILED_MIN_SIDE
 
 ext, reason = _extension.load_extension()
 needs_extension = pytest.mark.skipif(ext is None, reason=f"spectral_ops._C is unavailable: {reason}")
@@ -52,26 +51,6 @@ def test_a_bad_precision_setting_is_an_error(monkeypatch):
         CudaBackend()
     monkeypatch.setenv("SPECTRAL_OPS_CUDA_PRECISION", "IEEE")
     assert CudaBackend().precision == "ieee"
-
-
-@pytest.mark.parametrize(
-    "primitive, shape, meant",
-    [
-        ("small_chain", (8, 64, 256), True),  # heads with little work each: the whole chain in one block
-        ("small_chain", (64, 32, 1024), True),
-        ("small_chain", (12, 128, 128), True),  # r^2 n = 2^21, the largest the chain takes
-        ("small_chain", (96, 128, 768), False),  # too much work per block: falls through
-        ("product", (1024, 1024), False),  # between the two paths
-        ("symmetric", (1024, 4096), False),
-        ("product", (2 * CUDA_TILED_MIN_SIDE, CUDA_TILED_MIN_SIDE), True),
-        ("symmetric", (CUDA_TILED_MIN_SIDE, 3 * CUDA_TILED_MIN_SIDE), True),
-        ("sign_step", (CUDA_TILED_MIN_SIDE, CUDA_TILED_MIN_SIDE), True),
-        ("poly_step", (8, 64, 64), False),
-        ("decay_epilogue_", (8, 64, 256), True),  # elementwise: one fused pass at any size
-    ],
-)
-def test_dispatch_routes_the_cuda_kernels_by_shape(primitive, shape, meant):
-    assert dispatch._meant_to_run("cuda", primitive, shape) == meant
 
 
 @needs_extension

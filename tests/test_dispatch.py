@@ -2,6 +2,8 @@
 
 import ast
 import logging
+import os
+import signal
 import warnings
 from pathlib import Path
 
@@ -9,15 +11,14 @@ import pytest
 import torch
 
 import spectral_ops as so
-from spectral_ops import dispatch
+from spectral_ops import dispatch, gpu_model
 from spectral_ops.backends.base import PRIMITIVES
 from spectral_ops.backends.torch_backend import TorchBackend
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 
 
 class ToyBackend(TorchBackend):
-    """A backend that claims CPU tensors and needs a self-check, like a GPU backend would (named triton:
-    the CUDA backend is routed only large matrices).
+    """A backend that claims CPU tensors and needs a self-check, like a GPU backend would (named triton).
 
     Its primitives are the torch ones, plus (with ``chain``) a small chain composed from them;
     ``corrupt`` names one primitive whose results it scales by 1.5, the way a wrong kernel would.
@@ -67,6 +68,13 @@ class ToyBackend(TorchBackend):
         return W
 
 
+@pytest.fixture
+def toy_measured_faster(modelled_gpu, monkeypatch):
+    """...on which a GPU check measured the toy (named triton) at a higher efficiency than cuBLAS's: the
+    model then predicts it faster for every primitive (a fused chain: one launch instead of dozens)."""
+    monkeypatch.setitem(gpu_model.MEASURED_EFFICIENCY, (modelled_gpu.name, "triton"), 0.9)
+
+
 def sample(dtype=torch.float32):
     return matrix_with_spectrum((20, 12), log_spaced_spectrum(12, 10), dtype, seed=1)
 
@@ -92,7 +100,7 @@ def test_default_on_cpu_is_torch_and_is_recorded():
     assert so.last_backend("polar") == "torch"
 
 
-def test_a_correct_gpu_backend_is_preferred_after_its_self_check():
+def test_a_correct_gpu_backend_is_preferred_after_its_self_check(toy_measured_faster):
     toy = ToyBackend()
     dispatch.register_backend(toy)
     W = sample()
@@ -103,7 +111,7 @@ def test_a_correct_gpu_backend_is_preferred_after_its_self_check():
 
 
 @pytest.mark.parametrize("corrupt", PRIMITIVES)
-def test_the_self_check_refuses_exactly_the_corrupted_primitive(corrupt):
+def test_the_self_check_refuses_exactly_the_corrupted_primitive(corrupt, toy_measured_faster):
     # Without a chain the plan composes every other primitive, so each of them is exercised.
     toy = ToyBackend(corrupt=corrupt, chain=corrupt in ("small_chain", "decay_epilogue_"))
     dispatch.register_backend(toy)
@@ -124,7 +132,7 @@ def test_the_self_check_refuses_exactly_the_corrupted_primitive(corrupt):
         assert relative_error(result, ORACLES[op](W)) < 5e-5, op
 
 
-def test_a_disabled_primitive_leaves_the_op_to_the_next_backend():
+def test_a_disabled_primitive_leaves_the_op_to_the_next_backend(toy_measured_faster):
     dispatch.register_backend(ToyBackend(corrupt="decay_epilogue_"))
     W = sample()
     with pytest.warns(RuntimeWarning, match="decay_epilogue_ disagrees"):
@@ -132,7 +140,7 @@ def test_a_disabled_primitive_leaves_the_op_to_the_next_backend():
     assert so.last_backend("decay_") == "triton+torch"  # the chain on the toy, the write on torch
 
 
-def test_a_crashing_backend_fails_its_self_check():
+def test_a_crashing_backend_fails_its_self_check(toy_measured_faster):
     class Crashing(ToyBackend):
         def poly_step(self, *args):
             raise RuntimeError("illegal memory access")
@@ -227,3 +235,61 @@ def test_no_backend_imports_dispatch():
             else:
                 continue
             assert not any(name.split(".")[-1] == "dispatch" for name in names), f"{module.name} imports dispatch"
+
+
+class CheckedInChild(ToyBackend):
+    """The toy as a backend whose kernels could fault the device: its self-check runs in a child
+    process (which rebuilds it from this module, found through the parent's sys.path)."""
+
+    self_check_in_child = True
+
+
+class FaultingInChild(CheckedInChild):
+    """Its product ends the process that runs it, as a sticky CUDA memory fault does."""
+
+    def product(self, M, Z, precision=None, **epilogue):
+        os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_a_backend_checked_in_a_child_process_is_chosen_when_the_child_passes_it(toy_measured_faster):
+    dispatch.register_backend(CheckedInChild())
+    W = sample()
+    result = so.spectral_power(W, 2, method="gram")
+    assert so.last_backend("spectral_power") == "triton"
+    assert relative_error(result, so.reference.spectral_power_svd(W, 2)) < 5e-5
+
+
+def test_a_fault_in_the_self_check_child_disables_the_backend_and_the_caller_goes_on(toy_measured_faster):
+    dispatch.register_backend(FaultingInChild())
+    W = sample()
+    with pytest.warns(RuntimeWarning, match=r"child process died \(killed by SIGSEGV") as warned:
+        result = so.spectral_power(W, 2, method="gram")
+    # One child checked everything: every primitive of the backend is disabled, each with the reason.
+    assert len({str(w.message) for w in warned}) == len(warned)
+    assert so.last_backend("spectral_power") == "torch"
+    assert relative_error(result, so.reference.spectral_power_svd(W, 2)) < 5e-5
+    with so.use_backend("triton"), pytest.raises(so.BackendUnavailableError, match="killed by SIGSEGV"):
+        so.spectral_power(W, 2, method="gram")
+
+
+def test_the_cuda_products_are_never_routed_to_on_hopper(monkeypatch):
+    """mma.sync cannot reach Hopper's rate: from sm90 on only the chain and the epilogue may be measured."""
+    gpu = torch.device("cuda")
+    for capability, routed in (((8, 0), True), ((9, 0), False), ((10, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        for primitive in PRIMITIVES:
+            unrouted = dispatch._unrouted("cuda", primitive, gpu)
+            expected = routed or primitive not in dispatch.CUDA_MMA_SYNC_PRODUCTS
+            assert (unrouted is None) == expected, (capability, primitive)
+            assert dispatch._unrouted("triton", primitive, gpu) is None
+
+
+def test_the_model_routes_to_a_measured_kernel_only_where_it_predicts_it_faster(modelled_gpu, monkeypatch):
+    dispatch.register_backend(ToyBackend(chain=False))
+    shape = (256, 1024)
+    monkeypatch.setitem(gpu_model.MEASURED_EFFICIENCY, (modelled_gpu.name, "triton"), 0.05)
+    assert dispatch.provider_for("product", "cpu", torch.float32, shape, "fp32") == "torch"  # measured slow
+    monkeypatch.setitem(gpu_model.MEASURED_EFFICIENCY, (modelled_gpu.name, "triton"), 0.9)
+    assert dispatch.provider_for("product", "cpu", torch.float32, shape, "fp32") == "triton"
+    monkeypatch.delitem(gpu_model.MEASURED_EFFICIENCY, (modelled_gpu.name, "triton"))
+    assert dispatch.provider_for("product", "cpu", torch.float32, shape, "fp32") == "torch"  # never measured

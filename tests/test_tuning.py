@@ -71,6 +71,13 @@ class TimedBackend(TorchBackend):
         self._tick("decay_epilogue_", W, D)
         return super().decay_epilogue_(W, D, keep, step, noise=noise)
 
+    def small_chain(self, X, p, coefficients, precision=None, sign=False):
+        """A fused chain costing one call: the plan's composition on the torch primitives."""
+        self._tick("small_chain", X)
+        reference = dispatch.PinnedKernels(TorchBackend())
+        return (so.plan.matrix_sign(reference, X.float(), coefficients, "fp32") if sign
+                else so.plan.spectral_power(reference, X.float(), p, coefficients, "fp32"))
+
 
 class TimedReference(TimedBackend):
     needs_self_check = False
@@ -169,13 +176,66 @@ def test_another_gpu_or_build_is_measured_afresh(tuner, clock, tmp_path, monkeyp
     assert len(tuning.cached_files(tmp_path)) == 2
 
 
-def test_autotune_off_uses_the_fixed_order(tuner, clock, tmp_path, monkeypatch):
-    monkeypatch.setenv(environment.AUTOTUNE, "0")
-    install(clock, {"cuda": 1.0, "triton": 3.0, "torch": 2.0})
-    so.spectral_power(weight(), 2, method="gram")
-    # The fixed order leaves products this small to Triton, however slow it is.
-    assert so.last_backend("spectral_power") == "triton"
-    assert tuning.cached_files(tmp_path) == []
+def primitive_call(kernels, primitive):
+    """One call of ``primitive`` on ``kernels`` with operands as the plan passes them (a wide stack)."""
+    X = weight((3, 24, 40)) / 10
+    G = X @ X.mT
+    calls = {
+        "symmetric": lambda: kernels.symmetric(X, X.mT, "fp32"),
+        "product": lambda: kernels.product(G, X, "fp32"),
+        "poly_step": lambda: kernels.poly_step(G, 1.0, -0.5, "fp32"),
+        "sign_step": lambda: kernels.sign_step(G / 10, (1.5, -0.5, 0.0), "fp32"),
+        "small_chain": lambda: kernels.small_chain(X, 2, COEFFICIENTS, "fp32"),
+        "decay_epilogue_": lambda: kernels.decay_epilogue_(X, G @ X, 0.9, 0.1),
+    }
+    return calls[primitive]()
+
+
+COEFFICIENTS = so.coefficients.polar_express_coefficients()
+# The ways a call meets the router with nothing measured for it, as on a GPU.
+UNMEASURED_PATHS = {
+    "compiled cold": lambda tuner, monkeypatch: monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True),
+    "capture": lambda tuner, monkeypatch: monkeypatch.setattr(tuner, "can_time", lambda device: False),
+    "autotune off": lambda tuner, monkeypatch: monkeypatch.setenv(environment.AUTOTUNE, "0"),
+}
+
+
+@pytest.mark.parametrize("primitive", PRIMITIVES_TIMED)
+@pytest.mark.parametrize("path", ["eager cold", *UNMEASURED_PATHS])
+def test_a_hand_written_kernel_runs_only_after_a_measurement(tuner, clock, modelled_gpu, monkeypatch, path,
+                                                              primitive):
+    """Per path, where a GPU would run each primitive (the epilogue and the fused chain included): the
+    kernels here are faster in truth, but only a cold eager call, which times them, may choose them;
+    every other path finds nothing measured and runs torch (a small chain: the composed one)."""
+    backends = install(clock, {"cuda": 1.0, "triton": 2.0, "torch": 3.0}, cuda={"chain": True},
+                       triton={"chain": True})
+    if path != "eager cold":
+        UNMEASURED_PATHS[path](tuner, monkeypatch)
+    kernels = dispatch.kernels_for("routing", weight())
+    result = primitive_call(kernels, primitive)
+    if path == "eager cold":
+        assert kernels.used == {"cuda"} and tuning.cached_files(tuner.directory)
+        return
+    # Nothing was timed, and no kernel ran: not even a self-check of one that could not be chosen.
+    assert tuning.cached_files(tuner.directory) == []
+    ran = {name for name, backend in backends.items() if backend.seen}
+    if primitive == "small_chain":
+        assert result is None and ran == set()  # no fused chain: the plan composes it from the others
+    else:
+        assert ran == {"torch"}
+
+
+def test_the_composed_chain_is_timed_against_the_fused_ones(tuner, clock, tmp_path):
+    """A fused chain costs one call here; the composed chain dozens of the others' calls: with a slow
+    chain the composed one wins the measurement, and the plan composes."""
+    install(clock, {"cuda": 1e-3, "triton": 1e-3, "torch": 1e-3}, cuda={"chain": True})
+    backends = dispatch._backends
+    backends["cuda"].cost = 1.0  # the chain's backend is slow at everything, its chain included
+    kernels = dispatch.kernels_for("routing", weight())
+    assert primitive_call(kernels, "small_chain") is None
+    [saved] = tuning.cached_files(tmp_path)
+    [chain] = [entry for key, entry in saved["choices"].items() if key.startswith("small_chain")]
+    assert chain["choice"] == "composed" and set(chain["ms"]) == {"cuda", "composed"}
 
 
 def test_a_forced_backend_is_not_second_guessed(tuner, clock, tmp_path):
@@ -297,3 +357,26 @@ def test_the_tune_command_fills_the_cache_and_the_report_shows_it(tuner, clock, 
     # Without a GPU the command refuses, with the reason, rather than filling a CPU cache.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["tune", "--shapes", "64x64"]) == 2
+
+
+def test_tuning_an_optimizer_measures_what_its_compiled_step_will_route(tuner, clock, monkeypatch):
+    """tune(optimizer) runs each group's matrices, stacked as the decay stacks them, at the group's p; a
+    step that cannot time (compiled, captured) then finds those choices measured."""
+    model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.Linear(40, 24), torch.nn.Conv2d(4, 6, 3))
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    optimizer = so.optim.SpectralAdamW([{"params": matrices, "p": 2, "spectral_weight_decay": 0.1,
+                                         "matrix_view": "flatten"}], lr=1e-3)
+    weights = [p.detach().clone() for p in model.parameters()]
+    install(clock, {"cuda": 2.0, "triton": 1.0, "torch": 3.0})
+    tuned = so.tune(optimizer)
+    assert sorted(tuned, key=str) == sorted([((2, 24, 40), torch.float32, 2), ((6, 36), torch.float32, 2)], key=str)
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))  # only random copies ran
+    monkeypatch.setattr(tuner, "can_time", lambda device: False)
+    reads = clock.reads
+    kernels = dispatch.kernels_for("routing", weight())
+    X = weight((2, 24, 40))
+    kernels.symmetric(X, X.mT, "fp32")
+    assert kernels.used == {"triton"} and clock.reads == reads
+    assert so.tune(torch.nn.Linear(3, 3).to(torch.float64), ops=("polar",)) == [((3, 3), torch.float64, 2)]
+    with pytest.raises(ValueError, match="decay, polar, spectral_power"):
+        so.tune(optimizer, ops=("muon",))

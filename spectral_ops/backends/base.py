@@ -2,7 +2,9 @@
 
 A backend provides primitives, never an algorithm. It is an object with
 
-* ``name`` and ``needs_self_check`` (True for anything but the reference);
+* ``name`` and ``needs_self_check`` (True for anything but the reference); optionally
+  ``self_check_in_child`` (True where a faulty kernel could poison the device context: dispatch then
+  runs the first-use self-check in a child process, and the class must be constructible without arguments);
 * ``unavailable_reason(device, forced=False)``: None when it can run on ``device`` at all, else why not.
   ``forced`` says the user forced this backend (the Triton interpreter serves CPU tensors only then);
 * ``supports(primitive, device, dtype, shape, steps=0)``: whether it can run ``primitive`` correctly on

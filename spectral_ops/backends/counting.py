@@ -5,30 +5,64 @@ adding each product's matrix FLOPs as it goes, so :func:`spectral_ops.plan.cost`
 a call runs and the cost can never drift from the algorithm. ``symmetric_at_half`` counts the products
 known to be symmetric (the Gram, ``A A``, the sign steps) at half, as the GPU kernels compute one
 triangle of them; at full cost the count is what ``torch.utils.flop_counter.FlopCounterMode`` sees of
-the torch backend. It has no fused chain (the plan composes), and the epilogue is element-wise (free).
+the torch backend. It has no fused chain (the plan composes).
+
+Besides the FLOPs it counts each primitive's memory traffic (every operand read once, the result
+written once, in the operands' dtype) and its products, one kernel launch each: what
+:mod:`spectral_ops.gpu_model` needs to predict a time. The epilogue costs no matrix FLOPs, only its
+traffic. Element-wise work between primitives is not counted.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a call costs: matrix FLOPs, bytes moved to and from memory, and kernel launches."""
+
+    flops: float = 0.0
+    bytes: float = 0.0
+    launches: int = 0
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.flops + other.flops, self.bytes + other.bytes, self.launches + other.launches)
+
+    def __mul__(self, count: float) -> "Work":
+        return Work(self.flops * count, self.bytes * count, int(self.launches * count))
 
 
 class CountingBackend:
     def __init__(self, symmetric_at_half: bool = False):
         self.symmetric_share = 0.5 if symmetric_at_half else 1.0
         self.flops = 0.0
+        self.bytes = 0.0
+        self.launches = 0
+
+    @property
+    def work(self) -> Work:
+        return Work(self.flops, self.bytes, self.launches)
 
     def _count(self, L: torch.Tensor, R: torch.Tensor, share: float = 1.0) -> torch.Tensor:
-        """``L @ R``'s shape, after adding its ``2 m k n`` FLOPs per matrix (times ``share``)."""
+        """``L @ R``'s shape, after adding its ``2 m k n`` FLOPs per matrix (times ``share``), its
+        operands' and result's bytes and one launch."""
         *batch, m, k = L.shape
         n = R.shape[-1]
-        self.flops += share * 2.0 * m * k * n * torch.Size(batch).numel()
+        matrices = torch.Size(batch).numel()
+        self.flops += share * 2.0 * m * k * n * matrices
+        self.bytes += L.element_size() * (m * k + k * n + m * n) * matrices
+        self.launches += 1
         return torch.empty(*batch, m, n, dtype=L.dtype, device="meta")
 
     def symmetric(self, L, R, precision=None):
         return self._count(L, R, self.symmetric_share)
 
     def product(self, M, Z, precision=None, *, alpha=1.0, Y=None, beta=1.0):
+        if Y is not None and Y is not Z:  # a Y that is Z is read once, as Z
+            self.bytes += Y.numel() * Y.element_size()
         return self._count(M, Z)
 
     def poly_step(self, A, b, c, precision=None):
@@ -47,4 +81,6 @@ class CountingBackend:
         return "counting"
 
     def decay_epilogue_(self, W, D, keep, step, noise=None):
+        self.bytes += 2 * W.numel() * W.element_size() + (0 if D is None else D.numel() * D.element_size())
+        self.launches += 1
         return W

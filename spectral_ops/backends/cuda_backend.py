@@ -46,6 +46,8 @@ def _shared_memory_optin(device: torch.device) -> int:
 class CudaBackend:
     name = "cuda"
     needs_self_check = True
+    # A memory fault in a kernel is sticky: it would end the process that checks it.
+    self_check_in_child = True
 
     def __init__(self, *, precision: str | None = None):
         self.module, self._load_error = ext.load_extension()
