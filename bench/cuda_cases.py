@@ -328,7 +328,7 @@ def timing_cases() -> list[dict]:
                              lambda X: ext.syrk(X, X.mT, torch.empty(X.shape[0], X.shape[0], device=X.device)),
                              lambda X: X.float() @ X.float().mT, TOLERANCE[torch.float32],
                              baseline=lambda X: X @ X.mT))
-        # The chain below and above CUDA_CHAIN_MAX_WORK, and the composed path at CUDA_TILED_MIN_SIDE and above.
+        # The fused chain and the composed path, at sizes on both sides of where a measured routing may switch.
         for path, label, shape in (("chain", "polar", (64, 64, 256)), ("chain", "decay_p2", (96, 32, 1024)),
                                    ("chain", "polar", (96, 128, 768)), ("composed", "polar", (2048, 2048)),
                                    ("composed", "polar", (4096, 4096)), ("composed", "spectral_power_p2", (4096, 16384)),

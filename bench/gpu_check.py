@@ -8,10 +8,11 @@
 It starts from a bare checkout (no install, no registry): it imports the package from the checkout and,
 where ``spectral_ops._C`` is not built, builds it with CMake for the GPU's architecture first.
 
-Expected on one H200 (an estimate: nothing has run on one yet): under a minute to build ``_C``, about
-three for the checks, one or two for the headline timings, the rest of the budget for the other
-timings. The budget caps it: 420 s plus Python's start-up and the report, about 8 minutes at most,
-unless a kernel hangs (hence ``timeout 540`` above).
+Order: setup (``_C`` built while a process pool compiles the Triton variants), the headline cases
+(each checked, then timed), the breadth, then the CUDA extension's cases in a child process.
+``--dry-run`` prints the planned GPU run's stages and estimates against the budget first. The budget
+(default 510 s: ``timeout 540`` less Python's start-up and the report) caps it; the headline ends by
+240 s by the plan's estimate.
 
 The exit status is 1 if any case failed, else 0 (the summary line still counts the timed-out and
 skipped ones).

@@ -308,3 +308,32 @@ def test_dry_run_starts_from_a_bare_copy_of_the_checkout(tmp_path):
     assert ran >= {("op decay_ p=2", "triton"), ("op decay_ p=2", "auto"), ("syrk X X^T", "triton")}
     assert all(row["status"] == "skipped" for row in rows if row["backend"] == "cuda")
     assert "| op decay_ p=2 | triton |" in (out / "gpu_check.md").read_text()
+
+
+def test_timing_rows_carry_the_models_rate_prediction_and_the_routers_choice(gpu_checks, monkeypatch):
+    """On an H100 (the model's table; no GPU needed): the Triton Gram of a 4096 x 4096 X computes one
+    triangle, n^2 k = 4096^3 FLOPs, cuBLAS the whole 2 n^2 k; no measured efficiency, no prediction
+    for Triton; cuBLAS always has one."""
+    from spectral_ops import gpu_model
+
+    columns = gpu_checks.model_columns
+    h100 = gpu_model.ARCHS["H100"]
+    monkeypatch.setattr(columns, "arch_of", lambda device: h100)
+    gram = next(case for case in gpu_checks.cases.REGISTRY if case.name == "syrk X X^T")
+    row = columns.columns(gram, (4096, 4096), torch.bfloat16, torch.device("cpu"), "bf16", ms=1.0, baseline_ms=2.0)
+    assert row["gflop"] == pytest.approx(4096**3 / 1e9) and row["baseline_gflop"] == pytest.approx(2 * 4096**3 / 1e9)
+    assert row["tflops"] == pytest.approx(4096**3 / 1e-3 / 1e12)
+    assert row["peak_pct"] == pytest.approx(100 * row["tflops"] * 1e12 / h100.peak("bf16"))
+    assert row["predicted_ms"] is None and row["baseline_predicted_ms"] > 0
+    assert row["router"] == "torch"  # a CPU tensor: nothing else can run it
+
+
+def test_the_fastest_provider_of_each_call_is_marked_against_the_routers_choice(gpu_checks):
+    def timing(backend, ms, baseline_ms, router):
+        return {"kind": "timing", "status": "ok", "case": "op decay_ p=2", "dtype": "bfloat16", "shape": [8, 8],
+                "backend": backend, "ms": ms, "baseline_ms": baseline_ms, "router": router}
+
+    rows = [timing("triton", 2.0, 3.0, "torch"), timing("cuda", 1.0, 3.0, "torch")]
+    gpu_checks.model_columns.mark_fastest(rows)
+    assert [row["fastest"] for row in rows] == ["cuda", "cuda"]
+    assert [row["router_fastest"] for row in rows] == [False, False]

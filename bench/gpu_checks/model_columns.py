@@ -86,7 +86,8 @@ def mark_fastest(rows: list[dict]) -> None:
     whether the router's choice was it (``None`` where the router's provider was not timed there)."""
     calls: dict[tuple, dict[str, float]] = {}
     for row in rows:
-        if row.get("kind") == "timing" and row["status"] == "ok" and row["backend"] in _PROVIDERS and "ms" in row:
+        if row.get("kind") == "timing" and row["status"] == "ok" and "ms" in row and "baseline_ms" in row \
+                and row["backend"] in _PROVIDERS:
             measured = calls.setdefault((row["case"], row["dtype"], tuple(row["shape"])), {})
             measured[row["backend"]] = row["ms"]
             measured.setdefault("torch", row["baseline_ms"])

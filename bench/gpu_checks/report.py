@@ -1,11 +1,12 @@
-"""The report of a run: the machine, the time each phase took, the counts per status and one row per
-task, as JSON and markdown.
+"""The report of a run: the driver/toolkit line first, the machine, the setup (build and compile pool),
+the time each stage took, the counts per status and one row per task, as JSON and markdown.
 
 Every row has a ``status`` -- ok, failed, skipped (with the reason) or timed out (with the limit) --
 and ``ok``: true, false, or null for skipped and timed out, which are no verdict. The markdown table
 (``--out DIR``: ``DIR/gpu_check.md``) and the JSON (``--json``, default ``bench/gpu_check.json``, or
-``DIR/gpu_check.json``) hold one row per case, shape and dtype in each phase, the time each phase
-took and the counts per status.
+``DIR/gpu_check.json``) hold one row per check or timing of a case, shape and dtype, by stage:
+headline, breadth, CUDA cases. A timing row shows both sides' ms, TFLOP/s and % of the GPU's peak,
+the model's predicted ms, the provider the router would choose and whether it measured fastest.
 """
 
 from __future__ import annotations

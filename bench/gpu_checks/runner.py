@@ -1,33 +1,33 @@
 """Checking and timing one case, and the run: every task in order, each under a time limit.
 
 Order. A GPU may be lent for as little as 15 minutes, so the run is ordered by what matters most
-should it be cut short:
+should it be cut short (:func:`case_tasks`, :func:`in_run_order`):
 
-1. check: every case -- the Triton and CUDA kernels, the plan's ops on each backend -- at each of its
-   shapes (batched, odd, tall, wide, model-sized) and dtypes, against its reference (relative
-   Frobenius error within the dtype's tolerance), untimed. CUDA cases come first: their kernels were
-   compiled at build time, while each Triton specialisation JIT-compiles at its first launch (~120 of
-   them, about a second each). This phase therefore holds all compile and warm-up time.
-2. headline timings: the p = 2 decay at 4096x4096, 16384x4096 and 96 heads of 128x768, in bf16 and
-   fp32, on Triton, on CUDA and wherever dispatch sends it; SYRK at 4096; a 4096^3 matmul as the
-   yardstick; ``SpectralMuon`` against ``torch.optim.Muon`` (both orthogonalise in bf16); and a
-   capturable ``SpectralAdamW`` step captured in a CUDA graph, replayed and compared with eager steps
-   from the same start (last: a failed capture must not disturb the timings before it).
-3. every other timing.
+1. headline: the matmul yardstick, the Gram (SYRK), the product, the p = 2 decay (4096x4096 and
+   16384x4096, on Triton and as dispatch routes it), Polar Express and the Muon step, then the
+   per-head stack (96 heads of 128x768: the decay, the small path, Muon's heads), in bf16 and fp32
+   (and TF32 for the Gram and the product); each case checked, then timed at once.
+2. breadth: every other check (batched, odd, tall, wide shapes in fp32, bf16 and fp16), then every
+   other timing, the compiled and graph-captured optimizer steps last.
+3. cuda: the CUDA extension's cases, checked then timed, in a child process (:mod:`cuda_child`).
 
-A timing is the median of CUDA-event-timed runs after one warm-up run (3 to 20 runs, about 200 ms of
-them), against its baseline -- the torch call it replaces -- and only for a case whose check passed.
-Timings are measurements of this machine, never assertions.
+A check is the relative Frobenius error against the case's reference, within its dtype's tolerance. A
+timing is the median of CUDA-event-timed runs after one warm-up run (3 to 20 runs, about 200 ms of
+them), against its baseline -- the torch call it replaces, at the same precision: torch's float32
+matmul precision is set for the row (``"highest"`` for fp32, ``"high"`` for tf32) and restored -- and
+only for a case whose check passed. Each timing row also carries the cost model's columns
+(:mod:`model_columns`). Timings are measurements of this machine, never assertions.
 
-Time limits. ``--budget-s`` (default 420 s, build included) bounds the run: no check starts after 55%
-of it, no headline timing after 80%, nothing after 100%; a case not started is reported as skipped.
-Each case runs under its own limit (120 s for a check, 30 s for a timing, 90 s for the optimizer
-cases; less if less of the budget is left): ``SIGALRM`` raises :class:`CaseTimeout` in the next Python
-bytecode, the case is reported as timed out, and the run moves on. Timing loops also stop sampling
-before the limit, so a slow case reports fewer runs rather than none. A signal cannot interrupt a
-blocking call, though: a hung kernel, or a synchronisation waiting for one, hangs the run. The report
-is rewritten after every case, so run the check under ``timeout``: the files keep everything before
-the hang, and the last progress line without an ending names the hung case.
+Time limits. ``--budget-s`` (default: ``timeout 540`` less start-up and the report, :mod:`schedule`)
+bounds the run: no headline task starts after 240 s less start-up, no breadth task after 80% of it;
+the CUDA cases' child is stopped at 100%; a case not started is reported as skipped. Each case runs
+under its own limit (120 s for a check, 30 s for a timing, 90 s for the optimizer cases; less if less
+of the budget is left): ``SIGALRM`` raises :class:`CaseTimeout` in the next Python bytecode, the case
+is reported as timed out, and the run moves on. Timing loops also stop sampling before the limit, so a
+slow case reports fewer runs rather than none. A signal cannot interrupt a blocking call, though: in
+this process a hung kernel hangs the run (the CUDA cases' parent kills a hung child instead). The
+report is rewritten after every case, so run the check under ``timeout``: the files keep everything
+before the hang, and the last progress line without an ending names the hung case.
 """
 
 from __future__ import annotations
