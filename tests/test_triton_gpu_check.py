@@ -79,12 +79,13 @@ def test_dry_run_runs_the_headline_then_the_breadth_then_the_cuda_cases(gpu_chec
 def test_the_planned_gpu_run_ends_the_headline_within_240_s_of_the_budget(gpu_checks):
     """Computed from the plan (the tasks of a GPU run and each kind's estimate), timing nothing."""
     schedule = gpu_checks.schedule
-    stages = gpu_checks.main.planned_gpu_run(gpu_checks.cli.parse(["--dry-run"]))
+    stages, headline_tasks = gpu_checks.main.planned_gpu_run(gpu_checks.cli.parse(["--dry-run"]))
     assert [stage.name.split()[0].rstrip(":") for stage in stages] == ["setup", "headline", "breadth", "cuda", "report"]
     headline = stages[1]
-    assert headline.tasks > 0 and headline.end_s <= schedule.HEADLINE_DEADLINE_S
+    assert headline.tasks == len(headline_tasks) > 0 and headline.end_s <= schedule.HEADLINE_DEADLINE_S
+    assert headline_tasks[0].startswith("yardstick") and headline_tasks[-1].startswith("heads")
     assert gpu_checks.cli.parse([]).budget_s == schedule.TIMEOUT_S - schedule.STARTUP_S - schedule.REPORT_S
-    text = schedule.format_plan(stages, schedule.DEFAULT_BUDGET_S)
+    text = schedule.format_plan(stages, schedule.DEFAULT_BUDGET_S, headline_tasks)
     assert f"| headline | {headline.tasks} |" in text and "timeout 540" in text
 
 

@@ -34,7 +34,7 @@ from .cases import REGISTRY, selected
 from .compile_only import compile_only, compile_workers, warm_triton_cache
 from .model_columns import mark_fastest
 from .report import environment, markdown, report_paths, summarise
-from .runner import case_tasks, in_run_order, run_tasks
+from .runner import case_tasks, headline_group, in_run_order, run_tasks
 from .schedule import GPU_HOST_CORES, format_plan, plan_stages
 from .special_cases import special_tasks
 
@@ -45,12 +45,14 @@ def all_tasks(args, device, cuda_reason):
     return in_run_order(tasks)
 
 
-def planned_gpu_run(args) -> list:
-    """The stages of a GPU run with these flags (full shapes, every CUDA case) from a bare checkout:
-    ``_C`` to build, the compile pool on the GPU host's cores."""
+def planned_gpu_run(args) -> tuple[list, list[str]]:
+    """The stages of a GPU run with these flags (full shapes, every CUDA case) from a bare checkout
+    (``_C`` to build, the compile pool on the GPU host's cores), and its headline tasks, labelled."""
     gpu_args = type(args)(**{**vars(args), "dry_run": False})
     tasks = all_tasks(gpu_args, torch.device("cuda"), cuda_reason=None)
-    return plan_stages(tasks, build_needed=True, workers=args.workers or GPU_HOST_CORES)
+    headline = [f"{headline_group(task)}: {task.kind} {task.case} [{task.backend}, {task.dtype}, "
+                f"{'x'.join(map(str, task.shape))}]" for task in tasks if task.phase == "headline"]
+    return plan_stages(tasks, build_needed=True, workers=args.workers or GPU_HOST_CORES), headline
 
 
 def setup(args, device, started: float) -> dict:
@@ -100,8 +102,8 @@ def main(args) -> int:
         # The routing this run measures (and reuses) is kept with its results.
         os.environ[CACHE_DIR] = str(args.out / "routing")
     if args.dry_run:
-        stages = planned_gpu_run(args)
-        print(format_plan(stages, args.budget_s), "\n", flush=True)
+        stages, headline = planned_gpu_run(args)
+        print(format_plan(stages, args.budget_s, headline), "\n", flush=True)
         prepared = {"build": "dry run: no build", "setup_s": 0.0, "plan": [vars(stage) for stage in stages]}
     else:
         prepared = setup(args, device, started)

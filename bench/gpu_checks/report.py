@@ -58,7 +58,8 @@ _TIMING_COLUMNS = _COMMON_COLUMNS + [
     ("baseline % peak", number("baseline_peak_pct", ".0f")), ("baseline predicted ms", number("baseline_predicted_ms", ".3f")),
     ("speedup", lambda r: f"{r['speedup']:.2f}x" if "speedup" in r else ""), ("router", lambda r: r.get("router") or ""),
     ("fastest", lambda r: r.get("fastest", "")), ("router's is fastest", lambda r: _yes_no(r.get("router_fastest"))),
-    ("runs", number("runs", "d")), ("rel. error", number("error", ".2e")), ("note", lambda r: r.get("note", "")),
+    ("runs", number("runs", "d")), ("rel. error", number("error", ".2e")),
+    ("note", lambda r: "; ".join(filter(None, [r.get("note"), r.get("model_error") and f"model: {r['model_error']}"]))),
     ("s", number("wall_s", ".1f"))]
 _SECTIONS = {"headline": "1. Headline: each case checked, then timed", "breadth": "2. Breadth",
              "cuda": "3. The CUDA extension's cases (in a child process)"}

@@ -71,9 +71,9 @@ def plan_stages(tasks, build_needed: bool, workers: int) -> list[Stage]:
     return stages
 
 
-def format_plan(stages: list[Stage], budget_s: float) -> str:
+def format_plan(stages: list[Stage], budget_s: float, headline: list[str] = ()) -> str:
     """The planned order against the budget: per stage its estimate, start and end, and what a budget
-    cut would leave out."""
+    cut would leave out; then the headline's tasks in order (``headline``: one label each)."""
     lines = [f"Planned GPU run (estimates; `timeout {TIMEOUT_S:.0f}`, budget {budget_s:.0f} s after "
              f"{STARTUP_S:.0f} s start-up, headline by {HEADLINE_DEADLINE_S:.0f} s):", "",
              "| stage | tasks | estimate s | starts s | ends s | within |", "|---|---|---|---|---|---|"]
@@ -82,4 +82,6 @@ def format_plan(stages: list[Stage], budget_s: float) -> str:
         within = "yes" if stage.end_s <= deadline else f"**no** (past {deadline:.0f} s: cut by the budget)"
         lines.append(f"| {stage.name} | {stage.tasks} | {stage.estimate_s:.0f} | {stage.start_s:.0f} | "
                      f"{stage.end_s:.0f} | {within} |")
+    if headline:
+        lines += ["", "Headline order:"] + [f"{index:3d}. {label}" for index, label in enumerate(headline, 1)]
     return "\n".join(lines)
