@@ -212,6 +212,21 @@ def extension_resources(arch: str) -> list[dict]:
     return rows
 
 
+def source_description() -> str:
+    """The command and the checkout's commit (``+ changes`` when its tracked files differ from it)."""
+    import subprocess
+
+    from .checkout import ROOT
+
+    def git(*command) -> str:
+        result = subprocess.run(["git", "-C", str(ROOT), *command], capture_output=True, text=True)
+        return result.stdout.strip() if result.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    changed = " + changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    return f"`python3 bench/gpu_check.py {' '.join(sys.argv[1:])}` at commit {commit}{changed}"
+
+
 def cpu_description() -> dict:
     """This machine's CPU: its model, cores and instruction-set flags (the recording runs the cases'
     host code on it; the compiled code does not depend on it)."""
@@ -293,6 +308,7 @@ def compile_only(args) -> int:
     text = "\n".join([
         f"# Kernel resources for {', '.join(archs)} (cuobjdump {SASS.find_cuobjdump()}; Triton's ptxas "
         f"{knobs.nvidia.ptxas.version})", "",
+        f"Written by {source_description()}.", "",
         f"No GPU: CPU {cpu['model']}, {cpu['cores']} cores (flags: "
         f"{', '.join(flag for flag in _NOTABLE_CPU_FLAGS if flag in cpu['flags']) or 'none of ' + '/'.join(_NOTABLE_CPU_FLAGS)}); "
         f"torch {torch.__version__}, triton {triton.__version__}. Seconds: recording {timing['record_s']:.0f}, "
