@@ -74,7 +74,8 @@ def load_extension() -> tuple[ModuleType | None, str]:
         return importlib.import_module("spectral_ops._C"), ""
     except ImportError as exc:
         if info is None:
-            return None, f"the CUDA extension is not built here (no {BUILD_INFO_FILENAME} describes it; import says: {exc})"
+            return None, (f"the CUDA extension is not built here (no {BUILD_INFO_FILENAME} describes it; "
+                          f"import says: {exc})")
         return None, f"the CUDA extension was built but does not import: {exc}"
 
 

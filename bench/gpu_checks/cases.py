@@ -235,8 +235,8 @@ _op_case("spectral_power p=2", lambda b, d: plan.spectral_power(b, d["W"], 2, PO
 _op_case("spectral_power p=3", lambda b, d: plan.spectral_power(b, d["W"], 3, POLAR), ODD, TINY, p=3)
 # tau = 0.6 splits the inputs' spectrum (about [0.2, 1]) so that both projectors are far from zero.
 _op_case("band_projectors", lambda b, d: plan.band_projectors(b, d["W"], 0.6, POLAR)[0], ODD, TINY)
-_op_case("band_direction top", lambda b, d: plan.band_direction(b, d["W"], 2, Band(0.6, "top"), POLAR, POLAR), ODD, TINY,
-         p=2, band_mode="top")
+_op_case("band_direction top", lambda b, d: plan.band_direction(b, d["W"], 2, Band(0.6, "top"), POLAR, POLAR),
+         ODD, TINY, p=2, band_mode="top")
 _op_case("svt", lambda b, d: plan.svt(b, d["W"], 0.5, POLAR, POLAR), ODD, TINY)
 _op_case("msign", lambda b, d: plan.msign(b, d["W"] @ d["W"].mT - torch.eye(d["W"].shape[-2], device=d["W"].device,
                                                                       dtype=d["W"].dtype), POLAR), ODD[:1], TINY[:1])

@@ -62,8 +62,8 @@ def record_launches(cases, arch: str, device=torch.device("cpu"), tiny: bool = F
 
     The cases run on ``device``'s tensors (the CPU without a GPU; on a GPU its host code is quicker
     there) at their full shapes (``tiny``: their interpreter shapes); each launch is bound and
-    specialised exactly as Triton's launcher would for that target, then recorded instead of compiled and run (outputs are zeros:
-    :func:`zero_filled_allocations`). A case whose host code raises on those zeros keeps the launches
+    specialised exactly as Triton's launcher would for that target, then recorded instead of compiled
+    and run (outputs are zeros: :func:`zero_filled_allocations`). A case whose host code raises on those zeros keeps the launches
     it made before; its row names the case and the error (no verdict on a kernel: ``ok`` is None).
     """
     from triton import knobs
@@ -304,13 +304,14 @@ def compile_only(args) -> int:
               "extension_s": round(time.monotonic() - compiled, 1), "total_s": round(time.monotonic() - started, 1),
               "workers": workers}
     cpu = cpu_description()
+    notable = [flag for flag in _NOTABLE_CPU_FLAGS if flag in cpu["flags"]]
     failed = [row for row in rows if row["ok"] is False]
     text = "\n".join([
         f"# Kernel resources for {', '.join(archs)} (cuobjdump {SASS.find_cuobjdump()}; Triton's ptxas "
         f"{knobs.nvidia.ptxas.version})", "",
         f"Written by {source_description()}.", "",
         f"No GPU: CPU {cpu['model']}, {cpu['cores']} cores (flags: "
-        f"{', '.join(flag for flag in _NOTABLE_CPU_FLAGS if flag in cpu['flags']) or 'none of ' + '/'.join(_NOTABLE_CPU_FLAGS)}); "
+        f"{', '.join(notable) or 'none of ' + '/'.join(_NOTABLE_CPU_FLAGS)}); "
         f"torch {torch.__version__}, triton {triton.__version__}. Seconds: recording {timing['record_s']:.0f}, "
         f"compiling {timing['compile_s']:.0f} ({workers} processes), _C {timing['extension_s']:.0f}, "
         f"total {timing['total_s']:.0f}.", "",
