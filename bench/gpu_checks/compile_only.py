@@ -63,8 +63,9 @@ def record_launches(cases, arch: str, device=torch.device("cpu"), tiny: bool = F
     The cases run on ``device``'s tensors (the CPU without a GPU; on a GPU its host code is quicker
     there) at their full shapes (``tiny``: their interpreter shapes); each launch is bound and
     specialised exactly as Triton's launcher would for that target, then recorded instead of compiled
-    and run (outputs are zeros: :func:`zero_filled_allocations`). A case whose host code raises on those zeros keeps the launches
-    it made before; its row names the case and the error (no verdict on a kernel: ``ok`` is None).
+    and run (outputs are zeros: :func:`zero_filled_allocations`). A case whose host code raises on
+    those zeros keeps the launches it made before; its row names the case and the error (no verdict on
+    a kernel: ``ok`` is None).
     """
     from triton import knobs
     from triton.backends.compiler import GPUTarget

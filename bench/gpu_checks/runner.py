@@ -116,10 +116,10 @@ def row_precision(case: Case, dtype) -> str:
 
 def check_case(case: Case, shape, dtype, device, stop_at) -> dict:
     inputs = case.inputs(shape, dtype, device)
-    result = case.fn(_clone(inputs))
+    output = case.fn(_clone(inputs))
     with float32_matmul_precision("fp32"):  # the reference is exact at its dtype, whatever the row's precision
         reference = case.reference(_clone(inputs))
-    error = relative_error(result, reference)
+    error = relative_error(output, reference)
     result = {"error": error, "tolerance": case.tolerance[dtype], "ok": error <= case.tolerance[dtype]}
     if case.ran_on is not None:
         result["note"] = f"ran on {case.ran_on()}"
