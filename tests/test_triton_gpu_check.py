@@ -301,8 +301,9 @@ def test_dry_run_starts_from_a_bare_copy_of_the_checkout(tmp_path):
                             capture_output=True, text=True)
     assert hidden.returncode != 0, "the installed package is still visible: the test would prove nothing"
     out = tmp_path / "results"
-    result = subprocess.run([sys.executable, "-S", "bench/gpu_check.py", "--dry-run", "--only", "op decay_ p=2,syrk X X^T",
-                             "--out", str(out)], cwd=copy, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, "-S", "bench/gpu_check.py", "--dry-run", "--only",
+                             "op decay_ p=2,syrk X X^T", "--out", str(out)],
+                            cwd=copy, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads((out / "gpu_check.json").read_text())["results"]
     ran = {(row["case"], row["backend"]) for row in rows if row["status"] == "ok"}

@@ -146,8 +146,8 @@ def special_tasks(device, dry_run) -> list[Task]:
         for heads, rows, cols in MUON_SHAPES:
             run = functools.partial(muon_against_torch, heads, rows, cols, variant, device, dry_run)
             tasks.append(Task("headline", "timing", f"SpectralMuon ({variant}, bf16) vs torch.optim.Muon", "auto",
-                              "float32", (heads, rows, cols), skipping(no_muon) if no_muon else run, OPTIMIZER_TIMEOUT_S,
-                              baseline="torch.optim.Muon", cost="optimizer"))
+                              "float32", (heads, rows, cols), skipping(no_muon) if no_muon else run,
+                              OPTIMIZER_TIMEOUT_S, baseline="torch.optim.Muon", cost="optimizer"))
     captures = {"SpectralAdamW default step, torch.compile": dict(capture=compiled(), capturable=False),
                 "SpectralAdamW default step, torch.compile reduce-overhead":
                     dict(capture=compiled("reduce-overhead"), capturable=False),
