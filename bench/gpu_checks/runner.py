@@ -308,7 +308,7 @@ def run_tasks(tasks, device, started: float, budget_s: float, save, stop_if=lamb
     rows, status = [], {}
     for task in tasks:
         now = time.monotonic()
-        print(f"{now - started:6.1f} s  {task.phase:<8} {task.case} [{task.backend}, {task.dtype}, "
+        print(f"{now - started:6.1f} s  {task.phase:<8} {task.kind:<6} {task.case} [{task.backend}, {task.dtype}, "
               f"{'x'.join(map(str, task.shape))}] ...", end="", flush=True)
         phase_end = PHASE_SHARE[task.phase] * budget_s
         # A check missing from this run's rows ran in a CUDA child that died in it (cuda_child).
