@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from . import __version__, compat, dispatch, environment, tuning
+from . import __version__, compat, dispatch, environment, gpu_model, tuning
 from ._extension import load_extension
 from .plan import PRECISIONS
 
@@ -57,7 +57,19 @@ def report() -> str:
     ]
     for name, reason in dispatch.backend_status(device):
         lines.append(f"| {name} | {'available' if reason is None else 'unavailable: ' + reason} |")
-    return "\n".join(lines + ["", routing_report()])
+    return "\n".join(lines + ["", model_report(gpu), "", routing_report()])
+
+
+def model_report(gpu: str) -> str:
+    """Which providers the cost model may choose where nothing is measured on this machine (dispatch)."""
+    arch = gpu_model.arch_for(gpu)
+    if arch is None:
+        return f"Unmeasured calls: torch (the cost model has no entry for the GPU {gpu!r})"
+    measured = sorted(provider for (name, provider) in gpu_model.MEASURED_EFFICIENCY if name == arch.name)
+    if not measured:
+        return (f"Unmeasured calls: torch (cuBLAS); no GPU check has measured another provider on an {arch.name} "
+                "(spectral_ops.gpu_model.MEASURED_EFFICIENCY)")
+    return f"Unmeasured calls: the cost model's fastest of torch and {', '.join(measured)} (measured on an {arch.name})"
 
 
 def routing_report(directory=None) -> str:

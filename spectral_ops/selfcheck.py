@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -123,14 +124,16 @@ def errors_in_child(backend, device, checks) -> tuple[dict[tuple, float], str | 
     """The self-check errors of ``backend`` (rebuilt in the child from its class, which must take no
     arguments) for ``checks`` (``(primitive, dtype, precision)``), computed in a child process:
     ``(errors, None)``, or ``({}, reason)`` if the child died or hung. The child gets this process's
-    ``sys.path``, so a backend defined anywhere importable here is importable there."""
+    ``sys.path`` (as ``PYTHONPATH``), so this package and a backend defined anywhere importable here
+    (a checkout, a test module) are importable there."""
     backend_class = type(backend)
     request = {"backend": f"{backend_class.__module__}:{backend_class.__qualname__}", "device": str(device),
-               "sys_path": sys.path, "checks": [[p, _dtype_name(d), precision] for p, d, precision in checks]}
+               "checks": [[p, _dtype_name(d), precision] for p, d, precision in checks]}
     command = [sys.executable, "-m", "spectral_ops.selfcheck"]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
     try:
         done = subprocess.run(command, input=json.dumps(request), capture_output=True, text=True,
-                              timeout=CHILD_TIMEOUT_S)
+                              timeout=CHILD_TIMEOUT_S, env=environment)
     except subprocess.TimeoutExpired:
         return {}, f"its self-check child process did not finish in {CHILD_TIMEOUT_S:.0f} s"
     if done.returncode != 0:
@@ -147,7 +150,6 @@ def _child_main() -> None:
     from .dispatch import self_check_error  # the parent's dispatch imports this module
 
     request = json.loads(sys.stdin.read())
-    sys.path[:] = request["sys_path"]
     module, name = request["backend"].split(":")
     backend = getattr(importlib.import_module(module), name)()
     device = torch.device(request["device"])

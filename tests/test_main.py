@@ -27,3 +27,13 @@ def test_report_lists_versions_archs_and_every_backend_with_a_reason():
 def test_module_entry_point_runs():
     result = subprocess.run([sys.executable, "-m", "spectral_ops"], capture_output=True, text=True, check=True)
     assert result.stdout.startswith("spectral-ops ")
+
+
+def test_the_report_says_what_unmeasured_calls_run_on(monkeypatch):
+    from spectral_ops import gpu_model
+    from spectral_ops.__main__ import model_report
+
+    assert "torch (cuBLAS); no GPU check has measured" in model_report("NVIDIA H200")
+    assert "no entry for the GPU 'none visible to torch'" in model_report("none visible to torch")
+    monkeypatch.setitem(gpu_model.MEASURED_EFFICIENCY, ("H200", "triton"), 0.7)
+    assert model_report("NVIDIA H200").endswith("fastest of torch and triton (measured on an H200)")
