@@ -287,6 +287,7 @@ def compile_only(args) -> int:
     if unknown:
         print(f"unknown target(s) {unknown}; known: {', '.join(SHARED_MEMORY_LIMIT)}", file=sys.stderr)
         return 2
+    source = source_description()  # before the run: the code that ran, whatever a checkout does meanwhile
     started = time.monotonic()
     jobs, stopped = [], []
     cases = [case for case in REGISTRY if case.backend == "triton" and selected(case.name, args.only)]
@@ -310,7 +311,7 @@ def compile_only(args) -> int:
     text = "\n".join([
         f"# Kernel resources for {', '.join(archs)} (cuobjdump {SASS.find_cuobjdump()}; Triton's ptxas "
         f"{knobs.nvidia.ptxas.version})", "",
-        f"Written by {source_description()}.", "",
+        f"Written by {source}.", "",
         f"No GPU: CPU {cpu['model']}, {cpu['cores']} cores (flags: "
         f"{', '.join(notable) or 'none of ' + '/'.join(_NOTABLE_CPU_FLAGS)}); "
         f"torch {torch.__version__}, triton {triton.__version__}. Seconds: recording {timing['record_s']:.0f}, "
