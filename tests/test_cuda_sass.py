@@ -156,3 +156,10 @@ def test_tensor_core_mainloops_use_ldmatrix_and_cp_async(kernels):
         assert counts["LDSM"] * mmas >= counts["HMMA"] * blocks, f"{variant}: fragments not from ldmatrix"
         if blocks == 0:
             assert counts["LDSM"] == 0, f"{variant}: ldmatrix on an fp32 [k][128] slab"
+
+
+def test_features_count_hopper_and_ampere_mma_tma_and_local_memory():
+    """bench/gpu_check.py --compile-only's SASS columns, from opcodes as cuobjdump prints them."""
+    opcodes = ["HGMMA.64x128x16.F32.BF16", "HGMMA.64x128x16.F32.BF16", "UTMALDG.2D", "UBLKCP.S.G", "LDGSTS.E.128",
+               "HMMA.16816.F32.BF16", "STL.64", "LDL.64", "LDL", "FFMA"]
+    assert sass.features(opcodes) == {"HGMMA": 2, "HMMA": 1, "TMA": 2, "LDGSTS": 1, "LDL/STL": 3}
