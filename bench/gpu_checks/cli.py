@@ -17,8 +17,9 @@ from .schedule import DEFAULT_BUDGET_S, HEADLINE_DEADLINE_S, TIMEOUT_S
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", "--interpret", dest="dry_run", action="store_true",
-                        help="CPU tensors under TRITON_INTERPRET=1, tiny shapes, fp32/fp16, one timing run; "
-                             "cases that need CUDA are reported as skipped")
+                        help="first the planned GPU run: its stages in order, each one's estimated seconds against "
+                             "the budget; then CPU tensors under TRITON_INTERPRET=1, tiny shapes, fp32/fp16, one "
+                             "timing run; cases that need CUDA are reported as skipped")
     parser.add_argument("--json", type=Path, default=BENCH / "gpu_check.json",
                         help="where to write the JSON results when --out is not given (default: bench/gpu_check.json)")
     parser.add_argument("--out", type=Path, help="write gpu_check.md and gpu_check.json (compile_only.md and .json "
@@ -33,8 +34,9 @@ def parse(argv):
                              f"Python's start-up and the report)")
     parser.add_argument("--compile-only", metavar="ARCHS", default="",
                         help="no GPU: compile every Triton kernel variant the cases launch for these targets "
-                             "(comma-separated: sm80, sm90) and report its registers, stack (spills) and shared "
-                             "memory from cuobjdump, and those of the built _C's kernels, instead of running")
+                             "(comma-separated: sm80, sm90) and report its registers, stack (spills), shared "
+                             "memory and HGMMA/HMMA/TMA/cp.async counts from cuobjdump, and those of the built _C's "
+                             "kernels, instead of running")
     parser.add_argument("--cuda-child", type=int, default=None, metavar="START", help=argparse.SUPPRESS)
     parser.add_argument("--workers", type=int, default=0,
                         help="processes that compile Triton variants (--compile-only, and on a GPU while _C builds); "
