@@ -88,7 +88,8 @@ def record_launches(cases, arch: str, device=torch.device("cpu"), tiny: bool = F
 
     stopped = []
     real_run, real_arch = JITFunction.run, common.arch
-    JITFunction.run, common.arch = record, (lambda device: arch)
+    # CPU tensors take the target's configs; a GPU's own tensors take the configs a launch on it would.
+    JITFunction.run, common.arch = record, (lambda device: arch) if device.type == "cpu" else real_arch
     try:
         for case in cases:
             for dtype in case.dtypes:
