@@ -18,6 +18,8 @@ Each case is a plain dict:
     baseline     callable(*inputs) -> Tensor: what a timing case is timed against, at the case's precision
                  (bf16 operands: a bf16 torch call, not an fp32 one); the reference where that already is
     op_options   the op's options for the cost model (``{"p": 2}``), empty for a single kernel
+    precision    None (the dtype's own: fp32 rows are the kernels' 3xTF32 against exact fp32 cuBLAS), or
+                 ``"tf32"``: one TF32 pass, timed against cuBLAS with TF32 allowed
 
 The whole set runs in well under a minute of GPU time on one H200 (``python bench/cuda_cases.py``
 checks every case and times the timing cases without gpu_check.py).
@@ -42,6 +44,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # A kernel that computes in fp32 and rounds once differs from the reference by a few units of the
 # output dtype's rounding; a wrong kernel is off by O(1). fp32 allows for 3xTF32 and reordered sums.
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# One TF32 pass: each operand rounded to TF32 (unit round-off 2^-11, about 4.9e-4) gives a relative
+# error of about 1e-3; 4e-3 leaves a margin of ~4.
+TF32_TOLERANCE = 4e-3
 # Chains of ~30 products amplify per-product differences a little.
 CHAIN_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 POLAR = polar_express_coefficients()
@@ -80,10 +85,11 @@ def _f64_product(a, b, y=None, alpha=1.0, beta=0.0):
     return out if y is None else out + beta * y.double()
 
 
-def _case(name, op, dtype, shape, make_inputs, run, reference, tolerance, baseline=None, op_options=None):
+def _case(name, op, dtype, shape, make_inputs, run, reference, tolerance, baseline=None, op_options=None,
+          precision=None):
     return {"name": name, "op": op, "dtype": dtype, "shape": tuple(shape), "make_inputs": make_inputs, "run": run,
             "reference": reference, "tolerance": tolerance, "baseline": baseline or reference,
-            "op_options": op_options or {}}
+            "op_options": op_options or {}, "precision": precision}
 
 
 def _dims(shape):
@@ -292,6 +298,10 @@ def timing_cases() -> list[dict]:
     out.append(_case(f"time/gemm/fp32/{_dims(shape)}", "gemm", torch.float32, shape, make_pair,
                      lambda a, b: ext.gemm(a, b, torch.empty_like(a), y=b, beta=1.5),
                      lambda a, b: a @ b + 1.5 * b, TOLERANCE[torch.float32]))
+    # The same product with one TF32 pass, against cuBLAS with TF32 allowed (the timing sets it).
+    out.append(_case(f"time/gemm/tf32/{_dims(shape)}", "gemm", torch.float32, shape, make_pair,
+                     lambda a, b: ext.gemm(a, b, torch.empty_like(a), y=b, beta=1.5, precision="tf32"),
+                     lambda a, b: a @ b + 1.5 * b, TF32_TOLERANCE, precision="tf32"))
     out.append(_case(f"time/poly_step/fp32/{_dims(shape)}", "poly_step", torch.float32, shape, make_symmetric,
                      lambda A: ext.poly_step(A, torch.empty_like(A), 0.3, -0.2),
                      lambda A: 0.3 * A - 0.2 * A @ A, TOLERANCE[torch.float32]))
@@ -328,6 +338,11 @@ def timing_cases() -> list[dict]:
                              lambda X: ext.syrk(X, X.mT, torch.empty(X.shape[0], X.shape[0], device=X.device)),
                              lambda X: X.float() @ X.float().mT, TOLERANCE[torch.float32],
                              baseline=lambda X: X @ X.mT))
+            if dtype == torch.float32:
+                out.append(_case(f"time/syrk/tf32/{_dims(shape)}", "syrk", dtype, shape, make,
+                                 lambda X: ext.syrk(X, X.mT, torch.empty(X.shape[0], X.shape[0], device=X.device),
+                                                    precision="tf32"),
+                                 lambda X: X @ X.mT, TF32_TOLERANCE, precision="tf32"))
         # The fused chain and the composed path, at sizes on both sides of where a measured routing may switch.
         for path, label, shape in (("chain", "polar", (64, 64, 256)), ("chain", "decay_p2", (96, 32, 1024)),
                                    ("chain", "polar", (96, 128, 768)), ("composed", "polar", (2048, 2048)),

@@ -16,7 +16,8 @@ _spec.loader.exec_module(cuda_cases)
 # The ops whose chain-sized cases run (band forms need a spectral gap the small test spectra lack).
 CHAIN_OPS = ("polar", "spectral_power", "decay_")
 
-KEYS = {"name", "op", "dtype", "shape", "make_inputs", "run", "reference", "tolerance", "baseline", "op_options"}
+KEYS = {"name", "op", "dtype", "shape", "make_inputs", "run", "reference", "tolerance", "baseline", "op_options",
+        "precision"}
 EXTENSION_OPS = {"gemm", "syrk", "poly_step", "sign_step", "small_chain", "decay_epilogue_"}
 
 
@@ -65,3 +66,6 @@ def test_timing_baselines_run_at_the_cases_precision():
         X = torch.ones(8, 16, dtype=case["dtype"])
         assert case["baseline"](X).dtype == case["dtype"], case["name"]
         assert case["reference"](X).dtype == torch.float32  # checked against the exact Gram
+    # fp32 (3xTF32) and one TF32 pass are both timed, each against cuBLAS at its precision.
+    assert {(case["op"], case["precision"]) for case in cuda_cases.timing_cases() if case["dtype"] == torch.float32
+            and case["op"] in ("gemm", "syrk")} == {("gemm", None), ("gemm", "tf32"), ("syrk", None), ("syrk", "tf32")}

@@ -297,7 +297,7 @@ def _register_cuda_cases() -> None:
             shapes=[spec["shape"]], tiny_shapes=[], tolerance={spec["dtype"]: spec["tolerance"]},
             dtypes=(spec["dtype"],), timed=timed, headline=[spec["shape"]] if spec["name"] in CUDA_HEADLINE else [],
             primitive=CUDA_PRIMITIVES.get(op), op=None if op in CUDA_PRIMITIVES or op == "small_chain" else op,
-            op_options=spec["op_options"],
+            op_options=spec["op_options"], precision=spec["precision"],
         ))
 
 
