@@ -257,12 +257,12 @@ def test_tensor_core_mainloops_use_ldmatrix_and_cp_async(kernels):
 # The least share of HMMA in the hot loop, per math mode. #44 measured the old loop (64 x 32 warp tiles,
 # 64-bit addresses and edge checks per cp.async chunk, B fragments copied into register pairs) on
 # sm_80 at 0.090-0.101 for the 16-bit modes, 0.064-0.078 for tf32 and 0.121-0.143 for 3xTF32; this
-# loop gives 0.33-0.37, 0.14-0.19 and 0.21-0.25. Per slab of a 16-bit mode a warp issues 64 HMMA,
-# 16 LDSM and 8 LDGSTS, and at most one integer instruction each of their addresses needs (two for a
-# 64-bit global one): 64 / (64 + 16 * 2 + 8 * 3) = 0.53 at best; the bound leaves room for the loop's
-# control and barrier. tf32 rounds every operand register (and 3xTF32 splits it) on the way, and
-# reads an fp32 [k][128] slab with LDS.32, four to an ldmatrix's one.
-LEAST_HMMA_SHARE = {"kHalf": 0.30, "kBf16": 0.30, "kTf32": 0.12, "kTf32x3": 0.18}
+# loop gives 0.37-0.41, 0.12-0.22 and 0.20-0.25 on sm_80 and sm_90 (nvcc 13.0). Per slab of a 16-bit
+# mode a warp issues 64 HMMA, 16 LDSM and 8 LDGSTS, and at most one integer instruction for each of
+# their addresses (two for a 64-bit global one): 64 / (64 + 16 * 2 + 8 * 3) = 0.53 at best; the bound
+# leaves room for the loop's control and barrier. tf32 rounds every operand register (and 3xTF32
+# splits it) on the way, and reads an fp32 [k][128] slab with LDS.32, four to an ldmatrix's one.
+LEAST_HMMA_SHARE = {"kHalf": 0.33, "kBf16": 0.33, "kTf32": 0.11, "kTf32x3": 0.18}
 FRAGMENT_COPY_OPCODES = ("MOV", "IMAD.MOV", "UMOV")
 
 
