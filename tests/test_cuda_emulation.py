@@ -202,6 +202,16 @@ def test_every_access_stays_inside_the_tensors(emulated, dtype, precision, case)
     assert relative_error(gram, reference_product(a, a.mT)) < TOLERANCE[dtype]
 
 
+def test_a_reduction_dim_of_2_to_the_31_is_refused_before_any_launch(emulated):
+    # The tiled kernel counts its slabs in int32. Zero-stride descriptors at fake aligned addresses:
+    # (address, shape, strides, dtype code, device); nothing is allocated or launched.
+    k = 2**31
+    a, b = (1 << 20, [4, k], [0, 0], 0, 0), (1 << 40, [k, 5], [0, 0], 0, 0)
+    out = (1 << 41, [4, 5], [5, 1], 0, 0)
+    with pytest.raises(ValueError, match=r"reduction dim of a @ b is 2147483648; .* below 2\^31"):
+        emulated.gemm(a, b, out, None, 1.0, None, 0.0, None, 1, 0)
+
+
 def test_the_bounds_check_catches_an_access_past_a_tensor(emulated):
     # The same check with A's last element left out of the allowed spans: the kernel reads it.
     g = torch.Generator().manual_seed(15)
