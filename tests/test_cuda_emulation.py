@@ -415,6 +415,9 @@ def run_everything():
                            precision="ieee"))
     G = torch.empty(2, 140, 140)
     results.append(_extension.syrk(X.mT, X, G))
+    # An aligned 136 x 64 operand: tile (0, 0) takes the interior path.
+    Z = torch.randn(2, 136, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    results.append(_extension.syrk(Z, Z.mT, torch.empty(2, 136, 136)))
     d = torch.randn(2, 100, 140, generator=torch.Generator().manual_seed(0))
     noise = torch.randint(-2**15, 2**15, X.shape, dtype=torch.int16, generator=torch.Generator().manual_seed(3))
     results.append(_extension.decay_epilogue_(X.clone(), d, 0.9, -0.1, noise=noise))
