@@ -10,22 +10,44 @@
 
 namespace spectral_ops {
 
+// A global-memory element or vector of type T at p. Every global access of the matrix kernels goes
+// through here (cp.async through ptx::cp_async_16), so that the CPU emulation can check each against
+// the tensors of the launch (tests/cuda_emulation); on a GPU it is a plain access.
+template <typename T>
+__device__ __forceinline__ T read_global(const void* p) {
+#ifdef SPECTRAL_OPS_EMULATION
+  emulation::check_global(p, sizeof(T));
+#endif
+  return *static_cast<const T*>(p);
+}
+
+template <typename T>
+__device__ __forceinline__ void write_global(void* p, T value) {
+#ifdef SPECTRAL_OPS_EMULATION
+  emulation::check_global(p, sizeof(T));
+#endif
+  *static_cast<T*>(p) = value;
+}
+
 // Operands of the matrix kernels are float32, float16 or bfloat16, chosen at run time: the branch is
 // uniform across a launch, and it keeps one kernel per math mode instead of one per dtype combination.
 __device__ __forceinline__ float load_as_float(const void* base, DType dtype, int64_t offset) {
   switch (dtype) {
-    case DType::kFloat16: return __half2float(static_cast<const __half*>(base)[offset]);
-    case DType::kBFloat16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[offset]);
-    default: return static_cast<const float*>(base)[offset];
+    case DType::kFloat16: return __half2float(read_global<__half>(static_cast<const __half*>(base) + offset));
+    case DType::kBFloat16:
+      return __bfloat162float(read_global<__nv_bfloat16>(static_cast<const __nv_bfloat16*>(base) + offset));
+    default: return read_global<float>(static_cast<const float*>(base) + offset);
   }
 }
 
 // Round to nearest even: the one rounding an fp32 result gets on its way to a 16-bit tensor.
 __device__ __forceinline__ void store_from_float(void* base, DType dtype, int64_t offset, float value) {
   switch (dtype) {
-    case DType::kFloat16: static_cast<__half*>(base)[offset] = __float2half_rn(value); break;
-    case DType::kBFloat16: static_cast<__nv_bfloat16*>(base)[offset] = __float2bfloat16_rn(value); break;
-    default: static_cast<float*>(base)[offset] = value; break;
+    case DType::kFloat16: write_global(static_cast<__half*>(base) + offset, __float2half_rn(value)); break;
+    case DType::kBFloat16:
+      write_global(static_cast<__nv_bfloat16*>(base) + offset, __float2bfloat16_rn(value));
+      break;
+    default: write_global(static_cast<float*>(base) + offset, value); break;
   }
 }
 

@@ -3,6 +3,7 @@
 // launch (Y = X, beta = a): the accumulator starts from the product and a X joins it in fp32, in the
 // epilogue, before the single rounding to out's dtype.
 #include <limits>
+#include <optional>
 
 #include "matmul.h"
 #include "ops.h"
@@ -23,6 +24,25 @@ bool vectorizable(const MatrixView& v, int batch_ndim, int64_t along, int64_t ac
     if (v.batch_strides[k] % vec != 0) return false;
   }
   return true;
+}
+
+// The dtype a tensor-core mode's slabs hold; none for FMA (its loads convert every vector).
+std::optional<DType> slab_dtype(MathMode mode) {
+  switch (mode) {
+    case MathMode::kHalf: return DType::kFloat16;
+    case MathMode::kBf16: return DType::kBFloat16;
+    case MathMode::kTf32x3:
+    case MathMode::kTf32: return DType::kFloat32;
+    case MathMode::kFma: break;
+  }
+  return std::nullopt;
+}
+
+// The interior path steps through an operand with int32 byte offsets of up to a tile's rows of either
+// stride (see AsyncLoader::start_interior).
+bool copyable(const MatrixView& v, bool vectorized, MathMode mode) {
+  const int64_t limit = std::numeric_limits<int32_t>::max() / (tiled::kTile * element_size(v.dtype));
+  return vectorized && slab_dtype(mode) == v.dtype && v.row_stride < limit && v.col_stride < limit;
 }
 
 }  // namespace
@@ -48,6 +68,10 @@ MatmulPlan prepare_matmul(const TensorDesc& a, const TensorDesc& b, const Tensor
       throw std::invalid_argument(std::string(t->name) + " has shape " + format_dims(t->shape) + " but " + product +
                                   " is " + std::to_string(m) + " x " + std::to_string(n));
     }
+  }
+  if (k > std::numeric_limits<int32_t>::max()) {
+    throw std::invalid_argument("the reduction dim of " + product + " is " + std::to_string(k) +
+                                "; the tiled kernel counts its slabs in int32, so it must stay below 2^31");
   }
   if (triangular && m != n) {
     throw std::invalid_argument("a symmetric product must be square, but " + product + " is " + std::to_string(m) +
@@ -114,6 +138,8 @@ MatmulPlan prepare_matmul(const TensorDesc& a, const TensorDesc& b, const Tensor
                             : vectorizable(p.a, p.batch.ndim, p.a.row_stride, p.a.col_stride, vec);
   p.b_vectorized = p.b_down ? vectorizable(p.b, p.batch.ndim, p.b.row_stride, p.b.col_stride, vec)
                             : vectorizable(p.b, p.batch.ndim, p.b.col_stride, p.b.row_stride, vec);
+  p.a_copyable = copyable(p.a, p.a_vectorized, plan.mode);
+  p.b_copyable = copyable(p.b, p.b_vectorized, plan.mode);
   plan.triangular = triangular;
   plan.device = out.device;
   plan.empty = p.batch.count == 0 || m == 0 || n == 0;

@@ -37,6 +37,10 @@ struct MatmulParams {
   // 16-bit data into fp32 slabs) loads when the view is aligned for them, else element by element.
   bool a_down, b_down;
   bool a_vectorized, b_vectorized;
+  // Whether cp.async copies every whole vector of the operand (tensor-core modes: vectorized and of the
+  // slab's dtype) and 128 rows of either of its strides span under 2^31 bytes: its whole slabs in
+  // tiles inside the matrix then take the interior path (int32 steps, no edge checks).
+  bool a_copyable, b_copyable;
 };
 
 struct MatmulPlan {

@@ -1,7 +1,7 @@
 // The tiled matrix-product kernel behind gemm.cu (rectangular grid) and syrk.cu (lower-triangle grid).
 //
-// One 256-thread block computes a 128 x 128 tile of out = alpha * (A B) + beta * Y for one matrix of
-// the batch, accumulating in fp32. The math mode, a template parameter, picks the main loop:
+// One block computes a 128 x 128 tile of out = alpha * (A B) + beta * Y for one matrix of the batch,
+// accumulating in fp32. The math mode, a template parameter, picks the main loop:
 //   * tensor cores (float16 and bfloat16 operands; fp32 operands as TF32, one pass, or 3xTF32 with a
 //     hi/lo split): a kStages-deep cp.async pipeline of `depth`-deep slabs. Each operand's slab keeps
 //     the operand's own layout -- k-contiguous ([128][depth]) when its reduction dim has unit stride,
@@ -11,14 +11,18 @@
 //     m16n8k8 (tf32). TF32 fragments load with ldmatrix from a k-contiguous slab (one 8 x 8 b16 matrix
 //     is an 8 x 4 block of fp32, the tf32 fragment's layout) and with four swizzled, conflict-free
 //     LDS.32 from a [depth][128] slab (a b16 .trans would swap the halves of each fp32).
-//     A vector that cp.async cannot copy -- an operand of another dtype than the slab's, or a view not
-//     aligned for 16-byte access -- is loaded, converted and stored by the thread itself when its slab
-//     is issued, kStages - 1 slabs ahead of its use; a vector cut by the matrix edge is copied short
-//     and zero-filled.
+//     128 threads, 2 x 2 warps of 64 x 64 (8 ldmatrix.x4 per 32 mma per k step).
+//     A tile inside the matrix whose operands cp.async can copy takes the interior path for its whole
+//     slabs: each thread's chunks are one pointer per operand plus constant steps, no edge checks.
+//     Every other slab takes the checked path: a vector that cp.async cannot copy -- an operand of
+//     another dtype than the slab's, or a view not aligned for 16-byte access -- is loaded, converted
+//     and stored by the thread itself when its slab is issued, kStages - 1 slabs ahead of its use; a
+//     vector cut by the matrix edge is copied short and zero-filled.
 //   * fp32 FMA (precision=ieee; 16-bit operands converted on load): register-staged double buffering
 //     of [depth][128] slabs (the global loads of slab k+1 are in flight while slab k is multiplied)
-//     and an 8 x 8 register tile per thread.
-// __launch_bounds__(256, 2) caps a thread at 128 registers, so that two blocks share an SM.
+//     and an 8 x 8 register tile per thread of 256.
+// __launch_bounds__(threads, 2): two blocks share an SM (FMA: at most 128 registers a thread, tensor
+// cores 255).
 // The epilogue stages the accumulators through shared memory 32 rows at a time, so that it can apply
 // alpha, beta * Y and the dtype conversion per element, write coalesced, and (triangular grid) write
 // the mirrored element coalesced too.
@@ -35,8 +39,9 @@ namespace spectral_ops {
 namespace tiled {
 
 constexpr int kTile = 128;
-constexpr int kThreads = 256;
-// Blocks per SM the register allocation must allow: 65536 / (2 * 256) = 128 registers a thread.
+constexpr int kFmaThreads = 256;
+constexpr int kMmaThreads = 128;
+// Blocks per SM the register allocation must allow: 65536 / (2 * threads) registers a thread.
 constexpr int kMinBlocks = 2;
 constexpr int kStageRows = 32;
 constexpr int kStageLd = kTile + 4;
@@ -79,6 +84,9 @@ template <>
 struct Traits<MathMode::kBf16> : HalfTraits<__nv_bfloat16> {};
 
 // Elements of one operand's slab: FMA's rows are padded, the tensor-core slabs swizzled instead.
+template <MathMode kMode>
+constexpr int kThreadsOf = kMode == MathMode::kFma ? kFmaThreads : kMmaThreads;
+
 template <MathMode kMode>
 constexpr int kSlabElems = Traits<kMode>::kDepth * (kMode == MathMode::kFma ? kFmaLd : kTile);
 
@@ -156,7 +164,7 @@ __device__ __forceinline__ Vector<Smem> fetch_vector(const TileSource& s, int64_
         if constexpr (std::is_same_v<Smem, float>) {
           x = load_as_float(p + l * step, s.dtype, 0);
         } else {
-          out.v[l] = *reinterpret_cast<const Smem*>(p + l * step);
+          out.v[l] = read_global<Smem>(p + l * step);
           continue;
         }
       }
@@ -166,18 +174,18 @@ __device__ __forceinline__ Vector<Smem> fetch_vector(const TileSource& s, int64_
   }
   if constexpr (std::is_same_v<Smem, float>) {
     if (s.dtype == DType::kFloat32) {
-      const float4 q = *reinterpret_cast<const float4*>(p);
+      const float4 q = read_global<float4>(p);
       out.v[0] = q.x;
       out.v[1] = q.y;
       out.v[2] = q.z;
       out.v[3] = q.w;
     } else {
-      const Pack4x16 q = *reinterpret_cast<const Pack4x16*>(p);
+      const Pack4x16 q = read_global<Pack4x16>(p);
 #pragma unroll
       for (int l = 0; l < 4; ++l) out.v[l] = bits_to_float(q.v[l], s.dtype);
     }
   } else {
-    const Pack8x16 q = *reinterpret_cast<const Pack8x16*>(p);
+    const Pack8x16 q = read_global<Pack8x16>(p);
 #pragma unroll
     for (int l = 0; l < 8; ++l) {
       if constexpr (std::is_same_v<Smem, __half>) {
@@ -199,13 +207,14 @@ __device__ __forceinline__ Vector<Smem> fetch_vector(const TileSource& s, int64_
 template <int ROWS, bool kDown>
 struct RegisterLoader {
   static constexpr int vec = kVec<float>;
-  static constexpr int kVectors = ROWS * kTile / kThreads / vec;
-  static_assert(kVectors * vec * kThreads == ROWS * kTile && ROWS % vec == 0, "a slab must split into whole vectors");
+  static constexpr int kVectors = ROWS * kTile / kFmaThreads / vec;
+  static_assert(kVectors * vec * kFmaThreads == ROWS * kTile && ROWS % vec == 0,
+                "a slab must split into whole vectors");
   float v[kVectors * vec];
 
   // First element of this thread's vector i. The thread index is re-read (see AsyncLoader::issue).
   __device__ static void position(int i, int& row, int& col) {
-    const int e = ptx::thread_index() + i * kThreads;
+    const int e = ptx::thread_index() + i * kFmaThreads;
     if constexpr (kDown) {
       row = (e % (ROWS / vec)) * vec;
       col = e / (ROWS / vec);
@@ -339,13 +348,47 @@ struct SwizzledSlab {
 };
 
 // Issues one slab of one operand into its SwizzledSlab. Consecutive threads take consecutive 16-byte
-// chunks along the rows (along the operand's unit-stride dim), so the global reads coalesce.
+// chunks along the rows (along the operand's unit-stride dim), so the global reads coalesce. A thread's
+// chunks lie kRowStep slab rows apart, where the swizzle repeats: in shared memory they are a constant
+// apart, in global memory a constant stride apart.
 template <typename Smem, int kDepth, bool kKContig>
 struct AsyncLoader {
   using Slab = SwizzledSlab<Smem, kDepth, kKContig>;
-  static constexpr int kVectors = Slab::kElems / kVec<Smem> / kThreads;
-  static_assert(kVectors * kVec<Smem> * kThreads == Slab::kElems, "a slab must split into whole vectors");
+  static constexpr int kVectors = Slab::kElems / kVec<Smem> / kMmaThreads;
+  static constexpr int kRowStep = kMmaThreads / Slab::kChunks;
+  static_assert(kVectors * kVec<Smem> * kMmaThreads == Slab::kElems, "a slab must split into whole vectors");
+  static_assert(kMmaThreads % Slab::kChunks == 0 && kRowStep % Slab::kReadRows == 0 &&
+                    (Slab::kChunks != 4 || kRowStep % 8 == 0),
+                "a thread's chunks must share one swizzle");
 
+  // The interior path's state: this thread's first chunk of the next slab it issues, and the byte
+  // steps between its chunks (int32: the host checked that 128 rows of either stride fit) and slabs;
+  // the element offset of that chunk in a slab.
+  const char* next;
+  int chunk_step;
+  int64_t slab_step;
+  int slab_offset;
+
+  __device__ void start_interior(const TileSource& s, int64_t outer0) {
+    const int row = threadIdx.x / Slab::kChunks, c = threadIdx.x % Slab::kChunks;
+    slab_offset = Slab::chunk(row, c);
+    const int64_t k = kKContig ? c * kVec<Smem> : row, outer = outer0 + (kKContig ? row : c * kVec<Smem>);
+    next = s.base + (k * s.row_stride + outer * s.col_stride) * static_cast<int64_t>(sizeof(Smem));
+    chunk_step = static_cast<int>(kRowStep * (kKContig ? s.col_stride : s.row_stride) * sizeof(Smem));
+    slab_step = kDepth * s.row_stride * static_cast<int64_t>(sizeof(Smem));
+  }
+
+  // The next whole slab of a tile inside the matrix, whose operand cp.async can copy.
+  __device__ void issue_interior(Smem* slab) {
+    Smem* dst = slab + slab_offset;
+#pragma unroll
+    for (int i = 0; i < kVectors; ++i) {
+      ptx::cp_async_16(dst + i * kRowStep * Slab::kRowElems, next + i * chunk_step, 16);
+    }
+    next += slab_step;
+  }
+
+  // Any slab: checks each vector against the matrix edge, and converts where cp.async cannot copy.
   __device__ void issue(const TileSource& s, int64_t k0, int64_t outer0, Smem* slab) const {
     const bool direct = s.vectorized && s.dtype == kDTypeOf<Smem>;
     // Re-read per slab so that the compiler recomputes this thread's addresses (a few integer
@@ -353,7 +396,7 @@ struct AsyncLoader {
     const int thread = ptx::thread_index();
 #pragma unroll
     for (int i = 0; i < kVectors; ++i) {
-      const int e = thread + i * kThreads;
+      const int e = thread + i * kMmaThreads;
       const int row = e / Slab::kChunks, c = e % Slab::kChunks;
       const int64_t k = k0 + (kKContig ? c * kVec<Smem> : row);
       const int64_t outer = outer0 + (kKContig ? row : c * kVec<Smem>);
@@ -371,31 +414,36 @@ struct AsyncLoader {
   __device__ void finish(Smem*) const {}
 };
 
-// The 16 (outer) x 16-byte (k) block at (outer0, k0) of a slab as four 8 x 8 b16 matrices, in the
-// order (outer 0-7, k low), (outer 8-15, k low), (outer 0-7, k high), (outer 8-15, k high); of each,
-// lane l holds outer l / 4 and the 4 bytes at 4 (l % 4) along k. That is the A fragment of
-// mma.m16n8k16 (f16, bf16: k 0-7 and 8-15) and of mma.m16n8k8 (tf32: k 0-3 and 4-7), and two B
-// fragments (8 columns each: registers 0 and 2, then 1 and 3).
-template <typename Slab>
+// The 16 (outer) x 16-byte (k) block at (outer0, k0) of a slab as four 8 x 8 b16 matrices; of each,
+// lane l holds outer l / 4 and the 4 bytes at 4 (l % 4) along k. In A order -- (outer 0-7, k low),
+// (outer 8-15, k low), (outer 0-7, k high), (outer 8-15, k high) -- that is the A fragment of
+// mma.m16n8k16 (f16, bf16: k 0-7 and 8-15) and of mma.m16n8k8 (tf32: k 0-3 and 4-7). In B order --
+// (outer 0-7, k low), (outer 0-7, k high), (outer 8-15, k low), (outer 8-15, k high) -- it is two B
+// fragments of 8 columns, registers 0-1 and 2-3: each pair already where the mma reads it (no copies).
+template <typename Slab, bool kBOrder>
 __device__ __forceinline__ void load_block(uint32_t (&r)[4], const typename Slab::Elem* slab, int outer0, int k0) {
   const int lane = threadIdx.x % 32;
   constexpr int kHalf = Slab::kChunkElems;
+  // The matrix whose row address this lane supplies (ldmatrix), and its two halves.
+  const int matrix = lane / 8;
+  const int outer_half = kBOrder ? matrix / 2 : matrix % 2, k_half = kBOrder ? matrix % 2 : matrix / 2;
   if constexpr (Slab::kKContiguous) {
-    ptx::ldmatrix_x4<false>(r, slab + Slab::at(outer0 + lane % 8 + lane / 8 % 2 * 8, k0 + lane / 16 * kHalf));
+    ptx::ldmatrix_x4<false>(r, slab + Slab::at(outer0 + lane % 8 + outer_half * 8, k0 + k_half * kHalf));
   } else if constexpr (sizeof(typename Slab::Elem) == 2) {
     // Rows are k here: each matrix is read as 8 k-rows of 8 outer elements and transposed.
-    ptx::ldmatrix_x4<true>(r, slab + Slab::at(outer0 + lane / 8 % 2 * 8, k0 + lane % 8 + lane / 16 * 8));
+    ptx::ldmatrix_x4<true>(r, slab + Slab::at(outer0 + outer_half * 8, k0 + lane % 8 + k_half * 8));
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      r[i] = __float_as_uint(slab[Slab::at(outer0 + lane / 4 + i % 2 * 8, k0 + lane % 4 + i / 2 * 4)]);
+      const int outer = kBOrder ? i / 2 : i % 2, k = kBOrder ? i % 2 : i / 2;
+      r[i] = __float_as_uint(slab[Slab::at(outer0 + lane / 4 + outer * 8, k0 + lane % 4 + k * 4)]);
     }
   }
 }
 
-// Tensor cores: 8 warps as 2 (rows) x 4 (cols), each owning a 64 x 32 block as 4 x 4 mma tiles of
-// 16 x 8. Accumulator element e of tile (i, j) is row 16 i + lane / 4 + 8 (e / 2), column
-// 8 j + 2 (lane % 4) + e % 2 of the warp's block.
+// Tensor cores: 4 warps as 2 x 2, each owning a 64 x 64 block as 4 x 8 mma tiles of 16 x 8. Accumulator
+// element e of tile (i, j) is row 16 i + lane / 4 + 8 (e / 2), column 8 j + 2 (lane % 4) + e % 2 of the
+// warp's block.
 template <MathMode kMode, bool kAKContig, bool kBKContig>
 struct MmaAccumulator {
   using Smem = typename Traits<kMode>::Smem;
@@ -404,16 +452,19 @@ struct MmaAccumulator {
   using BSlab = SwizzledSlab<Smem, kDepth, kBKContig>;
   static constexpr bool kTf32 = kMode == MathMode::kTf32 || kMode == MathMode::kTf32x3;
   static constexpr int kK = kTf32 ? 8 : 16;
-  float c[4][4][4];
+  static constexpr int kWarpTile = 64;
+  static constexpr int kRowTiles = kWarpTile / 16, kColTiles = kWarpTile / 8;
+  static_assert(kMmaThreads / 32 * kWarpTile * kWarpTile == kTile * kTile, "the warps cover the tile");
+  float c[kRowTiles][kColTiles][4];
 
-  __device__ static int warp_row() { return (threadIdx.x / 32) / 4 * 64; }
-  __device__ static int warp_col() { return (threadIdx.x / 32) % 4 * 32; }
+  __device__ static int warp_row() { return (threadIdx.x / 32) / 2 * kWarpTile; }
+  __device__ static int warp_col() { return (threadIdx.x / 32) % 2 * kWarpTile; }
 
   __device__ void zero() {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kRowTiles; ++i) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < kColTiles; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) c[i][j][e] = 0.0f;
       }
@@ -448,24 +499,24 @@ struct MmaAccumulator {
   __device__ void multiply(const Smem* a_slab, const Smem* b_slab) {
 #pragma unroll
     for (int k = 0; k < kDepth; k += kK) {
-      // The four B fragments stay loaded; A fragments are loaded one at a time to save registers.
-      uint32_t b[4][2], b_lo[4][2];
+      // The eight B fragments stay loaded; A fragments are loaded one at a time to save registers.
+      uint32_t b[kColTiles][2], b_lo[kColTiles][2];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
+      for (int pair = 0; pair < kColTiles / 2; ++pair) {
         uint32_t r[4];
-        load_block<BSlab>(r, b_slab, warp_col() + 16 * half, k);
-        b[2 * half][0] = r[0], b[2 * half][1] = r[2];
-        b[2 * half + 1][0] = r[1], b[2 * half + 1][1] = r[3];
+        load_block<BSlab, true>(r, b_slab, warp_col() + 16 * pair, k);
+        b[2 * pair][0] = r[0], b[2 * pair][1] = r[1];
+        b[2 * pair + 1][0] = r[2], b[2 * pair + 1][1] = r[3];
       }
 #pragma unroll
-      for (int j = 0; j < 4; ++j) prepare(b[j], b_lo[j]);
+      for (int j = 0; j < kColTiles; ++j) prepare(b[j], b_lo[j]);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < kRowTiles; ++i) {
         uint32_t a[4], a_lo[4];
-        load_block<ASlab>(a, a_slab, warp_row() + 16 * i, k);
+        load_block<ASlab, false>(a, a_slab, warp_row() + 16 * i, k);
         prepare(a, a_lo);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < kColTiles; ++j) {
           // 3xTF32 drops lo * lo, and adds the small products first so the large one cannot absorb them.
           if constexpr (kMode == MathMode::kTf32x3) {
             mma(c[i][j], a_lo, b[j]);
@@ -481,14 +532,14 @@ struct MmaAccumulator {
   __device__ void stage(float* staging, int chunk) const {
     const int lane = threadIdx.x % 32;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kRowTiles; ++i) {
       const int row = warp_row() + i * 16 + lane / 4;
       if (row / kStageRows != chunk) continue;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float* dst = staging + (row % kStageRows + 8 * half) * kStageLd + warp_col() + 2 * (lane % 4);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < kColTiles; ++j) {
           *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(c[i][j][2 * half], c[i][j][2 * half + 1]);
         }
       }
@@ -549,7 +600,7 @@ __device__ __forceinline__ void grouped_tile(int64_t index, int64_t tiles_m, int
 // Rows [32 chunk, +32) of the tile, staged in shared memory, to `out`. Triangular grids process only
 // the lower triangle (Y is read there only) and then write each strictly-lower element mirrored, with
 // threads walking down the staged columns so that the mirrored writes coalesce too.
-template <bool kTriangular>
+template <bool kTriangular, int kThreads>
 __device__ void store_chunk(const MatmulParams& p, float* staging, int chunk, int64_t m0, int64_t n0, char* out,
                             const char* y, float alpha, float beta) {
   constexpr int kPerThread = kStageRows * kTile / kThreads;
@@ -610,40 +661,59 @@ __device__ void matmul_tiles(const MatmulParams& p) {
   const auto bs = [&] {
     return TileSource{origin.b, p.b.dtype, p.b.row_stride, p.b.col_stride, p.k, p.n, p.b_vectorized};
   };
-  const int64_t slabs = (p.k + kDepth - 1) / kDepth;
+  // The host keeps k below 2^31 (prepare_matmul), so slab indices are int.
+  const int slabs = static_cast<int>((p.k + kDepth - 1) / kDepth);
   Loader<kMode, kADown> a_loader;
   Loader<kMode, kBDown> b_loader;
   Accumulator<kMode, kADown, kBDown> acc;
   acc.zero();
+  // The whole slabs of a tile inside the matrix take the interior path where the host found both
+  // operands copyable by cp.async with 32-bit steps.
+  int interior_slabs = 0;
+  if constexpr (kAsync) {
+    if (origin.m0 + kTile <= p.m && origin.n0 + kTile <= p.n && p.a_copyable && p.b_copyable) {
+      interior_slabs = static_cast<int>(p.k / kDepth);
+      a_loader.start_interior(a(), origin.m0);
+      b_loader.start_interior(bs(), origin.n0);
+    }
+  }
+  // Slab `slab` into buffer `stage`; the interior path is taken for slabs 0, 1, ... in order.
+  const auto issue = [&](int slab, int stage) {
+    Smem* a_slab = a_slabs + stage * kSlab;
+    Smem* b_slab = b_slabs + stage * kSlab;
+    if constexpr (kAsync) {
+      if (slab < interior_slabs) {
+        a_loader.issue_interior(a_slab);
+        b_loader.issue_interior(b_slab);
+        return;
+      }
+    }
+    a_loader.issue(a(), static_cast<int64_t>(slab) * kDepth, origin.m0, a_slab);
+    b_loader.issue(bs(), static_cast<int64_t>(slab) * kDepth, origin.n0, b_slab);
+  };
 
   // Slab s goes to buffer s % kStages. One cp.async group is committed per slab, empty past the end,
   // so that "all but the newest kStages - 2 groups have landed" always means "slab s has".
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < slabs) {
-      a_loader.issue(a(), s * kDepth, origin.m0, a_slabs + s * kSlab);
-      b_loader.issue(bs(), s * kDepth, origin.n0, b_slabs + s * kSlab);
+      issue(s, s);
       a_loader.finish(a_slabs + s * kSlab);
       b_loader.finish(b_slabs + s * kSlab);
     }
     if constexpr (kAsync) ptx::cp_async_commit();
   }
-  for (int64_t s = 0; s < slabs; ++s) {
+  for (int s = 0; s < slabs; ++s) {
     if constexpr (kAsync) ptx::cp_async_wait<kStages - 2>();
     // Slab s is complete for every thread, and every warp is done with slab s - 1, whose buffer
     // the next slab refills.
     __syncthreads();
-    const int64_t next = s + kStages - 1;
-    Smem* a_next = a_slabs + next % kStages * kSlab;
-    Smem* b_next = b_slabs + next % kStages * kSlab;
-    if (next < slabs) {
-      a_loader.issue(a(), next * kDepth, origin.m0, a_next);
-      b_loader.issue(bs(), next * kDepth, origin.n0, b_next);
-    }
+    const int next = s + kStages - 1, next_stage = next % kStages;
+    if (next < slabs) issue(next, next_stage);
     if constexpr (kAsync) ptx::cp_async_commit();
     acc.multiply(a_slabs + s % kStages * kSlab, b_slabs + s % kStages * kSlab);
     if (next < slabs) {
-      a_loader.finish(a_next);
-      b_loader.finish(b_next);
+      a_loader.finish(a_slabs + next_stage * kSlab);
+      b_loader.finish(b_slabs + next_stage * kSlab);
     }
   }
   // Every warp is done with the slabs that the staging buffer overlaps, and (the last wait above
@@ -658,13 +728,13 @@ __device__ void matmul_tiles(const MatmulParams& p) {
     if (m0 + chunk * kStageRows >= p.m) break;
     acc.stage(staging, chunk);
     __syncthreads();
-    store_chunk<kTriangular>(p, staging, chunk, m0, n0, out, y, alpha, beta);
+    store_chunk<kTriangular, kThreadsOf<kMode>>(p, staging, chunk, m0, n0, out, y, alpha, beta);
     __syncthreads();
   }
 }
 
 template <MathMode kMode, bool kTriangular, bool kADown, bool kBDown>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) matmul_kernel(const MatmulParams p) {
+__global__ void __launch_bounds__(kThreadsOf<kMode>, kMinBlocks) matmul_kernel(const MatmulParams p) {
   if constexpr (kMode == MathMode::kFma || SPECTRAL_OPS_TENSOR_CORES) {
     matmul_tiles<kMode, kTriangular, kADown, kBDown>(p);
   } else {
@@ -686,7 +756,7 @@ void launch(const char* op, const MatmulPlan& plan, cudaStream_t stream) {
   SPECTRAL_OPS_CUDA_CHECK(op, cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                    static_cast<int>(kSharedBytes<kMode>)));
-  launch_kernel(kernel, grid, kThreads, kSharedBytes<kMode>, stream, p);
+  launch_kernel(kernel, grid, kThreadsOf<kMode>, kSharedBytes<kMode>, stream, p);
 }
 
 template <MathMode kMode, bool kTriangular>

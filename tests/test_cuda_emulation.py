@@ -145,6 +145,84 @@ def test_tensor_core_operands_in_every_layout(a_dtype, b_dtype, precision, a_uni
     assert torch.equal(out, (a.double() @ b.double()).float())  # exact: small integers (SPEC 8)
 
 
+# A 128 x 128 tile inside both matrices, with aligned views of the slab's dtype: its whole slabs take the
+# interior path (one pointer per operand, constant steps, no edge checks) and the last, partial slab
+# (k = 56 ends inside one) the checked path, in every operand layout.
+@pytest.mark.parametrize("a_unit, b_unit", [(1, 0), (1, 1), (0, 0), (0, 1)], ids=["kk", "kn", "mk", "mn"])
+@pytest.mark.parametrize("dtype, precision", [(torch.float16, "ieee"), (torch.bfloat16, "ieee"),
+                                              (torch.float32, "tf32x3"), (torch.float32, "tf32")])
+def test_interior_tiles_in_every_layout(dtype, precision, a_unit, b_unit):
+    g = torch.Generator().manual_seed(13)
+    a = strided_integers(128, 56, dtype, a_unit, 0, g)
+    b = strided_integers(56, 128, dtype, b_unit, 0, g)
+    out = torch.empty(2, 128, 128)
+    _extension.gemm(a, b, out, precision=precision)
+    assert torch.equal(out, (a.double() @ b.double()).float())  # exact: small integers (SPEC 8)
+
+
+def edge_operands(case, dtype, generator):
+    """(A, B, Y) of small integers as views that end exactly where their storage does, so that any
+    access past a view is outside every tensor of the call."""
+    def view(rows, cols, row_stride, col_stride, batch_stride, offset):
+        size = offset + batch_stride + (rows - 1) * row_stride + (cols - 1) * col_stride + 1
+        return integers((size,), generator, dtype).as_strided((2, rows, cols), (batch_stride, row_stride, col_stride),
+                                                              offset)
+
+    if case == "one row":  # a 1 x 131 row times 131 x 9: one partial tile, k ending inside a vector
+        return view(1, 131, 131, 1, 131, 0), view(131, 9, 9, 1, 131 * 9, 0), view(1, 9, 9, 1, 9, 0)
+    if case == "odd sides":  # 129 x 33 times 33 x 130: partial tiles on every side, k inside a slab
+        return (view(129, 33, 33, 1, 129 * 33, 0), view(33, 130, 130, 1, 33 * 130, 0),
+                view(129, 130, 130, 1, 129 * 130, 0))
+    if case == "huge strides":  # rows 5000 elements apart, columns of a transposed view, batch offsets
+        return (view(130, 40, 5000, 1, 130 * 5000 + 8, 3), view(40, 129, 1, 4000, 129 * 4000, 8),
+                view(130, 129, 1, 3000, 129 * 3000, 0))
+    # "interior": a full 128 x 128 tile of aligned views (the interior path), inside a larger storage
+    return (view(128, 64, 72, 1, 128 * 72, 0), view(64, 128, 136, 1, 64 * 136, 0),
+            view(128, 128, 128, 1, 128 * 128, 0))
+
+
+# Every global load, store and cp.async of the tiled kernels stays inside the tensors of the call
+# (harness.bounds_checked), in every math mode, for the shapes where an index is most likely to slip:
+# one row, odd sides, strides far larger than the matrix, transposed views, batch offsets.
+@pytest.mark.parametrize("case", ["one row", "odd sides", "huge strides", "interior"])
+@pytest.mark.parametrize(
+    "dtype, precision", [(torch.float16, "ieee"), (torch.bfloat16, "ieee"), (torch.float32, "tf32x3"),
+                         (torch.float32, "tf32"), (torch.float32, "ieee")],
+    ids=["fp16", "bf16", "tf32x3", "tf32", "ieee"])
+def test_every_access_stays_inside_the_tensors(emulated, dtype, precision, case):
+    g = torch.Generator().manual_seed(14)
+    a, b, y = edge_operands(case, dtype, g)
+    out = torch.empty(2, a.shape[1], b.shape[2], dtype=dtype)
+    gram = torch.empty(2, a.shape[1], a.shape[1], dtype=dtype)
+    with harness.bounds_checked(emulated, *map(harness.byte_span, (a, b, y, out, gram))):
+        _extension.gemm(a, b, out, beta=0.5, y=y, precision=precision)
+        _extension.syrk(a, a.mT, gram, precision=precision)
+    # Small integers make every product and sum exact (SPEC 8): what is left is out's rounding to its dtype.
+    assert relative_error(out, reference_product(a, b, y, 1.0, 0.5)) < TOLERANCE[dtype]
+    assert relative_error(gram, reference_product(a, a.mT)) < TOLERANCE[dtype]
+
+
+def test_a_reduction_dim_of_2_to_the_31_is_refused_before_any_launch(emulated):
+    # The tiled kernel counts its slabs in int32. Zero-stride descriptors at fake aligned addresses:
+    # (address, shape, strides, dtype code, device); nothing is allocated or launched.
+    k = 2**31
+    a, b = (1 << 20, [4, k], [0, 0], 0, 0), (1 << 40, [k, 5], [0, 0], 0, 0)
+    out = (1 << 41, [4, 5], [5, 1], 0, 0)
+    with pytest.raises(ValueError, match=r"reduction dim of a @ b is 2147483648; .* below 2\^31"):
+        emulated.gemm(a, b, out, None, 1.0, None, 0.0, None, 1, 0)
+
+
+def test_the_bounds_check_catches_an_access_past_a_tensor(emulated):
+    # The same check with A's last element left out of the allowed spans: the kernel reads it.
+    g = torch.Generator().manual_seed(15)
+    a, b, y = edge_operands("odd sides", torch.float16, g)
+    out = torch.empty(2, a.shape[1], b.shape[2], dtype=torch.float16)
+    first, end = harness.byte_span(a)
+    spans = [(first, end - a.element_size()), *map(harness.byte_span, (b, out))]
+    with harness.bounds_checked(emulated, *spans), pytest.raises(RuntimeError, match="outside every tensor"):
+        _extension.gemm(a, b, out)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tall", [False, True])
 def test_syrk_of_views_is_exactly_symmetric(dtype, tall):
@@ -337,6 +415,9 @@ def run_everything():
                            precision="ieee"))
     G = torch.empty(2, 140, 140)
     results.append(_extension.syrk(X.mT, X, G))
+    # An aligned 136 x 64 operand: tile (0, 0) takes the interior path.
+    Z = torch.randn(2, 136, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    results.append(_extension.syrk(Z, Z.mT, torch.empty(2, 136, 136)))
     d = torch.randn(2, 100, 140, generator=torch.Generator().manual_seed(0))
     noise = torch.randint(-2**15, 2**15, X.shape, dtype=torch.int16, generator=torch.Generator().manual_seed(3))
     results.append(_extension.decay_epilogue_(X.clone(), d, 0.9, -0.1, noise=noise))

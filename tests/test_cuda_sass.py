@@ -1,15 +1,19 @@
-"""What nvcc makes of the CUDA kernels for sm_90, read from the SASS: the only performance check that
-runs without a GPU, so it is strict.
+"""What nvcc makes of the CUDA kernels for sm_90 and sm_80, read from the SASS: the only performance
+check that runs without a GPU, so it is strict.
 
-Every csrc/*.cu is compiled to an sm_90 cubin as the CMake build compiles it (-O3; gemm.cu and
-syrk.cu instantiate every tiled variant: 5 math modes x 2 grids x 4 operand layouts), cached under
-build/sass/ by the hash of the sources, flags and nvcc version (the first, uncached run takes about
-40 s on 2 cores, later ones well under a second), and read with cuobjdump through bench/sass.py. Checked:
+Every csrc/*.cu is compiled to an sm_90 cubin, and gemm.cu and syrk.cu (every tiled variant: 5 math
+modes x 2 grids x 4 operand layouts) also to an sm_80 one, as the CMake build compiles them (-O3),
+cached under build/sass/ by the hash of the sources, flags and nvcc version (the first, uncached run
+takes about 2 minutes on 2 cores, later ones well under a second), and read with cuobjdump through
+bench/sass.py. Checked, on both archs:
   * no kernel spills (stack frame 0, no LDL/STL) but those in SPILL_EXCEPTIONS, each with its reason;
-  * the tiled kernels fit their launch bounds: registers * kThreads * kMinBlocks <= 65536;
+  * the tiled kernels fit their launch bounds: registers * threads * kMinBlocks <= 65536;
   * the tensor-core mainloops: fp16 and bf16 read every fragment with ldmatrix (LDSM), tf32 with
     ldmatrix wherever an operand is k-contiguous, and all of them fill shared memory with cp.async
-    (LDGSTS); the FMA mode uses neither.
+    (LDGSTS); the FMA mode uses neither;
+  * the instruction mix of the hot loop (hot_loop below: the steady-state path of an interior tile
+    through the main loop): its share of HMMA, ldmatrix per HMMA as 64 x 64 warp tiles need, and no
+    fragment copies (MOV).
 """
 
 from __future__ import annotations
@@ -31,8 +35,7 @@ from spectral_ops.build_config import ENV_REQUIRE_CUDA, env_flag, find_nvcc
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
 CACHE = ROOT / "build" / "sass"
-ARCH = "sm_90"
-FLAGS = ["-std=c++17", "-O3", "-DNDEBUG", f"-arch={ARCH}", "-cubin", f"-I{CSRC}"]
+ARCHS = ("sm_90", "sm_80")
 REGISTERS_PER_SM = 65536
 
 _spec = importlib.util.spec_from_file_location("sass", ROOT / "bench" / "sass.py")
@@ -61,39 +64,116 @@ def math_modes() -> list[str]:
     return re.findall(r"^\s*(k\w+),", body, re.M)
 
 
-def compile_cubin(source: Path) -> Path:
+def flags(arch: str) -> list[str]:
+    return ["-std=c++17", "-O3", "-DNDEBUG", f"-arch={arch}", "-cubin", f"-I{CSRC}"]
+
+
+def compile_cubin(source: Path, arch: str) -> Path:
     version = subprocess.run([NVCC, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256(" ".join([version, *FLAGS]).encode())
+    digest = hashlib.sha256(" ".join([version, *flags(arch)]).encode())
     for path in sorted(CSRC.glob("*")):
         digest.update(path.name.encode() + path.read_bytes())
     target = CACHE / digest.hexdigest()[:16] / f"{source.stem}.cubin"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(".partial")
-        result = subprocess.run([NVCC, *FLAGS, str(source), "-o", str(partial)], capture_output=True, text=True)
+        result = subprocess.run([NVCC, *flags(arch), str(source), "-o", str(partial)], capture_output=True, text=True)
         assert result.returncode == 0, f"nvcc failed on {source.name}:\n{result.stderr}"
         partial.replace(target)
     return target
 
 
-def read_cubin(source: Path) -> dict:
-    """{demangled kernel name: [resource usage, opcodes]} of one source's cubin, cached beside it
-    (disassembling the tiled kernels takes seconds)."""
-    cubin = compile_cubin(source)
+# "/*0a40*/   @!P0 BRA 0x1c30 ;" -> address, predicated, opcode, operands
+_LISTING = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+_FUNCTION = re.compile(r"^\s*Function : (\S+)\s*$")
+_TARGET = re.compile(r"0x([0-9a-f]+)\s*$")
+
+
+def listings(cubin: Path) -> dict[str, list[tuple[int, bool, str, str]]]:
+    """{mangled kernel: [(address, predicated, opcode, operands), ...]} from cuobjdump -sass."""
+    text = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    code, current = {}, None
+    for line in text.splitlines():
+        if match := _FUNCTION.match(line):
+            current = code.setdefault(match.group(1), [])
+        elif current is not None and (match := _LISTING.match(line)):
+            address, predicated, opcode, operands = match.groups()
+            current.append((int(address, 16), predicated is not None, opcode, operands.strip()))
+    return code
+
+
+def basic_blocks(code):
+    """[(first, end) instruction index] and the successor block indices of each."""
+    index = {address: i for i, (address, *_) in enumerate(code)}
+    leaders = {0}
+    for i, (_, _, opcode, operands) in enumerate(code):
+        if opcode.startswith(("BRA", "EXIT", "RET", "BRX", "CALL")):
+            if opcode.startswith("BRA") and (target := _TARGET.search(operands)):
+                leaders.add(index[int(target.group(1), 16)])
+            leaders.add(i + 1)
+    starts = sorted(leader for leader in leaders if leader < len(code))
+    blocks = list(zip(starts, starts[1:] + [len(code)]))
+    block_of = {first: b for b, (first, _) in enumerate(blocks)}
+    successors = []
+    for b, (_, end) in enumerate(blocks):
+        _, predicated, opcode, operands = code[end - 1]
+        conditional = predicated or "," in operands  # a uniform-predicate branch names it as an operand
+        target = _TARGET.search(operands) if opcode.startswith("BRA") else None
+        nexts = [block_of[index[int(target.group(1), 16)]]] if target else []
+        if not (target or opcode.startswith(("EXIT", "RET"))) or conditional:
+            nexts.append(b + 1)  # falls through (a CALL returns)
+        successors.append([n for n in nexts if n < len(blocks)])
+    return blocks, successors
+
+
+def hot_loop(code) -> list[str]:
+    """The opcodes a warp issues per iteration of the main loop in the steady state of an interior
+    tile. The main loop is the innermost loop (a back edge latch -> header) around the HMMAs; through
+    its blocks (a DAG without the back edge) the hot path is the one with the most HMMA, then the most
+    LDGSTS (the iterations that issue a slab), then the fewest instructions (the interior path skips
+    the checked one's edge tests and conversions)."""
+    blocks, successors = basic_blocks(code)
+
+    def count(b, prefix):
+        return sum(code[i][2].startswith(prefix) for i in range(*blocks[b]))
+
+    loops = [(header, latch) for latch in range(len(blocks)) for header in successors[latch]
+             if header <= latch and any(count(b, "HMMA") for b in range(header, latch + 1))]
+    if not loops:
+        return []
+    header, latch = min(loops, key=lambda loop: loop[1] - loop[0])
+    best = {header: ((count(header, "HMMA"), count(header, "LDGSTS"), header - blocks[header][1]), [header])}
+    for b in range(header, latch + 1):
+        if b not in best:
+            continue
+        (hmma, ldgsts, negative_size), path = best[b]
+        for n in successors[b]:
+            if b < n <= latch:
+                score = (hmma + count(n, "HMMA"), ldgsts + count(n, "LDGSTS"),
+                         negative_size - (blocks[n][1] - blocks[n][0]))
+                if n not in best or score > best[n][0]:
+                    best[n] = (score, path + [n])
+    return [code[i][2] for b in best[latch][1] for i in range(*blocks[b])]
+
+
+def read_cubin(source: Path, arch: str) -> dict:
+    """{demangled kernel name: [resource usage, opcodes, hot-loop opcodes]} of one source's cubin,
+    cached beside it (disassembling the tiled kernels takes seconds)."""
+    cubin = compile_cubin(source, arch)
     cached = cubin.with_suffix(".json")
     if not cached.exists():
         usage = sass.resource_usage(cubin, cuobjdump=CUOBJDUMP)
         code = sass.sass_instructions(cubin, cuobjdump=CUOBJDUMP)
+        listed = listings(cubin)
         names = sass.demangle(usage)
         partial = cached.with_suffix(".partial.json")
-        partial.write_text(json.dumps({names[name]: [usage[name], code[name]] for name in usage}))
+        partial.write_text(json.dumps({names[name]: [usage[name], code[name], hot_loop(listed[name])]
+                                       for name in usage}))
         partial.replace(cached)
     return json.loads(cached.read_text())
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    """{demangled kernel name: (resource usage, opcodes)} over every csrc/*.cu."""
+def read_all(jobs) -> dict:
     if NVCC is None:
         pytest.skip("nvcc not found: no SASS to check (CI has it)")
     if CUOBJDUMP is None:
@@ -102,8 +182,16 @@ def kernels():
             pytest.fail(f"{ENV_REQUIRE_CUDA}=1 and nvcc is here, but {message}")
         pytest.skip(message)
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        tables = list(pool.map(read_cubin, sorted(CSRC.glob("*.cu"))))
+        tables = list(pool.map(lambda job: read_cubin(*job), jobs))
     return {name: tuple(entry) for table in tables for name, entry in table.items()}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def kernels(request):
+    """{demangled kernel name: (resource usage, opcodes, hot-loop opcodes)}: every csrc/*.cu for sm_90,
+    the tiled kernels' sources (gemm.cu, syrk.cu) for sm_80, the arch their main loop is written for."""
+    sources = sorted(CSRC.glob("*.cu")) if request.param == "sm_90" else [CSRC / "gemm.cu", CSRC / "syrk.cu"]
+    return read_all([(source, request.param) for source in sources])
 
 
 def tiled(kernels):
@@ -123,8 +211,8 @@ def test_every_tiled_variant_is_compiled(kernels):
 
 
 def test_no_kernel_spills(kernels):
-    spills = sass.spill_report({name: usage for name, (usage, _) in kernels.items()},
-                               {name: code for name, (_, code) in kernels.items()})
+    spills = sass.spill_report({name: usage for name, (usage, *_) in kernels.items()},
+                               {name: code for name, (_, code, _) in kernels.items()})
     unexpected = {name: why for name, why in spills.items() if not any(key in name for key in SPILL_EXCEPTIONS)}
     assert not unexpected, "kernels that spill:\n" + "\n".join(f"{n}: {why}" for n, why in unexpected.items())
     stale = [key for key in SPILL_EXCEPTIONS if not any(key in name for name in spills)]
@@ -132,15 +220,27 @@ def test_no_kernel_spills(kernels):
 
 
 def test_tiled_kernels_fit_their_launch_bounds(kernels):
-    threads, min_blocks = source_constant("kThreads"), source_constant("kMinBlocks")
+    min_blocks = source_constant("kMinBlocks")
     assert min_blocks >= 2, "two blocks per SM: one leaves the SM idle at each block's barriers and epilogue"
-    over = {variant: usage["registers"] for variant, (usage, _) in tiled(kernels).items()
-            if usage["registers"] * threads * min_blocks > REGISTERS_PER_SM}
-    assert not over, f"more registers than {min_blocks} blocks of {threads} threads leave: {over}"
+    threads = {mode: source_constant("kFmaThreads" if mode == "kFma" else "kMmaThreads") for mode in math_modes()}
+    over = {variant: usage["registers"] for variant, (usage, *_) in tiled(kernels).items()
+            if usage["registers"] * threads[variant[0]] * min_blocks > REGISTERS_PER_SM}
+    assert not over, f"more registers than {min_blocks} blocks per SM leave: {over}"
+
+
+def fragment_blocks(mode, a_k, b_k):
+    """Fragment blocks a warp loads with ldmatrix per k step of its 64 x 64 tile: 4 of A (16 rows each)
+    and 4 of B (16 columns each) for 4 x 8 mma tiles. 16-bit blocks always come by ldmatrix; tf32 ones
+    where their slab is k-contiguous (else by LDS.32)."""
+    return 8 if mode in ("kHalf", "kBf16") else 4 * a_k + 4 * b_k
+
+
+def mmas_per_tile(mode):
+    return 3 if mode == "kTf32x3" else 1
 
 
 def test_tensor_core_mainloops_use_ldmatrix_and_cp_async(kernels):
-    for (mode, triangular, a_k, b_k), (_, code) in tiled(kernels).items():
+    for (mode, triangular, a_k, b_k), (_, code, _) in tiled(kernels).items():
         counts = sass.opcode_counts(code)
         variant = f"{mode} triangular={triangular} a_k={a_k} b_k={b_k}"
         if mode == "kFma":
@@ -148,14 +248,43 @@ def test_tensor_core_mainloops_use_ldmatrix_and_cp_async(kernels):
             continue
         assert counts["LDGSTS"] > 0, f"{variant}: no cp.async"
         assert counts["HMMA"] > 0, f"{variant}: no tensor-core MMA"
-        # Per k step a warp loads 4 A and 2 B fragment blocks for 16 MMA tiles (each 3 MMAs in
-        # 3xTF32). 16-bit blocks always come by ldmatrix; tf32 ones where their slab is k-contiguous.
-        sixteen_bit = mode in ("kHalf", "kBf16")
-        blocks = 6 if sixteen_bit else 4 * a_k + 2 * b_k
-        mmas = 16 * (3 if mode == "kTf32x3" else 1)
+        blocks, mmas = fragment_blocks(mode, a_k, b_k), 32 * mmas_per_tile(mode)
         assert counts["LDSM"] * mmas >= counts["HMMA"] * blocks, f"{variant}: fragments not from ldmatrix"
         if blocks == 0:
             assert counts["LDSM"] == 0, f"{variant}: ldmatrix on an fp32 [k][128] slab"
+
+
+# The least share of HMMA in the hot loop, per math mode. #44 measured the old loop (64 x 32 warp tiles,
+# 64-bit addresses and edge checks per cp.async chunk, B fragments copied into register pairs) on
+# sm_80 at 0.090-0.101 for the 16-bit modes, 0.064-0.078 for tf32 and 0.121-0.143 for 3xTF32; this
+# loop gives 0.37-0.41, 0.12-0.22 and 0.20-0.25 on sm_80 and sm_90 (nvcc 13.0). Per slab of a 16-bit
+# mode a warp issues 64 HMMA, 16 LDSM and 8 LDGSTS, and at most one integer instruction for each of
+# their addresses (two for a 64-bit global one): 64 / (64 + 16 * 2 + 8 * 3) = 0.53 at best; the bound
+# leaves room for the loop's control and barrier. tf32 rounds every operand register (and 3xTF32
+# splits it) on the way, and reads an fp32 [k][128] slab with LDS.32, four to an ldmatrix's one.
+LEAST_HMMA_SHARE = {"kHalf": 0.33, "kBf16": 0.33, "kTf32": 0.11, "kTf32x3": 0.18}
+FRAGMENT_COPY_OPCODES = ("MOV", "IMAD.MOV", "UMOV")
+
+
+def test_hot_loop_instruction_mix(kernels):
+    for (mode, triangular, a_k, b_k), (usage, _, loop) in tiled(kernels).items():
+        variant = f"{mode} triangular={triangular} a_k={a_k} b_k={b_k}"
+        if mode == "kFma":
+            assert not loop, f"{variant}: HMMA in the FMA kernel"
+            continue
+        counts = sass.opcode_counts(loop)
+        hmma = counts["HMMA"]
+        assert hmma == 2 * 32 * mmas_per_tile(mode), f"{variant}: not one 32-deep (16-bit) or 16-deep slab"
+        share = hmma / len(loop)
+        assert share >= LEAST_HMMA_SHARE[mode], f"{variant}: HMMA {share:.3f} of the hot loop"
+        assert counts["LDSM"] * 32 * mmas_per_tile(mode) == hmma * fragment_blocks(mode, a_k, b_k), (
+            f"{variant}: {counts['LDSM']} LDSM for {hmma} HMMA, not a 64 x 64 warp tile's")
+        # A B fragment copied into a register pair costs a MOV per mma tile; the loop keeps a few
+        # for its own pointers.
+        copies = sum(op.startswith(FRAGMENT_COPY_OPCODES) for op in loop)
+        assert copies * 8 <= hmma, f"{variant}: {copies} MOV in the hot loop for {hmma} HMMA"
+        assert counts["LDGSTS"] == 8, f"{variant}: the hot loop issues no whole slab by cp.async"
+        assert usage.get("stack", 0) == 0, variant
 
 
 def test_features_count_hopper_and_ampere_mma_tma_and_local_memory():

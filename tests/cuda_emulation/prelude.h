@@ -56,6 +56,9 @@ const void* warp_exchange(const void* mine, size_t bytes);
 void cp_async(void* dst, const void* src, size_t bytes, size_t src_bytes);
 void cp_async_commit();
 void cp_async_wait(size_t pending);
+// Fails the launch unless [p, p + bytes) lies inside one of the spans allowed by
+// spectral_ops_emulation_allow (runtime.cpp); no check while none is allowed.
+void check_global(const void* p, size_t bytes);
 }  // namespace emulation
 
 inline void __syncthreads() { emulation::syncthreads(); }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <numeric>
@@ -133,7 +134,23 @@ void check_phase() {
   }
 }
 
+// The byte spans [begin, end) the kernels may access in global memory, set by a test; empty: unchecked.
+std::vector<std::pair<uintptr_t, uintptr_t>> allowed_spans;
+
 }  // namespace
+
+void check_global(const void* p, size_t bytes) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(p), end = begin + bytes;
+  if (allowed_spans.empty() || bytes == 0) return;
+  for (const auto& [first, last] : allowed_spans) {
+    if (first <= begin && end <= last) return;
+  }
+  char where[96];
+  std::snprintf(where, sizeof where, "%zu bytes at 0x%llx", bytes, static_cast<unsigned long long>(begin));
+  fail(std::string("emulation: global access outside every tensor of the launch: ") + where + " (block " +
+       std::to_string(blockIdx.x) + "," + std::to_string(blockIdx.y) + "," + std::to_string(blockIdx.z) +
+       ", thread " + std::to_string(threadIdx.x) + ")");
+}
 
 void syncthreads() { yield(Stop::kBarrier); }
 
@@ -159,6 +176,7 @@ const void* warp_exchange(const void* mine, size_t bytes) {
 }
 
 void cp_async(void* dst, const void* src, size_t bytes, size_t src_bytes) {
+  check_global(src, std::min(src_bytes, bytes));
   fibers[current].uncommitted.push_back({dst, src, bytes, std::min(src_bytes, bytes)});
 }
 
@@ -227,8 +245,12 @@ void run(dim3 grid, dim3 block, const std::function<void()>& kernel) {
 
 }  // namespace emulation
 
-// The runtime calls csrc/ makes, answered as by one device with an H100's shared memory.
+// The runtime calls csrc/ makes, answered as by one device with an H100's shared memory; and the
+// bounds check's spans, set by the tests through ctypes.
 extern "C" {
+
+void spectral_ops_emulation_allow(uintptr_t begin, uintptr_t end) { emulation::allowed_spans.emplace_back(begin, end); }
+void spectral_ops_emulation_allow_none() { emulation::allowed_spans.clear(); }
 
 cudaError_t cudaGetDeviceCount(int* count) {
   *count = 1;
