@@ -2,10 +2,13 @@
 
 import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
 
+from dataclasses import replace
+
 import pytest
 import torch
 from triton_env import DTYPES, PRODUCT_TOLERANCE, SMALL_TILES, max_asymmetry, randn, relative, small_integers, symmetric
 
+from spectral_ops.triton_kernels.common import batched, describe
 from spectral_ops.triton_kernels.syrk import symmetric_product, syrk
 
 # Not multiples of 16; one matrix, a batch, two batch dimensions; wide and tall.
@@ -77,3 +80,35 @@ def test_strided_operands_and_fp32_input_precisions():
         assert relative(G, X.double() @ X.double().mT) < PRODUCT_TOLERANCE
     with pytest.raises(ValueError, match="input_precision"):
         syrk(X, input_precision="bf16")
+
+
+@pytest.mark.parametrize("group", [3, 8])
+def test_the_persistent_grouped_walk_writes_every_lower_tile(group):
+    # 7 x 7 tiles (28, in bands of `group` rows, the last band ragged) over the interpreter's 3
+    # programs, which walk them with a stride of 3; group 1 is SMALL_TILES' walk, tested above.
+    X = randn((100, 20))
+    out = torch.full((100, 100), float("nan"))
+    syrk(X, out=out, cfg=replace(SMALL_TILES, group=group))
+    assert not out.isnan().any()
+    assert relative(out, X.double() @ X.double().mT) < PRODUCT_TOLERANCE
+    assert max_asymmetry(out) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tma_descriptor_path_with_ragged_edges_and_the_epilogue(dtype):
+    # The sm90 path, run by the interpreter: rows of 40 elements are 16-byte aligned for both dtypes,
+    # and 36 rows (not a multiple of 16) leave TMA to zero-fill the edge tiles.
+    X = randn((3, 36, 40), dtype)
+    C = symmetric((3, 36, 36), seed=1)
+    assert describe(batched(X), 16, 16) is not None
+    G = syrk(X, alpha=0.5, beta=-2.0, C=C, cfg=replace(SMALL_TILES, group=2, descriptors=True))
+    expected = 0.5 * (X.double() @ X.double().mT) - 2.0 * C.double()
+    assert relative(G, expected) < PRODUCT_TOLERANCE
+    assert max_asymmetry(G) == 0
+
+
+def test_operands_tma_cannot_address_fall_back_to_pointers():
+    X = randn((3, 36, 37))  # rows 148 bytes apart: not 16-byte aligned
+    assert describe(batched(X), 16, 16) is None
+    G = syrk(X, cfg=replace(SMALL_TILES, descriptors=True))
+    assert relative(G, X.double() @ X.double().mT) < PRODUCT_TOLERANCE

@@ -273,23 +273,24 @@ def _rows_step(acc, L, R, rows_l, rows_r, k0, mask_l, mask_r, inner, s_l_row, s_
 def accumulate_rows_product(acc, L, R, rows_l, rows_r, n_l, n_r, inner,
                             s_l_row, s_l_inner, s_r_row, s_r_inner,
                             BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                            WIDE: tl.constexpr):
+                            WIDE: tl.constexpr, SPLIT_RAGGED_STEP: tl.constexpr = False):
     """``acc += L[rows_l, :] @ R[rows_r, :]^T``, walking the shared inner dimension in BLOCK_K steps.
 
     Both operands are read along their rows, so ``X X^T``, ``A A`` for symmetric ``A`` and
     ``M Z`` (pass ``Z``'s strides swapped: the rows of ``Z^T``) are all this loop. Out-of-range
-    rows read zeros, which add nothing. The whole steps mask rows only: such a mask is constant
-    along ``k``, so it does not stop the loads from being vectorised; only the ragged last step
-    masks ``k`` as well.
+    rows and the ragged last step read zeros, which add nothing. With ``SPLIT_RAGGED_STEP`` the
+    whole steps mask rows only (a mask constant along ``k`` leaves the loads vectorised) and the
+    ragged step is a second copy of the step after the loop: the tiled kernels' choice. The small
+    path, which runs this loop a dozen times in one program, keeps one masked loop (half the code).
     """
     mask_l = rows_l[:, None] < n_l
     mask_r = rows_r[None, :] < n_r
-    whole = inner // BLOCK_K * BLOCK_K
+    whole = inner // BLOCK_K * BLOCK_K if SPLIT_RAGGED_STEP else 0
     for k0 in range(0, whole, BLOCK_K):
         acc = _rows_step(acc, L, R, rows_l, rows_r, k0, mask_l, mask_r, inner, s_l_row, s_l_inner, s_r_row,
                          s_r_inner, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE, False)
-    if whole < inner:
-        acc = _rows_step(acc, L, R, rows_l, rows_r, whole, mask_l, mask_r, inner, s_l_row, s_l_inner, s_r_row,
+    for k0 in range(whole, inner, BLOCK_K):
+        acc = _rows_step(acc, L, R, rows_l, rows_r, k0, mask_l, mask_r, inner, s_l_row, s_l_inner, s_r_row,
                          s_r_inner, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE, True)
     return acc
 

@@ -43,6 +43,8 @@ def symmetric_kernel(
     tiles = n_tiles * (n_tiles + 1) // 2
     s_lb, s_lr, s_lk = known_multiple(s_lb, ALIGN), known_multiple(s_lr, ALIGN), known_multiple(s_lk, ALIGN)
     s_rb, s_rr, s_rk = known_multiple(s_rb, ALIGN), known_multiple(s_rr, ALIGN), known_multiple(s_rk, ALIGN)
+    s_cb, s_cr, s_cc = known_multiple(s_cb, ALIGN), known_multiple(s_cr, ALIGN), known_multiple(s_cc, ALIGN)
+    s_ob, s_or, s_oc = known_multiple(s_ob, ALIGN), known_multiple(s_or, ALIGN), known_multiple(s_oc, ALIGN)
     for tile in range(tl.program_id(0), batch * tiles, tl.num_programs(0)):
         b32 = tile // tiles
         b = b32.to(tl.int64)
@@ -56,7 +58,8 @@ def symmetric_kernel(
                                        UPCAST, INPUT_PRECISION)
         else:
             acc = accumulate_rows_product(acc, L + b * s_lb, R + b * s_rb, rows, cols, n, n, inner,
-                                          s_lr, s_lk, s_rr, s_rk, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE)
+                                          s_lr, s_lk, s_rr, s_rk, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE,
+                                          SPLIT_RAGGED_STEP=True)
         acc = acc * load_scale(alpha, b, ALPHA_PER_MATRIX)
         inside = (rows[:, None] < n) & (cols[None, :] < n)
         if HAS_C:
@@ -107,7 +110,7 @@ def symmetric_product(L: torch.Tensor, R: torch.Tensor, *, alpha=1.0, beta=0.0, 
         ALPHA_PER_MATRIX=alpha_per, BETA_PER_MATRIX=beta_per, HAS_C=C is not None,
         BLOCK=cfg.block_m, BLOCK_K=cfg.block_k, GROUP=cfg.group, UPCAST=L.dtype != R.dtype,
         INPUT_PRECISION=dot_precision(input_precision, L.dtype, R.dtype), WIDE=wide,
-        ALIGN=stride_alignment(Lb, Rb), DESCRIBED=described,
+        ALIGN=stride_alignment(Lb, Rb, Cb, Ob), DESCRIBED=described,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return target.finish()

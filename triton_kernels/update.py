@@ -78,7 +78,7 @@ def _product_tile(acc, M, Z, M_DESC, Z_DESC, b32, row0, col0, rows, cols, r, n, 
                                    INPUT_PRECISION)
     else:
         acc = accumulate_rows_product(acc, M, Z, rows, cols, r, n, r, s_mr, s_mc, s_zc, s_zr, BLOCK_K, UPCAST,
-                                      INPUT_PRECISION, WIDE)
+                                      INPUT_PRECISION, WIDE, SPLIT_RAGGED_STEP=True)
     return acc
 
 
@@ -98,6 +98,8 @@ def product_kernel(
     tiles = n_row_tiles * n_col_tiles
     s_mb, s_mr, s_mc = known_multiple(s_mb, ALIGN), known_multiple(s_mr, ALIGN), known_multiple(s_mc, ALIGN)
     s_zb, s_zr, s_zc = known_multiple(s_zb, ALIGN), known_multiple(s_zr, ALIGN), known_multiple(s_zc, ALIGN)
+    s_yb, s_yr, s_yc = known_multiple(s_yb, ALIGN), known_multiple(s_yr, ALIGN), known_multiple(s_yc, ALIGN)
+    s_ob, s_or, s_oc = known_multiple(s_ob, ALIGN), known_multiple(s_or, ALIGN), known_multiple(s_oc, ALIGN)
     for tile in range(tl.program_id(0), batch * tiles, tl.num_programs(0)):
         b32 = tile // tiles
         b = b32.to(tl.int64)
@@ -191,7 +193,7 @@ def product(M: torch.Tensor | None, Z: torch.Tensor, *, alpha=1.0, gamma=0.0, Y:
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         UPCAST=M is not None and M.dtype != Z.dtype,
         INPUT_PRECISION=dot_precision(input_precision, Z.dtype, *([M.dtype] if M is not None else [])),
-        WIDE=wide, STOCHASTIC=stochastic, ALIGN=stride_alignment(Mb, Zb),
+        WIDE=wide, STOCHASTIC=stochastic, ALIGN=stride_alignment(Mb, Zb, Yb, Ob),
         DESCRIBED=described, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return target.finish()
