@@ -95,14 +95,18 @@ def test_the_persistent_grouped_walk_writes_every_lower_tile(group):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_tma_descriptor_path_with_ragged_edges_and_the_epilogue(dtype):
-    # The sm90 path, run by the interpreter: rows of 40 elements are 16-byte aligned for both dtypes,
-    # and 36 rows (not a multiple of 16) leave TMA to zero-fill the edge tiles.
-    X = randn((3, 36, 40), dtype)
-    C = symmetric((3, 36, 36), seed=1)
+@pytest.mark.parametrize("trans", [False, True], ids=["XXt", "XtX"])
+def test_tma_descriptor_path_with_ragged_edges_and_the_epilogue(dtype, trans):
+    # The sm90 path, run by the interpreter: rows of 40 (XXt) or 24 (XtX, X described as stored,
+    # by its columns' view) elements are 16-byte aligned for both dtypes, and sides of 36 and 24
+    # (not multiples of 16) leave TMA to zero-fill the edge tiles.
+    X = randn((3, 40, 24) if trans else (3, 36, 40), dtype)
+    n = X.shape[-1] if trans else X.shape[-2]
+    C = symmetric((3, n, n), seed=1)
     assert describe(batched(X), 16, 16) is not None
-    G = syrk(X, alpha=0.5, beta=-2.0, C=C, cfg=replace(SMALL_TILES, group=2, descriptors=True))
-    expected = 0.5 * (X.double() @ X.double().mT) - 2.0 * C.double()
+    G = syrk(X, trans=trans, alpha=0.5, beta=-2.0, C=C, cfg=replace(SMALL_TILES, group=2, descriptors=True))
+    gram = X.double().mT @ X.double() if trans else X.double() @ X.double().mT
+    expected = 0.5 * gram - 2.0 * C.double()
     assert relative(G, expected) < PRODUCT_TOLERANCE
     assert max_asymmetry(G) == 0
 

@@ -300,7 +300,8 @@ def accumulate_rows_product(acc, L, R, rows_l, rows_r, n_l, n_r, inner,
 def describe(t: torch.Tensor, block_rows: int, block_cols: int):
     """A TMA descriptor for ``(batch, rows, cols)`` ``t`` that loads ``1 x block_rows x block_cols``
     boxes (out-of-range elements read as zeros), or None where TMA cannot address ``t``: it needs
-    unit-stride rows, 16-byte aligned strides and a 16-byte aligned start."""
+    unit-stride rows, 16-byte aligned strides and a 16-byte aligned start. (Pass ``t.mT`` for an
+    operand stored by columns.)"""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     batch, rows, cols = t.shape
@@ -313,15 +314,21 @@ def describe(t: torch.Tensor, block_rows: int, block_cols: int):
 
 @triton.jit
 def accumulate_described(acc, L, R, b, row_l, col_r, inner,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, R_BY_ROWS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         LEFT_TRANSPOSED: tl.constexpr, RIGHT_BY_ROWS: tl.constexpr,
                          UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr):
-    """``acc += L[b, row_l:, :] @ right`` through TMA descriptors (Triton's sm90 matmul recipe): the
-    right operand is ``R[b, col_r:, :]^T`` (``R_BY_ROWS``: the Gram's second operand) or
-    ``R[b, :, col_r:]`` (the product's ``Z``). TMA zero-fills whatever lies past an edge, so no
-    step is masked, whatever the sides."""
+    """``acc += left @ right`` through TMA descriptors (Triton's sm90 matmul recipe), over the inner
+    dimension. ``L`` describes the left operand as stored: ``(batch, rows, inner)``, or its
+    transpose ``(batch, inner, rows)`` with ``LEFT_TRANSPOSED`` (a tall weight's ``W^T W``). ``R``
+    describes the right operand as ``(batch, cols, inner)`` with ``RIGHT_BY_ROWS`` (the Gram's
+    second operand), else as ``(batch, inner, cols)`` (the product's ``Z``). TMA zero-fills
+    whatever lies past an edge, so no step is masked, whatever the sides."""
     for k0 in range(0, inner, BLOCK_K):
-        left = L.load([b, row_l, k0]).reshape(BLOCK_M, BLOCK_K)
-        if R_BY_ROWS:
+        if LEFT_TRANSPOSED:
+            left = L.load([b, k0, row_l]).reshape(BLOCK_K, BLOCK_M).T
+        else:
+            left = L.load([b, row_l, k0]).reshape(BLOCK_M, BLOCK_K)
+        if RIGHT_BY_ROWS:
             right = R.load([b, col_r, k0]).reshape(BLOCK_N, BLOCK_K).T
         else:
             right = R.load([b, k0, col_r]).reshape(BLOCK_K, BLOCK_N)

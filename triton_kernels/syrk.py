@@ -37,9 +37,11 @@ def symmetric_kernel(
     ALPHA_PER_MATRIX: tl.constexpr, BETA_PER_MATRIX: tl.constexpr, HAS_C: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, UPCAST: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, WIDE: tl.constexpr, ALIGN: tl.constexpr, DESCRIBED: tl.constexpr,
+    LEFT_TRANSPOSED: tl.constexpr, RIGHT_BY_ROWS: tl.constexpr,
 ):
     """Persistent: each program walks the lower tiles of every matrix with a stride of the grid.
-    ``L`` and ``R`` are TMA descriptors when ``DESCRIBED``, else pointers (strides ``s_l*``, ``s_r*``)."""
+    ``L`` and ``R`` are TMA descriptors when ``DESCRIBED`` (oriented as
+    :func:`.common.accumulate_described` says), else pointers (strides ``s_l*``, ``s_r*``)."""
     tiles = n_tiles * (n_tiles + 1) // 2
     s_lb, s_lr, s_lk = known_multiple(s_lb, ALIGN), known_multiple(s_lr, ALIGN), known_multiple(s_lk, ALIGN)
     s_rb, s_rr, s_rk = known_multiple(s_rb, ALIGN), known_multiple(s_rr, ALIGN), known_multiple(s_rk, ALIGN)
@@ -54,8 +56,8 @@ def symmetric_kernel(
 
         acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
         if DESCRIBED:
-            acc = accumulate_described(acc, L, R, b32, i * BLOCK, j * BLOCK, inner, BLOCK, BLOCK, BLOCK_K, True,
-                                       UPCAST, INPUT_PRECISION)
+            acc = accumulate_described(acc, L, R, b32, i * BLOCK, j * BLOCK, inner, BLOCK, BLOCK, BLOCK_K,
+                                       LEFT_TRANSPOSED, RIGHT_BY_ROWS, UPCAST, INPUT_PRECISION)
         else:
             acc = accumulate_rows_product(acc, L + b * s_lb, R + b * s_rb, rows, cols, n, n, inner,
                                           s_lr, s_lk, s_rr, s_rk, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE,
@@ -99,8 +101,15 @@ def symmetric_product(L: torch.Tensor, R: torch.Tensor, *, alpha=1.0, beta=0.0, 
     alpha_arg, alpha_per = scale_arg(alpha, batch, L.device)
     beta_arg, beta_per = scale_arg(beta, batch, L.device)
     wide = wide_offsets(Lb, Rb, Cb, Ob)
-    # Both descriptors or neither: the kernel reads L and R alike. 64-bit offsets stay on pointers.
-    descriptors = [describe(t, cfg.block_m, cfg.block_k) for t in (Lb, Rb)] if cfg.descriptors and not wide else [None]
+    # Both descriptors or neither; each over the operand as stored (by rows, or by columns: X^T X).
+    # 64-bit offsets stay on pointers.
+    left_transposed, right_by_rows = Lb.stride(2) != 1, Rb.stride(2) == 1
+    descriptors = [None]
+    if cfg.descriptors and not wide:
+        descriptors = [describe(Lb.mT, cfg.block_k, cfg.block_m) if left_transposed else
+                       describe(Lb, cfg.block_m, cfg.block_k),
+                       describe(Rb, cfg.block_m, cfg.block_k) if right_by_rows else
+                       describe(Rb.mT, cfg.block_k, cfg.block_m)]
     described = None not in descriptors
     operands = descriptors if described else [Lb, Rb]
     grid = (persistent_programs(L.device, batch * n_tiles * (n_tiles + 1) // 2, cfg),)
@@ -110,7 +119,8 @@ def symmetric_product(L: torch.Tensor, R: torch.Tensor, *, alpha=1.0, beta=0.0, 
         ALPHA_PER_MATRIX=alpha_per, BETA_PER_MATRIX=beta_per, HAS_C=C is not None,
         BLOCK=cfg.block_m, BLOCK_K=cfg.block_k, GROUP=cfg.group, UPCAST=L.dtype != R.dtype,
         INPUT_PRECISION=dot_precision(input_precision, L.dtype, R.dtype), WIDE=wide,
-        ALIGN=stride_alignment(Lb, Rb, Cb, Ob), DESCRIBED=described,
+        ALIGN=stride_alignment(Lb, Rb, Cb, Ob), DESCRIBED=described, LEFT_TRANSPOSED=left_transposed,
+        RIGHT_BY_ROWS=right_by_rows,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return target.finish()

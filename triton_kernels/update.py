@@ -74,8 +74,8 @@ def _product_tile(acc, M, Z, M_DESC, Z_DESC, b32, row0, col0, rows, cols, r, n, 
     """``acc + M Z`` on one tile: through the TMA descriptors, or through pointers, where ``Z``'s
     columns are the rows of ``Z^T`` (its strides passed swapped to the row-times-row tile loop)."""
     if DESCRIBED:
-        acc = accumulate_described(acc, M_DESC, Z_DESC, b32, row0, col0, r, BLOCK_M, BLOCK_N, BLOCK_K, False, UPCAST,
-                                   INPUT_PRECISION)
+        acc = accumulate_described(acc, M_DESC, Z_DESC, b32, row0, col0, r, BLOCK_M, BLOCK_N, BLOCK_K, False, False,
+                                   UPCAST, INPUT_PRECISION)
     else:
         acc = accumulate_rows_product(acc, M, Z, rows, cols, r, n, r, s_mr, s_mc, s_zc, s_zr, BLOCK_K, UPCAST,
                                       INPUT_PRECISION, WIDE, SPLIT_RAGGED_STEP=True)
