@@ -224,10 +224,11 @@ def known_multiple(stride, ALIGN: tl.constexpr):
     (:func:`stride_alignment`). Triton only knows multiples of 16; rows of 1000 or 3000 elements
     start 16 bytes apart too, and their tiles then load in 16-byte vectors instead of one element
     at a time (which costs a 64-bit address per element and, in 128-wide tiles, every register).
-    A unit stride is left alone: Triton made it a constant already.
+    A unit stride is left alone: Triton made it a constant already (and ``isinstance`` sees a
+    constant unwrapped, as a Python ``int``; ``1 // ALIGN * ALIGN`` would be 0).
     """
     multiple = stride
-    if not isinstance(stride, tl.constexpr):
+    if not isinstance(stride, int):
         multiple = stride // ALIGN * ALIGN
     return multiple
 
