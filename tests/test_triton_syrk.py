@@ -120,8 +120,8 @@ def test_operands_tma_cannot_address_fall_back_to_pointers():
 
 # Compiled, not interpreted, in a child process without TRITON_INTERPRET: the bf16 Gram's launch at
 # rows of 1000 elements (not a multiple of 16) is recorded on CPU tensors as Triton's launcher would
-# bind it for sm90, then compiled with Triton's bundled ptxas and read back with cuobjdump.
-_COMPILE_SM90_GRAM = r"""
+# bind it for sm90 and for sm80, then compiled with Triton's bundled ptxas and read back with cuobjdump.
+_COMPILE_GRAMS = r"""
 import json, sys, tempfile
 from pathlib import Path
 import torch, triton
@@ -133,33 +133,38 @@ from spectral_ops.triton_kernels import common, syrk
 sys.path.insert(0, "bench")
 import sass
 
-target = GPUTarget("cuda", 90, 32)
-launches = []
+def compiled_counts(arch):
+    target = GPUTarget("cuda", int(arch[2:]), 32)
+    launches = []
 
-def record(kernel, *args, grid, warmup, **kwargs):
-    kwargs.update(debug=False, instrumentation_mode=knobs.compilation.instrumentation_mode)
-    binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(target))
-    bound, specialization, options = binder(*args, **kwargs)
-    launches.append((kernel, *kernel._pack_args(make_backend(target), kwargs, bound, specialization, options)))
+    def record(kernel, *args, grid, warmup, **kwargs):
+        kwargs.update(debug=False, instrumentation_mode=knobs.compilation.instrumentation_mode)
+        binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(target))
+        bound, specialization, options = binder(*args, **kwargs)
+        launches.append((kernel, *kernel._pack_args(make_backend(target), kwargs, bound, specialization, options)))
 
-JITFunction.run, common.arch = record, lambda device: "sm90"
-syrk.syrk(torch.zeros(2, 200, 1000, dtype=torch.bfloat16))
-(kernel, options, signature, constexprs, attrs), = launches
-compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
-with tempfile.TemporaryDirectory() as folder:
-    cubin = Path(folder) / "kernel.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    usage = sass.resource_usage(cubin)[compiled.metadata.name]
-    counts = sass.opcode_counts(sass.sass_instructions(cubin)[compiled.metadata.name])
-print(json.dumps({"stack": usage.get("stack", 0), "registers": usage["registers"], "HGMMA": counts["HGMMA"],
-                  "UTMALDG": counts["UTMALDG"], "local": counts["LDL"] + counts["STL"]}))
+    JITFunction.run, common.arch = record, lambda device: arch
+    syrk.syrk(torch.zeros(2, 200, 1000, dtype=torch.bfloat16))
+    (kernel, options, signature, constexprs, attrs), = launches
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = sass.resource_usage(cubin)[compiled.metadata.name]
+        counts = sass.opcode_counts(sass.sass_instructions(cubin)[compiled.metadata.name])
+    return {"stack": usage.get("stack", 0), "registers": usage["registers"], "local": counts["LDL"] + counts["STL"],
+            **{op: counts[op] for op in ("HGMMA", "UTMALDG", "HMMA", "LDGSTS")}}
+
+print(json.dumps({arch: compiled_counts(arch) for arch in ("sm90", "sm80")}))
 """
 
 
-def test_the_sm90_gram_compiles_to_wgmma_and_tma_loads_without_spilling():
-    """About 10-20 s on two cores (a cold Triton cache; a warm one skips the compile): the one
-    compile-only check in the suite, for the headline kernel; bench/gpu_check.py --compile-only
-    covers every variant."""
+def test_the_gram_compiles_to_tensor_cores_and_async_loads_without_spilling():
+    """About 20-30 s on two cores with a cold Triton cache (a warm one skips the compiles): the suite's
+    compile-only check, for the headline kernel; bench/gpu_check.py --compile-only covers every
+    variant. sm90: wgmma fed by TMA. sm80: mma.sync fed by cp.async (LDGSTS), which rows of 1000
+    elements only get from the stride hint (``known_multiple``); a wrong hint shows up here, not
+    under the interpreter, which gets none."""
     import json
     import os
     import subprocess
@@ -169,9 +174,10 @@ def test_the_sm90_gram_compiles_to_wgmma_and_tma_loads_without_spilling():
     pytest.importorskip("triton.backends.nvidia")
     root = Path(__file__).resolve().parents[1]
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMPILE_SM90_GRAM], cwd=root, env=env, capture_output=True,
+    result = subprocess.run([sys.executable, "-c", _COMPILE_GRAMS], cwd=root, env=env, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads(result.stdout.strip().splitlines()[-1])
-    assert found["HGMMA"] > 0 and found["UTMALDG"] > 0, found
-    assert found["stack"] == 0 and found["local"] == 0, found
+    assert found["sm90"]["HGMMA"] > 0 and found["sm90"]["UTMALDG"] > 0, found
+    assert found["sm80"]["HMMA"] > 0 and found["sm80"]["LDGSTS"] > 0, found
+    assert all(counts["stack"] == 0 and counts["local"] == 0 for counts in found.values()), found
