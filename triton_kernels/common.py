@@ -48,24 +48,29 @@ class Config:
 # path's tile is the whole matrix, so only its column chunk (block_k) and warps are set. The
 # interpreter entry only has to be cheap to interpret: its cost is per program and per loop step.
 #
-# Chosen by compiling every variant the backend launches for each target without a GPU (see the
-# README's Triton section): the largest tiles whose variants fit shared memory and registers
-# without spilling. fp32 operands get 64 x 64 tiles because the default tf32x3 splits every
-# operand into two tf32 halves, and 128 x 128 tiles then spill on both architectures.
+# Chosen by compiling every variant the backend launches for each target without a GPU
+# (bench/gpu_check.py --compile-only; docs/backends.md has the tables): the tiled kernels' variants
+# all fit shared memory and registers without spilling, odd sides (1000, 3000) included. sm90 follows
+# Triton's persistent matmul recipe: TMA descriptors, BLOCK_K 64 for 2-byte operands, 128 x 256
+# product tiles (the symmetric kernel's tiles are square). fp32 operands get 64 x 64 tiles because
+# the default tf32x3 splits every operand into two tf32 halves, and 128 x 128 tiles then spill on
+# both architectures; two such programs fit one multiprocessor (registers). The small path does
+# spill in some shape classes (R = 128 on sm80, unaligned rows on sm90); the backend keeps it to
+# those that do not (small.spill_free). Nothing here has been timed on a GPU.
 CONFIGS: dict[str, dict[tuple[str, int], Config]] = {
     "sm90": {
         ("symmetric", 2): Config(128, 128, 64, 8, 4, group=8, descriptors=True),
-        ("symmetric", 4): Config(64, 64, 32, 4, 3, group=8, descriptors=True),
+        ("symmetric", 4): Config(64, 64, 32, 4, 3, group=8, programs_per_sm=2, descriptors=True),
         ("product", 2): Config(128, 256, 64, 8, 3, descriptors=True),
-        ("product", 4): Config(64, 64, 32, 4, 3, descriptors=True),
+        ("product", 4): Config(64, 64, 32, 4, 3, programs_per_sm=2, descriptors=True),
         ("small", 2): Config(0, 0, 16, 8, 2),
         ("small", 4): Config(0, 0, 16, 8, 2),
     },
     "sm80": {
         ("symmetric", 2): Config(128, 128, 32, 8, 4, group=8),
-        ("symmetric", 4): Config(64, 64, 16, 4, 3, group=8),
+        ("symmetric", 4): Config(64, 64, 16, 4, 3, group=8, programs_per_sm=2),
         ("product", 2): Config(128, 128, 32, 8, 4),
-        ("product", 4): Config(64, 64, 16, 4, 3),
+        ("product", 4): Config(64, 64, 16, 4, 3, programs_per_sm=2),
         ("small", 2): Config(0, 0, 16, 8, 2),
         ("small", 4): Config(0, 0, 16, 8, 2),
     },
@@ -94,6 +99,15 @@ def config(family: str, device: torch.device, *dtypes: torch.dtype) -> Config:
     """The fixed configuration for ``family``; the widest operand decides the tile depth."""
     width = max(d.itemsize for d in dtypes)
     return CONFIGS[arch(device)][(family, width)]
+
+
+def pointer_config(cfg: Config, family: str, *dtypes: torch.dtype) -> Config:
+    """``cfg``, or where it reads through TMA descriptors, the configuration of the pointer path
+    (sm80's, which compiles without spilling on sm90 too): for operands TMA cannot address, whose
+    loads hold an address per element and cannot afford sm90's larger tiles."""
+    if not cfg.descriptors:
+        return cfg
+    return CONFIGS["sm80"][(family, max(d.itemsize for d in dtypes))]
 
 
 def check_precision(input_precision: str) -> str:

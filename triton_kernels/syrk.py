@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from .common import (Output, accumulate_described, accumulate_rows_product, batched, check_precision, config,
-                     describe, dot_precision, known_multiple, load_scale, lower_tile, persistent_programs, scale_arg,
-                     stride_alignment, tile_indices, wide_offsets)
+                     describe, dot_precision, known_multiple, load_scale, lower_tile, persistent_programs,
+                     pointer_config, scale_arg, stride_alignment, tile_indices, wide_offsets)
 
 
 @triton.jit
@@ -97,7 +97,6 @@ def symmetric_product(L: torch.Tensor, R: torch.Tensor, *, alpha=1.0, beta=0.0, 
     Ob = target.target
     Cb = batched(C) if C is not None else Ob
     cfg = cfg or config("symmetric", L.device, L.dtype, R.dtype)
-    n_tiles = triton.cdiv(n, cfg.block_m)
     alpha_arg, alpha_per = scale_arg(alpha, batch, L.device)
     beta_arg, beta_per = scale_arg(beta, batch, L.device)
     wide = wide_offsets(Lb, Rb, Cb, Ob)
@@ -112,6 +111,9 @@ def symmetric_product(L: torch.Tensor, R: torch.Tensor, *, alpha=1.0, beta=0.0, 
                        describe(Rb.mT, cfg.block_k, cfg.block_m)]
     described = None not in descriptors
     operands = descriptors if described else [Lb, Rb]
+    if not described:
+        cfg = pointer_config(cfg, "symmetric", L.dtype, R.dtype)
+    n_tiles = triton.cdiv(n, cfg.block_m)
     grid = (persistent_programs(L.device, batch * n_tiles * (n_tiles + 1) // 2, cfg),)
     symmetric_kernel[grid](
         *operands, Cb, Ob, alpha_arg, beta_arg, n, inner, n_tiles, batch,

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from .common import (Output, accumulate_described, accumulate_rows_product, batched, check_precision, config,
-                     describe, dot_precision, known_multiple, load_scale, persistent_programs, scale_arg,
-                     stride_alignment, tile_indices, wide_offsets)
+                     describe, dot_precision, known_multiple, load_scale, persistent_programs, pointer_config,
+                     scale_arg, stride_alignment, tile_indices, wide_offsets)
 
 
 @triton.jit
@@ -117,8 +117,8 @@ def product_kernel(
             acc = _epilogue_terms(z, y, b, rows, cols, inside, beta, gamma, s_zr, s_zc, s_yr, s_yc,
                                   BETA_PER_MATRIX, GAMMA_PER_MATRIX, HAS_Y, HAS_Z_TERM, BLOCK_M, BLOCK_N)
             if HAS_M:
-                acc = _product_tile(acc, m, z, M_DESC, Z_DESC, b32, row0, col0, rows, cols, r, n, s_mr, s_mc, s_zr, s_zc,
-                                    BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE, DESCRIBED)
+                acc = _product_tile(acc, m, z, M_DESC, Z_DESC, b32, row0, col0, rows, cols, r, n,
+                                    s_mr, s_mc, s_zr, s_zc, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE, DESCRIBED)
         else:
             acc = _product_tile(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), m, z, M_DESC, Z_DESC, b32,
                                 row0, col0, rows, cols, r, n, s_mr, s_mc, s_zr, s_zc,
@@ -174,15 +174,18 @@ def product(M: torch.Tensor | None, Z: torch.Tensor, *, alpha=1.0, gamma=0.0, Y:
     Ob = target.target
     Mb = batched(M) if M is not None else Ob
     Yb = batched(Y) if Y is not None else Ob
-    cfg = cfg or config("product", Z.device, Z.dtype, *([M.dtype] if M is not None else []))
-    n_row_tiles, n_col_tiles = triton.cdiv(r, cfg.block_m), triton.cdiv(n, cfg.block_n)
-    (alpha_arg, alpha_per), (beta_arg, beta_per), (gamma_arg, gamma_per) = (
-        scale_arg(v, batch, Z.device) for v in (alpha, beta, gamma))
+    dtypes = (Z.dtype, *([M.dtype] if M is not None else []))
+    cfg = cfg or config("product", Z.device, *dtypes)
     wide = wide_offsets(Mb, Zb, Yb, Ob) or (stochastic and noise.numel() >= 2**31)
     descriptors = [None]
     if M is not None and cfg.descriptors and not wide:
         descriptors = [describe(Mb, cfg.block_m, cfg.block_k), describe(Zb, cfg.block_k, cfg.block_n)]
     described = None not in descriptors
+    if not described:
+        cfg = pointer_config(cfg, "product", *dtypes)
+    n_row_tiles, n_col_tiles = triton.cdiv(r, cfg.block_m), triton.cdiv(n, cfg.block_n)
+    (alpha_arg, alpha_per), (beta_arg, beta_per), (gamma_arg, gamma_per) = (
+        scale_arg(v, batch, Z.device) for v in (alpha, beta, gamma))
     product_kernel[(persistent_programs(Z.device, batch * n_row_tiles * n_col_tiles, cfg),)](
         Mb, Zb, Yb, Ob, noise.contiguous() if stochastic else Ob, *(descriptors if described else (Mb, Zb)),
         alpha_arg, beta_arg, gamma_arg, r, n, n_row_tiles, n_col_tiles, batch,
@@ -192,7 +195,7 @@ def product(M: torch.Tensor | None, Z: torch.Tensor, *, alpha=1.0, gamma=0.0, Y:
         INIT_WITH_TERMS=M is None or _is_one(alpha),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         UPCAST=M is not None and M.dtype != Z.dtype,
-        INPUT_PRECISION=dot_precision(input_precision, Z.dtype, *([M.dtype] if M is not None else [])),
+        INPUT_PRECISION=dot_precision(input_precision, *dtypes),
         WIDE=wide, STOCHASTIC=stochastic, ALIGN=stride_alignment(Mb, Zb, Yb, Ob),
         DESCRIBED=described, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
