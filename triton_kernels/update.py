@@ -118,7 +118,8 @@ def product_kernel(
                                   BETA_PER_MATRIX, GAMMA_PER_MATRIX, HAS_Y, HAS_Z_TERM, BLOCK_M, BLOCK_N)
             if HAS_M:
                 acc = _product_tile(acc, m, z, M_DESC, Z_DESC, b32, row0, col0, rows, cols, r, n,
-                                    s_mr, s_mc, s_zr, s_zc, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE, DESCRIBED)
+                                    s_mr, s_mc, s_zr, s_zc, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE,
+                                    DESCRIBED)
         else:
             acc = _product_tile(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), m, z, M_DESC, Z_DESC, b32,
                                 row0, col0, rows, cols, r, n, s_mr, s_mc, s_zr, s_zc,
