@@ -59,7 +59,7 @@ class Config:
 # those that do not (small.spill_free). Nothing here has been timed on a GPU.
 CONFIGS: dict[str, dict[tuple[str, int], Config]] = {
     "sm90": {
-        ("symmetric", 2): Config(128, 128, 64, 8, 4, group=8, descriptors=True),
+        ("symmetric", 2): Config(128, 128, 64, 8, 3, group=8, descriptors=True),
         ("symmetric", 4): Config(64, 64, 32, 4, 3, group=8, programs_per_sm=2, descriptors=True),
         ("product", 2): Config(128, 256, 64, 8, 3, descriptors=True),
         ("product", 4): Config(64, 64, 32, 4, 3, programs_per_sm=2, descriptors=True),

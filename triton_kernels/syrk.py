@@ -72,8 +72,9 @@ def symmetric_kernel(
         out = OUT + b * s_ob
         tl.store(out + rows[:, None] * s_or + cols[None, :] * s_oc, value,
                  mask=inside & (rows[:, None] >= cols[None, :]))
-        tl.store(out + cols[None, :] * s_or + rows[:, None] * s_oc, value,
-                 mask=inside & (rows[:, None] > cols[None, :]))
+        # The mirror, stored as the transposed tile: rows of the output, so the stores stay contiguous.
+        tl.store(out + cols[:, None] * s_or + rows[None, :] * s_oc, tl.trans(value),
+                 mask=tl.trans(inside & (rows[:, None] > cols[None, :])))
 
 
 def symmetric_product(L: torch.Tensor, R: torch.Tensor, *, alpha=1.0, beta=0.0, C: torch.Tensor | None = None,
