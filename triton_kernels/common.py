@@ -70,7 +70,7 @@ CONFIGS: dict[str, dict[tuple[str, int], Config]] = {
         ("symmetric", 2): Config(128, 128, 32, 8, 4, group=8),
         ("symmetric", 4): Config(64, 64, 16, 4, 2, group=8, programs_per_sm=2),
         ("product", 2): Config(128, 128, 32, 8, 4),
-        ("product", 4): Config(64, 64, 16, 4, 3, programs_per_sm=2),
+        ("product", 4): Config(64, 64, 16, 4, 2, programs_per_sm=2),
         ("small", 2): Config(0, 0, 16, 8, 2),
         ("small", 4): Config(0, 0, 16, 8, 2),
     },
