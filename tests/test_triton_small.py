@@ -73,3 +73,22 @@ def test_shape_errors():
         small_spectral(randn((20, 40)), 1, POLAR)
     with pytest.raises(ValueError, match="square"):
         small_sign(randn((20, 21)), POLAR)
+
+
+@pytest.mark.parametrize("arch, shape, routed", [
+    ("sm80", (512, 64, 64), True),      # R = 64: no stack frame on sm80
+    ("sm80", (96, 128, 768), False),    # R = 128 spills on sm80 (compile-only, docs/backends.md)
+    ("sm80", (12, 100, 100), False),
+    ("sm90", (96, 128, 768), True),     # aligned rows: no stack frame on sm90
+    ("sm90", (96, 768, 128), True),     # either orientation
+    ("sm90", (12, 100, 300), False),    # rows of 300 elements: spills on sm90
+    ("sm90", (4, 144, 144), False),     # past the small path's largest side
+    ("interpreter", (3, 21, 45), True),
+])
+def test_the_backend_routes_the_chain_only_where_it_compiles_without_spilling(monkeypatch, arch, shape, routed):
+    from spectral_ops.backends.triton_backend import TritonBackend
+    from spectral_ops.triton_kernels import common, small
+
+    assert small.spill_free(arch, shape) is routed
+    monkeypatch.setattr(common, "arch", lambda device: arch)
+    assert TritonBackend().supports("small_chain", torch.device("cpu"), torch.float32, shape) is routed

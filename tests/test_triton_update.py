@@ -2,12 +2,15 @@
 
 import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
 
+from dataclasses import replace
+
 import pytest
 import torch
 from triton_env import DTYPES, PRODUCT_TOLERANCE, SMALL_TILES, randn, relative, small_integers, symmetric
 
 from spectral_ops.backends.torch_backend import TorchBackend
 from spectral_ops.plan import polar_iterations
+from spectral_ops.triton_kernels.common import batched, describe
 from spectral_ops.triton_kernels.update import polar_update, product
 
 
@@ -71,3 +74,16 @@ def test_shape_errors():
         product(symmetric((5, 5)), randn((6, 8)))
     with pytest.raises(ValueError, match="Y must have"):
         product(None, randn((6, 8)), Y=randn((6, 9)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("alpha", [1.0, -0.75])
+def test_tma_descriptor_path_with_ragged_edges_and_the_epilogue(dtype, alpha):
+    # The sm90 path, run by the interpreter: M's rows (24 elements) and Z's (40) are 16-byte aligned
+    # for both dtypes; 24 rows and 40 columns leave TMA to zero-fill the edge tiles. alpha = 1 starts
+    # the accumulator at the epilogue terms, alpha != 1 adds them after the loop.
+    M, Z, Y = symmetric((3, 24, 24), dtype), randn((3, 24, 40), dtype, seed=1), randn((3, 24, 40), seed=2)
+    assert describe(batched(M), 16, 16) is not None and describe(batched(Z), 16, 16) is not None
+    out = product(M, Z, alpha=alpha, gamma=0.5, Y=Y, beta=-1.0, cfg=replace(SMALL_TILES, descriptors=True))
+    expected = alpha * (M.double() @ Z.double()) + 0.5 * Z.double() - Y.double()
+    assert relative(out, expected) < PRODUCT_TOLERANCE

@@ -203,6 +203,24 @@ def _padded(r: int) -> int:
     return max(16, triton.next_power_of_2(r))
 
 
+def spill_free(arch: str, shape) -> bool:
+    """Whether the one-program chain for ``(..., r, n)`` (either orientation) is in a shape class that
+    compiles for ``arch`` without spilling registers (compile-only with Triton's ptxas; docs/backends.md).
+
+    All of a matrix's products share one program, so the padded side ``R`` sets the register
+    load. On sm80 every variant with ``R = 128`` spills (up to 344 bytes of stack); on sm90 those
+    whose rows are not 16-element aligned do (100 x 300: unaligned loads cost an address register
+    per element). Kept: sides that are multiples of 16, with ``R <= 64`` on sm80. The interpreter
+    has no registers to spill.
+    """
+    r, n = sorted(shape[-2:])
+    if r > MAX_SIDE:
+        return False
+    if arch == "interpreter":
+        return True
+    return r % 16 == 0 and n % 16 == 0 and (arch == "sm90" or _padded(r) <= 64)
+
+
 def small_spectral(X: torch.Tensor, p: int, coefficients, *, out: torch.Tensor | None = None,
                    input_precision: str = "ieee", cfg=None) -> torch.Tensor:
     """``out = S_p(X)`` for wide ``(..., r, n)`` ``X`` with ``r <= 128``, one program per matrix.

@@ -2,9 +2,11 @@
 
 ``M`` is a small ``r x r`` factor (a polynomial in the Gram matrix, a projector), ``Z`` the wide
 ``r x n`` operand, ``Y`` an optional second ``r x n`` term (the weight itself in a decay step).
-One program computes one ``BLOCK_M x BLOCK_N`` output tile, reading a row panel of ``M`` and a
-column panel of ``Z``; programs walk the row tiles of one column panel first, so that panel of
-``Z`` is reused from L2 while ``M`` stays resident.
+Each output tile is ``BLOCK_M x BLOCK_N``, computed from a row panel of ``M`` and a column panel of
+``Z``. The launch is persistent (one program per slot the GPU runs at once, each walking the tiles
+with a stride of the grid); the tiles are taken row tiles of one column panel first, so that
+neighbouring programs share that panel of ``Z`` from L2 while ``M`` stays resident. On sm90 ``M``
+and ``Z`` are read through TMA descriptors where their strides allow it.
 
 The Polar Express update ``X <- a X + B X`` is this kernel with ``gamma = a``, ``alpha = 1``: the
 accumulator starts as ``a X`` and the product is accumulated on top of it, in fp32, so adding
@@ -24,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (Output, accumulate_rows_product, batched, check_precision, config, dot_precision, load_scale,
-                     scale_arg, tile_indices, wide_offsets)
+from .common import (Output, accumulate_described, accumulate_rows_product, batched, check_precision, config,
+                     describe, dot_precision, known_multiple, load_scale, persistent_programs, pointer_config,
+                     scale_arg, stride_alignment, tile_indices, wide_offsets)
 
 
 @triton.jit
@@ -65,45 +68,72 @@ def _round_stochastic(v, noise, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _product_tile(acc, M, Z, M_DESC, Z_DESC, b32, row0, col0, rows, cols, r, n, s_mr, s_mc, s_zr, s_zc,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr, WIDE: tl.constexpr, DESCRIBED: tl.constexpr):
+    """``acc + M Z`` on one tile: through the TMA descriptors, or through pointers, where ``Z``'s
+    columns are the rows of ``Z^T`` (its strides passed swapped to the row-times-row tile loop)."""
+    if DESCRIBED:
+        acc = accumulate_described(acc, M_DESC, Z_DESC, b32, row0, col0, r, BLOCK_M, BLOCK_N, BLOCK_K, False, False,
+                                   UPCAST, INPUT_PRECISION)
+    else:
+        acc = accumulate_rows_product(acc, M, Z, rows, cols, r, n, r, s_mr, s_mc, s_zc, s_zr, BLOCK_K, UPCAST,
+                                      INPUT_PRECISION, WIDE, SPLIT_RAGGED_STEP=True)
+    return acc
+
+
+@triton.jit
 def product_kernel(
-    M, Z, Y, OUT, NOISE, alpha, beta, gamma,
-    r, n, n_row_tiles, n_col_tiles,
+    M, Z, Y, OUT, NOISE, M_DESC, Z_DESC, alpha, beta, gamma,
+    r, n, n_row_tiles, n_col_tiles, batch,
     s_mb, s_mr, s_mc, s_zb, s_zr, s_zc, s_yb, s_yr, s_yc, s_ob, s_or, s_oc,
     ALPHA_PER_MATRIX: tl.constexpr, BETA_PER_MATRIX: tl.constexpr, GAMMA_PER_MATRIX: tl.constexpr,
     HAS_M: tl.constexpr, HAS_Y: tl.constexpr, HAS_Z_TERM: tl.constexpr, INIT_WITH_TERMS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, WIDE: tl.constexpr, STOCHASTIC: tl.constexpr,
+    ALIGN: tl.constexpr, DESCRIBED: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    """Persistent: each program walks the tiles of every matrix with a stride of the grid.
+    ``M_DESC``/``Z_DESC`` are ``M``'s and ``Z``'s TMA descriptors when ``DESCRIBED`` (unused otherwise)."""
     tiles = n_row_tiles * n_col_tiles
-    b = (pid // tiles).to(tl.int64)
-    t = pid % tiles
-    rows = tile_indices((t % n_row_tiles) * BLOCK_M, BLOCK_M, WIDE)
-    cols = tile_indices((t // n_row_tiles) * BLOCK_N, BLOCK_N, WIDE)
-    inside = (rows[:, None] < r) & (cols[None, :] < n)
-    z = Z + b * s_zb
-    y = Y + b * s_yb
+    s_mb, s_mr, s_mc = known_multiple(s_mb, ALIGN), known_multiple(s_mr, ALIGN), known_multiple(s_mc, ALIGN)
+    s_zb, s_zr, s_zc = known_multiple(s_zb, ALIGN), known_multiple(s_zr, ALIGN), known_multiple(s_zc, ALIGN)
+    s_yb, s_yr, s_yc = known_multiple(s_yb, ALIGN), known_multiple(s_yr, ALIGN), known_multiple(s_yc, ALIGN)
+    s_ob, s_or, s_oc = known_multiple(s_ob, ALIGN), known_multiple(s_or, ALIGN), known_multiple(s_oc, ALIGN)
+    for tile in range(tl.program_id(0), batch * tiles, tl.num_programs(0)):
+        b32 = tile // tiles
+        b = b32.to(tl.int64)
+        t = tile % tiles
+        row0 = (t % n_row_tiles) * BLOCK_M
+        col0 = (t // n_row_tiles) * BLOCK_N
+        rows = tile_indices(row0, BLOCK_M, WIDE)
+        cols = tile_indices(col0, BLOCK_N, WIDE)
+        inside = (rows[:, None] < r) & (cols[None, :] < n)
+        m = M + b * s_mb
+        z = Z + b * s_zb
+        y = Y + b * s_yb
 
-    # Z's columns are the rows of Z^T: its strides are passed swapped to the row-times-row tile loop.
-    if INIT_WITH_TERMS:
-        acc = _epilogue_terms(z, y, b, rows, cols, inside, beta, gamma, s_zr, s_zc, s_yr, s_yc,
-                              BETA_PER_MATRIX, GAMMA_PER_MATRIX, HAS_Y, HAS_Z_TERM, BLOCK_M, BLOCK_N)
-        if HAS_M:
-            acc = accumulate_rows_product(acc, M + b * s_mb, z, rows, cols, r, n, r,
-                                          s_mr, s_mc, s_zc, s_zr, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE)
-    else:
-        acc = accumulate_rows_product(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), M + b * s_mb, z, rows, cols,
-                                      r, n, r, s_mr, s_mc, s_zc, s_zr, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE)
-        acc = acc * load_scale(alpha, b, ALPHA_PER_MATRIX) + _epilogue_terms(
-            z, y, b, rows, cols, inside, beta, gamma, s_zr, s_zc, s_yr, s_yc,
-            BETA_PER_MATRIX, GAMMA_PER_MATRIX, HAS_Y, HAS_Z_TERM, BLOCK_M, BLOCK_N)
+        if INIT_WITH_TERMS:
+            acc = _epilogue_terms(z, y, b, rows, cols, inside, beta, gamma, s_zr, s_zc, s_yr, s_yc,
+                                  BETA_PER_MATRIX, GAMMA_PER_MATRIX, HAS_Y, HAS_Z_TERM, BLOCK_M, BLOCK_N)
+            if HAS_M:
+                acc = _product_tile(acc, m, z, M_DESC, Z_DESC, b32, row0, col0, rows, cols, r, n,
+                                    s_mr, s_mc, s_zr, s_zc, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE,
+                                    DESCRIBED)
+        else:
+            acc = _product_tile(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), m, z, M_DESC, Z_DESC, b32,
+                                row0, col0, rows, cols, r, n, s_mr, s_mc, s_zr, s_zc,
+                                BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, INPUT_PRECISION, WIDE, DESCRIBED)
+            acc = acc * load_scale(alpha, b, ALPHA_PER_MATRIX) + _epilogue_terms(
+                z, y, b, rows, cols, inside, beta, gamma, s_zr, s_zc, s_yr, s_yc,
+                BETA_PER_MATRIX, GAMMA_PER_MATRIX, HAS_Y, HAS_Z_TERM, BLOCK_M, BLOCK_N)
 
-    if STOCHASTIC:
-        noise = tl.load(NOISE + b * r * n + rows[:, None] * n + cols[None, :], mask=inside, other=0)
-        value = _round_stochastic(acc, noise, OUT.dtype.element_ty)
-    else:
-        value = acc.to(OUT.dtype.element_ty)
-    tl.store(OUT + b * s_ob + rows[:, None] * s_or + cols[None, :] * s_oc, value, mask=inside)
+        if STOCHASTIC:
+            noise = tl.load(NOISE + b * r * n + rows[:, None] * n + cols[None, :], mask=inside, other=0)
+            value = _round_stochastic(acc, noise, OUT.dtype.element_ty)
+        else:
+            value = acc.to(OUT.dtype.element_ty)
+        tl.store(OUT + b * s_ob + rows[:, None] * s_or + cols[None, :] * s_oc, value, mask=inside)
 
 
 def _is_one(value) -> bool:
@@ -145,21 +175,30 @@ def product(M: torch.Tensor | None, Z: torch.Tensor, *, alpha=1.0, gamma=0.0, Y:
     Ob = target.target
     Mb = batched(M) if M is not None else Ob
     Yb = batched(Y) if Y is not None else Ob
-    cfg = cfg or config("product", Z.device, Z.dtype, *([M.dtype] if M is not None else []))
+    dtypes = (Z.dtype, *([M.dtype] if M is not None else []))
+    cfg = cfg or config("product", Z.device, *dtypes)
+    wide = wide_offsets(Mb, Zb, Yb, Ob) or (stochastic and noise.numel() >= 2**31)
+    descriptors = [None]
+    if M is not None and cfg.descriptors and not wide:
+        descriptors = [describe(Mb, cfg.block_m, cfg.block_k), describe(Zb, cfg.block_k, cfg.block_n)]
+    described = None not in descriptors
+    if not described:
+        cfg = pointer_config(cfg, "product", *dtypes)
     n_row_tiles, n_col_tiles = triton.cdiv(r, cfg.block_m), triton.cdiv(n, cfg.block_n)
     (alpha_arg, alpha_per), (beta_arg, beta_per), (gamma_arg, gamma_per) = (
         scale_arg(v, batch, Z.device) for v in (alpha, beta, gamma))
-    product_kernel[(batch * n_row_tiles * n_col_tiles,)](
-        Mb, Zb, Yb, Ob, noise.contiguous() if stochastic else Ob, alpha_arg, beta_arg, gamma_arg, r, n, n_row_tiles, n_col_tiles,
+    product_kernel[(persistent_programs(Z.device, batch * n_row_tiles * n_col_tiles, cfg),)](
+        Mb, Zb, Yb, Ob, noise.contiguous() if stochastic else Ob, *(descriptors if described else (Mb, Zb)),
+        alpha_arg, beta_arg, gamma_arg, r, n, n_row_tiles, n_col_tiles, batch,
         *Mb.stride(), *Zb.stride(), *Yb.stride(), *Ob.stride(),
         ALPHA_PER_MATRIX=alpha_per, BETA_PER_MATRIX=beta_per, GAMMA_PER_MATRIX=gamma_per,
         HAS_M=M is not None, HAS_Y=Y is not None, HAS_Z_TERM=not _is_zero(gamma),
         INIT_WITH_TERMS=M is None or _is_one(alpha),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         UPCAST=M is not None and M.dtype != Z.dtype,
-        INPUT_PRECISION=dot_precision(input_precision, Z.dtype, *([M.dtype] if M is not None else [])),
-        WIDE=wide_offsets(Mb, Zb, Yb, Ob) or (stochastic and noise.numel() >= 2**31), STOCHASTIC=stochastic,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        INPUT_PRECISION=dot_precision(input_precision, *dtypes),
+        WIDE=wide, STOCHASTIC=stochastic, ALIGN=stride_alignment(Mb, Zb, Yb, Ob),
+        DESCRIBED=described, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return target.finish()
 

@@ -8,7 +8,8 @@ tests) when the backend is forced. The primitives map onto the kernels, each reg
 * ``product``: :mod:`~spectral_ops.triton_kernels.update`, the ``alpha Y`` term fused (as the
   accumulator's start value when ``Y`` is ``Z``);
 * ``sign_step``: :mod:`~spectral_ops.triton_kernels.sign_step`;
-* ``small_chain``: :mod:`~spectral_ops.triton_kernels.small`, one program per matrix (``r <= 128``);
+* ``small_chain``: :mod:`~spectral_ops.triton_kernels.small`, one program per matrix (``r <= 128``,
+  in the shape classes that compile without spilling: :func:`~spectral_ops.triton_kernels.small.spill_free`);
 * ``decay_epilogue_``: the elementwise form of :mod:`~spectral_ops.triton_kernels.decay`.
 
 float32, float16 and bfloat16 are computed in float32 (products accumulate in fp32; fp32 operands are
@@ -168,7 +169,9 @@ class TritonBackend:
             return False
         if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
             return False  # the interpreter has no bfloat16 arithmetic
-        return primitive != "small_chain" or min(shape[-2:]) <= kernels.small.MAX_SIDE
+        if primitive == "small_chain":  # only where its registers suffice: a spilling chain is no fast path
+            return kernels.small.spill_free(kernels.common.arch(torch.device(device)), shape)
+        return True
 
     def _dot_precision(self, precision) -> str:
         """How ``tl.dot`` multiplies fp32 operands: one TF32 pass for ``"tf32"``, else the configured
