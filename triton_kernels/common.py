@@ -247,6 +247,12 @@ def known_multiple(stride, ALIGN: tl.constexpr):
     return multiple
 
 
+@triton.jit
+def known_multiples(s0, s1, s2, ALIGN: tl.constexpr):
+    """One operand's batch, row and column strides through :func:`known_multiple`."""
+    return known_multiple(s0, ALIGN), known_multiple(s1, ALIGN), known_multiple(s2, ALIGN)
+
+
 def stride_alignment(*tensors: torch.Tensor | None) -> int:
     """The largest power of two up to 16 that divides every stride (other than 1) of ``tensors``.
 

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .common import (Output, accumulate_described, accumulate_rows_product, batched, check_precision, config,
-                     describe, dot_precision, known_multiple, load_scale, lower_tile, persistent_programs,
+                     describe, dot_precision, known_multiples, load_scale, lower_tile, persistent_programs,
                      pointer_config, scale_arg, stride_alignment, tile_indices, wide_offsets)
 
 
@@ -43,10 +43,10 @@ def symmetric_kernel(
     ``L`` and ``R`` are TMA descriptors when ``DESCRIBED`` (oriented as
     :func:`.common.accumulate_described` says), else pointers (strides ``s_l*``, ``s_r*``)."""
     tiles = n_tiles * (n_tiles + 1) // 2
-    s_lb, s_lr, s_lk = known_multiple(s_lb, ALIGN), known_multiple(s_lr, ALIGN), known_multiple(s_lk, ALIGN)
-    s_rb, s_rr, s_rk = known_multiple(s_rb, ALIGN), known_multiple(s_rr, ALIGN), known_multiple(s_rk, ALIGN)
-    s_cb, s_cr, s_cc = known_multiple(s_cb, ALIGN), known_multiple(s_cr, ALIGN), known_multiple(s_cc, ALIGN)
-    s_ob, s_or, s_oc = known_multiple(s_ob, ALIGN), known_multiple(s_or, ALIGN), known_multiple(s_oc, ALIGN)
+    s_lb, s_lr, s_lk = known_multiples(s_lb, s_lr, s_lk, ALIGN)
+    s_rb, s_rr, s_rk = known_multiples(s_rb, s_rr, s_rk, ALIGN)
+    s_cb, s_cr, s_cc = known_multiples(s_cb, s_cr, s_cc, ALIGN)
+    s_ob, s_or, s_oc = known_multiples(s_ob, s_or, s_oc, ALIGN)
     for tile in range(tl.program_id(0), batch * tiles, tl.num_programs(0)):
         b32 = tile // tiles
         b = b32.to(tl.int64)

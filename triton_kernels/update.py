@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .common import (Output, accumulate_described, accumulate_rows_product, batched, check_precision, config,
-                     describe, dot_precision, known_multiple, load_scale, persistent_programs, pointer_config,
+                     describe, dot_precision, known_multiples, load_scale, persistent_programs, pointer_config,
                      scale_arg, stride_alignment, tile_indices, wide_offsets)
 
 
@@ -96,10 +96,10 @@ def product_kernel(
     """Persistent: each program walks the tiles of every matrix with a stride of the grid.
     ``M_DESC``/``Z_DESC`` are ``M``'s and ``Z``'s TMA descriptors when ``DESCRIBED`` (unused otherwise)."""
     tiles = n_row_tiles * n_col_tiles
-    s_mb, s_mr, s_mc = known_multiple(s_mb, ALIGN), known_multiple(s_mr, ALIGN), known_multiple(s_mc, ALIGN)
-    s_zb, s_zr, s_zc = known_multiple(s_zb, ALIGN), known_multiple(s_zr, ALIGN), known_multiple(s_zc, ALIGN)
-    s_yb, s_yr, s_yc = known_multiple(s_yb, ALIGN), known_multiple(s_yr, ALIGN), known_multiple(s_yc, ALIGN)
-    s_ob, s_or, s_oc = known_multiple(s_ob, ALIGN), known_multiple(s_or, ALIGN), known_multiple(s_oc, ALIGN)
+    s_mb, s_mr, s_mc = known_multiples(s_mb, s_mr, s_mc, ALIGN)
+    s_zb, s_zr, s_zc = known_multiples(s_zb, s_zr, s_zc, ALIGN)
+    s_yb, s_yr, s_yc = known_multiples(s_yb, s_yr, s_yc, ALIGN)
+    s_ob, s_or, s_oc = known_multiples(s_ob, s_or, s_oc, ALIGN)
     for tile in range(tl.program_id(0), batch * tiles, tl.num_programs(0)):
         b32 = tile // tiles
         b = b32.to(tl.int64)
