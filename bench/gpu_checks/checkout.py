@@ -14,16 +14,18 @@ ROOT = BENCH.parent
 
 
 def use_this_checkout() -> None:
-    """Import ``spectral_ops`` from this checkout even where the package is not installed (a bare GPU
-    machine has torch and triton but no registry): the checkout goes on ``sys.path``, and
+    """Import ``spectral_ops`` from this checkout, whether or not a package is installed (a bare GPU
+    machine has torch and triton but no registry; a developer's machine may have another checkout
+    installed, which must not be checked instead): the checkout goes first on ``sys.path``, and
     ``spectral_ops.triton_kernels``, which an install maps to the top-level ``triton_kernels/``, is
-    mapped to that folder."""
-    if str(ROOT) not in sys.path and importlib.util.find_spec("spectral_ops") is None:
+    mapped to this checkout's folder unless it already resolves there."""
+    if sys.path[:1] != [str(ROOT)]:
         sys.path.insert(0, str(ROOT))
     import spectral_ops
 
-    if importlib.util.find_spec("spectral_ops.triton_kernels") is None:
-        folder = ROOT / "triton_kernels"
+    folder = ROOT / "triton_kernels"
+    found = importlib.util.find_spec("spectral_ops.triton_kernels")
+    if found is None or folder.resolve() not in Path(found.origin).resolve().parents:
         spec = importlib.util.spec_from_file_location("spectral_ops.triton_kernels", folder / "__init__.py",
                                                       submodule_search_locations=[str(folder)])
         module = importlib.util.module_from_spec(spec)
