@@ -315,4 +315,7 @@ def _groups_of(target) -> list[dict]:
         return [{"params": [param], "matrix_view": matrix_view_of(module, param)}
                 for module in target.modules() for param in module.parameters(recurse=False)
                 if id(param) not in seen and not seen.add(id(param))]
-    return [{"params": list(target)}]
+    tensors = list(target) if isinstance(target, (list, tuple)) else None
+    if tensors is None or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError(f"tune() takes an optimizer, a module, or a list of tensors, got {type(target).__name__}")
+    return [{"params": tensors}]

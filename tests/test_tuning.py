@@ -380,3 +380,5 @@ def test_tuning_an_optimizer_measures_what_its_compiled_step_will_route(tuner, c
     assert so.tune(torch.nn.Linear(3, 3).to(torch.float64), ops=("polar",)) == [((3, 3), torch.float64, 2)]
     with pytest.raises(ValueError, match="decay, polar, spectral_power"):
         so.tune(optimizer, ops=("muon",))
+    with pytest.raises(TypeError, match="an optimizer, a module, or a list of tensors, got NoneType"):
+        so.tune(None)

@@ -28,12 +28,6 @@ class Work:
     bytes: float = 0.0
     launches: int = 0
 
-    def __add__(self, other: "Work") -> "Work":
-        return Work(self.flops + other.flops, self.bytes + other.bytes, self.launches + other.launches)
-
-    def __mul__(self, count: float) -> "Work":
-        return Work(self.flops * count, self.bytes * count, int(self.launches * count))
-
 
 class CountingBackend:
     def __init__(self, symmetric_at_half: bool = False):
