@@ -294,6 +294,8 @@ def tune(target, *, ops=("decay", "polar"), precision: str | None = None) -> lis
             rows, cols = matrix_dims(param.shape, view)
             key = ((rows, cols), param.dtype, param.device, group.get("p", 2))
             stacks[key] = stacks.get(key, 0) + param.numel() // (rows * cols)
+    if not stacks:
+        return []
     calls = _tune_calls()
     tuned = []
     for ((rows, cols), dtype, device, p), count in progress(list(stacks.items()), desc="tuning", unit="stack"):
