@@ -22,10 +22,10 @@ from ._checks import (
     check_matrix,
     check_power,
     check_same_device,
+    check_steps,
 )
 from .matrix_views import as_matrices, resolve_matrix_view
-from .ops import (check_band, check_iteration, check_method, check_precision, directions_polar_coefficients,
-                  threshold_sign_coefficients)
+from .ops import check_band, check_iteration, check_method, check_precision, threshold_sign_coefficients
 from .plan import (  # noqa: F401  (SpectralStabilityError: the decay's public name)
     ROUNDINGS,
     STABILITY_POLICIES,
@@ -158,13 +158,10 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
         if p == 0 and p0_mode == "prox":
             raise ValueError("p0_mode='prox' soft-thresholds the whole spectrum; it cannot be combined with band")
         band = check_band(band, p, sync=sync)
-    powers = (p,) if band is None else (p, band.p_bot)
-    # A band or a prox decay splits the modes at a threshold, for which its polar factor is designed.
-    thresholded = band is not None or (p == 0 and p0_mode == "prox")
     return DecayOptions(
         p=p,
         band=band,
-        polar_coefficients=directions_polar_coefficients(steps, coefficients, powers, thresholded),
+        polar_coefficients=plan.decay_polar_coefficients(check_steps(steps), coefficients, p, band, p0_mode),
         sign_coefficients=threshold_sign_coefficients(band.sign_steps if band else None,
                                                       band.sign_method if band else "polar_express"),
         precision=check_precision(precision),

@@ -51,8 +51,8 @@ from .backends.cuda_backend import CudaBackend
 from .backends.torch_backend import TorchBackend
 from .backends.triton_backend import TritonBackend
 from .linalg import relative_error, wide
-from .plan import OPERAND_DTYPES, resolve_precision
-from . import gpu_model, plan, selfcheck
+from .precision import OPERAND_DTYPES, resolve_precision
+from . import gpu_model, selfcheck
 from .backends.counting import Work
 from .selfcheck import EXACT_PRECISION, self_check_cases
 from .tuning import Autotuner, routing_key
@@ -313,12 +313,20 @@ class _WithoutChain:
         return None
 
 
+# The plan's composed form of a small chain, ``compose(kernels, X, p, coefficients, precision, sign)``: set by
+# spectral_ops.ops (:func:`composes_small_chains_by`), as dispatch sits below the plan and imports nothing of it.
+_compose_small_chain = None
+
+
+def composes_small_chains_by(compose) -> None:
+    """Time :data:`COMPOSED` small chains with ``compose``, the plan's composition of one."""
+    global _compose_small_chain
+    _compose_small_chain = compose
+
+
 def _composed_chain(kernels, X, p, coefficients, precision, sign=False):
     """The plan's composed form of a small chain on ``X`` (its ``sign`` iteration, or ``S_p``)."""
-    composing = _WithoutChain(kernels)
-    if sign:
-        return plan.matrix_sign(composing, X, coefficients, precision)
-    return plan.spectral_power(composing, X, p, coefficients, precision, sync=False, method="gram")
+    return _compose_small_chain(_WithoutChain(kernels), X, p, coefficients, precision, sign)
 
 
 @constant_when_traced

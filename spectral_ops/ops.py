@@ -28,11 +28,13 @@ from .coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients, resolv
 from .linalg import compute_dtype
 from .matrix_views import matrices_of, resolve_matrix_view
 
+dispatch.composes_small_chains_by(plan.composed_chain)  # dispatch times the plan's composition, never imports it
+
 SIGN_METHODS = ("newton_schulz", "polar_express")
 # Newton-Schulz's quintic converges only linearly near 1 (p'(1) = -3/5): 30 steps take a mode at
 # 1e-3 of ||A||_F to within ~1e-5 of its sign. Polar Express needs 8 for the same range.
 DEFAULT_SIGN_STEPS = {"newton_schulz": 30, "polar_express": 8}
-BAND_MODES = ("top", "bot", "top_only", "bot_only", "two_band", "clip")
+BAND_MODES = plan.BAND_MODES
 
 
 def _validated(W, name: str = "W", capturable: bool = False, matrix_view=None) -> torch.Tensor:
@@ -196,8 +198,7 @@ def spectral_power(W: torch.Tensor, p, method: str = "auto", *, steps: int | Non
     M = _validated(W, capturable=capturable, matrix_view=matrix_view)
     p = check_power(p, eps=eps, capturable=capturable)
     check_method(method, capturable, check_iteration(iteration))
-    real_power = not isinstance(p, int) or (eps is not None and p != 0)
-    polar_c = resolve_polar_coefficients(check_steps(steps), coefficients, real_power=real_power)
+    polar_c = plan.polar_coefficients(check_steps(steps), coefficients, (p,), floored=eps is not None)
     check_precision(precision)
     if W.numel() == 0:
         return W.clone()
@@ -308,22 +309,12 @@ def check_band(band: plan.Band, p: int, sync: bool = True,
     return dataclasses.replace(band, p_bot=check_power(band.p_bot, "p_bot", decay=True))
 
 
-def directions_polar_coefficients(steps, coefficients=None, powers=(), thresholded: bool = True):
-    """The polar coefficients of an op's (or a decay's) directions of ``powers``: None (designed for its
-    threshold by the plan) for a ``thresholded`` one where neither ``steps`` nor ``coefficients`` is given
-    and every power is an integer; else :func:`resolve_polar_coefficients`'s (a real power's polar factor
-    is designed further down, :data:`REAL_POWER_LOWER`)."""
-    real_power = not all(isinstance(q, int) for q in powers)
-    if thresholded and check_steps(steps) is None and coefficients is None and not real_power:
-        return None
-    return resolve_polar_coefficients(check_steps(steps), coefficients, real_power=real_power)
-
-
 def _thresholded_coefficients(steps, sign_steps, sign_method: str, precision, powers=()) -> tuple:
     """A thresholded op's polar and sign coefficients (None: designed for its thresholds), with its
     ``precision`` checked."""
     check_precision(precision)
-    return directions_polar_coefficients(steps, None, powers), threshold_sign_coefficients(sign_steps, sign_method)
+    polar_c = plan.polar_coefficients(check_steps(steps), None, powers, thresholded=True)
+    return polar_c, threshold_sign_coefficients(sign_steps, sign_method)
 
 
 @torch.no_grad()

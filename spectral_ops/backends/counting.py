@@ -10,7 +10,8 @@ the torch backend. It has no fused chain (the plan composes).
 Besides the FLOPs it counts each primitive's memory traffic (every operand read once, the result
 written once, in the operands' dtype) and its products, one kernel launch each: what
 :mod:`spectral_ops.gpu_model` needs to predict a time. The epilogue costs no matrix FLOPs, only its
-traffic. Element-wise work between primitives is not counted.
+traffic. Element-wise work between primitives is not counted; a matrix product the plan forms outside
+the primitives (a matrix-vector product, which no backend's kernel is for) is, by :class:`UnroutedProducts`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 @dataclass(frozen=True)
@@ -78,3 +80,24 @@ class CountingBackend:
         self.bytes += 2 * W.numel() * W.element_size() + (0 if D is None else D.numel() * D.element_size())
         self.launches += 1
         return W
+
+
+# The aten products a matrix product outside the primitives comes to (``@`` decomposes into mm or bmm);
+# the last two operands are the factors.
+MATRIX_PRODUCTS = ("mm", "bmm", "addmm", "baddbmm")
+
+
+class UnroutedProducts(TorchDispatchMode):
+    """Counts into ``counting`` (a :class:`CountingBackend`) the matrix products computed outside its
+    primitives while the mode is active, at full cost as ``FlopCounterMode`` counts them, with their
+    traffic and one launch each. The primitives themselves compute nothing, so no product is counted
+    twice."""
+
+    def __init__(self, counting: CountingBackend):
+        super().__init__()
+        self.counting = counting
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in MATRIX_PRODUCTS:
+            self.counting._count(*args[-2:])
+        return func(*args, **(kwargs or {}))

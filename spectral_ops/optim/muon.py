@@ -17,7 +17,7 @@ from collections import defaultdict
 import torch
 
 from .._checks import check_choice, check_eps, check_power, check_steps
-from ..coefficients import polar_express_coefficients, resolve_polar_coefficients, without_normalization_margin
+from .. import plan
 from ..ops import check_precision, power_update
 from ..plan import OPERAND_DTYPES, UPDATE_FLOOR, UPDATE_SCALES, resolve_precision
 from ..matrix_views import as_matrices, batched, matrix_dims
@@ -50,12 +50,8 @@ def adjusted_lr(lr: float, adjust_lr_fn, shape) -> float:
 
 
 def orthogonalization_coefficients(group: dict) -> tuple:
-    """The polar iteration a Muon group uses: Polar Express (8 steps) or the given quintics
-    (5 steps by default), the latter normalised by ``||G||_F`` as torch.optim.Muon does."""
-    if group["ns_coefficients"] is None:
-        return polar_express_coefficients(group["ns_steps"] or 8)
-    steps = group["ns_steps"] if group["ns_steps"] is not None else 5
-    return without_normalization_margin(resolve_polar_coefficients(steps, group["ns_coefficients"]))
+    """The polar iteration a Muon group uses (:func:`spectral_ops.plan.orthogonalization_coefficients`)."""
+    return plan.orthogonalization_coefficients(group["ns_steps"], group["ns_coefficients"])
 
 
 def row_blocks(rows: int, group: dict):

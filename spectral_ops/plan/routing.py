@@ -1,0 +1,384 @@
+"""Route and cost: every choice of algorithm (:func:`route`), the ops that follow it, and what they cost.
+
+Each op takes ``kernels``, the object dispatch hands out for one op call
+(:func:`spectral_ops.dispatch.kernels_for`): one method per primitive of
+:mod:`spectral_ops.backends.base`, each call routed to a backend. The plan never chooses a backend and
+never imports dispatch; it only asks whether a fused small chain is available (``kernels.small_chain``
+returns None when none is). What it computes is chosen here, in one place and once per op call:
+:func:`route` (the method, an even power's iteration, chain or composed), weighing :func:`cost`, the
+FLOPs read off this very plan on meta tensors; the op passes its :class:`Route` down to the plan
+(:func:`plan_for`, :meth:`~.gram.GramPlan.scaled_direction`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .._checks import check_power
+from .._compile import constant_when_traced
+from ..linalg import compute_dtype
+from ..precision import OPERAND_DTYPES, clip_precision, resolve_precision
+from .factorised import FactorisedPlan
+from .gram import GUARD_SQUARINGS, GramPlan, checked_finite
+from .iterations import GRAM_SPACE_PRECISIONS, GRAM_SPACE_SAVING, TENSOR_POWER_BOUND, matrix_sign
+from .thresholds import Band, Scale
+
+OPS = ("polar", "msign", "spectral_power", "power_update", "band_projectors", "band_direction", "svt",
+       "spectral_clip", "spectral_norm_bounds", "decay_")
+
+# The CPU's fastest accurate method for S_p, from the crossovers measured with
+# bench/test_bench_ops.py::test_method_selection (docs/backends.md, "Choosing a method on a CPU"):
+# for p = 2 the Gram's eigendecomposition won at every measured shape. For p = 0 (where eigh is
+# inaccurate) Polar Express beat LAPACK's SVD by up to 1.55x at some sides, but only on spectra inside
+# its design bound (1e-3 of ||W||_F): at kappa 1e3 it erred 1.3e-3 (128 x 128) to 3e-2 (512 x 512)
+# against the SVD's 1e-5 in fp32, so the SVD is taken at every side.
+# The routes that factorise (spectral_ops.linalg.SpectralFactors) instead of iterating.
+FACTORISATIONS = ("svd", "eigh")
+METHODS = ("auto", "gram") + FACTORISATIONS
+# eigh's matrix products, in units of 2 r^2 N (one r x N by r x r product): the Gram, V^T = diag(1/s) U^T Xn
+# and U diag(w) V^T (linalg.SpectralFactors), besides the decomposition itself.
+EIGH_PRODUCTS = 3
+
+
+@dataclass(frozen=True)
+class Route:
+    """How one op runs: ``method`` (``"gram"``: this plan; ``"svd"``/``"eigh"``: a factorisation,
+    :mod:`spectral_ops.linalg`), ``iteration`` (an even power's, :data:`ITERATIONS` but ``"auto"``)
+    and ``chain`` (whether a backend's fused chain may run the whole direction; dispatch says whether
+    one is there)."""
+
+    method: str
+    iteration: str
+    chain: bool
+
+
+def route(shape, dtype: torch.dtype, device_type: str, p: int, precision: str, *, method: str = "auto",
+          iteration: str = "auto", steps: int = 8, band: bool = False, provider: str = "torch",
+          floored: bool = False) -> Route:
+    """Every choice of algorithm, from the shape, dtype, device, power and precision (dispatch
+    chooses providers, this chooses what they compute).
+
+    * ``method="auto"``: the Gram route on a GPU (the factorisations report to the host, which a
+      capturable step may not read: on a CPU, which has no graphs to capture, a capturable or
+      compiled step factorises as an eager one does, without a graph break), for
+      ``iteration="gram_space"``, and where the products would run on a ``provider`` other than
+      torch's (a forced backend: the measurements weighed LAPACK against torch's composed products,
+      and forcing a backend asks for its kernels). On a CPU the faster accurate one of the
+      measurements (docs/backends.md): for ``S_p``, the Gram route for an odd ``p`` (``X G^k``, products
+      alone) wherever its FLOPs (:func:`cost`) are no more than eigh's products (:data:`EIGH_PRODUCTS`, the
+      decomposition aside: ``p = 1, 3, 5`` on a square matrix, up to ``p = 15`` at 4:1), ``eigh`` for
+      the other ``p > 1``, and the SVD for ``p = 0`` (Polar Express, up to 1.55x faster at some sides, resolves
+      only the modes above its design bound), for a real ``p < 1`` and for a ``floored`` power (with
+      ``eps``: its small modes' weights do not vanish with ``s``, which ``eigh`` would amplify). A ``band`` form
+      (the band ops, soft-thresholding, a band or prox decay) splits the modes at a threshold: the SVD,
+      which resolves one anywhere above its rounding (``eps s_max``), where the Gram route's sign
+      iteration and ``eigh`` both see ``s^2`` (a threshold ``tau`` loses modes once ``tau^2 / s_max^2``
+      nears their resolution: the design bound 1e-3, or eigh's rounding over the gap). It was also
+      1.1-2.2x faster than the Gram route for ``band_direction`` and ``svt`` at every measured shape,
+      and up to 2.2x slower for ``band_projectors`` (no polar factor on the Gram route): accuracy first.
+    * A ``floored`` power, a negative one or a power in a tensor is a real power (the Gram route's
+      :meth:`~.gram.GramPlan.scaled_real_power`): its iteration is its polar factor's, never ``G^k``'s.
+    * ``iteration="auto"``: Gram space for an even ``p`` at a precision where it is as accurate as the
+      rectangle (:data:`GRAM_SPACE_PRECISIONS`) and where :func:`cost` says it saves at least
+      :data:`GRAM_SPACE_SAVING` of the op's FLOPs (an aspect ratio of about 3.5 or more; on a square
+      matrix it costs more); the rectangle otherwise.
+    * ``chain``: a fused chain runs the rectangle's steps in one kernel per matrix, where launches,
+      not FLOPs, bound the time, so it is taken first under ``"auto"`` and ``"rectangle"``; not where
+      ``Gn^k`` could leave fp32's normal range (:data:`CHAIN_POWER_RANGE_BITS`: the chain does not
+      renormalise it).
+    """
+    *_, m, n = shape
+    r, side = min(m, n), max(m, n)
+    # The integer route (G^k by repeated squaring) takes a number p >= 0 without a floor; every other
+    # power, a negative one included, is a real one.
+    integer = isinstance(p, int) and p >= 0 and not floored
+    if method == "auto":
+        if iteration == "gram_space" or device_type != "cpu" or provider != "torch":
+            method = "gram"
+        elif band or floored or torch.is_tensor(p):  # a power on the device is floored, of either sign
+            method = "svd"
+        elif integer and p % 2 and cost("spectral_power", (r, side), p=p) <= EIGH_PRODUCTS * 2 * r * r * side:
+            method = "gram"
+        elif p > 1:
+            method = "eigh"
+        else:  # p = 0 and the real powers below 1: the SVD resolves every mode
+            method = "svd"
+    chain = iteration != "gram_space" and integer and p // 2 * math.log2(max(r, 2)) <= CHAIN_POWER_RANGE_BITS
+    if iteration == "auto":
+        iteration = "rectangle"
+        # An even power and a real one (p = 0's polar factor is its base) iterate a polar factor.
+        if (not integer or p % 2 == 0) and precision in GRAM_SPACE_PRECISIONS:
+            # A real power's iteration is its polar factor's: the rest costs the same either way.
+            p_iterated = p if integer else 0
+            flops = {it: cost("spectral_power", (r, side), p=p_iterated, iteration=it, steps=steps,
+                              symmetric_at_half=True)
+                     for it in ("gram_space", "rectangle")}
+            if flops["gram_space"] <= (1 - GRAM_SPACE_SAVING) * flops["rectangle"]:
+                iteration = "gram_space"
+    return Route(method, iteration, chain)
+
+
+# Gn^k at unit norm stays above 2^-CHAIN_POWER_RANGE_BITS, well inside fp32's normal range (2^-126).
+CHAIN_POWER_RANGE_BITS = 100
+
+
+def routed(kernels, W: torch.Tensor, p, precision: str | None, method: str, polar_coefficients=None, *,
+           iteration: str = "auto", band: bool = False, floored: bool = False) -> Route:
+    """:func:`route` for one op call on ``W`` with ``kernels``, once: the op passes it down. The iteration
+    is weighed at ``polar_coefficients``' steps (None: a band form's, designed later for its threshold,
+    which runs on the rectangle whatever the route says; weighed at 8)."""
+    precision = resolve_precision(precision, W.dtype)
+    # Asked only where it can decide: it routes (and may self-check) a provider.
+    asks = method == "auto" and W.device.type == "cpu"
+    provider = kernels.provider_of("product", OPERAND_DTYPES[precision], W.shape, precision) if asks else "torch"
+    steps = 8 if polar_coefficients is None else len(polar_coefficients)
+    return route(W.shape, W.dtype, W.device.type, p, precision, method=method, iteration=iteration, steps=steps,
+                 band=band, provider=provider, floored=floored)
+
+
+def plan_for(W: torch.Tensor, kernels, precision: str | None, method: str, capturable: bool = False,
+             threshold_ratio: float | None = None) -> GramPlan:
+    """The plan of a routed ``method``: the iterations (``"gram"``) or a factorisation; ``capturable``
+    and ``threshold_ratio`` as in :class:`GramPlan`."""
+    if method in FACTORISATIONS:
+        return FactorisedPlan(W, kernels, method, precision)
+    return GramPlan(W, kernels, resolve_precision(precision, W.dtype), capturable=capturable,
+                    threshold_ratio=threshold_ratio)
+
+
+# ----- the ops: (validated) inputs in, a new tensor of the input's dtype out; precision None resolves here
+
+def spectral_power(kernels, W: torch.Tensor, p, polar_coefficients, precision: str | None = None,
+                   sync: bool = True, iteration: str = "auto", method: str = "gram", eps=None):
+    """``sync``: check the result for overflow (OverflowError); the capturable path passes False and
+    gets Inf where the result exceeds the dtype. ``iteration``: one of :data:`ITERATIONS`; ``method``:
+    :func:`route`'s (``"auto"`` routes here). ``p``: an int or a real ``p > 0``, or any ``p`` with a floor
+    ``eps`` (:meth:`GramPlan.scaled_real_power`; ``p = 0`` is the polar factor, floored or not)."""
+    if eps is None and p == 1:
+        return W.clone()  # S_1(W) = W, and the result must never alias the input
+    chosen = routed(kernels, W, p, precision, method, polar_coefficients, iteration=iteration, floored=eps is not None)
+    if chosen.method == "gram" and not torch.is_tensor(p) and p == 0:
+        return polar_factor(kernels, W, polar_coefficients, precision, chosen)
+    plan = plan_for(W, kernels, precision, chosen.method)
+    result = plan.result(*plan.scaled_direction(p, polar_coefficients, chosen, eps)).to(W.dtype)
+    result = beyond_tensor_power_nan(result, p)
+    return checked_finite(result, "spectral_power") if sync else result
+
+
+def beyond_tensor_power_nan(result: torch.Tensor, p) -> torch.Tensor:
+    """``result``, NaN where ``p`` is held in a tensor beyond :data:`TENSOR_POWER_BOUND` (its design)."""
+    return torch.where(p.abs() <= TENSOR_POWER_BOUND, result, torch.nan) if torch.is_tensor(p) else result
+
+
+def polar_factor(kernels, W: torch.Tensor, polar_coefficients, precision: str | None, chosen: Route,
+                 dtype: torch.dtype | None = None, overwrite_input: bool = False):
+    """``S_0(W)`` by the iteration ``chosen`` routes, in ``dtype`` (``W``'s by default); ``overwrite_input``:
+    see :class:`~.gram.GramPlan`."""
+    plan = GramPlan(W, kernels, resolve_precision(precision, W.dtype), overwrite_input=overwrite_input,
+                    polar_only=True)
+    direction, _ = plan.scaled_direction(0, polar_coefficients, chosen)
+    return plan.oriented(direction).to(dtype or W.dtype)
+
+
+def polar(kernels, W: torch.Tensor, polar_coefficients, precision: str | None = None,
+          dtype: torch.dtype | None = None, overwrite_input: bool = False) -> torch.Tensor:
+    """Always on the rectangle: this is Muon's orthogonalisation, which must be the iteration
+    torch.optim.Muon runs (``spectral_power(W, 0)`` follows ``iteration`` instead)."""
+    chosen = routed(kernels, W, 0, precision, "gram", polar_coefficients, iteration="rectangle")
+    return polar_factor(kernels, W, polar_coefficients, precision, chosen, dtype, overwrite_input)
+
+
+# A Muon-family update's default floor (relative to s_max): in bf16, below the iterate's resolution anyway
+# (RESOLUTION); a negative power lifts the small modes, mostly the momentum's noise, to at most 100^|q|
+# times the top's weight.
+UPDATE_FLOOR = 1e-2
+# How a Muon-family update is scaled: "polar", to the polar factor's Frobenius norm per matrix (a learning
+# rate means what it means for Muon); "raw", not at all: U diag((s^2 + (eps s_max)^2)^(q/2)) V^T as it is,
+# DynMuon's update (its norm follows ||X||^q).
+UPDATE_SCALES = ("polar", "raw")
+
+
+def power_update(kernels, X: torch.Tensor, power, polar_coefficients, precision: str | None, eps: float,
+                 dtype: torch.dtype | None = None, overwrite_input: bool = False, scale: str = "polar") -> torch.Tensor:
+    """A Muon-family update with update power ``power`` (capturable): for a number 0, ``X``'s polar
+    factor on the rectangle, as torch.optim.Muon iterates it (a square ``X`` as laid out: :func:`polar`
+    counts it as tall and would iterate on its transpose, a strided view whose result comes out
+    strided); else ``U diag((s^2 + (eps s_max)^2)^(power/2)) V^T`` (:meth:`GramPlan.scaled_real_power`),
+    scaled as ``scale`` says (:data:`UPDATE_SCALES`): by default renormalised to the polar factor's
+    Frobenius norm ``sqrt(min(m, n))`` per matrix, so that a learning rate means what it means for Muon
+    (0 for a zero ``X``); ``"raw"``: as it is (Inf where that overflows: nothing is read back).
+
+    The renormalisation takes the direction at unit scale as it is: the scale ``c^power`` cancels in it,
+    and applied first it can leave the range (``||.||_F`` of a power 1 of a 1e-30 ``X`` underflows fp32)."""
+    if not torch.is_tensor(power) and power == 0:
+        if X.shape[-2] != X.shape[-1]:
+            return polar(kernels, X, polar_coefficients, precision, dtype, overwrite_input)
+        return polar(kernels, X.mT, polar_coefficients, precision, dtype, overwrite_input).mT
+    chosen = routed(kernels, X, power, precision, "gram", polar_coefficients, floored=True)
+    plan = GramPlan(X, kernels, resolve_precision(precision, X.dtype))
+    D, log_factor = plan.scaled_direction(power, polar_coefficients, chosen, eps)
+    if scale == "raw":
+        result = plan.result(D, log_factor)
+    else:
+        norm = torch.linalg.vector_norm(D, dim=(-2, -1), keepdim=True, dtype=compute_dtype(D.dtype))
+        # A zero X's direction is 0 (its norm too): 0, not 0/0. A non-finite one stays non-finite.
+        factor = torch.where(norm == 0, 0.0, math.sqrt(min(X.shape[-2:])) / norm)
+        result = plan.oriented(D.mul_(factor.to(D.dtype)))  # D is the plan's own: scaled in place
+    return beyond_tensor_power_nan(result.to(dtype or X.dtype), power)
+
+
+def msign(kernels, A: torch.Tensor, sign_coefficients, precision: str | None = None) -> torch.Tensor:
+    precision = resolve_precision(precision, A.dtype)
+    return matrix_sign(kernels, A.to(compute_dtype(A.dtype, precision)), sign_coefficients, precision).to(A.dtype)
+
+
+# The band ops: None coefficients are designed for the threshold (threshold_design); ``sync=False`` (the
+# capturable path) neither checks the result nor reads the threshold's ratio on the host;
+# ``threshold_ratio``: a known tau / ||W||_F (the cost model's).
+
+def band_projectors(kernels, W: torch.Tensor, tau, sign_coefficients, precision: str | None = None,
+                    method: str = "gram", sync: bool = True, threshold_ratio: float | None = None):
+    method = routed(kernels, W, 1, precision, method, band=True).method
+    plan = plan_for(W, kernels, precision, method, not sync, threshold_ratio)
+    P_top = plan.thresholds.top_projector(tau, None, sign_coefficients)
+    return P_top.to(W.dtype), (plan.identity() - P_top).to(W.dtype)
+
+
+def band_direction(kernels, W: torch.Tensor, p: int, band: Band, polar_coefficients, sign_coefficients,
+                   precision: str | None = None, sync: bool = True, top: Scale = 1.0, method: str = "gram",
+                   threshold_ratio: float | None = None):
+    method = routed(kernels, W, p, precision, method, band=True).method
+    plan = plan_for(W, kernels, precision, method, not sync, threshold_ratio)
+    result = plan.oriented(plan.thresholds.band(p, band, polar_coefficients, sign_coefficients, top)).to(W.dtype)
+    return checked_finite(result, "band_direction") if sync else result
+
+
+def svt(kernels, W: torch.Tensor, t, polar_coefficients, sign_coefficients, precision: str | None = None,
+        sync: bool = True, method: str = "gram", threshold_ratio: float | None = None):
+    method = routed(kernels, W, 0, precision, method, band=True).method
+    plan = plan_for(W, kernels, precision, method, not sync, threshold_ratio)
+    result = plan.result(*plan.thresholds.svt(t, polar_coefficients, sign_coefficients)).to(W.dtype)
+    return checked_finite(result, "svt") if sync else result
+
+
+def spectral_clip(kernels, W: torch.Tensor, low, high, polar_coefficients, sign_coefficients,
+                  precision: str | None = None, sync: bool = True, method: str = "gram",
+                  threshold_ratio: float | None = None):
+    """``U diag(clamp(s, low, high)) V^T`` (``low``/``high`` None: that side unbounded); precision None:
+    :func:`clip_precision`."""
+    precision = clip_precision(precision, W.dtype)
+    method = routed(kernels, W, 0, precision, method, band=True).method
+    plan = plan_for(W, kernels, precision, method, not sync, threshold_ratio)
+    clipped = plan.thresholds.clip(low, high, polar_coefficients, sign_coefficients)
+    result = plan.result(*clipped).to(W.dtype)
+    return checked_finite(result, "spectral_clip") if sync else result
+
+
+def composed_chain(kernels, X: torch.Tensor, p, coefficients, precision: str, sign: bool = False) -> torch.Tensor:
+    """A small chain (:meth:`~spectral_ops.backends.base` ``small_chain``) as the plan composes it where
+    no backend fuses one, on ``kernels`` without a chain: the ``sign`` iteration, or ``S_p``. Dispatch
+    times it against the fused chains."""
+    if sign:
+        return matrix_sign(kernels, X, coefficients, precision)
+    return spectral_power(kernels, X, p, coefficients, precision, sync=False, method="gram")
+
+
+# Beyond this many squarings every level of the bound is s_max to float64's rounding (level j is within
+# r^(1/2^(j+2)) and its rounding's widening, at most 1e10, within 1e10^(1/2^(j+1))): more would repeat it.
+USEFUL_SQUARINGS = 64
+
+
+def spectral_norm_bounds(kernels, W: torch.Tensor, squarings: int):
+    """``(lower, upper)`` on ``s_max`` per matrix, in the compute dtype (products at its accuracy), from at
+    most :data:`USEFUL_SQUARINGS` squarings."""
+    dtype = compute_dtype(W.dtype)
+    plan = GramPlan(W, kernels, "fp64" if dtype == torch.float64 else "fp32")
+    log_lower, log_upper = plan.log_spectral_norm_bounds(min(squarings, USEFUL_SQUARINGS))
+    return log_lower.exp().clamp(max=torch.finfo(dtype).max).to(dtype), log_upper.exp().to(dtype)
+
+
+# ----- the cost, read off the plan on meta tensors
+
+@constant_when_traced  # read off the plan on meta tensors, not traced (nor its cache, which Dynamo would skip)
+def cost(op: str, shape: tuple, **options) -> float:
+    """The matrix FLOPs of one call of ``op`` (one of :data:`OPS`) on a float32 tensor of ``shape``
+    (a batch counts each matrix): :func:`work`'s FLOPs, with the same options."""
+    return work(op, shape, **options).flops
+
+
+@constant_when_traced
+def work(op: str, shape: tuple, *, p=0, precision: str = "fp32", iteration: str = "rectangle",
+         steps: int | None = 8, sign_steps: int | None = 8, band_mode: str | None = None, p_bot: int = 1,
+         guard: bool = False, symmetric_at_half: bool = False, eps: float | None = None,
+         threshold: float | None = None, dtype: torch.dtype = torch.float32):
+    """The :class:`~spectral_ops.backends.counting.Work` of one call of ``op`` (one of :data:`OPS`) on a
+    ``dtype`` tensor of ``shape`` (a batch counts each matrix): its matrix FLOPs, its primitives' bytes
+    and launches, read off the plan: it runs on meta tensors with
+    :class:`~spectral_ops.backends.counting.CountingBackend`, which counts each primitive, and
+    :class:`~spectral_ops.backends.counting.UnroutedProducts`, which counts the products the plan forms
+    outside them (the matrix-vector products of :meth:`~.gram.GramPlan.spectral_norm_estimate`).
+
+    At full cost this is what ``FlopCounterMode`` counts of the torch backend; ``symmetric_at_half``
+    gives the GPU kernels' count, each symmetric product (the Gram, ``A A``, the sign steps) at half.
+    ``p``, ``iteration`` (``"auto"`` routes as a call would), ``steps``, ``sign_steps``, ``band_mode``
+    and ``p_bot`` configure the op (``eps``: a floor, see :func:`spectral_power`); ``guard``: a decay's
+    stability bound is formed (a capturable step's clamp, every step; an eager one forms it only where
+    ``||W||_F`` does not settle the guard). The fused chains are not counted: their products are the
+    composed plan's.
+
+    A band op's ``steps``/``sign_steps`` None are designed for its thresholds
+    (:func:`~.thresholds.threshold_design`),
+    as a call without them is: at ``threshold`` (each threshold's ``tau / ||W||_F``), or where that is
+    None at the capturable design, which cannot read it.
+    """
+    if threshold is not None and not (isinstance(threshold, (int, float)) and threshold > 0):
+        raise ValueError(f"threshold is tau / ||W||_F, a number > 0 (or None), got {threshold!r}")
+    # A power_update without eps takes its default floor, as the op does.
+    p = check_power(p, eps=UPDATE_FLOOR if op == "power_update" and eps is None else eps, decay=op == "decay_")
+    return _counted(op, tuple(shape), p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard,
+                    symmetric_at_half, eps, threshold, dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _counted(op, shape, p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard, symmetric_at_half, eps,
+             threshold, dtype):
+    from ..backends.counting import CountingBackend, UnroutedProducts
+    from .decay import DecayRequest, decay_  # the decay sits above the cost model, which counts it too
+
+    kernels = CountingBackend(symmetric_at_half)
+    W = torch.empty(shape, dtype=dtype, device="meta")
+    polar_coefficients, sign_coefficients = (None if count is None else ((1.0, 0.0, 0.0),) * count
+                                             for count in (steps, sign_steps))
+    band = Band(1.0, band_mode, p_bot) if band_mode else None
+    # Meta tensors have no values to read (sync=False): a threshold's ratio is the given one, or (None)
+    # the capturable design's.
+    calls = {
+        "polar": lambda: polar(kernels, W, polar_coefficients, precision),
+        "power_update": lambda: power_update(kernels, W, p, polar_coefficients, precision,
+                                             UPDATE_FLOOR if eps is None else eps),
+        "msign": lambda: msign(kernels, W, sign_coefficients, precision),
+        "spectral_power": lambda: spectral_power(kernels, W, p, polar_coefficients, precision, False, iteration,
+                                                 eps=eps),
+        "band_projectors": lambda: band_projectors(kernels, W, 1.0, sign_coefficients, precision, sync=False,
+                                                   threshold_ratio=threshold),
+        "band_direction": lambda: band_direction(kernels, W, p, band, polar_coefficients, sign_coefficients,
+                                                 precision, sync=False, threshold_ratio=threshold),
+        "svt": lambda: svt(kernels, W, 1.0, polar_coefficients, sign_coefficients, precision, sync=False,
+                           threshold_ratio=threshold),
+        "spectral_clip": lambda: spectral_clip(kernels, W, 0.5, 1.0, polar_coefficients, sign_coefficients, precision,
+                                               sync=False, threshold_ratio=threshold),
+        "spectral_norm_bounds": lambda: spectral_norm_bounds(kernels, W, GUARD_SQUARINGS),
+        "decay_": lambda: decay_(kernels, W, DecayRequest(
+            p, 1.0, 1.0, band=band, polar_coefficients=polar_coefficients, sign_coefficients=sign_coefficients,
+            precision=precision, iteration=iteration, stability="clamp" if guard else "ignore",
+            capturable=guard or threshold is None, method="gram", threshold_ratio=threshold)),
+    }
+    with UnroutedProducts(kernels):
+        calls[op]()
+    return kernels.work
+
+
