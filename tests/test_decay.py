@@ -427,10 +427,11 @@ def test_every_route_decays_to_the_svd_oracle(dtype, form, method):
     assert relative_error(decayed, decay_oracle(W, DECAY_FORMS[form], lr, wd, ordinary)) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("form, factorisation", [("p2", "eigh"), ("p3", "eigh"), ("p0", "svd"), ("prox", "svd"),
+@pytest.mark.parametrize("form, factorisation", [("p2", "eigh"), ("p3", "gram"), ("p0", "svd"), ("prox", "svd"),
                                                  ("band-top", "svd"), ("two-band", "svd")])
 def test_on_a_cpu_auto_factorises_where_that_is_faster(form, factorisation):
-    """plan.route's CPU choice for a decay (docs/backends.md): eigh for S_p with p >= 2 (p = 0 at 24 x 16
+    """plan.route's CPU choice for a decay (docs/backends.md): eigh for S_p with an even p >= 2 and the Gram
+    route for p = 3 (X G, products alone: fewer than eigh's) (p = 0 at 24 x 16
     is below Polar Express's winning sides: the SVD), the SVD for every thresholded form. Bit for bit:
     "auto" is that route, not a similar one."""
     W = weights(dtype=torch.float32, seed=6)

@@ -11,12 +11,14 @@ import spectral_ops
 PACKAGE = Path(spectral_ops.__file__).parent
 
 
-def imported_modules(path: Path, root: Path = PACKAGE) -> set[str]:
+def imported_modules(path: Path, root: Path = PACKAGE, top_level: bool = False) -> set[str]:
     """The absolute names of the modules (and of the names taken from them) that ``path`` imports,
-    relative imports resolved against its package (``root`` is spectral_ops' folder)."""
+    relative imports resolved against its package (``root`` is spectral_ops' folder); ``top_level``: only
+    the module's own statements, not a function's."""
     package = ["spectral_ops", *path.relative_to(root).parent.parts]
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in tree.body if top_level else ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -93,4 +95,33 @@ def test_only_the_plan_chooses_an_algorithm_by_the_power():
             lines = branches_on_power(path.read_text(), str(path))
             if lines:
                 offenders[str(path.relative_to(PACKAGE.parent))] = lines
-    assert not offenders, f"branches on p outside spectral_ops/plan.py (move the choice into plan.route): {offenders}"
+    assert not offenders, f"branches on p outside spectral_ops/plan/ (move the choice into plan.route): {offenders}"
+
+
+
+# ----- the plan is a package of modules read top to bottom, above dispatch (issue #45)
+
+# spectral_ops.plan's modules, in reading order: each imports only those before it.
+PLAN_MODULES = ["iterations", "thresholds", "gram", "factorised", "routing", "decay"]
+
+
+def test_dispatch_imports_nothing_from_the_plan():
+    """Dispatch routes the plan's primitive calls: it sits below the plan (the precision tables it reads
+    are spectral_ops.precision's, and the plan's composition of a small chain is handed to it)."""
+    names = sorted(name for name in imported_modules(PACKAGE / "dispatch.py")
+                   if name.split(".")[:2] == ["spectral_ops", "plan"])
+    assert not names
+
+
+def test_the_plans_modules_import_only_those_above_them_and_never_dispatch():
+    """Function-level imports aside: the cost model (routing) imports the decay it counts where it
+    counts it, since a decay is routed like any op."""
+    assert sorted(path.stem for path in (PACKAGE / "plan").glob("*.py")) == sorted(["__init__", *PLAN_MODULES])
+    offenders = {}
+    for position, name in enumerate(PLAN_MODULES):
+        names = imported_modules(PACKAGE / "plan" / f"{name}.py", top_level=True)
+        below = {f"spectral_ops.plan.{other}" for other in PLAN_MODULES[position:]} | {"spectral_ops.dispatch"}
+        wrong = sorted(n for n in names if any(n == b or n.startswith(b + ".") for b in below))
+        if wrong:
+            offenders[name] = wrong
+    assert not offenders

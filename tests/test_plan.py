@@ -266,13 +266,16 @@ def test_auto_is_the_default_and_polar_stays_on_the_rectangle():
 
 
 def test_a_cpu_factorises_only_where_torch_would_run_the_products():
-    """The CPU rules of plan.route (docs/backends.md): eigh for S_p with p >= 2, the SVD for a thresholded
-    form at any power; the Gram route on a GPU and where another provider would run the products (a
-    forced backend asks for its kernels); an explicit method is kept."""
+    """The CPU rules of plan.route (docs/backends.md): eigh for S_p with an even p >= 2, and an odd p on the
+    Gram route (X G^k: products alone) while they cost no more than eigh's three (the Gram and two by the
+    rectangle: at 2:1 up to p = 9); the SVD for a thresholded form at any power; the Gram route on a GPU
+    and where another provider would run the products (a forced backend asks for its kernels); an
+    explicit method is kept."""
     def method(device="cpu", p=2, **options):
         return plan.route((128, 64), torch.float32, device, p, "fp32", **options).method
 
-    assert method() == "eigh" and method(band=True) == "svd" and method(p=0, band=True) == "svd"
+    assert method() == method(p=4) == "eigh" and method(band=True) == "svd" and method(p=0, band=True) == "svd"
+    assert [method(p=p) for p in (1, 3, 5, 7, 9, 11)] == ["gram"] * 5 + ["eigh"]
     assert method("cuda") == method("cuda", band=True) == "gram"
     assert method(provider="triton") == method(band=True, provider="triton") == "gram"
     assert method(method="eigh", band=True) == "eigh"
@@ -324,14 +327,15 @@ def test_auto_takes_a_backends_fused_chain_first(monkeypatch):
     matrices), launches bound the time and Gram space would save nothing: "auto" takes the chain even
     where the FLOP model prefers Gram space; an explicit "gram_space" does not."""
     chained = (torch.zeros(24, 96), torch.zeros(()))
-    monkeypatch.setattr(plan, "chained_power", lambda *args: chained)
+    monkeypatch.setattr(plan.gram, "chained_power", lambda *args: chained)
     W = torch.randn(96, 24)
     gram_plan, coefficients = plan.GramPlan(W, None, "fp32"), so.coefficients.polar_express_coefficients()
     chosen = plan.route(W.shape, W.dtype, "cpu", 2, "fp32")
     assert chosen.iteration == "gram_space" and chosen.chain
-    assert gram_plan.scaled_direction(2, coefficients, "auto") is chained
+    assert gram_plan.scaled_direction(2, coefficients, chosen) is chained
     monkeypatch.setattr(plan.GramPlan, "scaled_power", lambda self, p, coefficients, iteration, eps=None: iteration)
-    assert gram_plan.scaled_direction(2, coefficients, "gram_space") == "gram_space"
+    explicit = plan.route(W.shape, W.dtype, "cpu", 2, "fp32", iteration="gram_space")
+    assert not explicit.chain and gram_plan.scaled_direction(2, coefficients, explicit) == "gram_space"
 
 
 def test_the_polar_factor_starts_from_the_margin_without_a_pass_over_the_matrix():
