@@ -91,7 +91,8 @@ class UnroutedProducts(TorchDispatchMode):
     """Counts into ``counting`` (a :class:`CountingBackend`) the matrix products computed outside its
     primitives while the mode is active, at full cost as ``FlopCounterMode`` counts them, with their
     traffic and one launch each. The primitives themselves compute nothing, so no product is counted
-    twice."""
+    twice; a counted product is not passed on either, so that a mode around the cost model (a caller's
+    ``FlopCounterMode``) never sees the model's meta products."""
 
     def __init__(self, counting: CountingBackend):
         super().__init__()
@@ -99,5 +100,5 @@ class UnroutedProducts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket.__name__ in MATRIX_PRODUCTS:
-            self.counting._count(*args[-2:])
+            return self.counting._count(*args[-2:])
         return func(*args, **(kwargs or {}))
