@@ -24,7 +24,7 @@ from ._checks import (
     check_steps,
     renamed_argument,
 )
-from .coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients, resolve_polar_coefficients
+from .coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients
 from .linalg import compute_dtype
 from .matrix_views import matrices_of, resolve_matrix_view
 
@@ -133,7 +133,7 @@ def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, preci
     needs it said); four or more dimensions must say it (:mod:`spectral_ops.matrix_views`).
     """
     M = _validated(W, capturable=capturable, matrix_view=matrix_view)
-    polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
+    polar_c = plan.polar_coefficients(check_steps(steps), coefficients)
     _check_iterate_options(precision, dtype, overwrite_input)
     if W.numel() == 0:
         return W.to(dtype or W.dtype, copy=True)
@@ -233,7 +233,7 @@ def power_update(X: torch.Tensor, q=0, *, eps: float = plan.UPDATE_FLOOR, steps:
     """
     M = _validated(X, "X", capturable=capturable, matrix_view=matrix_view)
     q = check_power(q, "q", eps=eps, capturable=capturable)
-    polar_c = resolve_polar_coefficients(check_steps(steps), coefficients)
+    polar_c = plan.polar_coefficients(check_steps(steps), coefficients)
     _check_iterate_options(precision, dtype, overwrite_input)
     check_choice(scale, "scale", plan.UPDATE_SCALES)
     if X.numel() == 0:

@@ -326,16 +326,17 @@ def test_auto_takes_a_backends_fused_chain_first(monkeypatch):
     """Where a backend fuses the rectangle's whole iteration into one kernel per matrix (small
     matrices), launches bound the time and Gram space would save nothing: "auto" takes the chain even
     where the FLOP model prefers Gram space; an explicit "gram_space" does not."""
+    W = torch.randn(96, 24)
+    # Routed before the plan is patched: the route weighs the cost, read off the (unpatched) plan.
+    chosen = plan.route(W.shape, W.dtype, "cpu", 2, "fp32")
+    explicit = plan.route(W.shape, W.dtype, "cpu", 2, "fp32", iteration="gram_space")
+    assert chosen.iteration == "gram_space" and chosen.chain and not explicit.chain
     chained = (torch.zeros(24, 96), torch.zeros(()))
     monkeypatch.setattr(plan.gram, "chained_power", lambda *args: chained)
-    W = torch.randn(96, 24)
     gram_plan, coefficients = plan.GramPlan(W, None, "fp32"), so.coefficients.polar_express_coefficients()
-    chosen = plan.route(W.shape, W.dtype, "cpu", 2, "fp32")
-    assert chosen.iteration == "gram_space" and chosen.chain
     assert gram_plan.scaled_direction(2, coefficients, chosen) is chained
     monkeypatch.setattr(plan.GramPlan, "scaled_power", lambda self, p, coefficients, iteration, eps=None: iteration)
-    explicit = plan.route(W.shape, W.dtype, "cpu", 2, "fp32", iteration="gram_space")
-    assert not explicit.chain and gram_plan.scaled_direction(2, coefficients, explicit) == "gram_space"
+    assert gram_plan.scaled_direction(2, coefficients, explicit) == "gram_space"
 
 
 def test_the_polar_factor_starts_from_the_margin_without_a_pass_over_the_matrix():
@@ -365,3 +366,25 @@ def test_the_polar_factor_starts_from_the_margin_without_a_pass_over_the_matrix(
     assert ops.names <= {"mm", "addmm", "t", "transpose"}, ops.names
     expected = plan.polar_iterations(TorchBackend(), gram_plan.Xn / NORMALIZATION_MARGIN, coefficients, "fp64")
     torch.testing.assert_close(polar, expected, rtol=0, atol=64 * torch.finfo(torch.float64).eps)
+
+
+def test_the_route_is_computed_once_per_op_call(monkeypatch):
+    """route() runs once per op call, and the op passes it down (it ran in routed and again in
+    GramPlan.scaled_direction). The cost model's own calls, on the wide meta shape, are not the op's."""
+    shapes = []
+    original = plan.routing.route
+
+    def counted(shape, *args, **options):
+        shapes.append(tuple(shape))
+        return original(shape, *args, **options)
+
+    monkeypatch.setattr(plan.routing, "route", counted)
+    W = torch.randn(96, 24)
+    calls = [lambda: so.spectral_power(W, 2, method="gram"), lambda: so.spectral_power(W, 0, method="gram"),
+             lambda: so.spectral_power(W, 3), lambda: so.polar(W), lambda: so.power_update(W, 0.5),
+             lambda: so.spectral_decay_(W.clone(), 2, 0.01, 0.1, method="gram"),
+             lambda: so.band_direction(W, 0.5, 2, method="gram")]
+    for call in calls:
+        shapes.clear()
+        call()
+        assert shapes.count((96, 24)) == 1
