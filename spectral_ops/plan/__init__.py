@@ -36,7 +36,7 @@ from .iterations import (DEVICE_DESIGN_TOLERANCE, GRAM_SPACE_BLOCK, GRAM_SPACE_P
 from .thresholds import (BAND_MODES, BAND_SIDES, CAPTURABLE_DEPTH, CUTOFF_BAND, CUTOFF_TOLERANCE_UNITS,
                          DEFAULT_LOWER, DEFAULT_STEPS, GRAM_RESOLVES, THRESHOLD_RESOLUTION, THRESHOLD_TOLERANCE,
                          Band, FactorisedThresholds, GramThresholds, Scale, Term, ThresholdDesign, per_mode,
-                         threshold_design)
+                         spectral_terms, term_power, threshold_design, weighs_its_bands)
 from .gram import (GUARD_SQUARINGS, NORM_ROUNDING, RELATIVE_ROUNDING_CAP, ROUNDING, GramPlan, chained_power,
                    checked_finite, renormalized)
 from .factorised import FactorisedPlan

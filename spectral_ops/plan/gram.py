@@ -115,14 +115,13 @@ class GramPlan:
         self._gram_squares: dict[int, tuple] = {}
         self._polar = None
         self._gram_polar = None
-        self._thresholds = None
 
     @property
     def thresholds(self) -> GramThresholds:
-        """The thresholded forms on this plan (projectors, band directions, svt, the clip), formed once."""
-        if self._thresholds is None:
-            self._thresholds = self.threshold_forms(self)
-        return self._thresholds
+        """The thresholded forms on this plan (projectors, band directions, svt, the clip). Not held by the
+        plan, so that a caller's ``del plan`` frees the plan's tensors at once (a held one would make a
+        reference cycle): each op asks for one form."""
+        return self.threshold_forms(self)
 
     @property
     def Xn(self) -> torch.Tensor:
