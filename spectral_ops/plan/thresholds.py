@@ -205,8 +205,7 @@ def term_power(term: Term, p, band: Band):
 def spectral_terms(band: Band):
     """``(term, below)`` for each term of ``band``'s sides that is a power of the call (the parts of a
     decay its coefficients weight), ``below`` whether it lies below ``tau``."""
-    above, below = BAND_SIDES[band.mode]
-    return [(term, side is below) for side in (above, below) for term in side
+    return [(term, position == 1) for position, side in enumerate(BAND_SIDES[band.mode]) for term in side
             if term.what in ("power", "bottom power")]
 
 
