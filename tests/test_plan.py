@@ -388,3 +388,15 @@ def test_the_route_is_computed_once_per_op_call(monkeypatch):
         shapes.clear()
         call()
         assert shapes.count((96, 24)) == 1
+
+
+def test_the_band_modes_table_gives_the_guard_its_terms_and_each_route_its_sides():
+    """One table (plan.BAND_SIDES) says what each band mode puts above and below tau: the guard's terms
+    (a power below tau is capped at it; a two-band's bottom carries its own coefficient), which forms
+    hold the polar factor, and the validation's list of modes all follow from it."""
+    assert so.ops.BAND_MODES == plan.BAND_MODES == ("top", "bot", "top_only", "bot_only", "two_band", "clip")
+    terms = {mode: plan.stability_terms(3, 0.5, plan.Band(1.0, mode, p_bot=4, spectral_weight_decay_bot=0.2))
+             for mode in plan.BAND_MODES}
+    assert terms == {"top": [(3, 0.5, False)], "bot": [(3, 0.5, True)], "top_only": [(3, 0.5, False)],
+                     "bot_only": [(3, 0.5, True)], "two_band": [(3, 0.5, False), (4, 0.2, True)], "clip": []}
+    assert [mode for mode in plan.BAND_MODES if plan.weighs_its_bands(plan.Band(1.0, mode))] == ["two_band"]
