@@ -42,8 +42,8 @@ from .gram import (GUARD_SQUARINGS, NORM_ROUNDING, RELATIVE_ROUNDING_CAP, ROUNDI
 from .factorised import FactorisedPlan
 from .routing import (CHAIN_POWER_RANGE_BITS, EIGH_PRODUCTS, FACTORISATIONS, METHODS, OPS, UPDATE_FLOOR,
                       UPDATE_SCALES, USEFUL_SQUARINGS, Route, band_direction, band_projectors, beyond_tensor_power_nan,
-                      composed_chain, cost, msign, plan_for, polar, polar_factor, power_update, route, routed, spectral_clip,
-                      spectral_norm_bounds, spectral_power, svt, work)
+                      composed_chain, cost, msign, plan_for, polar, polar_factor, power_update, route, routed,
+                      spectral_clip, spectral_norm_bounds, spectral_power, svt, work)
 from .decay import (CLAMP_ORDER, ROUNDINGS, STABILITY_POLICIES, STOCHASTICALLY_ROUNDED, DecayOutcome, DecayRequest,
                     SpectralStabilityError, decay_, decay_polar_coefficients, is_prox, is_zero, log_clamp, logger,
                     needs_direction, plain_factor, rounding_noise, scaled_step, settled_by_the_norm, stability_clamp,
