@@ -45,11 +45,12 @@ from typing import Union
 
 import torch
 
-from ._checks import check_power, renamed_argument, user_stacklevel
+from ._checks import check_power, user_stacklevel
 from ._compile import constant_when_traced
 from .coefficients import (NORMALIZATION_MARGIN, floor_polynomial, interpolated_coefficients,
                            inverse_root_coefficients, polar_express_coefficients, polar_express_design,
                            power_polynomial)
+from .deprecations import renamed_argument
 from .linalg import (SpectralFactors, as_float64, compute_dtype, frobenius_normalized, is_tall, power_weights, ratio,
                      relative_powers, scaled_, wide, zero_mode_cutoff)
 
