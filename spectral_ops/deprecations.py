@@ -34,6 +34,7 @@ class Rename:
     advice: str = ""  # what the warning tells the user to do (default: pass the new name)
     kind: str = "name"  # the old name is the new one's deprecated name, or alias
     warns_on_load: bool = False  # a state dict saved under the old group key warns as it loads
+    note: str = ""  # for the docs' table: where the old name means the new one only in part
 
     def warning(self, caller: str) -> str:
         return f"{caller}'s {self.old} is deprecated: {self.advice or f'pass {self.new}'}"
@@ -53,7 +54,7 @@ RENAMES = (
     Rename("spectral_decay_", "weight_decay", "spectral_weight_decay", advice=SPECTRAL_COEFFICIENT, kind="alias"),
     Rename("Band", "weight_decay_bot", "spectral_weight_decay_bot"),
     Rename("band_projectors", "steps", "sign_steps"),
-    Rename("band_projectors", "method", "sign_method"),  # a sign method given as method, the route's name now
+    Rename("band_projectors", "method", "sign_method", note="a sign method given as `method`, now the route's name"),
 )
 
 _BY_CALL = {(rename.caller, rename.new, rename.old): rename for rename in RENAMES}
@@ -101,8 +102,8 @@ def renamed_group_keys(group: dict, optimizer: type, *, loading: bool = False) -
 
 def markdown_table() -> str:
     """The deprecated names as docs/api.md shows them."""
-    rows = ["| old name | new name | taken by | removed in |", "|---|---|---|---|"]
+    rows = ["| old name | new name | taken by | removed in | note |", "|---|---|---|---|---|"]
     rows += [f"| `{rename.old}` | `{rename.new}` | "
-             f"{'every optimizer' if rename.caller == OPTIMIZER_FAMILY else f'`{rename.caller}`'} | {rename.removed_in} |"
-             for rename in RENAMES]
+             f"{'every optimizer' if rename.caller == OPTIMIZER_FAMILY else f'`{rename.caller}`'} | {rename.removed_in} "
+             f"| {rename.note} |" for rename in RENAMES]
     return "\n".join(rows)
