@@ -363,7 +363,7 @@ class SpectralOptimizer(Optimizer):
             if entry[0] is group:
                 cached = entry
         # The group's capturable key as validation reads it: traced, the key says True (see forbids_host_reads).
-        keys = list(dict.fromkeys((*decay_option_keys(), self.spectral_key, self.ordinary_key)))
+        keys = [*decay_option_keys(), self.ordinary_key]  # the spectral coefficient's key is the table's
         traced = torch.compiler.is_dynamo_compiling()
         key = (*(_option_key(group[k], identity=not traced) for k in keys), forbids_host_reads(group))
         if cached is not None and cached[3 if traced else 1] == key:
