@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from ._checks import user_stacklevel
 
-# The release that removes the names deprecated in 0.1.
-NEXT_MINOR = "0.2.0"
+# The release that removes the names deprecated in 0.1.x.
+REMOVED_IN = "0.2.0"
 
 # The family's optimizers: a rename whose caller this is applies to every one of them.
 OPTIMIZER_FAMILY = "SpectralOptimizer"
@@ -30,7 +30,7 @@ class Rename:
     caller: str
     old: str
     new: str
-    removed_in: str = NEXT_MINOR
+    removed_in: str = REMOVED_IN
     advice: str = ""  # what the warning tells the user to do (default: pass the new name)
     kind: str = "name"  # the old name is the new one's deprecated name, or alias
     warns_on_load: bool = False  # a state dict saved under the old group key warns as it loads
