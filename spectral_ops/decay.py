@@ -30,6 +30,7 @@ from .plan import (  # noqa: F401  (SpectralStabilityError: the decay's public n
     stability_terms,
 )
 
+
 def row_block(matrices: torch.Tensor, rows) -> torch.Tensor:
     """The rows ``(start, stop)`` of every matrix of ``matrices`` (None: all of them), a view."""
     return matrices if rows is None else matrices[..., rows[0]:rows[1], :]

@@ -90,9 +90,9 @@ DECAY_OPTIONS: tuple[DecayOption, ...] = (
                 "`s -> s - lr lambda_p (s - tau)_+`", _band),
     DecayOption("p0_mode", "explicit", "str", "`\"explicit\"` or `\"prox\"` (exact soft-thresholding at `p = 0`)",
                 _choice(P0_MODES)),
-    DecayOption("stability", "clamp", "str", "`\"clamp\"`, `\"raise\"`, `\"warn\"` or `\"ignore\"`: the stability guard "
-                "of [api.md](api.md); the optimizers clamp (a long run should not die at its first aggressive step), "
-                "warn at a matrix's first clamp and count every one, where the op `spectral_decay_` raises",
+    DecayOption("stability", "clamp", "str", "`\"clamp\"`, `\"raise\"`, `\"warn\"` or `\"ignore\"`: the stability "
+                "guard of [api.md](api.md); the optimizers clamp (a long run should not die at its first aggressive "
+                "step), warn at a matrix's first clamp and count every one, where the op `spectral_decay_` raises",
                 _choice(plan.STABILITY_POLICIES)),
     DecayOption("decay_steps", None, "int or None", "the decay's Polar Express steps (None: 8, or designed for a "
                 "band's threshold)", _steps, argument="steps"),

@@ -104,6 +104,6 @@ def markdown_table() -> str:
     """The deprecated names as docs/api.md shows them."""
     rows = ["| old name | new name | taken by | removed in | note |", "|---|---|---|---|---|"]
     rows += [f"| `{rename.old}` | `{rename.new}` | "
-             f"{'every optimizer' if rename.caller == OPTIMIZER_FAMILY else f'`{rename.caller}`'} | {rename.removed_in} "
-             f"| {rename.note} |" for rename in RENAMES]
+             f"{'every optimizer' if rename.caller == OPTIMIZER_FAMILY else f'`{rename.caller}`'} | "
+             f"{rename.removed_in} | {rename.note} |" for rename in RENAMES]
     return "\n".join(rows)

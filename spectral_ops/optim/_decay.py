@@ -26,6 +26,7 @@ from ..matrix_views import as_matrices, unambiguous_view
 from ..plan import STOCHASTICALLY_ROUNDED, DecayRequest, is_zero, needs_direction, plain_factor, rounding_noise
 from .distributed import local, owner_decay
 
+
 def decay_keywords(after: str, positional: int | None = None, **defaults):
     """Give the decorated ``__init__`` of an optimizer of the family the decay's options
     (:data:`~spectral_ops.decay_options.DECAY_OPTIONS`) as parameters, after its own parameter ``after``:
@@ -36,6 +37,10 @@ def decay_keywords(after: str, positional: int | None = None, **defaults):
 
     A call reads the table as it is then (an option added to it is taken at once); ``inspect.signature``
     and ``help`` show it as it was at import."""
+    unknown = set(defaults) - set(decay_options.decay_option_keys())
+    if unknown:
+        raise TypeError(f"decay_keywords: {sorted(unknown)} are not decay options")
+
     def decorate(init):
         owner = init.__qualname__.split(".")[0]
 
