@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 import numbers
 import sys
-import warnings
 from collections import defaultdict
 from typing import Iterable
 
@@ -222,22 +221,16 @@ def check_choice(value, name: str, choices) -> str:
     return value
 
 
+# torch's decorators (torch.no_grad's frame) between a user's call and the package's function.
+DECORATOR_MODULES = ("torch.utils._contextlib",)
+
+
 def user_stacklevel() -> int:
     """The ``warnings.warn`` stack level of the first caller outside spectral_ops, counted from the
     function that calls this one: a warning then names the user's line, however deep the package's
     own calls are."""
     frame, level = sys._getframe(2), 2
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("spectral_ops"):
+    while frame is not None and (frame.f_globals.get("__name__", "").startswith("spectral_ops")
+                                 or frame.f_globals.get("__name__") in DECORATOR_MODULES):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def renamed_argument(caller: str, new: str, value, old: str, old_value, unset=None):
-    """``value``, or ``old_value`` given under the deprecated name ``old`` (a DeprecationWarning that
-    names ``new``; both at once is a TypeError). ``unset``: the value meaning "not given"."""
-    if old_value is unset:
-        return value
-    if value is not unset:
-        raise TypeError(f"{caller} got both {new} and {old}, its deprecated name; pass {new} only")
-    warnings.warn(f"{caller}'s {old} is deprecated: pass {new}", DeprecationWarning, stacklevel=user_stacklevel())
-    return old_value

@@ -7,28 +7,19 @@ half-updated.
 
 from __future__ import annotations
 
-import math
-import warnings
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
 from . import dispatch, plan
-from ._checks import (
-    check_choice,
-    check_coefficient,
-    check_finite,
-    check_matrix,
-    check_power,
-    check_same_device,
-    check_steps,
-)
+from ._checks import check_coefficient, check_finite, check_matrix, check_same_device
+from .decay_options import checked_decay_options
+from .deprecations import renamed_argument
 from .matrix_views import as_matrices, resolve_matrix_view
-from .ops import check_band, check_iteration, check_method, check_precision, threshold_sign_coefficients
+from .ops import check_band, check_method, threshold_sign_coefficients
 from .plan import (  # noqa: F401  (SpectralStabilityError: the decay's public name)
-    ROUNDINGS,
-    STABILITY_POLICIES,
     STOCHASTICALLY_ROUNDED,
     Band,
     DecayRequest,
@@ -39,8 +30,7 @@ from .plan import (  # noqa: F401  (SpectralStabilityError: the decay's public n
     stability_terms,
 )
 
-CONVENTIONS = ("decoupled", "independent")
-P0_MODES = ("explicit", "prox")
+
 def row_block(matrices: torch.Tensor, rows) -> torch.Tensor:
     """The rows ``(start, stop)`` of every matrix of ``matrices`` (None: all of them), a view."""
     return matrices if rows is None else matrices[..., rows[0]:rows[1], :]
@@ -116,7 +106,8 @@ def _check_writable(tensors, names: list[str]) -> None:
 
 @dataclass(frozen=True)
 class DecayOptions:
-    """The validated, tensor-independent part of a decay call."""
+    """The validated, tensor-independent part of a decay call: :data:`~spectral_ops.decay_options.DECAY_OPTIONS`
+    as the plan takes them (``steps`` and a band's sign options made coefficients)."""
 
     p: int
     band: Band | None
@@ -125,32 +116,32 @@ class DecayOptions:
     precision: str | None
     p0_mode: str
     stability: str
-    iteration: str = "auto"
-    method: str = "auto"
-    rounding: str = "nearest"
+    iteration: str
+    method: str
+    rounding: str
+
+    def request(self, **step) -> DecayRequest:
+        """The plan's request of a decay with these options (every field of which is one of the request's) and
+        the ``step``'s fields: the scale, the coefficients, ``capturable``, ..."""
+        return DecayRequest(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, **step)
 
 
-def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, convention="decoupled", band=None,
-                        p0_mode="explicit", steps=None, coefficients=None, stability="raise",
-                        precision=None, capturable=False, sync=True, iteration="auto", method="auto",
-                        rounding="nearest",
-                        names=("spectral_weight_decay", "ordinary_weight_decay")) -> DecayOptions:
-    """Validate every decay hyper-parameter (optimizers call this at construction time).
+def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, coefficients=None, capturable=False,
+                        sync=True, names=("spectral_weight_decay", "ordinary_weight_decay"), **options) -> DecayOptions:
+    """Validate every decay hyper-parameter (optimizers call this at construction time): each option of
+    :data:`~spectral_ops.decay_options.DECAY_OPTIONS`, by the op's keyword (``steps``, ``precision``,
+    ``iteration``, ``method``, ...; one not given takes the optimizers' default), then what they say together.
 
     ``capturable``: the decay must not synchronise with the host, so the stability policies that
     report to the host (``"raise"``, ``"warn"``) are refused wherever the guard can act.
     ``sync=False``: 0-d tensor coefficients are not read (see :func:`check_coefficient`). ``names``:
     what the caller calls the two coefficients, for the messages (``weight_decay`` in an optimizer).
     """
-    p = check_power(p, decay=True)
-    check_method(method, capturable, check_iteration(iteration))
-    check_coefficient(spectral_weight_decay, names[0], sync=sync)
+    values = checked_decay_options({"p": p, "spectral_weight_decay": spectral_weight_decay, **options}, sync=sync,
+                                   names={"spectral_weight_decay": names[0]})
+    p, band, p0_mode, stability = values["p"], values["band"], values["p0_mode"], values["stability"]
+    check_method(values["method"], capturable, values["iteration"])
     check_coefficient(ordinary_weight_decay, names[1], sync=sync)
-    check_choice(convention, "convention", CONVENTIONS)
-    check_choice(p0_mode, "p0_mode", P0_MODES)
-    check_choice(stability, "stability", STABILITY_POLICIES)
-    check_choice(rounding, "rounding", ROUNDINGS)
-    band = Band.coerce(band)
     if capturable and stability in ("raise", "warn") and stability_terms(p, spectral_weight_decay, band):
         raise ValueError(f"stability={stability!r} needs the host to read the stability guard, which "
                          "capturable=True forbids; pass stability='clamp' (the training default) or 'ignore'")
@@ -161,15 +152,15 @@ def check_decay_options(p, spectral_weight_decay, *, ordinary_weight_decay=0.0, 
     return DecayOptions(
         p=p,
         band=band,
-        polar_coefficients=plan.decay_polar_coefficients(check_steps(steps), coefficients, p, band, p0_mode),
+        polar_coefficients=plan.decay_polar_coefficients(values["steps"], coefficients, p, band, p0_mode),
         sign_coefficients=threshold_sign_coefficients(band.sign_steps if band else None,
                                                       band.sign_method if band else "polar_express"),
-        precision=check_precision(precision),
+        precision=values["precision"],
         p0_mode=p0_mode,
         stability=stability,
-        iteration=iteration,
-        method=method,
-        rounding=rounding,
+        iteration=values["iteration"],
+        method=values["method"],
+        rounding=values["rounding"],
     )
 
 
@@ -185,22 +176,6 @@ def check_generator(generator, tensors: list[torch.Tensor]) -> None:
         raise ValueError(f"generator is on {generator.device} but the weights are on "
                          f"{', '.join(sorted(map(str, devices)))}: give a generator of their device, e.g. "
                          "torch.Generator(device=W.device).manual_seed(seed)")
-
-
-def renamed_spectral_coefficient(caller: str, spectral_weight_decay, weight_decay, stacklevel: int):
-    """``lambda_p`` from ``spectral_weight_decay`` or its deprecated alias ``weight_decay`` (None: neither).
-
-    The spectral coefficient was once called ``weight_decay``, which is ``lambda_1`` in every optimizer.
-    """
-    if weight_decay is None:
-        return spectral_weight_decay
-    if spectral_weight_decay is not None:
-        raise TypeError(f"{caller} got both spectral_weight_decay and weight_decay, its deprecated alias; "
-                        "pass spectral_weight_decay only")
-    warnings.warn(f"{caller}'s weight_decay is deprecated: pass the spectral coefficient lambda_p as "
-                  "spectral_weight_decay, as in SpectralAdamW, SpectralSGD and SpectralMuon "
-                  "(the ordinary lambda_1 is ordinary_weight_decay)", DeprecationWarning, stacklevel=stacklevel + 1)
-    return weight_decay
 
 
 @torch.no_grad()
@@ -286,8 +261,8 @@ def spectral_decay_(
     ``weight_decay`` is a deprecated alias of ``spectral_weight_decay`` (the name of ``lambda_1`` in
     every optimizer of the family).
     """
-    spectral_weight_decay = renamed_spectral_coefficient("spectral_decay_", spectral_weight_decay, weight_decay,
-                                                         stacklevel=3)
+    spectral_weight_decay = renamed_argument("spectral_decay_", "spectral_weight_decay", spectral_weight_decay,
+                                             "weight_decay", weight_decay)
     if spectral_weight_decay is None:
         raise TypeError("spectral_decay_ needs spectral_weight_decay (the spectral coefficient lambda_p)")
     tensors = _as_list(W)
@@ -303,7 +278,8 @@ def spectral_decay_(
     options = check_decay_options(
         p, spectral_weight_decay, ordinary_weight_decay=ordinary_weight_decay, convention=convention, band=band,
         p0_mode=p0_mode, steps=steps, coefficients=coefficients, stability=stability, precision=precision,
-        capturable=capturable, sync=sync, iteration=iteration, method=method, rounding=rounding,
+        capturable=capturable, sync=sync, iteration=iteration, method=method, matrix_view=matrix_view,
+        rounding=rounding,
     )
     if rounding == "stochastic":
         check_generator(generator, tensors)
@@ -479,14 +455,9 @@ def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, 
         # One multi-tensor scaling at commit, as torch's AdamW decays.
         return PendingDecay(tensors, nonempty,
                             plain_factor(scale, spectral_weight_decay, ordinary_weight_decay, increment), {})
-    request = DecayRequest(
-        p=options.p, scale=scale, spectral_weight_decay=spectral_weight_decay,
-        ordinary_weight_decay=ordinary_weight_decay, band=options.band, p0_mode=options.p0_mode,
-        polar_coefficients=options.polar_coefficients, sign_coefficients=options.sign_coefficients,
-        precision=options.precision, iteration=options.iteration, stability=options.stability,
-        capturable=capturable, method=options.method, increment=increment, rounding=options.rounding,
-        generator=generator,
-    )
+    request = options.request(scale=scale, spectral_weight_decay=spectral_weight_decay,
+                              ordinary_weight_decay=ordinary_weight_decay, capturable=capturable, increment=increment,
+                              generator=generator)
     groups = defaultdict(list)
     for i in nonempty:
         groups[(tuple(tensors[i].shape), tensors[i].dtype)].append(i)

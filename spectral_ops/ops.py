@@ -22,9 +22,9 @@ from ._checks import (
     check_matrix,
     check_power,
     check_steps,
-    renamed_argument,
 )
 from .coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients
+from .deprecations import renamed_argument
 from .linalg import compute_dtype
 from .matrix_views import matrices_of, resolve_matrix_view
 

@@ -135,13 +135,16 @@ def test_differentiable_steps_are_refused_with_the_fix():
 
 @pytest.mark.parametrize("optimizer", [SpectralAdamW, SpectralSGD, SpectralMuon, SpectralDecay])
 def test_every_optimizer_gives_a_default_to_every_decay_key(optimizer):
-    """The decay keys' defaults live in each constructor's signature: one that forgot a key would leave
-    its groups without it."""
-    from spectral_ops.optim._decay import DECAY_KEYS
+    """The decay options' defaults come from their table, through each constructor's signature; the family's
+    step flags are each constructor's own."""
+    from spectral_ops.decay_options import DECAY_OPTIONS
 
     matrices = [torch.nn.Parameter(torch.randn(6, 4))]
     made = optimizer(matrices, lr=1e-2, spectral_weight_decay=0.0) if optimizer is SpectralDecay else optimizer(matrices)
-    assert set(DECAY_KEYS) <= set(made.defaults)
+    assert {"capturable", "strict", "rollback"} <= set(made.defaults)
+    shared = [option for option in DECAY_OPTIONS if option.key != "spectral_weight_decay"]  # SpectralDecay's: None
+    assert {option.key: made.defaults[option.key] for option in shared} == \
+        {option.key: option.default for option in shared}
     assert made.defaults["stability"] == "clamp"
 
 

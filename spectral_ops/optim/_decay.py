@@ -12,37 +12,67 @@ spread over processes is decayed on its owner (:func:`spectral_ops.optim.distrib
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 
 import torch
 
-from .._checks import check_same_device, renamed_argument
+from .. import decay_options, deprecations
+from .._checks import check_same_device
 from ..backends.torch_backend import round_stochastic
 from ..decay import DecayOptions, PendingDecay, check_decay_options, prepare_decay, row_block
-from ..matrix_views import as_matrices, check_matrix_view, unambiguous_view
+from ..matrix_views import as_matrices, unambiguous_view
 from ..plan import STOCHASTICALLY_ROUNDED, DecayRequest, is_zero, needs_direction, plain_factor, rounding_noise
 from .distributed import local, owner_decay
 
-# Decay keys every optimizer of the family accepts per parameter group; each constructor gives their
-# defaults, as keyword arguments of its own.
-DECAY_KEYS = ("p", "spectral_weight_decay", "convention", "band", "p0_mode", "stability", "decay_steps",
-              "decay_precision", "decay_iteration", "decay_method", "matrix_view", "rounding", "capturable",
-              "strict")
+
+def decay_keywords(after: str, positional: int | None = None, **defaults):
+    """Give the decorated ``__init__`` of an optimizer of the family the decay's options
+    (:data:`~spectral_ops.decay_options.DECAY_OPTIONS`) as parameters, after its own parameter ``after``:
+    the first ``positional`` of them (None: all) positional-or-keyword, the others keyword-only, with the
+    table's defaults (``defaults``: the optimizer's own, for some), and its deprecated names
+    (:mod:`spectral_ops.deprecations`) as keyword-only ones. The function takes them as ``**decay``: every
+    option, given or defaulted, and an old name where it is given.
+
+    A call reads the table as it is then (an option added to it is taken at once); ``inspect.signature``
+    and ``help`` show it as it was at import."""
+    unknown = set(defaults) - set(decay_options.decay_option_keys())
+    if unknown:
+        raise TypeError(f"decay_keywords: {sorted(unknown)} are not decay options")
+
+    def decorate(init):
+        owner = init.__qualname__.split(".")[0]
+
+        @functools.wraps(init)
+        def init_with_decay_options(self, *args, **kwargs):
+            names = deprecations.class_names(type(self))
+            bound = _signature(init, after, positional, defaults, names).bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            renamed = {rename.old for rename in deprecations.optimizer_renames(names)}
+            init(**{key: value for key, value in bound.arguments.items() if key not in renamed or value is not None})
+
+        init_with_decay_options.__signature__ = _signature(init, after, positional, defaults,
+                                                           {owner, deprecations.OPTIMIZER_FAMILY})
+        return init_with_decay_options
+
+    return decorate
 
 
-# Group keys renamed since, and their names now: the old name still works in a constructor or a group
-# dict (with a DeprecationWarning), and a state saved under it loads.
-RENAMED_GROUP_KEYS = {"polar_steps": "decay_steps"}
-
-
-def renamed_group_keys(group: dict, caller: str, warn: bool = True) -> dict:
-    """``group`` with each deprecated key of :data:`RENAMED_GROUP_KEYS` under its new name (in place;
-    an old key set to None is dropped). ``warn=False``: a saved state, renamed silently."""
-    for old, new in RENAMED_GROUP_KEYS.items():
-        value = group.pop(old, None)
-        if value is not None:
-            group[new] = renamed_argument(caller, new, group.get(new), old, value) if warn else value
-    return group
+def _signature(init, after: str, positional: int | None, defaults: dict, names) -> inspect.Signature:
+    own = inspect.signature(init)
+    parameters = [parameter for parameter in own.parameters.values() if parameter.kind != parameter.VAR_KEYWORD]
+    split = [parameter.name for parameter in parameters].index(after) + 1
+    options = [inspect.Parameter(option.key, inspect.Parameter.POSITIONAL_OR_KEYWORD if positional is None or
+                                 index < positional else inspect.Parameter.KEYWORD_ONLY,
+                                 default=defaults.get(option.key, option.default))
+               for index, option in enumerate(decay_options.DECAY_OPTIONS)]
+    renamed = [inspect.Parameter(rename.old, inspect.Parameter.KEYWORD_ONLY, default=None)
+               for rename in deprecations.optimizer_renames(names)]
+    ordered = parameters[:split] + options + parameters[split:] + renamed
+    # Positional parameters first, in their order; then the keyword-only ones.
+    return own.replace(parameters=[parameter for parameter in ordered if parameter.kind != parameter.KEYWORD_ONLY]
+                       + [parameter for parameter in ordered if parameter.kind == parameter.KEYWORD_ONLY])
 
 
 def capturable(group: dict) -> bool:
@@ -60,25 +90,13 @@ def forbids_host_reads(group: dict) -> bool:
 
 
 def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> DecayOptions:
-    """Validate a group's decay options, naming its coefficient keys ``spectral`` and ``ordinary``."""
-    options = check_decay_options(
-        group["p"],
-        group[spectral],
-        ordinary_weight_decay=group[ordinary],
-        convention=group["convention"],
-        band=group["band"],
-        p0_mode=group["p0_mode"],
-        steps=group["decay_steps"],
-        stability=group["stability"],
-        precision=group["decay_precision"],
-        capturable=forbids_host_reads(group),
-        iteration=group["decay_iteration"],
-        method=group["decay_method"],
-        rounding=group["rounding"],
-        names=(spectral, ordinary),
-    )
+    """Validate a group's decay options (its keys of :data:`~spectral_ops.decay_options.DECAY_OPTIONS`), naming
+    its coefficient keys ``spectral`` and ``ordinary``."""
+    keywords = {option.op_keyword: group[option.key] for option in decay_options.DECAY_OPTIONS
+                if option.key not in ("p", spectral)}
+    options = check_decay_options(group["p"], group[spectral], ordinary_weight_decay=group[ordinary],
+                                  capturable=forbids_host_reads(group), names=(spectral, ordinary), **keywords)
     spectral_direction = needs_direction(options.p, group[spectral], options.band)
-    check_matrix_view(group["matrix_view"], optional=True)
     for index, param in enumerate(group["params"]):
         if spectral_direction:
             check_matrices_said(param, group, index, "its spectral decay")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_coefficient, real_view
-from ._decay import capturable
+from ._decay import capturable, decay_keywords
 from .base import PreparedStep, SpectralOptimizer, commit_element_wise, scalar, step_scalar
 from .distributed import local
 
@@ -145,17 +145,11 @@ class SpectralAdamW(SpectralOptimizer):
     that a scheduler changes in place. See docs/optimizers.md, "Capturable steps".
     """
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, p=1,
-                 spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
-                 stability="clamp", decay_steps=None, decay_precision=None, decay_iteration="auto", decay_method="auto", matrix_view=None,
-                 rounding="nearest",
-                 capturable=False, strict=False, rollback=False, process_group=None, polar_steps=None):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, p=p,
-                        spectral_weight_decay=spectral_weight_decay, convention=convention, band=band,
-                        p0_mode=p0_mode, stability=stability, decay_steps=decay_steps, polar_steps=polar_steps,
-                        decay_precision=decay_precision, decay_iteration=decay_iteration, decay_method=decay_method, matrix_view=matrix_view,
-                        rounding=rounding,
-                        capturable=capturable, strict=strict, rollback=rollback)
+    @decay_keywords(after="weight_decay")
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, capturable=False, strict=False,
+                 rollback=False, process_group=None, **decay):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **decay, capturable=capturable,
+                        strict=strict, rollback=rollback)
         super().__init__(params, defaults, process_group=process_group)
 
     def check_group(self, group: dict) -> None:

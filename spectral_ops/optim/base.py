@@ -29,9 +29,11 @@ from torch.optim import Optimizer
 
 from .._checks import check_coefficient, conjunction, finite_limit, within_limits
 from ..decay import Band, DecayOptions
+from ..decay_options import decay_option_keys
+from ..deprecations import renamed_group_keys
 from ..plan import stability_terms
-from ._decay import (DECAY_KEYS, ParameterDecay, capturable, check_decay_group, check_replicas_round_alike,
-                     forbids_host_reads, prepare_parameter_decay, renamed_group_keys)
+from ._decay import (ParameterDecay, capturable, check_decay_group, check_replicas_round_alike, forbids_host_reads,
+                     prepare_parameter_decay)
 from .counts import COUNT_KEYS, StepCounts
 from .distributed import Exchange, layout_of, local
 
@@ -237,7 +239,8 @@ class SpectralOptimizer(Optimizer):
 
     Subclasses implement :meth:`prepare_group` (their decay and update, computed but not written) and
     :meth:`commit_group` (writing them), set ``spectral_key``/``ordinary_key`` (the group keys of
-    ``lambda_p``/``lambda_1``) and may extend :meth:`check_group`.
+    ``lambda_p``/``lambda_1``) and may extend :meth:`check_group`. Their ``__init__`` takes the decay's options
+    from :func:`~spectral_ops.optim._decay.decay_keywords` and passes them on in ``defaults``.
     """
 
     spectral_key = "spectral_weight_decay"
@@ -249,7 +252,11 @@ class SpectralOptimizer(Optimizer):
         # Not a group option: a process group cannot be saved in a state dict.
         self.process_group = process_group
         self._start_bookkeeping()
-        super().__init__(params, {**renamed_group_keys(defaults, type(self).__name__), **TORCH_GROUP_DEFAULTS})
+        if not isinstance(params, torch.Tensor):  # torch's own check refuses a bare tensor
+            # Renamed here, not only in add_param_group, so that a warning points at the caller, not at torch.
+            params = [renamed_group_keys(dict(group), type(self)) if isinstance(group, dict) else group
+                      for group in params]
+        super().__init__(params, {**renamed_group_keys(defaults, type(self)), **TORCH_GROUP_DEFAULTS})
 
     def _start_bookkeeping(self) -> None:
         """What the family keeps besides torch's state; torch's pickled state does not hold it, so an
@@ -268,7 +275,7 @@ class SpectralOptimizer(Optimizer):
         return self._layouts[param]
 
     def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(renamed_group_keys(dict(param_group), type(self).__name__))
+        super().add_param_group(renamed_group_keys(dict(param_group), type(self)))
         group = self.param_groups[-1]
         for key in ("lr", self.spectral_key, self.ordinary_key):
             value = group.get(key)
@@ -302,10 +309,13 @@ class SpectralOptimizer(Optimizer):
         return clone
 
     def __setstate__(self, state: dict) -> None:
-        # load_state_dict, pickle and deepcopy land here. A state saved by an earlier release lacks the
-        # group keys added since (they take this optimizer's defaults), and a converted or old Adam state
-        # may hold its step count as a plain number (made a tensor, as torch's Adam does).
+        # load_state_dict, pickle and deepcopy land here. A state saved by an earlier release may hold
+        # renamed group keys, lacks the keys added since (they take this optimizer's defaults), and a
+        # converted or old Adam state may hold its step count as a plain number (made a tensor, as torch's
+        # Adam does).
         counts = {key: state[key] for key in COUNT_KEYS if key in state}
+        for group in state["param_groups"]:
+            renamed_group_keys(group, type(self), loading=True)
         super().__setstate__({key: value for key, value in state.items() if key not in COUNT_KEYS})
         self.__dict__.setdefault("process_group", None)
         if "_counts" not in self.__dict__:  # unpickled or copied: built without __init__
@@ -313,7 +323,6 @@ class SpectralOptimizer(Optimizer):
         if counts:
             self.load_count_state(counts)
         for group in self.param_groups:
-            renamed_group_keys(group, type(self).__name__, warn=False)
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
             for param in group["params"]:
@@ -354,7 +363,7 @@ class SpectralOptimizer(Optimizer):
             if entry[0] is group:
                 cached = entry
         # The group's capturable key as validation reads it: traced, the key says True (see forbids_host_reads).
-        keys = [k for k in (*DECAY_KEYS, self.spectral_key, self.ordinary_key) if k != "capturable"]
+        keys = [*decay_option_keys(), self.ordinary_key]  # the spectral coefficient's key is the table's
         traced = torch.compiler.is_dynamo_compiling()
         key = (*(_option_key(group[k], identity=not traced) for k in keys), forbids_host_reads(group))
         if cached is not None and cached[3 if traced else 1] == key:

@@ -14,7 +14,8 @@ import re
 import torch
 
 from .._checks import check_choice
-from ..decay import CONVENTIONS, Band
+from ..decay import Band
+from ..decay_options import CONVENTIONS
 
 ROLE_PATTERNS = {
     "q": r"(^|\.)(q_proj|wq|query|to_q|q)\.weight$",

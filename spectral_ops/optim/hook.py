@@ -18,8 +18,8 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..decay import renamed_spectral_coefficient
 from ..plan import needs_direction
+from ._decay import decay_keywords
 from .base import PreparedStep, SpectralOptimizer, detached_peak
 from .distributed import local
 
@@ -27,9 +27,6 @@ from .distributed import local
 # scheduler records initial_lr). In the group, like initial_lr, it is saved and loaded with the host's
 # state_dict; a group added after attach gets it at the first step.
 HOST_PEAK_KEY = "spectral_decay_peak_lr"
-
-# SpectralDecay once called lambda_p ``weight_decay``, the name of lambda_1 everywhere else.
-DEPRECATED_SPECTRAL_KEY = "weight_decay"
 
 # Parameter -> (a weak reference to the standalone SpectralDecay that last decayed it spectrally, the
 # version counter of its storage just after): see SpectralDecay._check_not_decayed_twice.
@@ -48,15 +45,6 @@ def spectrally_decayed(optimizer: SpectralOptimizer) -> set[int]:
             if needs_direction(group["p"], group[optimizer.spectral_key], group["band"])}
 
 
-def _without_deprecated_key(group: dict, stacklevel: int) -> dict:
-    if DEPRECATED_SPECTRAL_KEY not in group:
-        return group
-    coefficient = renamed_spectral_coefficient("SpectralDecay", group.get("spectral_weight_decay"),
-                                               group[DEPRECATED_SPECTRAL_KEY], stacklevel + 1)
-    renamed = {key: value for key, value in group.items() if key != DEPRECATED_SPECTRAL_KEY}
-    return {**renamed, "spectral_weight_decay": coefficient}
-
-
 class SpectralDecay(SpectralOptimizer):
     """Decay only: ``spectral_weight_decay`` is the spectral coefficient ``lambda_p`` (required where
     ``p != 1`` or a band is set) and ``ordinary_weight_decay`` the ordinary ``lambda_1``; every option
@@ -72,41 +60,19 @@ class SpectralDecay(SpectralOptimizer):
     lr_optional = True  # lr=None: attached use, where the host optimizer supplies the lr
     reads_gradients = False  # a gradient belongs to whichever optimizer uses it
 
-    def __init__(self, params, p=1, spectral_weight_decay=None, convention="decoupled", *, ordinary_weight_decay=0.0,
-                 band=None, p0_mode="explicit", stability="clamp", decay_steps=None, decay_precision=None,
-                 decay_iteration="auto", decay_method="auto", matrix_view=None,
-                 rounding="nearest", lr=None, capturable=False, strict=False, rollback=False,
-                 weight_decay=None, process_group=None, polar_steps=None):
-        spectral_weight_decay = renamed_spectral_coefficient("SpectralDecay", spectral_weight_decay, weight_decay,
-                                                             stacklevel=2)
-        if not isinstance(params, torch.Tensor):  # torch's own check refuses a bare tensor
-            # Renamed here, not only in add_param_group, so that the warning points at the caller (a
-            # loop, not a comprehension: before Python 3.12 that is a frame of its own).
-            params = list(params)
-            for index, group in enumerate(params):
-                if isinstance(group, dict):
-                    params[index] = _without_deprecated_key(group, stacklevel=2)
-        defaults = dict(p=p, ordinary_weight_decay=ordinary_weight_decay, convention=convention,
-                        band=band, p0_mode=p0_mode, stability=stability, decay_steps=decay_steps,
-                        polar_steps=polar_steps, decay_precision=decay_precision, decay_iteration=decay_iteration,
-                        decay_method=decay_method, matrix_view=matrix_view,
-                        rounding=rounding, lr=lr, capturable=capturable, strict=strict, rollback=rollback)
-        # None: not given, which a group that needs a spectral direction refuses (check_group).
-        defaults["spectral_weight_decay"] = spectral_weight_decay
-        super().__init__(params, defaults, process_group=process_group)
+    # spectral_weight_decay=None: not given, which a group that needs a spectral direction refuses (check_group).
+    @decay_keywords(after="params", positional=3, spectral_weight_decay=None)
+    def __init__(self, params, *, ordinary_weight_decay=0.0, lr=None, capturable=False, strict=False, rollback=False,
+                 process_group=None, **decay):
+        super().__init__(params, dict(ordinary_weight_decay=ordinary_weight_decay, **decay, lr=lr,
+                                      capturable=capturable, strict=strict, rollback=rollback),
+                         process_group=process_group)
         self._handles = ()  # attached: the removable handles of the host's step pre- and post-hook
         self._attached = False  # a plain flag, which torch.compile reads where it cannot read a handle
         self._planned = None  # attached: the decay planned before the host's step, written after it
 
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(_without_deprecated_key(param_group, stacklevel=2))
-
     def __setstate__(self, state: dict) -> None:
-        # load_state_dict lands here: a state dict saved before the rename keys lambda_p as weight_decay.
-        # The warning names load_state_dict itself; its caller sits behind a torch wrapper of no fixed depth.
-        # Renamed before the family fills in missing keys, which would add a default lambda_p next to it.
-        groups = [_without_deprecated_key(group, stacklevel=2) for group in state["param_groups"]]
-        super().__setstate__({**state, "param_groups": groups})
+        super().__setstate__(state)
         for key, value in (("_handles", ()), ("_attached", False), ("_planned", None)):  # a copy is not attached
             self.__dict__.setdefault(key, value)
 

@@ -21,7 +21,7 @@ from .. import plan
 from ..ops import check_precision, power_update
 from ..plan import OPERAND_DTYPES, UPDATE_FLOOR, UPDATE_SCALES, resolve_precision
 from ..matrix_views import as_matrices, batched, matrix_dims
-from ._decay import capturable, check_matrices_said, matrix_view_of_parameter
+from ._decay import capturable, check_matrices_said, decay_keywords, matrix_view_of_parameter
 from .adamw import adam_update_, check_adam_options, init_adam_state, prepare_adam_step
 from .base import PreparedStep, SpectralOptimizer, add_scaled_, commit_element_wise, device_masks, scalar, step_scalar
 from .distributed import local, local_block, polar_blocks_flops
@@ -119,21 +119,15 @@ class SpectralMuon(SpectralOptimizer):
       "Porting from DynMuon").
     """
 
+    @decay_keywords(after="weight_decay")
     def __init__(self, params, lr=1e-3, momentum=0.95, nesterov=True, ns_coefficients=None, ns_steps=None,
-                 adjust_lr_fn="match_rms_adamw", weight_decay=0.1, p=1, spectral_weight_decay=0.0,
-                 convention="decoupled", band=None, p0_mode="explicit", stability="clamp", decay_steps=None,
-                 decay_precision=None, decay_iteration="auto", decay_method="auto", matrix_view=None,
-                 rounding="nearest", precision="bf16",
-                 heads=None, splits=None, recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8,
-                 capturable=False, strict=False, rollback=False, process_group=None, polar_steps=None, update_power=0,
-                 update_eps=UPDATE_FLOOR, update_scale="polar"):
+                 adjust_lr_fn="match_rms_adamw", weight_decay=0.1, precision="bf16", heads=None, splits=None,
+                 recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8, capturable=False, strict=False,
+                 rollback=False, process_group=None, update_power=0, update_eps=UPDATE_FLOOR, update_scale="polar",
+                 **decay):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-                        weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
-                        convention=convention, band=band, p0_mode=p0_mode, stability=stability,
-                        decay_steps=decay_steps, polar_steps=polar_steps, decay_precision=decay_precision,
-                        decay_iteration=decay_iteration, decay_method=decay_method, matrix_view=matrix_view,
-                        rounding=rounding, precision=precision,
+                        weight_decay=weight_decay, **decay, precision=precision,
                         heads=heads, splits=splits, recipe=recipe, update_power=update_power,
                         update_eps=update_eps, update_scale=update_scale, algorithm=algorithm, betas=betas, eps=eps,
                         capturable=capturable, strict=strict, rollback=rollback)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ._decay import decay_keywords
 from .base import PreparedStep, SpectralOptimizer, add_scaled_, commit_element_wise, scalar, step_scalar
 from .distributed import local, state_like
 
@@ -20,18 +21,11 @@ class SpectralSGD(SpectralOptimizer):
     # takes it too: a first step with dampening makes the buffer the gradient).
     inputs_in_parameter_dtype = False
 
-    def __init__(self, params, lr=1e-3, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0, p=1,
-                 spectral_weight_decay=0.0, convention="decoupled", band=None, p0_mode="explicit",
-                 stability="clamp", decay_steps=None, decay_precision=None, decay_iteration="auto", decay_method="auto", matrix_view=None,
-                 rounding="nearest",
-                 capturable=False, strict=False, rollback=False, process_group=None, polar_steps=None):
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
-                        weight_decay=weight_decay, p=p, spectral_weight_decay=spectral_weight_decay,
-                        convention=convention, band=band, p0_mode=p0_mode, stability=stability,
-                        decay_steps=decay_steps, polar_steps=polar_steps, decay_precision=decay_precision,
-                        decay_iteration=decay_iteration, decay_method=decay_method, matrix_view=matrix_view,
-                        rounding=rounding, capturable=capturable,
-                        strict=strict, rollback=rollback)
+    @decay_keywords(after="weight_decay")
+    def __init__(self, params, lr=1e-3, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0,
+                 capturable=False, strict=False, rollback=False, process_group=None, **decay):
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
+                        **decay, capturable=capturable, strict=strict, rollback=rollback)
         super().__init__(params, defaults, process_group=process_group)
 
     def check_group(self, group: dict) -> None:

@@ -17,7 +17,7 @@ from typing import Union
 
 import torch
 
-from .._checks import renamed_argument
+from ..deprecations import renamed_argument
 from ..coefficients import NORMALIZATION_MARGIN, polar_express_coefficients, polar_express_design
 from ..linalg import as_float64, power_weights, ratio, zero_mode_cutoff
 from .iterations import matrix_sign
