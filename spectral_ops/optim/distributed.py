@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .. import plan
-from ..decay import PendingDecay, prepare_decay, row_block
+from ..decay import PendingWrite, prepare_decay, row_block
 from ..matrix_views import as_matrices, batched, matrix_dims
 
 if dist.is_available():
@@ -352,7 +352,7 @@ class Exchange:
     def __init__(self):
         self.jobs = []
         self.error = None
-        self.clamp_slots_of = defaultdict(list)  # group -> [(PendingDecay, entries, float64 factors, eager)]
+        self.clamp_slots_of = defaultdict(list)  # group -> [(PendingWrite, entries, float64 factors, eager)]
 
     def map(self, fn, sources, layouts, costs, then, here=None) -> None:
         """Ask for ``fn`` of whole matrices: ``fn(positions, matrices)`` takes the whole matrices
@@ -363,13 +363,13 @@ class Exchange:
         expert parallelism spreads experts), so ``fn`` runs on it where it lives, with no collective."""
         self.jobs.append((fn, sources, layouts, costs, then, here or [False] * len(sources)))
 
-    def clamp_slots(self, group, pending, entries, batch_shapes, eager: bool, device) -> torch.Tensor:
-        """The clamp factors of the matrices ``pending.tensors[i]`` stands for, ``i`` in ``entries``
+    def clamp_slots(self, group, write, entries, batch_shapes, eager: bool, device) -> torch.Tensor:
+        """The clamp factors of the matrices ``write.tensors[i]`` stands for, ``i`` in ``entries``
         (of ``group``), one after another, each entry's of shape ``batch_shapes[i]`` (``()``: one
         matrix): the matrices' owners set them and :meth:`agree` hands them to every rank, as
-        ``pending.clamp_factors[i]``."""
+        ``write.clamp_factors[i]``."""
         factors = torch.ones(sum(math.prod(shape) for shape in batch_shapes), dtype=torch.float64, device=device)
-        self.clamp_slots_of[group].append((pending, list(zip(entries, batch_shapes)), factors, eager))
+        self.clamp_slots_of[group].append((write, list(zip(entries, batch_shapes)), factors, eager))
         return factors
 
     def run(self) -> None:
@@ -457,14 +457,14 @@ class Exchange:
             for position, index in enumerate(on_device, start=1 + len(on_host)):
                 decisions[index] = reduced[position] > 0
             offset = 1 + len(indices)
-            for pending, entries, factors, eager_factors in slots:
+            for write, entries, factors, eager_factors in slots:
                 factors.copy_(reduced[offset:offset + len(factors)])
                 start = 0
                 for index, shape in entries:
                     count = math.prod(shape)
                     # Eager: only the clamped ones, as one process records them; capturable: all.
                     if not eager_factors or min(values[offset + start:offset + start + count]) < 1:
-                        pending.clamp_factors[index] = factors[start:start + count].view(shape)
+                        write.clamp_factors[index] = factors[start:start + count].view(shape)
                     start += count
                 offset += len(factors)
             let_go(group, [reduced])
@@ -482,17 +482,17 @@ class Exchange:
         raise error
 
 
-def owner_decay(exchange: Exchange, sources, layouts, entries, options, arguments: dict, *, matrix_view: str,
-                eager: bool) -> PendingDecay:
-    """The decay of spread parameters, to commit on this rank: ``sources[k]`` is this rank's part of
-    the ``k``-th parameter (``layouts[k].parts``), holding the matrices ``matrix_view`` says
-    (:func:`spectral_ops.matrix_views.as_matrices`); each ``(k, rows)`` of ``entries`` is a block the decay
-    takes as matrices of their own (``rows``: ``(start, stop)`` of each matrix's rows, None: all of
-    them). Each whole parameter is decayed on its owner when ``exchange`` runs, with
-    ``prepare_decay(..., options, **arguments)``, except a stack spread by its batch, whose matrices
-    are decayed where they live; this rank keeps its part of each entry (``pending.tensors[i]`` is that
-    of ``entries[i]``, maybe empty). ``eager``: the clamp factors are read on the host (see
-    :meth:`Exchange.clamp_slots`)."""
+def owner_decay(exchange: Exchange, write: PendingWrite, sources, layouts, entries, owners, options,
+                arguments: dict, *, matrix_view: str, eager: bool) -> None:
+    """Add to ``write`` the decay of spread parameters, to commit on this rank: ``sources[k]`` is this
+    rank's part of the ``k``-th parameter (``layouts[k].parts``; ``owners[k]``: its owner in ``write``),
+    holding the matrices ``matrix_view`` says (:func:`spectral_ops.matrix_views.as_matrices`); each
+    ``(k, rows)`` of ``entries`` is a block the decay takes as matrices of their own (``rows``:
+    ``(start, stop)`` of each matrix's rows, None: all of them). Each whole parameter is decayed on its
+    owner when ``exchange`` runs, with ``prepare_decay(..., options, **arguments)``, except a stack
+    spread by its batch, whose matrices are decayed where they live; this rank keeps its part of each
+    entry, a target of ``write`` (maybe empty), whose value the exchange fills in. ``eager``: the clamp
+    factors are read on the host (see :meth:`Exchange.clamp_slots`)."""
     rows_held = [layout.local_rows(matrix_view) for layout in layouts]
     shapes = [layout.shape for layout in layouts]
     stacked = [batched(shape, matrix_view) for shape in shapes]
@@ -506,8 +506,10 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
     def part(k, matrices, start, stop):
         return local_block(matrices, start, stop, rows_held[k])
 
-    pending = PendingDecay([part(k, as_matrices(sources[k], matrix_view), *rows)
-                            for (k, _), rows in zip(entries, entry_rows)], [], 1.0, {})
+    base = len(write.tensors)  # the targets' indices in write: base + their entry's
+    write.include(PendingWrite([part(k, as_matrices(sources[k], matrix_view), *rows)
+                                for (k, _), rows in zip(entries, entry_rows)]),
+                  [owners[k] for k, _ in entries], [rows for _, rows in entries])
     # One clamp factor per matrix: a stack's entry has one per matrix of the whole stack.
     batch_shapes = [shapes[k][:-2] if stacked[k] else () for k, _ in entries]
     counts = [math.prod(shape) for shape in batch_shapes]
@@ -517,8 +519,8 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
         for index, (k, _) in enumerate(entries):
             by_group[layouts[k].group].append(index)
         for group, members in by_group.items():
-            factors = exchange.clamp_slots(group, pending, members, [batch_shapes[i] for i in members], eager,
-                                           sources[0].device)
+            factors = exchange.clamp_slots(group, write, [base + i for i in members],
+                                           [batch_shapes[i] for i in members], eager, sources[0].device)
             starts = [0]
             for index in members:
                 starts.append(starts[-1] + counts[index])
@@ -538,8 +540,8 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
         for position, factor in whole.clamp_factors.items():
             factors, start = slot_of[indices[position]]
             factors[start + number_of[indices[position]].to(factors.device)] = factor.reshape(-1)
-        pending.clamped.extend((indices[position], int(number_of[indices[position]][matrix]), *report)
-                               for position, matrix, *report in whole.clamped)
+        write.clamped.extend((base + indices[position], int(number_of[indices[position]][matrix]), *report)
+                             for position, matrix, *report in whole.clamped)
         value_of = dict(zip(indices, values))
         blocks = [[value_of[index] for index in entries_of[k]] for k in positions]
         return [block[0] if len(block) == 1 else torch.cat(block, dim=-2) for block in blocks]
@@ -551,10 +553,9 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
 
     def keep_part(results):
         for index, ((k, _), rows) in enumerate(zip(entries, entry_rows)):
-            pending.decayed[index] = part(k, as_matrices(results[k], matrix_view), *rows)
+            write.decayed[base + index] = part(k, as_matrices(results[k], matrix_view), *rows)
 
     exchange.map(decay_whole, sources, layouts, costs, keep_part, here)
-    return pending
 
 
 def _collective_device(group) -> torch.device:
