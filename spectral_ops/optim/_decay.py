@@ -128,8 +128,8 @@ def check_replicas_round_alike(group: dict, params, layouts, ordinary) -> None:
 def decay_scale(lr, peak_lr, convention: str):
     """The decay's step size ``s`` from the group's ``lr`` as the step reads it (SPEC 1.5): ``lr`` itself
     under ``convention="decoupled"``, ``eta_t = lr / peak_lr`` (0 when the peak is 0) under
-    ``"independent"``. From here to the write the lr travels as ``scale`` (see docs/optimizers.md,
-    "From lr to the write")."""
+    ``"independent"``. From here to the write the lr travels as ``scale`` (docs/optimizers.md, "Bad
+    steps": one record, one commit)."""
     if convention != "independent":
         return lr
     return 0.0 if is_zero(peak_lr) else lr / peak_lr

@@ -2,8 +2,8 @@
 
 ``S_p(W)`` and Muon's polar factor need the whole matrix, but FSDP2 (``fully_shard``) leaves each rank
 a ``Shard(0)`` slice of it (a ``DTensor``), and DDP repeats the whole matrix on every rank. Each
-matrix of a step is therefore given an *owner* rank. The step's groups ask for their whole-matrix work
-(:meth:`Exchange.map`), and once every group is prepared it runs together (:meth:`Exchange.run`):
+matrix of a step is therefore given an *owner* rank. The step's groups submit their whole-matrix work
+(:meth:`Exchange.submit`), and once every group is prepared it runs together (:meth:`Exchange.run`):
 the owners are balanced over the whole step, largest matrices first, by the plan's FLOP model
 (:func:`assign_owners`), and every job's collectives form one pipeline. The jobs are Muon's polar
 factors (:mod:`spectral_ops.optim.muon`) and the decay's spectral directions (:func:`owner_decay`).
@@ -344,24 +344,46 @@ def polar_blocks_flops(shape, count: int, steps: int) -> float:
     return count * plan.cost("polar", tuple(shape), steps=steps, symmetric_at_half=True)
 
 
+class Job:
+    """Whole-matrix work submitted to an :class:`Exchange` (:meth:`Exchange.submit`); ``results``: one
+    per source, on this rank's rows, by position, once the exchange has run (None before)."""
+
+    def __init__(self, fn, sources, layouts, costs, here):
+        self.fn, self.sources, self.layouts, self.costs, self.here = fn, sources, layouts, costs, here
+        self.results = None
+
+
 class Exchange:
-    """One step's owner compute: the whole-matrix jobs the step's groups ask for (:meth:`map`), run
+    """One step's owner compute: the whole-matrix jobs the step's groups submit (:meth:`submit`), run
     together once every group is prepared (:meth:`run`: owners balanced over the whole step, one
-    pipeline of rounds), then what the ranks agree on before anything is written (:meth:`agree`)."""
+    pipeline of rounds), then collected by the work that waits for them (:meth:`wait`), and what the
+    ranks agree on before anything is written (:meth:`agree`).
+
+    A group's work reads top to bottom, as a generator (dion's style): it submits its job, waits for
+    the results, ``results = yield exchange.submit(...)``, then takes them in. :meth:`wait` runs it up to
+    its ``yield``; :meth:`run` resumes it with the results."""
 
     def __init__(self):
         self.jobs = []
+        self.waiting = []  # (generator, the job it waits for)
         self.error = None
         self.clamp_slots_of = defaultdict(list)  # group -> [(PendingWrite, entries, float64 factors, eager)]
 
-    def map(self, fn, sources, layouts, costs, then, here=None) -> None:
+    def submit(self, fn, sources, layouts, costs, here=None) -> Job:
         """Ask for ``fn`` of whole matrices: ``fn(positions, matrices)`` takes the whole matrices
         (positions into ``sources``, this rank's matrices: shards or whole) and returns one result of
-        the same shape and dtype each, and runs on each matrix's owner. At :meth:`run`, ``then`` gets
-        the results, each on this rank's rows, by position; ``costs`` are the matrices' FLOPs.
-        ``here[i]``: ``sources[i]`` is already made of whole matrices (a stack spread by its batch, as
-        expert parallelism spreads experts), so ``fn`` runs on it where it lives, with no collective."""
-        self.jobs.append((fn, sources, layouts, costs, then, here or [False] * len(sources)))
+        the same shape and dtype each, and runs on each matrix's owner; ``costs`` are the matrices'
+        FLOPs. ``here[i]``: ``sources[i]`` is already made of whole matrices (a stack spread by its batch,
+        as expert parallelism spreads experts), so ``fn`` runs on it where it lives, with no collective.
+        The returned :class:`Job` holds the results once :meth:`run` has run."""
+        job = Job(fn, sources, layouts, costs, here or [False] * len(sources))
+        self.jobs.append(job)
+        return job
+
+    def wait(self, work) -> None:
+        """Run ``work``, a generator, up to its ``yield`` of the job it submitted; :meth:`run` sends it the
+        job's results, and it ends."""
+        self.waiting.append((work, next(work)))
 
     def clamp_slots(self, group, write, entries, batch_shapes, eager: bool, device) -> torch.Tensor:
         """The clamp factors of the matrices ``write.tensors[i]`` stands for, ``i`` in ``entries``
@@ -376,34 +398,41 @@ class Exchange:
         """Every job of the step: owners per process group over all the step's matrices, then the
         rounds of every job in one pipeline (every rank issues the same collectives in the same order)."""
         jobs, self.jobs = self.jobs, []
-        matrices = defaultdict(list)  # group -> [(job, position)]
-        for job, (_, sources, layouts, costs, _, here) in enumerate(jobs):
-            for position, layout in enumerate(layouts):
-                if not here[position]:
-                    matrices[layout.group].append((job, position))
+        matrices = defaultdict(list)  # group -> [(job number, position)]
+        for number, job in enumerate(jobs):
+            for position, layout in enumerate(job.layouts):
+                if not job.here[position]:
+                    matrices[layout.group].append((number, position))
         owners = {}
         for group, members in matrices.items():
-            world_size = jobs[members[0][0]][2][members[0][1]].world_size
-            assigned, _ = assign_owners([jobs[job][3][position] for job, position in members], world_size)
+            world_size = jobs[members[0][0]].layouts[members[0][1]].world_size
+            assigned, _ = assign_owners([jobs[number].costs[position] for number, position in members], world_size)
             owners.update(zip(members, assigned))
-        rounds, results = [], [[None] * len(sources) for _, sources, *_ in jobs]
-        for job, (fn, sources, layouts, _, _, here) in enumerate(jobs):
-            self._run_here(fn, [i for i in range(len(sources)) if here[i]], sources, results[job])
+        rounds = []
+        for number, job in enumerate(jobs):
+            results = [None] * len(job.sources)
+            self._run_here(job.fn, [i for i in range(len(job.sources)) if job.here[i]], job.sources, results)
             by_kind = defaultdict(list)
-            for position, (source, layout) in enumerate(zip(sources, layouts)):
-                if here[position]:
+            for position, (source, layout) in enumerate(zip(job.sources, job.layouts)):
+                if job.here[position]:
                     continue
                 by_kind[(layout.group, layout.shape, layout.parts, source.dtype)].append(position)
             for members in by_kind.values():
-                for positions in split_rounds(members, layouts[members[0]].world_size):
-                    rounds.append(_Round(self, fn, positions, [owners[job, i] for i in positions], sources, layouts,
-                                         results[job]))
+                for positions in split_rounds(members, job.layouts[members[0]].world_size):
+                    rounds.append(_Round(self, job.fn, positions, [owners[number, i] for i in positions], job.sources,
+                                         job.layouts, results))
+            job.results = results
         _pipeline(rounds)
-        for (*_, then, _), job_results in zip(jobs, results):
-            then(job_results)
+        waiting, self.waiting = self.waiting, []
+        for work, job in waiting:
+            try:
+                work.send(job.results)
+            except StopIteration:  # it took the results in and ended
+                continue
+            raise RuntimeError("work waiting on an exchange yields once, for the job it submitted")
 
     def _run_here(self, fn, positions, sources, results) -> None:
-        """``fn`` on the whole matrices this rank holds (:meth:`map`'s ``here``); a failure is raised on
+        """``fn`` on the whole matrices this rank holds (:meth:`submit`'s ``here``); a failure is raised on
         every rank by :meth:`agree`, as an owner's is. A rank that holds none of a stack's matrices has
         nothing to compute."""
         for i in positions:
@@ -551,11 +580,12 @@ def owner_decay(exchange: Exchange, write: PendingWrite, sources, layouts, entri
         costs[k] += count * decay_flops((stop - start, matrix_dims(shapes[k], matrix_view)[1]), options,
                                         sources[k].dtype)
 
-    def keep_part(results):
+    def decayed_on_owners():
+        results = yield exchange.submit(decay_whole, sources, layouts, costs, here)
         for index, ((k, _), rows) in enumerate(zip(entries, entry_rows)):
             write.decayed[base + index] = part(k, as_matrices(results[k], matrix_view), *rows)
 
-    exchange.map(decay_whole, sources, layouts, costs, keep_part, here)
+    exchange.wait(decayed_on_owners())
 
 
 def _collective_device(group) -> torch.device:

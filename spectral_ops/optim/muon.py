@@ -360,24 +360,26 @@ class SpectralMuon(SpectralOptimizer):
 
         alone = [i for i in range(len(params)) if layouts[i] is None]
         keep(alone, self._orthogonalize([updates[i] for i in alone], [powers[i] for i in alone], group))
-        views = [matrix_view_of_parameter(param, group) for param in params]
-        for view in dict.fromkeys(views[i] for i in spread):
-            alike = [i for i in spread if views[i] == view]
-            costs = [direction_flops(matrix_dims(params[i].shape, view), group)
-                     * (params[i].shape[:-2].numel() if batched(params[i].shape, view) else 1) for i in alike]
 
-            def orthogonalize(positions, wholes, view=view, alike=alike):
+        def orthogonalized_on_owners(alike, view):
+            """The directions of the spread matrices ``alike``, read as ``view``: submitted, then kept."""
+            def orthogonalize(positions, wholes):
                 # The exchange moves parameter-shaped parts (a layout's parts are the parameter's).
                 directions = self._orthogonalize([as_matrices(whole, view) for whole in wholes],
                                                  [powers[alike[position]] for position in positions], group)
                 return [direction.reshape(whole.shape) for direction, whole in zip(directions, wholes)]
 
-            self.exchange.map(orthogonalize, [updates[i].reshape(local(params[i]).shape) for i in alike],
-                              [layouts[i] for i in alike], costs,
-                              lambda results, view=view, alike=alike: keep(alike, [as_matrices(result, view)
-                                                                                   for result in results]),
-                              # A stack sharded by its batch (experts) holds whole matrices: computed here.
-                              [layouts[i].holds_whole_matrices(view) for i in alike])
+            costs = [direction_flops(matrix_dims(params[i].shape, view), group)
+                     * (params[i].shape[:-2].numel() if batched(params[i].shape, view) else 1) for i in alike]
+            results = yield self.exchange.submit(
+                orthogonalize, [updates[i].reshape(local(params[i]).shape) for i in alike], [layouts[i] for i in alike],
+                # A stack sharded by its batch (experts) holds whole matrices: computed here.
+                costs, [layouts[i].holds_whole_matrices(view) for i in alike])
+            keep(alike, [as_matrices(result, view) for result in results])
+
+        views = [matrix_view_of_parameter(param, group) for param in params]
+        for view in dict.fromkeys(views[i] for i in spread):
+            self.exchange.wait(orthogonalized_on_owners([i for i in spread if views[i] == view], view))
         return directions, checked
 
     @staticmethod
