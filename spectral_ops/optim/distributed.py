@@ -356,12 +356,9 @@ class Job:
 class Exchange:
     """One step's owner compute: the whole-matrix jobs the step's groups submit (:meth:`submit`), run
     together once every group is prepared (:meth:`run`: owners balanced over the whole step, one
-    pipeline of rounds), then collected by the work that waits for them (:meth:`wait`), and what the
-    ranks agree on before anything is written (:meth:`agree`).
-
-    A group's work reads top to bottom, as a generator (dion's style): it submits its job, waits for
-    the results, ``results = yield exchange.submit(...)``, then takes them in. :meth:`wait` runs it up to
-    its ``yield``; :meth:`run` resumes it with the results."""
+    pipeline of rounds), then what the ranks agree on before anything is written (:meth:`agree`). The
+    work that takes a job's results in is a generator that reads top to bottom (dion's style),
+    ``results = yield exchange.submit(...)``: started by :meth:`wait`, resumed by :meth:`run`."""
 
     def __init__(self):
         self.jobs = []
