@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from . import dispatch, plan
-from ._checks import check_coefficient, check_finite, check_matrix, check_same_device
+from ._checks import check_coefficient, check_finite, check_matrix, check_same_device, finite_limit
+from .backends.torch_backend import round_stochastic
 from .decay_options import checked_decay_options
 from .deprecations import renamed_argument
 from .matrix_views import as_matrices, resolve_matrix_view
@@ -27,6 +28,7 @@ from .plan import (  # noqa: F401  (SpectralStabilityError: the decay's public n
     log_clamp,
     needs_direction,
     plain_factor,
+    rounding_noise,
     stability_terms,
 )
 
@@ -293,8 +295,8 @@ def spectral_decay_(
     else:
         scale = lr
     # What is decayed: each weight itself, where its matrices are a view of it; else a copy, written back
-    # once the decay is committed (a mantissa pair, as the fp32 value it holds; a channels-last filter
-    # read with matrix_view='flatten', whose matrix is no view of it).
+    # by the commit (a mantissa pair, as the fp32 value it holds; a channels-last filter read with
+    # matrix_view='flatten', whose matrix is no view of it).
     if mantissas is not None:
         values = [with_mantissa(w, m) for w, m in zip(tensors, mantissas)]
     else:
@@ -305,16 +307,13 @@ def spectral_decay_(
     pending = prepare_decay(tensors, options, scale=scale, spectral_weight_decay=spectral_weight_decay,
                             ordinary_weight_decay=ordinary_weight_decay, capturable=capturable, increment=_increment,
                             generator=generator)
+    pending.copies = [(i, weight, value, None if mantissas is None else mantissas[i])
+                      for i, (value, weight) in enumerate(zip(values, weights)) if value is not weight]
     if sync and pending.decayed:
         # A finite weight never becomes non-finite: the decayed values are checked before any is written.
         check_finite(pending.new_values(), "W", reason="would not be finite after this decay (its exact value "
                      "exceeds the weights' dtype); nothing was written", error=OverflowError)
     pending.commit()
-    for i, (value, weight) in enumerate(zip(values, weights)):
-        if mantissas is not None:
-            split_mantissa_(value, weight, mantissas[i])
-        elif value is not weight:
-            weight.copy_(value)
     for i, position, factor, order in pending.clamped:
         index = matrix_index(tensors[i].shape[:-2], position)
         log_clamp(f"{names[i]}{list(index) if index else ''} {tuple(tensors[i].shape[-2:])}", factor, order)
@@ -396,52 +395,152 @@ def _checked_mantissas(weights: list, mantissa, rounding: str, increment: bool) 
 
 
 @dataclass
-class PendingDecay:
-    """A decay with every check passed and every spectral direction computed, not yet written.
+class PendingWrite:
+    """What a decay or an optimizer step will write, and where: every value computed and checked,
+    nothing written yet. The one record of a pending write in the package, and :meth:`commit` the one
+    function that writes it (whatever else writes into a weight is the update it calls, see ``update``).
 
-    :meth:`commit` writes it with element-wise copies and multiplies only, so a failure while
-    computing (a guard, a kernel, running out of memory) leaves every weight unchanged, and the new
-    values can be checked before any weight takes them.
+    The targets are ``tensors[i]``: weights, the matrices or the row blocks of them a decay takes
+    (``rows[i]``: ``(start, stop)``, None for all rows), or this rank's part of those. Each belongs to
+    the parameter ``owners[i]``, whose decision ``keep[owners[i]]`` the commit follows: ``True`` (or
+    None) writes it, ``False`` leaves it unchanged, a 0-d bool tensor decides on the device (a
+    capturable step's skip, written as masked writes: no host read).
+
+    What is written: ``factors[i]``, a target multiplied in place by one number (one multi-tensor
+    multiply per factor, as torch's AdamW decays); ``decayed[i]``, its new value, copied in, or with
+    ``increments`` its increment, added to the target as it is then (a decay attached to another
+    optimizer, written after that one's step; ``stochastic``: that addition rounds stochastically);
+    ``copies``, ``(owner, destination, source, mantissa)``: a target that is no view of its weight (a
+    channels-last filter's matrix, a bf16 weight's fp32 value), copied back into it (split into the pair
+    where ``mantissa`` is its low bits); ``update``, the optimizer's own element-wise update of the
+    parameters (``update(keep)`` allocates what it needs and returns the function that writes).
+
+    What is checked (:meth:`checks`, before any write): ``checks`` are ``(owner, tensor, limit)``
+    triples known when the step is prepared (the gradients); every decayed value, ``checked[owner]``
+    (Muon's directions) and the tensor ``coefficients`` (lr, decay coefficients: ``owner`` None, every
+    parameter) are checked once computed, finite (see :func:`spectral_ops._checks.finite_limit`).
+
+    An optimizer's record also holds its ``group`` and ``params`` (the parameters ``keep`` decides for).
     """
 
-    tensors: list[torch.Tensor]
-    # Weights decayed by one multiply at commit (no spectral direction), and their factor.
-    scaled: list[int]
-    factor: object
-    # Weight index -> its decayed value.
-    decayed: dict[int, torch.Tensor]
-    # Weight index -> the factors (float64, shape weight.shape[:-2], on its device) by which the
-    # stability clamp multiplied its matrices' spectral coefficient, for each weight of a batch the
+    tensors: list = field(default_factory=list)
+    owners: list = field(default_factory=list)
+    rows: list = field(default_factory=list)
+    factors: dict = field(default_factory=dict)
+    decayed: dict = field(default_factory=dict)
+    increments: bool = False
+    stochastic: bool = False
+    copies: list = field(default_factory=list)
+    update: object = None
+    checks: list = field(default_factory=list)
+    checked: list = field(default_factory=list)
+    coefficients: list = field(default_factory=list)
+    group: dict | None = None
+    params: list = field(default_factory=list)
+    # Target index -> the factors (float64, shape target.shape[:-2], on its device) by which the
+    # stability clamp multiplied its matrices' spectral coefficient, for each target of a batch the
     # clamp could act on (1 where it did not).
-    clamp_factors: dict[int, torch.Tensor] = field(default_factory=dict)
-    # Eager only: (weight index, flat position of the matrix in the weight's batch, factor, p * kappa)
+    clamp_factors: dict = field(default_factory=dict)
+    # Eager only: (target index, flat position of the matrix in the target's batch, factor, p * kappa)
     # of each matrix the clamp reduced, for the log.
-    clamped: list[tuple[int, int, float, float]] = field(default_factory=list)
+    clamped: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.owners = self.owners or list(range(len(self.tensors)))
+        self.rows = self.rows or [None] * len(self.tensors)
+
+    def include(self, part: "PendingWrite", owners, rows=None) -> None:
+        """Take in the writes of ``part`` (a decay computed on its own, its targets its own owners),
+        its ``i``-th target belonging to the parameter ``owners[i]`` with the rows ``rows[i]``."""
+        offset = len(self.tensors)
+        self.tensors += part.tensors
+        self.owners += [owners[i] for i in part.owners]
+        self.rows += list(rows) if rows is not None else [None] * len(part.tensors)
+        self.factors.update((offset + i, factor) for i, factor in part.factors.items())
+        self.decayed.update((offset + i, value) for i, value in part.decayed.items())
+        self.clamp_factors.update((offset + i, factor) for i, factor in part.clamp_factors.items())
+        self.clamped += [(offset + i, *report) for i, *report in part.clamped]
 
     def new_values(self) -> list[torch.Tensor]:
-        """Each weight's value after the commit where it is computed already, else the weight itself
+        """Each target's value after the commit where it is computed already, else the target itself
         (a plain multiply is computed at commit)."""
         return [self.decayed.get(i, t) for i, t in enumerate(self.tensors)]
 
+    def as_increments(self) -> None:
+        """Turn the multiplies into increments, ``target * factor`` (the factor an increment's): the
+        targets change before an attached decay is written."""
+        self.decayed.update((i, self.tensors[i] * factor) for i, factor in self.factors.items())
+        self.factors, self.increments = {}, True
+
+    def all_checks(self) -> list:
+        """Every check, ``(owner, tensor, limit)``; ``owner`` None: a check of every parameter."""
+        return (self.checks + [(i, d, finite_limit(d)) for i, d in enumerate(self.checked)]
+                + [(self.owners[i], value, finite_limit(value)) for i, value in self.decayed.items()]
+                + [(None, value, finite_limit(value)) for value in self.coefficients])
+
     def commit(self, keep=None) -> None:
-        """Write the decay. ``keep`` has one entry per weight: ``False`` leaves it unchanged, a 0-d
-        bool tensor decides on the device (a capturable step's skip), ``True``/None writes it."""
-        keep = [True] * len(self.tensors) if keep is None else keep
-        scaled = [i for i in self.scaled if keep[i] is not False]
-        if all(keep[i] is True for i in scaled):
-            multiply_([self.tensors[i] for i in scaled], self.factor)
+        """Write the record, following ``keep`` (one decision per owner; None: write everything)."""
+        keep = [True] * (max(self.owners, default=-1) + 1) if keep is None else keep
+        write_update = None if self.update is None else self.update(keep)  # it allocates before the first write
+        kept = [keep[owner] for owner in self.owners]
+        if self.increments:
+            self._add_increments(kept)
         else:
-            multiply_([self.tensors[i] for i in scaled],
-                      [torch.where(keep[i], self.factor, 1.0) for i in scaled])
+            self._write_values(kept)
+            for owner, destination, source, mantissa in self.copies:
+                if keep[owner] is False:  # a skipped one's copy holds its old value
+                    continue
+                if mantissa is None:
+                    destination.copy_(source.view(destination.shape))
+                else:
+                    split_mantissa_(source, destination, mantissa)
+        if write_update is not None:
+            write_update()
+
+    def _write_values(self, kept: list) -> None:
+        by_factor = {}  # one multiply per factor, in the order the decay met them
+        for i, factor in self.factors.items():
+            if kept[i] is not False:
+                by_factor.setdefault(id(factor), (factor, []))[1].append(i)
+        for factor, indices in by_factor.values():
+            if all(kept[i] is True for i in indices):
+                multiply_([self.tensors[i] for i in indices], factor)
+            else:
+                multiply_([self.tensors[i] for i in indices], [torch.where(kept[i], factor, 1.0) for i in indices])
         for i, value in self.decayed.items():
-            if keep[i] is True:
+            if kept[i] is True:
                 self.tensors[i].copy_(value)
-            elif keep[i] is not False:
-                self.tensors[i].copy_(torch.where(keep[i], value, self.tensors[i]))
+            elif kept[i] is not False:
+                self.tensors[i].copy_(torch.where(kept[i], value, self.tensors[i]))
+
+    def _add_increments(self, kept: list) -> None:
+        # A device decision masks its increment in place first: the additions then allocate nothing
+        # but a stochastic rounding's bits, and a skipped target adds exact zeros. A target that is no
+        # view of its weight takes the increment through to the weight.
+        added = []
+        through = {id(source): destination for _, destination, source, _ in self.copies}
+        for i, increment in self.decayed.items():
+            if kept[i] is False:
+                continue
+            if kept[i] is not True:
+                torch.where(kept[i], increment, increment.new_zeros(()), out=increment)
+            target = through.get(id(self.tensors[i]), self.tensors[i])
+            added.append((target, increment.view(target.shape)))
+        for target, increment in added:
+            if self.stochastic and target.dtype in STOCHASTICALLY_ROUNDED:
+                noise = rounding_noise(target, STOCHASTIC_WRITE)
+                target.copy_(round_stochastic(target.float() + increment, target.dtype, noise))
+            else:
+                target.add_(increment)
+
+
+# The request whose random bits an attached decay's stochastic write draws (rounding_noise reads
+# only the rounding and the generator: the device's default one).
+STOCHASTIC_WRITE = DecayRequest(p=1, scale=0.0, spectral_weight_decay=0.0, rounding="stochastic")
 
 
 def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, spectral_weight_decay,
-                  ordinary_weight_decay, capturable: bool, increment: bool = False, generator=None) -> PendingDecay:
+                  ordinary_weight_decay, capturable: bool, increment: bool = False, generator=None) -> PendingWrite:
     """The decay of :func:`spectral_decay_` on validated arguments (optimizers validate theirs once),
     computed but not written: distinct matrices on one device, ``options`` from
     :func:`check_decay_options`, ``scale`` the lr or the schedule. Same-shape weights are decayed as
@@ -453,15 +552,15 @@ def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, 
         tensors[i].dtype in STOCHASTICALLY_ROUNDED for i in nonempty)
     if not needs_direction(options.p, spectral_weight_decay, options.band) and not rounds_stochastically:
         # One multi-tensor scaling at commit, as torch's AdamW decays.
-        return PendingDecay(tensors, nonempty,
-                            plain_factor(scale, spectral_weight_decay, ordinary_weight_decay, increment), {})
+        factor = plain_factor(scale, spectral_weight_decay, ordinary_weight_decay, increment)
+        return PendingWrite(tensors, factors=dict.fromkeys(nonempty, factor))
     request = options.request(scale=scale, spectral_weight_decay=spectral_weight_decay,
                               ordinary_weight_decay=ordinary_weight_decay, capturable=capturable, increment=increment,
                               generator=generator)
     groups = defaultdict(list)
     for i in nonempty:
         groups[(tuple(tensors[i].shape), tensors[i].dtype)].append(i)
-    pending = PendingDecay(tensors, [], 1.0, {})
+    pending = PendingWrite(tensors)
     for indices in groups.values():
         # The decay is computed in a copy: a stack of a same-shape batch, or a clone of a lone weight.
         stack = torch.stack([tensors[i] for i in indices]) if len(indices) > 1 else tensors[indices[0]].clone()

@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from optim_models import batch, tiny_model
+from spectral_ops.decay import PendingWrite
 from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD
 
 
@@ -152,6 +153,32 @@ def test_a_fault_at_any_write_changes_nothing_and_a_retry_is_a_clean_step(name, 
         _assert_same(_everything(model, optimizer), before)
         optimizer.step()
         _assert_same(_everything(model, optimizer), clean)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_write_of_a_step_into_a_weight_or_its_state_is_its_records_commit(monkeypatch, name):
+    """One record of a pending write, one commit (#45): outside ``PendingWrite.commit`` a step writes no
+    parameter and no state tensor (a write there raises), and inside it it writes them all."""
+    model, optimizer = _situation(name, 1, skip=False)
+    state = [value for entries in optimizer.state.values() for value in entries.values() if torch.is_tensor(value)]
+    outside = FaultAtWrite([*model.parameters(), *state], fail_at=1)
+    commit = PendingWrite.commit
+
+    def commit_unwatched(self, keep=None):
+        outside.armed = False
+        try:
+            commit(self, keep)
+        finally:
+            outside.armed = True
+
+    monkeypatch.setattr(PendingWrite, "commit", commit_unwatched)
+    params = list(model.parameters())
+    before = [tensor.clone() for tensor in params + state]
+    with outside:
+        optimizer.step()
+    assert outside.writes == 0
+    changed = [not torch.equal(old, new) for old, new in zip(before, params + state)]
+    assert all(changed[:len(params)]) and all(changed[len(params):])
 
 
 # ----- the reproductions: inputs a step used to fail on half-way, now refused before its first write

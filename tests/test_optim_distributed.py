@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from spectral_ops.decay import SpectralStabilityError
 from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD
-from spectral_ops.optim.distributed import assign_owners, local_slice, part_of
+from spectral_ops.optim.distributed import Exchange, assign_owners, local_slice, part_of
 
 from process_results import judge, run_ranks
 
@@ -795,6 +795,34 @@ def test_owners_follow_the_longest_processing_time_rule():
     owners, loads = assign_owners([1.0] * 4, 2, loads=[10.0, 0.0])
     assert owners == [1, 1, 1, 1]
 
+
+
+def test_work_waiting_on_an_exchange_takes_its_results_in_once_it_has_run():
+    """Submit, then collect (#45): a generator runs up to the job it submits, and takes the results in
+    when the exchange runs, each source's by position (here: whole matrices, computed where they are)."""
+    exchange = Exchange()
+    sources = [torch.ones(2, 3), torch.zeros(0, 3), torch.full((2, 3), 2.0)]
+    taken = []
+
+    def tripled(positions, wholes):
+        return [3 * whole for whole in wholes]
+
+    def work():
+        results = yield exchange.submit(tripled, sources, [None] * 3, [1.0] * 3, here=[True] * 3)
+        taken.extend(results)
+
+    exchange.wait(work())
+    assert not taken
+    exchange.run()
+    assert [result.tolist() for result in taken] == [[[3.0] * 3] * 2, [], [[6.0] * 3] * 2]
+
+    def waits_twice():
+        yield exchange.submit(tripled, sources, [None] * 3, [1.0] * 3, here=[True] * 3)
+        yield exchange.submit(tripled, sources, [None] * 3, [1.0] * 3, here=[True] * 3)
+
+    exchange.wait(waits_twice())
+    with pytest.raises(RuntimeError, match="yields once"):
+        exchange.run()
 
 # ----------------------------------------------------------------------------- the harness (process_results)
 

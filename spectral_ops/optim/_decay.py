@@ -20,10 +20,9 @@ import torch
 
 from .. import decay_options, deprecations
 from .._checks import check_same_device
-from ..backends.torch_backend import round_stochastic
-from ..decay import DecayOptions, PendingDecay, check_decay_options, prepare_decay, row_block
+from ..decay import DecayOptions, PendingWrite, check_decay_options, prepare_decay, row_block
 from ..matrix_views import as_matrices, unambiguous_view
-from ..plan import STOCHASTICALLY_ROUNDED, DecayRequest, is_zero, needs_direction, plain_factor, rounding_noise
+from ..plan import is_zero, needs_direction, plain_factor
 from .distributed import local, owner_decay
 
 
@@ -144,97 +143,24 @@ def check_replicas_round_alike(group: dict, params, layouts, ordinary) -> None:
                              "a group with rounding='nearest' (or no weight decay)")
 
 
-def schedule_multiplier(lr, peak_lr):
-    """``eta_t = lr / peak_lr`` (0 when the peak is 0)."""
+def decay_scale(lr, peak_lr, convention: str):
+    """The decay's step size ``s`` from the group's ``lr`` as the step reads it (SPEC 1.5): ``lr`` itself
+    under ``convention="decoupled"``, ``eta_t = lr / peak_lr`` (0 when the peak is 0) under
+    ``"independent"``. From here to the write the lr travels as ``scale`` (docs/optimizers.md, "Bad
+    steps": one record, one commit)."""
+    if convention != "independent":
+        return lr
     return 0.0 if is_zero(peak_lr) else lr / peak_lr
 
 
-@dataclasses.dataclass
-class DecayPart:
-    """Some of a group's decay: ``pending`` holds matrices or vectors (parameters, blocks of their
-    matrix views, or the rows of those on this rank), ``owners[i]`` the index of the parameter
-    ``pending.tensors[i]`` belongs to, and ``rows[i]`` the block ``(start, stop)`` of that parameter's
-    matrix view that entry decays as a matrix (None: the whole parameter)."""
-
-    pending: PendingDecay
-    owners: tuple
-    rows: tuple
-
-
-@dataclasses.dataclass
-class ParameterDecay:
-    """A group's decay computed but not written (see :class:`spectral_ops.decay.PendingDecay`).
-
-    ``copies``: ``(parameter index, the parameter (this rank's part), its matrix)`` for each parameter
-    whose ``"flatten"`` matrix is no view of it (a filter that turned channels-last after the optimizer
-    was built): its matrix is a contiguous copy, decayed like any other, then copied back into it.
-
-    ``increments`` (a decay attached to another optimizer, written after that optimizer's step): every
-    value computed is the decay's increment ``-s (lambda_p S_p(W) + lambda_1 W)`` of the pre-step
-    weights, which the commit adds to the weights as they are then; ``stochastic``: that addition rounds
-    stochastically (the group's ``rounding``), where the increment itself was rounded to nearest."""
-
-    parts: list = dataclasses.field(default_factory=list)
-    copies: list = dataclasses.field(default_factory=list)
-    increments: bool = False
-    stochastic: bool = False
-    # The tensor lr and coefficients the decay used, which a capturable step checks on the device.
-    coefficients: list = dataclasses.field(default_factory=list)
-
-    def checks(self):
-        """``(parameter index, decayed value)`` for every value computed before the commit."""
-        for part in self.parts:
-            for index, value in part.pending.decayed.items():
-                yield part.owners[index], value
-
-    def commit(self, keep: list) -> None:
-        """Write the decay of the parameters ``keep`` keeps (one entry per parameter, as in
-        :meth:`PendingDecay.commit`)."""
-        if self.increments:
-            self._add_increments(keep)
-            return
-        for part in self.parts:
-            part.pending.commit([keep[owner] for owner in part.owners])
-        for index, param, matrix in self.copies:
-            if keep[index] is not False:  # a skipped one's copy holds its old value
-                param.copy_(matrix.view(param.shape))
-
-    def _add_increments(self, keep: list) -> None:
-        # A device decision masks its increment in place first: the additions then allocate nothing
-        # but a stochastic rounding's bits, and a skipped parameter adds exact zeros.
-        added = []
-        through = {id(matrix): param for _, param, matrix in self.copies}
-        for part in self.parts:
-            for index, increment in part.pending.decayed.items():
-                kept = keep[part.owners[index]]
-                if kept is False:
-                    continue
-                if kept is not True:
-                    torch.where(kept, increment, increment.new_zeros(()), out=increment)
-                matrix = part.pending.tensors[index]
-                target = through.get(id(matrix), matrix)
-                added.append((target, increment.view(target.shape)))
-        for target, increment in added:
-            if self.stochastic and target.dtype in STOCHASTICALLY_ROUNDED:
-                noise = rounding_noise(target, STOCHASTIC_WRITE)
-                target.copy_(round_stochastic(target.float() + increment, target.dtype, noise))
-            else:
-                target.add_(increment)
-
-
-# The request whose random bits an attached decay's stochastic write draws (rounding_noise reads
-# only the rounding and the generator: the device's default one).
-STOCHASTIC_WRITE = DecayRequest(p=1, scale=0.0, spectral_weight_decay=0.0, rounding="stochastic")
-
-
-def decayed_matrices(param: torch.Tensor, view: str, decay: ParameterDecay, index: int) -> torch.Tensor:
+def decayed_matrices(param: torch.Tensor, view: str, write: PendingWrite, index: int) -> torch.Tensor:
     """``param``'s matrices as its decay reads and writes them: a view of it, or, where its ``"flatten"``
-    matrix is no view of it (a channels-last filter), a contiguous copy recorded in ``decay.copies``
-    and copied back at the commit."""
+    matrix is no view of it (a channels-last filter), a contiguous copy, which ``write`` copies back
+    into it at the commit."""
     if view != "flatten" or param.ndim <= 2 or param.is_contiguous():
         return as_matrices(param, view)
     matrix = param.reshape(param.shape[0], math.prod(param.shape[1:]))  # a copy: no view of it exists
-    decay.copies.append((index, param, matrix))
+    write.copies.append((index, param, matrix, None))
     return matrix
 
 
@@ -247,18 +173,19 @@ def row_blocks_of(param: torch.Tensor, blocks) -> list:
 
 
 @torch.no_grad()
-def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, lr, peak_lr, spectral, ordinary,
-                            blocks=None, layouts=None, exchange=None, increments=False) -> ParameterDecay:
+def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, scale, spectral, ordinary,
+                            blocks=None, layouts=None, exchange=None, increments=False) -> PendingWrite:
     """The group's decay of ``params``, computed from their current values but not written, with the
-    group's ``options`` validated beforehand. ``blocks``: see :func:`row_blocks_of`. ``layouts``: each
-    parameter's :class:`~spectral_ops.optim.distributed.Layout` (None: computed here alone); the
-    spectral direction of a spread matrix is computed on its owner through ``exchange``.
-    ``increments``: compute the increments instead of the new values (see :class:`ParameterDecay`)."""
-    schedule = schedule_multiplier(lr, peak_lr) if group["convention"] == "independent" else None
-    scale = lr if schedule is None else schedule
+    group's ``options`` validated beforehand: a :class:`~spectral_ops.decay.PendingWrite` whose owners
+    are the positions in ``params``. ``scale``: the decay's step size ``s`` (see
+    :func:`decay_scale`). ``blocks``: see :func:`row_blocks_of`. ``layouts``: each parameter's
+    :class:`~spectral_ops.optim.distributed.Layout` (None: computed here alone); the spectral direction
+    of a spread matrix is computed on its owner through ``exchange``. ``increments``: the increments
+    ``-s (lambda_p S_p(W) + lambda_1 W)`` of the pre-step weights instead of the new values, added to
+    the weights as they are at the commit (see :class:`~spectral_ops.decay.PendingWrite`)."""
     layouts = layouts or [None] * len(params)
-    decay = ParameterDecay(increments=increments, stochastic=increments and options.rounding == "stochastic")
-    if decay.stochastic and any(layout is not None and layout.replicated for layout in layouts):
+    write = PendingWrite(group=group, params=list(params), stochastic=increments and options.rounding == "stochastic")
+    if write.stochastic and any(layout is not None and layout.replicated for layout in layouts):
         raise ValueError("rounding='stochastic' in a SpectralDecay attached to another optimizer rounds the addition "
                          "of the decay on each rank that holds a replica of a weight, and the replicas would drift "
                          "apart: put the replicated weights in a group with rounding='nearest'")
@@ -277,37 +204,27 @@ def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, lr, p
         for view in dict.fromkeys(views[i] for i in spread):
             alike = [i for i in spread if views[i] == view]
             entries = [(k, rows) for k, i in enumerate(alike) for rows in row_blocks_of(params[i], blocks)]
-            pending = owner_decay(exchange, [local(params[i]) for i in alike], [layouts[i] for i in alike], entries,
-                                  options, arguments, matrix_view=view, eager=not capturable(group))
-            decay.parts.append(DecayPart(pending, tuple(alike[k] for k, _ in entries),
-                                         tuple(rows for _, rows in entries)))
+            owner_decay(exchange, write, [local(params[i]) for i in alike], [layouts[i] for i in alike], entries,
+                        alike, options, arguments, matrix_view=view, eager=not capturable(group))
         matrices = [i for i in matrices if i not in spread]
         entries = [(i, rows) for i in matrices for rows in row_blocks_of(params[i], blocks)]
         if entries:
-            whole = {i: decayed_matrices(local(params[i]), views[i], decay, i) for i in matrices}
+            whole = {i: decayed_matrices(local(params[i]), views[i], write, i) for i in matrices}
             tensors = [row_block(whole[i], rows) for i, rows in entries]
-            decay.parts.append(DecayPart(prepare_decay(tensors, options, **arguments),
-                                         tuple(i for i, _ in entries), tuple(rows for _, rows in entries)))
+            write.include(prepare_decay(tensors, options, **arguments), [i for i, _ in entries],
+                          [rows for _, rows in entries])
     vectors = [i for i, param in enumerate(params) if param.ndim < 2]
     check_replicas_round_alike(group, [params[i] for i in vectors], [layouts[i] for i in vectors], ordinary)
     if vectors and not is_zero(ordinary):
         if options.rounding == "stochastic":  # rounded by the decay's epilogue, which writes matrices
-            pending = prepare_decay([local(params[i]).view(1, -1) for i in vectors], options, scale=scale,
-                                    spectral_weight_decay=0.0, ordinary_weight_decay=ordinary,
-                                    capturable=capturable(group))
+            part = prepare_decay([local(params[i]).view(1, -1) for i in vectors], options, scale=scale,
+                                 spectral_weight_decay=0.0, ordinary_weight_decay=ordinary,
+                                 capturable=capturable(group))
         else:
-            pending = PendingDecay([local(params[i]) for i in vectors], list(range(len(vectors))),
-                                   plain_factor(scale, 0.0, ordinary, increments), {})
-        decay.parts.append(DecayPart(pending, tuple(vectors), (None,) * len(vectors)))
+            tensors = [local(params[i]) for i in vectors]
+            part = PendingWrite(tensors, factors=dict.fromkeys(range(len(vectors)),
+                                                               plain_factor(scale, 0.0, ordinary, increments)))
+        write.include(part, vectors)
     if increments:
-        for part in decay.parts:
-            increments_of_scaled(part.pending)
-    return decay
-
-
-def increments_of_scaled(pending: PendingDecay) -> None:
-    """Give the weights ``pending`` decays by one multiply (its ``factor``, the increment's here) their
-    increments as values: the weights change before an attached decay is written."""
-    for index in pending.scaled:
-        pending.decayed[index] = pending.tensors[index] * pending.factor
-    pending.scaled = []
+        write.as_increments()
+    return write

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_coefficient, real_view
+from ..decay import PendingWrite
 from ._decay import capturable, decay_keywords
-from .base import PreparedStep, SpectralOptimizer, commit_element_wise, scalar, step_scalar
+from .base import SpectralOptimizer, element_wise_update, scalar, step_scalar
 from .distributed import local
 
 
@@ -159,14 +160,12 @@ class SpectralAdamW(SpectralOptimizer):
     def init_state(self, params: list, group: dict) -> None:
         init_adam_state(params, group, self.state)
 
-    def prepare_group(self, params, group: dict) -> PreparedStep:
+    def prepare_group(self, params, group: dict) -> PendingWrite:
         return prepare_adam_step(self, params, group)
 
-    def commit_group(self, step: PreparedStep, keep: list) -> None:
-        commit_element_wise(adam_update_, step, keep, self.state)
 
-
-def prepare_adam_step(optimizer: SpectralOptimizer, params, group: dict) -> PreparedStep:
+def prepare_adam_step(optimizer: SpectralOptimizer, params, group: dict) -> PendingWrite:
     """An Adam group's step: its decay, computed now (the Adam update is element-wise: computed as it is
     written, by :func:`adam_update_`)."""
-    return PreparedStep(group, params, adam_gradient_checks(params), optimizer.prepare_decay(params, group))
+    return optimizer.prepare_write(params, group, checks=adam_gradient_checks(params),
+                                   update=element_wise_update(adam_update_, params, group, optimizer.state))

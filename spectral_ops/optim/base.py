@@ -6,16 +6,17 @@ A step has two phases. The plan (:meth:`~SpectralOptimizer.plan_step`) gathers e
 fail on (:meth:`~SpectralOptimizer.check_step`: the options, lr and coefficients, and the shapes,
 dtypes and devices of the gradients and the state), prepares them
 (:meth:`~SpectralOptimizer.prepare_group`: the decay, and the part of the update that needs whole
-matrices, computed but not written, in a :class:`PreparedStep` record), runs the step's whole-matrix
-work (:class:`~spectral_ops.optim.distributed.Exchange`), checks every record and agrees on the
-decisions with the other ranks. The commit (:meth:`~SpectralOptimizer.commit_steps`) then writes each
-record for the parameters it keeps (:meth:`~SpectralOptimizer.commit_group`: the decay, then the
-optimizer's update, a functional core such as :func:`~spectral_ops.optim.adamw.adam_update_`).
+matrices, computed but not written, in a :class:`~spectral_ops.decay.PendingWrite` record), runs the
+step's whole-matrix work (:class:`~spectral_ops.optim.distributed.Exchange`), checks every record and
+agrees on the decisions with the other ranks. The commit (:meth:`~SpectralOptimizer.commit_steps`)
+then writes each record for the parameters it keeps (:meth:`PendingWrite.commit
+<spectral_ops.decay.PendingWrite.commit>`: the decay, then the optimizer's update, a functional core
+such as :func:`~spectral_ops.optim.adamw.adam_update_`).
 
 A failure of the plan leaves everything as it was: nothing has been written. An eager step of a group
 with ``rollback=True`` (off by default: it costs a copy of what the step writes) also keeps a
-:class:`Rollback` record of what its commit writes, so that a failure inside a write (an interrupt, a
-fault in an op) is undone too; see docs/optimizers.md, "Bad steps".
+:class:`~spectral_ops.optim.rollback.Rollback` record of what its commit writes, so that a failure
+inside a write (an interrupt, a fault in an op) is undone too; see docs/optimizers.md, "Bad steps".
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ import torch
 from torch.optim import Optimizer
 
 from .._checks import check_coefficient, conjunction, finite_limit, within_limits
-from ..decay import Band, DecayOptions
+from ..decay import Band, DecayOptions, PendingWrite
 from ..decay_options import decay_option_keys
 from ..deprecations import renamed_group_keys
 from ..plan import stability_terms
-from ._decay import (ParameterDecay, capturable, check_decay_group, check_replicas_round_alike, forbids_host_reads,
+from ._decay import (capturable, check_decay_group, check_replicas_round_alike, decay_scale, forbids_host_reads,
                      prepare_parameter_decay)
 from .counts import COUNT_KEYS, StepCounts
 from .distributed import Exchange, layout_of, local
+from .rollback import rollback_record
 
 # torch's own group keys that this family holds as torch's optimizers do. torch's load_state_dict adds
 # ``differentiable`` to the defaults of any optimizer it loads into; held from construction, a group
@@ -102,47 +104,22 @@ def check_on_parameter_device(group: dict, keys) -> None:
                              f"{', '.join(sorted(map(str, devices)))}; create it on their device")
 
 
-@dataclasses.dataclass
-class PreparedStep:
-    """One group's step, computed but not written: what :meth:`SpectralOptimizer.prepare_group`
-    returns and :meth:`SpectralOptimizer.commit_group` writes.
-
-    The parameter ``params[i]`` is updated only if every entry of each tensor checked for it is at
-    most its limit in magnitude (NaN never is): ``checks`` holds ``(i, tensor, limit)`` triples known
-    when the step is prepared (the gradients), and the values of ``decay`` and ``checked[i]`` (Muon's
-    update directions, as the checks read them) are checked too, once the step's whole-matrix work is
-    done (see :meth:`Exchange.run <spectral_ops.optim.distributed.Exchange.run>`). A commit writes the
-    step of the parameters ``keep`` keeps: one entry per parameter, ``True``/``False`` decided on the
-    host, or a 0-d bool tensor decided on the device (capturable steps).
-    """
-
-    group: dict
-    params: list
-    checks: list
-    decay: ParameterDecay
-    checked: list = ()
-
-    def all_checks(self) -> list:
-        """Every check, ``(i, tensor, limit)``; ``i`` None: a check of every parameter (a coefficient's)."""
-        return (self.checks + [(i, d, finite_limit(d)) for i, d in enumerate(self.checked)]
-                + [(i, value, finite_limit(value)) for i, value in self.decay.checks()]
-                + [(None, value, finite_limit(value)) for value in self.decay.coefficients])
-
-
 def device_masks(keep) -> list | None:
     """A capturable step's per-parameter device decisions, or None when every parameter is written."""
     return None if all(k is True for k in keep) else [torch.as_tensor(k) for k in keep]
 
 
-def commit_element_wise(update_, step: PreparedStep, keep: list, state) -> None:
-    """Write a prepared step whose update is element-wise, ``update_(params, group, state, masks=None)``
-    (Adam's, SGD's): the decay, then the update of the parameters an eager step keeps, or of all of a
-    capturable step's, masked by its device decisions."""
-    step.decay.commit(keep)
-    if capturable(step.group):
-        update_(step.params, step.group, state, device_masks(keep))
-    else:
-        update_([param for param, kept in zip(step.params, keep) if kept is not False], step.group, state)
+def element_wise_update(update_, params, group: dict, state):
+    """A :class:`~spectral_ops.decay.PendingWrite`'s ``update`` for an element-wise optimizer,
+    ``update_(params, group, state, masks=None)`` (Adam's, SGD's): computed as it is written (a copy of
+    the moments would be the price of computing it first), for the parameters an eager step keeps, or
+    for all of a capturable step's, masked by its device decisions."""
+    def prepare(keep):
+        if capturable(group):
+            return functools.partial(update_, params, group, state, device_masks(keep))
+        return functools.partial(update_, [param for param, kept in zip(params, keep) if kept is not False], group,
+                                 state)
+    return prepare
 
 
 # torch.compiler.disable, as torch's optimizers apply it to their own methods: it imports Dynamo at the first
@@ -159,54 +136,15 @@ def _check_groups_eagerly(optimizer) -> None:
 @dataclasses.dataclass
 class StepPlan:
     """A step computed, checked and decided, nothing written yet: what :meth:`SpectralOptimizer.plan_step`
-    returns and :meth:`SpectralOptimizer.commit_steps` writes. ``keeps``: per record, one decision per
-    parameter (see :class:`PreparedStep`); ``skipped``: the ``(record, parameter)`` pairs an eager step
-    skips; ``created``: ``(parameter, whether it had a state)`` for those the step started tracking."""
+    returns and :meth:`SpectralOptimizer.commit_steps` writes. ``prepared``: the step's
+    :class:`~spectral_ops.decay.PendingWrite` records; ``keeps``: per record, one decision per
+    parameter; ``skipped``: the ``(record, parameter)`` pairs an eager step skips; ``created``:
+    ``(parameter, whether it had a state)`` for those the step started tracking."""
 
     prepared: list
     keeps: list
     skipped: list
     created: list
-
-
-class Rollback:
-    """A copy of everything a step's commit writes, taken just before its first write and dropped after
-    its last (the cost: one copy of the parameters and state tensors it writes): :meth:`restore` puts
-    every tensor, state entry and reported name back as it was, whichever write failed."""
-
-    def __init__(self):
-        self.tensors = []  # (tensor, its copy)
-        self.states = []  # (the optimizer's state, a parameter, its state dict or None, that dict's items)
-        self.sets = []  # (set, its members)
-
-    def keep_tensor(self, tensor: torch.Tensor) -> None:
-        tensor = local(tensor)
-        self.tensors.append((tensor, tensor.clone()))
-
-    def keep_state(self, state: dict, param: torch.Tensor) -> None:
-        """``state[param]``, which the commit may create, fill, or update in place."""
-        entries = state.get(param)
-        self.states.append((state, param, entries, dict(entries or {})))
-        for value in (entries or {}).values():
-            if torch.is_tensor(value):
-                self.keep_tensor(value)
-
-    def keep_set(self, members: set) -> None:
-        self.sets.append((members, set(members)))
-
-    def restore(self) -> None:
-        for tensor, saved in self.tensors:
-            tensor.copy_(saved)
-        for state, param, entries, saved in self.states:
-            if entries is None:
-                state.pop(param, None)
-                continue
-            entries.clear()
-            entries.update(saved)
-            state[param] = entries
-        for members, saved in self.sets:
-            members.clear()
-            members.update(saved)
 
 
 # The state entries of the family that have their parameter's shape (Adam's moments, the momentum of
@@ -376,24 +314,27 @@ class SpectralOptimizer(Optimizer):
                                        any(entry[0] is live for live in self.param_groups)] + [cached]
         return options
 
-    def prepare_decay(self, params, group: dict, *, lr=None, peak_lr=None, blocks=None,
-                      increments=False) -> ParameterDecay:
-        """The group's decay of ``params`` (see :func:`~spectral_ops.optim._decay.prepare_parameter_decay`),
-        with the group's own lr and peak lr unless given.
+    def prepare_write(self, params, group: dict, *, checks=(), checked=(), update=None, lr=None, peak_lr=None,
+                      blocks=None, increments=False) -> PendingWrite:
+        """The group's step of ``params``, computed but not written: its decay (see
+        :func:`~spectral_ops.optim._decay.prepare_parameter_decay`; with the group's own lr and peak lr
+        unless given), the ``checks`` and ``checked`` values, and the optimizer's ``update`` (see
+        :class:`~spectral_ops.decay.PendingWrite`).
 
         A capturable step checks its tensor lr and coefficients on the device (an eager one read them,
         :meth:`check_coefficients`): a NaN or Inf one skips every parameter of the group, whose masked
-        writes then add exact zeros (see :class:`PreparedStep`)."""
+        writes then add exact zeros."""
         lr = step_scalar(group["lr"] if lr is None else lr, group)
         peak_lr = step_scalar(group.get("initial_lr", group["peak_lr"]) if peak_lr is None else peak_lr, group)
         spectral, ordinary = group[self.spectral_key], group[self.ordinary_key]
-        decay = prepare_parameter_decay(params, group, self.decay_options(group), lr=lr, peak_lr=peak_lr,
-                                        spectral=spectral, ordinary=ordinary, blocks=blocks,
-                                        layouts=[self.layout(param) for param in params], exchange=self.exchange,
-                                        increments=increments)
+        write = prepare_parameter_decay(params, group, self.decay_options(group),
+                                        scale=decay_scale(lr, peak_lr, group["convention"]), spectral=spectral,
+                                        ordinary=ordinary, blocks=blocks, layouts=[self.layout(p) for p in params],
+                                        exchange=self.exchange, increments=increments)
+        write.checks, write.checked, write.update = list(checks), checked, update
         if capturable(group):
-            decay.coefficients = [value for value in (lr, peak_lr, spectral, ordinary) if torch.is_tensor(value)]
-        return decay
+            write.coefficients = [value for value in (lr, peak_lr, spectral, ordinary) if torch.is_tensor(value)]
+        return write
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -408,7 +349,7 @@ class SpectralOptimizer(Optimizer):
 
     def run_step(self, prepare) -> None:
         """Plan the step (:meth:`plan_step`), with ``prepare(params, group)`` giving a list of
-        :class:`PreparedStep` records for the group's :meth:`stepped_params`, then commit it
+        :class:`~spectral_ops.decay.PendingWrite` records for the group's :meth:`stepped_params`, then commit it
         (:meth:`commit_steps`)."""
         self.commit_steps(self.plan_step(prepare))
 
@@ -572,10 +513,11 @@ class SpectralOptimizer(Optimizer):
         first clamp as a warning, its later ones at DEBUG.
 
         Every temporary is allocated before the first write. Eager groups with ``rollback=True`` (not
-        the default) have a copy of what the commit writes taken first (:class:`Rollback`): a failure of
+        the default) have a copy of what the commit writes taken first
+        (:class:`~spectral_ops.optim.rollback.Rollback`): a failure of
         any write restores everything, forgets what the step created, and raises.
         """
-        record = self._rollback_record(plan.prepared, plan.keeps)
+        record = rollback_record(plan.prepared, plan.keeps, self._counts, self.state)
         if record is None:  # no try block either: torch.compile traces this path
             self._write(plan)
             return
@@ -591,7 +533,7 @@ class SpectralOptimizer(Optimizer):
         for step, param in plan.skipped:
             self._counts.warn_skip(self.parameter_name(step.group, param), type(self).__name__)
         clamp_updates = self._counts.clamp_updates([
-            (step.decay, step.params, keep, functools.partial(self.matrix_name, step.group))
+            (step, keep, functools.partial(self.matrix_name, step.group))
             for step, keep in zip(prepared, keeps)])
         # The first write.
         self._counts.count_skips([param for _, param in plan.skipped])
@@ -601,26 +543,7 @@ class SpectralOptimizer(Optimizer):
             self.commit_group(step, keep)
         self._counts.apply_clamp_updates(clamp_updates)
 
-    def _rollback_record(self, prepared: list, keeps: list) -> Rollback | None:
-        """The :class:`Rollback` record of the eager groups that keep one (None if none does): each
-        stepped parameter's counts and reported names, and each written parameter and its state."""
-        kept = [(step, keep) for step, keep in zip(prepared, keeps)
-                if not capturable(step.group) and step.group["rollback"]]
-        if not kept:
-            return None
-        record = Rollback()
-        record.keep_set(self._counts.warned_skips)
-        record.keep_set(self._counts.logged_clamps)
-        for step, keep in kept:
-            for param, written in zip(step.params, keep):
-                for count in self._counts.of(param):
-                    record.keep_tensor(count)
-                if written is not False:
-                    record.keep_tensor(param)
-                    record.keep_state(self.state, param)
-        return record
-
-    def _agree(self, prepared: list[PreparedStep], keeps: list) -> None:
+    def _agree(self, prepared: list[PendingWrite], keeps: list) -> None:
         """Make the decisions about spread parameters those of every rank (see :meth:`Exchange.agree`),
         in place; raise, on every rank, what an owner raised."""
         exchange, self._exchange = self._exchange, None
@@ -729,13 +652,13 @@ class SpectralOptimizer(Optimizer):
     def _parameters(self) -> list:
         return [param for group in self.param_groups for param in group["params"]]
 
-    def prepare_group(self, params, group: dict) -> PreparedStep:
+    def prepare_group(self, params, group: dict) -> PendingWrite:
         """Compute the group's step for ``params`` (those with a gradient) without writing anything."""
         raise NotImplementedError
 
-    def commit_group(self, step: PreparedStep, keep: list) -> None:
-        """Write the prepared ``step`` of the parameters ``keep`` keeps (see :class:`PreparedStep`)."""
-        raise NotImplementedError
+    def commit_group(self, step: PendingWrite, keep: list) -> None:
+        """Write the prepared ``step`` of the parameters ``keep`` keeps (see :class:`PendingWrite`)."""
+        step.commit(keep)
 
     def gradient_checks(self, params) -> list:
         """A parameter is skipped when its gradient is not finite."""

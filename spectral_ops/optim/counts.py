@@ -87,37 +87,37 @@ class StepCounts:
                           stacklevel=4)
 
     def clamp_updates(self, steps) -> list:
-        """The clamps of a step, for each ``(decay, params, keep, matrix_name)`` of its records: the
-        clamps of ``decay`` (a :class:`~spectral_ops.optim._decay.ParameterDecay` of ``params``) in the
-        parameters ``keep`` writes (on the device). The eager ones are logged now, named by
+        """The clamps of a step, for each ``(write, keep, matrix_name)`` of its records: the clamps of
+        ``write`` (a :class:`~spectral_ops.decay.PendingWrite` of ``write.params``) in the parameters
+        ``keep`` writes (on the device). The eager ones are logged now, named by
         ``matrix_name(param, rows, index)``; the counts' new values are computed now, before the step
         writes anything, and stored by :meth:`apply_clamp_updates` with its writes."""
         totals = {}  # parameter -> [its record, clamps counted, smallest factor]
-        for decay, params, keep, matrix_name in steps:
-            for part in decay.parts:
-                for index, position, factor, order in part.pending.clamped:
-                    owner = part.owners[index]
-                    if keep[owner] is True:
-                        # A run clamps the same matrices step after step: each one's first clamp is a
-                        # warning, the later ones are debug records (their count is in `clamped`).
-                        stack = params[owner].shape[:-2] if part.pending.tensors[index].ndim > 2 else ()
-                        name = matrix_name(params[owner], part.rows[index], matrix_index(stack, position))
-                        first = name not in self.logged_clamps
-                        self.logged_clamps.add(name)
-                        log_clamp(name, factor, order, logging.WARNING if first else logging.DEBUG,
-                                  "; its later clamps are logged at DEBUG and counted in optimizer.clamped"
-                                  if first else "")
-                for index, factor in part.pending.clamp_factors.items():
-                    owner = part.owners[index]
-                    if keep[owner] is False:
-                        continue
-                    if keep[owner] is not True:
-                        factor = torch.where(keep[owner], factor, 1.0)
-                    record = self.clamp_record(params[owner])
-                    total = totals.setdefault(params[owner], [record, record.count, record.smallest_factor])
-                    # A stack of matrices (matrix_view="batch") counts each of its matrices' clamps.
-                    total[1] = total[1] + (factor < 1).sum(dtype=torch.int32)
-                    total[2] = torch.minimum(total[2], factor.amin())
+        for write, keep, matrix_name in steps:
+            params = write.params
+            for index, position, factor, order in write.clamped:
+                owner = write.owners[index]
+                if keep[owner] is True:
+                    # A run clamps the same matrices step after step: each one's first clamp is a
+                    # warning, the later ones are debug records (their count is in `clamped`).
+                    stack = params[owner].shape[:-2] if write.tensors[index].ndim > 2 else ()
+                    name = matrix_name(params[owner], write.rows[index], matrix_index(stack, position))
+                    first = name not in self.logged_clamps
+                    self.logged_clamps.add(name)
+                    log_clamp(name, factor, order, logging.WARNING if first else logging.DEBUG,
+                              "; its later clamps are logged at DEBUG and counted in optimizer.clamped"
+                              if first else "")
+            for index, factor in write.clamp_factors.items():
+                owner = write.owners[index]
+                if keep[owner] is False:
+                    continue
+                if keep[owner] is not True:
+                    factor = torch.where(keep[owner], factor, 1.0)
+                record = self.clamp_record(params[owner])
+                total = totals.setdefault(params[owner], [record, record.count, record.smallest_factor])
+                # A stack of matrices (matrix_view="batch") counts each of its matrices' clamps.
+                total[1] = total[1] + (factor < 1).sum(dtype=torch.int32)
+                total[2] = torch.minimum(total[2], factor.amin())
         return list(totals.values())
 
     @staticmethod

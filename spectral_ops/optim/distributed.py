@@ -2,8 +2,8 @@
 
 ``S_p(W)`` and Muon's polar factor need the whole matrix, but FSDP2 (``fully_shard``) leaves each rank
 a ``Shard(0)`` slice of it (a ``DTensor``), and DDP repeats the whole matrix on every rank. Each
-matrix of a step is therefore given an *owner* rank. The step's groups ask for their whole-matrix work
-(:meth:`Exchange.map`), and once every group is prepared it runs together (:meth:`Exchange.run`):
+matrix of a step is therefore given an *owner* rank. The step's groups submit their whole-matrix work
+(:meth:`Exchange.submit`), and once every group is prepared it runs together (:meth:`Exchange.run`):
 the owners are balanced over the whole step, largest matrices first, by the plan's FLOP model
 (:func:`assign_owners`), and every job's collectives form one pipeline. The jobs are Muon's polar
 factors (:mod:`spectral_ops.optim.muon`) and the decay's spectral directions (:func:`owner_decay`).
@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .. import plan
-from ..decay import PendingDecay, prepare_decay, row_block
+from ..decay import PendingWrite, prepare_decay, row_block
 from ..matrix_views import as_matrices, batched, matrix_dims
 
 if dist.is_available():
@@ -344,66 +344,92 @@ def polar_blocks_flops(shape, count: int, steps: int) -> float:
     return count * plan.cost("polar", tuple(shape), steps=steps, symmetric_at_half=True)
 
 
+class Job:
+    """Whole-matrix work submitted to an :class:`Exchange` (:meth:`Exchange.submit`); ``results``: one
+    per source, on this rank's rows, by position, once the exchange has run (None before)."""
+
+    def __init__(self, fn, sources, layouts, costs, here):
+        self.fn, self.sources, self.layouts, self.costs, self.here = fn, sources, layouts, costs, here
+        self.results = None
+
+
 class Exchange:
-    """One step's owner compute: the whole-matrix jobs the step's groups ask for (:meth:`map`), run
+    """One step's owner compute: the whole-matrix jobs the step's groups submit (:meth:`submit`), run
     together once every group is prepared (:meth:`run`: owners balanced over the whole step, one
-    pipeline of rounds), then what the ranks agree on before anything is written (:meth:`agree`)."""
+    pipeline of rounds), then what the ranks agree on before anything is written (:meth:`agree`). The
+    work that takes a job's results in is a generator that reads top to bottom (dion's style),
+    ``results = yield exchange.submit(...)``: started by :meth:`wait`, resumed by :meth:`run`."""
 
     def __init__(self):
         self.jobs = []
+        self.waiting = []  # (generator, the job it waits for)
         self.error = None
-        self.clamp_slots_of = defaultdict(list)  # group -> [(PendingDecay, entries, float64 factors, eager)]
+        self.clamp_slots_of = defaultdict(list)  # group -> [(PendingWrite, entries, float64 factors, eager)]
 
-    def map(self, fn, sources, layouts, costs, then, here=None) -> None:
+    def submit(self, fn, sources, layouts, costs, here=None) -> Job:
         """Ask for ``fn`` of whole matrices: ``fn(positions, matrices)`` takes the whole matrices
         (positions into ``sources``, this rank's matrices: shards or whole) and returns one result of
-        the same shape and dtype each, and runs on each matrix's owner. At :meth:`run`, ``then`` gets
-        the results, each on this rank's rows, by position; ``costs`` are the matrices' FLOPs.
-        ``here[i]``: ``sources[i]`` is already made of whole matrices (a stack spread by its batch, as
-        expert parallelism spreads experts), so ``fn`` runs on it where it lives, with no collective."""
-        self.jobs.append((fn, sources, layouts, costs, then, here or [False] * len(sources)))
+        the same shape and dtype each, and runs on each matrix's owner; ``costs`` are the matrices'
+        FLOPs. ``here[i]``: ``sources[i]`` is already made of whole matrices (a stack spread by its batch,
+        as expert parallelism spreads experts), so ``fn`` runs on it where it lives, with no collective.
+        The returned :class:`Job` holds the results once :meth:`run` has run."""
+        job = Job(fn, sources, layouts, costs, here or [False] * len(sources))
+        self.jobs.append(job)
+        return job
 
-    def clamp_slots(self, group, pending, entries, batch_shapes, eager: bool, device) -> torch.Tensor:
-        """The clamp factors of the matrices ``pending.tensors[i]`` stands for, ``i`` in ``entries``
+    def wait(self, work) -> None:
+        """Run ``work``, a generator, up to its ``yield`` of the job it submitted; :meth:`run` sends it the
+        job's results, and it ends."""
+        self.waiting.append((work, next(work)))
+
+    def clamp_slots(self, group, write, entries, batch_shapes, eager: bool, device) -> torch.Tensor:
+        """The clamp factors of the matrices ``write.tensors[i]`` stands for, ``i`` in ``entries``
         (of ``group``), one after another, each entry's of shape ``batch_shapes[i]`` (``()``: one
         matrix): the matrices' owners set them and :meth:`agree` hands them to every rank, as
-        ``pending.clamp_factors[i]``."""
+        ``write.clamp_factors[i]``."""
         factors = torch.ones(sum(math.prod(shape) for shape in batch_shapes), dtype=torch.float64, device=device)
-        self.clamp_slots_of[group].append((pending, list(zip(entries, batch_shapes)), factors, eager))
+        self.clamp_slots_of[group].append((write, list(zip(entries, batch_shapes)), factors, eager))
         return factors
 
     def run(self) -> None:
         """Every job of the step: owners per process group over all the step's matrices, then the
         rounds of every job in one pipeline (every rank issues the same collectives in the same order)."""
         jobs, self.jobs = self.jobs, []
-        matrices = defaultdict(list)  # group -> [(job, position)]
-        for job, (_, sources, layouts, costs, _, here) in enumerate(jobs):
-            for position, layout in enumerate(layouts):
-                if not here[position]:
-                    matrices[layout.group].append((job, position))
+        matrices = defaultdict(list)  # group -> [(job number, position)]
+        for number, job in enumerate(jobs):
+            for position, layout in enumerate(job.layouts):
+                if not job.here[position]:
+                    matrices[layout.group].append((number, position))
         owners = {}
         for group, members in matrices.items():
-            world_size = jobs[members[0][0]][2][members[0][1]].world_size
-            assigned, _ = assign_owners([jobs[job][3][position] for job, position in members], world_size)
+            world_size = jobs[members[0][0]].layouts[members[0][1]].world_size
+            assigned, _ = assign_owners([jobs[number].costs[position] for number, position in members], world_size)
             owners.update(zip(members, assigned))
-        rounds, results = [], [[None] * len(sources) for _, sources, *_ in jobs]
-        for job, (fn, sources, layouts, _, _, here) in enumerate(jobs):
-            self._run_here(fn, [i for i in range(len(sources)) if here[i]], sources, results[job])
+        rounds = []
+        for number, job in enumerate(jobs):
+            results = [None] * len(job.sources)
+            self._run_here(job.fn, [i for i in range(len(job.sources)) if job.here[i]], job.sources, results)
             by_kind = defaultdict(list)
-            for position, (source, layout) in enumerate(zip(sources, layouts)):
-                if here[position]:
+            for position, (source, layout) in enumerate(zip(job.sources, job.layouts)):
+                if job.here[position]:
                     continue
                 by_kind[(layout.group, layout.shape, layout.parts, source.dtype)].append(position)
             for members in by_kind.values():
-                for positions in split_rounds(members, layouts[members[0]].world_size):
-                    rounds.append(_Round(self, fn, positions, [owners[job, i] for i in positions], sources, layouts,
-                                         results[job]))
+                for positions in split_rounds(members, job.layouts[members[0]].world_size):
+                    rounds.append(_Round(self, job.fn, positions, [owners[number, i] for i in positions], job.sources,
+                                         job.layouts, results))
+            job.results = results
         _pipeline(rounds)
-        for (*_, then, _), job_results in zip(jobs, results):
-            then(job_results)
+        waiting, self.waiting = self.waiting, []
+        for work, job in waiting:
+            try:
+                work.send(job.results)
+            except StopIteration:  # it took the results in and ended
+                continue
+            raise RuntimeError("work waiting on an exchange yields once, for the job it submitted")
 
     def _run_here(self, fn, positions, sources, results) -> None:
-        """``fn`` on the whole matrices this rank holds (:meth:`map`'s ``here``); a failure is raised on
+        """``fn`` on the whole matrices this rank holds (:meth:`submit`'s ``here``); a failure is raised on
         every rank by :meth:`agree`, as an owner's is. A rank that holds none of a stack's matrices has
         nothing to compute."""
         for i in positions:
@@ -457,14 +483,14 @@ class Exchange:
             for position, index in enumerate(on_device, start=1 + len(on_host)):
                 decisions[index] = reduced[position] > 0
             offset = 1 + len(indices)
-            for pending, entries, factors, eager_factors in slots:
+            for write, entries, factors, eager_factors in slots:
                 factors.copy_(reduced[offset:offset + len(factors)])
                 start = 0
                 for index, shape in entries:
                     count = math.prod(shape)
                     # Eager: only the clamped ones, as one process records them; capturable: all.
                     if not eager_factors or min(values[offset + start:offset + start + count]) < 1:
-                        pending.clamp_factors[index] = factors[start:start + count].view(shape)
+                        write.clamp_factors[index] = factors[start:start + count].view(shape)
                     start += count
                 offset += len(factors)
             let_go(group, [reduced])
@@ -482,17 +508,17 @@ class Exchange:
         raise error
 
 
-def owner_decay(exchange: Exchange, sources, layouts, entries, options, arguments: dict, *, matrix_view: str,
-                eager: bool) -> PendingDecay:
-    """The decay of spread parameters, to commit on this rank: ``sources[k]`` is this rank's part of
-    the ``k``-th parameter (``layouts[k].parts``), holding the matrices ``matrix_view`` says
-    (:func:`spectral_ops.matrix_views.as_matrices`); each ``(k, rows)`` of ``entries`` is a block the decay
-    takes as matrices of their own (``rows``: ``(start, stop)`` of each matrix's rows, None: all of
-    them). Each whole parameter is decayed on its owner when ``exchange`` runs, with
-    ``prepare_decay(..., options, **arguments)``, except a stack spread by its batch, whose matrices
-    are decayed where they live; this rank keeps its part of each entry (``pending.tensors[i]`` is that
-    of ``entries[i]``, maybe empty). ``eager``: the clamp factors are read on the host (see
-    :meth:`Exchange.clamp_slots`)."""
+def owner_decay(exchange: Exchange, write: PendingWrite, sources, layouts, entries, owners, options,
+                arguments: dict, *, matrix_view: str, eager: bool) -> None:
+    """Add to ``write`` the decay of spread parameters, to commit on this rank: ``sources[k]`` is this
+    rank's part of the ``k``-th parameter (``layouts[k].parts``; ``owners[k]``: its owner in ``write``),
+    holding the matrices ``matrix_view`` says (:func:`spectral_ops.matrix_views.as_matrices`); each
+    ``(k, rows)`` of ``entries`` is a block the decay takes as matrices of their own (``rows``:
+    ``(start, stop)`` of each matrix's rows, None: all of them). Each whole parameter is decayed on its
+    owner when ``exchange`` runs, with ``prepare_decay(..., options, **arguments)``, except a stack
+    spread by its batch, whose matrices are decayed where they live; this rank keeps its part of each
+    entry, a target of ``write`` (maybe empty), whose value the exchange fills in. ``eager``: the clamp
+    factors are read on the host (see :meth:`Exchange.clamp_slots`)."""
     rows_held = [layout.local_rows(matrix_view) for layout in layouts]
     shapes = [layout.shape for layout in layouts]
     stacked = [batched(shape, matrix_view) for shape in shapes]
@@ -506,8 +532,10 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
     def part(k, matrices, start, stop):
         return local_block(matrices, start, stop, rows_held[k])
 
-    pending = PendingDecay([part(k, as_matrices(sources[k], matrix_view), *rows)
-                            for (k, _), rows in zip(entries, entry_rows)], [], 1.0, {})
+    base = len(write.tensors)  # the targets' indices in write: base + their entry's
+    write.include(PendingWrite([part(k, as_matrices(sources[k], matrix_view), *rows)
+                                for (k, _), rows in zip(entries, entry_rows)]),
+                  [owners[k] for k, _ in entries], [rows for _, rows in entries])
     # One clamp factor per matrix: a stack's entry has one per matrix of the whole stack.
     batch_shapes = [shapes[k][:-2] if stacked[k] else () for k, _ in entries]
     counts = [math.prod(shape) for shape in batch_shapes]
@@ -517,8 +545,8 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
         for index, (k, _) in enumerate(entries):
             by_group[layouts[k].group].append(index)
         for group, members in by_group.items():
-            factors = exchange.clamp_slots(group, pending, members, [batch_shapes[i] for i in members], eager,
-                                           sources[0].device)
+            factors = exchange.clamp_slots(group, write, [base + i for i in members],
+                                           [batch_shapes[i] for i in members], eager, sources[0].device)
             starts = [0]
             for index in members:
                 starts.append(starts[-1] + counts[index])
@@ -538,8 +566,8 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
         for position, factor in whole.clamp_factors.items():
             factors, start = slot_of[indices[position]]
             factors[start + number_of[indices[position]].to(factors.device)] = factor.reshape(-1)
-        pending.clamped.extend((indices[position], int(number_of[indices[position]][matrix]), *report)
-                               for position, matrix, *report in whole.clamped)
+        write.clamped.extend((base + indices[position], int(number_of[indices[position]][matrix]), *report)
+                             for position, matrix, *report in whole.clamped)
         value_of = dict(zip(indices, values))
         blocks = [[value_of[index] for index in entries_of[k]] for k in positions]
         return [block[0] if len(block) == 1 else torch.cat(block, dim=-2) for block in blocks]
@@ -549,12 +577,12 @@ def owner_decay(exchange: Exchange, sources, layouts, entries, options, argument
         costs[k] += count * decay_flops((stop - start, matrix_dims(shapes[k], matrix_view)[1]), options,
                                         sources[k].dtype)
 
-    def keep_part(results):
+    def decayed_on_owners():
+        results = yield exchange.submit(decay_whole, sources, layouts, costs, here)
         for index, ((k, _), rows) in enumerate(zip(entries, entry_rows)):
-            pending.decayed[index] = part(k, as_matrices(results[k], matrix_view), *rows)
+            write.decayed[base + index] = part(k, as_matrices(results[k], matrix_view), *rows)
 
-    exchange.map(decay_whole, sources, layouts, costs, keep_part, here)
-    return pending
+    exchange.wait(decayed_on_owners())
 
 
 def _collective_device(group) -> torch.device:

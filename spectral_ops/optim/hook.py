@@ -19,8 +19,9 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..plan import needs_direction
+from ..decay import PendingWrite
 from ._decay import decay_keywords
-from .base import PreparedStep, SpectralOptimizer, detached_peak
+from .base import SpectralOptimizer, detached_peak
 from .distributed import local
 
 # The host group key holding its starting lr, the peak of the independent convention (unless an LR
@@ -171,7 +172,7 @@ class SpectralDecay(SpectralOptimizer):
         if planned is not None:
             self.commit_steps(planned)
 
-    def prepare_group(self, params, group: dict) -> PreparedStep:
+    def prepare_group(self, params, group: dict) -> PendingWrite:
         """Standalone use (``.step()``): decay with this object's own lr."""
         if group["lr"] is None:
             raise ValueError("SpectralDecay.step() needs lr= (or attach it to an optimizer)")
@@ -195,16 +196,16 @@ class SpectralDecay(SpectralOptimizer):
                                  "parameters decay them twice per step. Step one of them (delete the other), or "
                                  "give each its own parameters")
 
-    def _prepare_decay_step(self, params, group: dict, increments=False, **lrs) -> PreparedStep:
+    def _prepare_decay_step(self, params, group: dict, increments=False, **lrs) -> PendingWrite:
         """The decay alone: a weight is skipped when its decayed value is not finite (the gradient
         belongs to whichever optimizer uses it). Attached, with the host's lr (read again here: a step
         never writes with a NaN lr); ``increments``: as the increments the post-hook adds."""
         if self._attached:
             self.check_coefficients(group, **lrs)
-        return PreparedStep(group, params, [], self.prepare_decay(params, group, increments=increments, **lrs))
+        return self.prepare_write(params, group, increments=increments, **lrs)
 
-    def commit_group(self, step: PreparedStep, keep: list) -> None:
-        step.decay.commit(keep)
+    def commit_group(self, step: PendingWrite, keep: list) -> None:
+        super().commit_group(step, keep)
         group = step.group
         # Not traced: Dynamo cannot represent the hook's handle, and reads no version counters.
         if not torch.compiler.is_compiling() and not self._attached and \

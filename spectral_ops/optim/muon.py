@@ -9,7 +9,7 @@ is the default; ``ns_coefficients=spectral_ops.MUON_QUINTIC`` with ``ns_steps=5`
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import math
 import numbers
 from collections import defaultdict
@@ -18,12 +18,13 @@ import torch
 
 from .._checks import check_choice, check_eps, check_power, check_steps
 from .. import plan
+from ..decay import PendingWrite
 from ..ops import check_precision, power_update
 from ..plan import OPERAND_DTYPES, UPDATE_FLOOR, UPDATE_SCALES, resolve_precision
 from ..matrix_views import as_matrices, batched, matrix_dims
 from ._decay import capturable, check_matrices_said, decay_keywords, matrix_view_of_parameter
-from .adamw import adam_update_, check_adam_options, init_adam_state, prepare_adam_step
-from .base import PreparedStep, SpectralOptimizer, add_scaled_, commit_element_wise, device_masks, scalar, step_scalar
+from .adamw import check_adam_options, init_adam_state, prepare_adam_step
+from .base import SpectralOptimizer, add_scaled_, device_masks, scalar, step_scalar
 from .distributed import local, local_block, polar_blocks_flops
 
 ALGORITHMS = ("muon", "adamw")
@@ -70,14 +71,6 @@ def direction_flops(shape, group: dict) -> float:
     steps = len(orthogonalization_coefficients(group))
     return sum(polar_blocks_flops((size // count, cols), count, steps) for _, size, letter in row_blocks(rows, group)
                for count in [group["heads"] if letter == "H" else 1])
-
-
-@dataclasses.dataclass
-class MuonStep(PreparedStep):
-    """A Muon group's step: ``directions[i]``, the polar factors the commit adds to ``params[i]`` (this
-    rank's rows; ``checked[i]`` is the same, as the checks read it), filled in when they are computed."""
-
-    directions: list = ()
 
 
 class SpectralMuon(SpectralOptimizer):
@@ -232,27 +225,27 @@ class SpectralMuon(SpectralOptimizer):
                     if "momentum_buffer" in self.state.get(param, {}):
                         self.state[param].setdefault("step", self._zero_count(param, group))
 
-    def prepare_group(self, params, group: dict) -> PreparedStep:
+    def prepare_group(self, params, group: dict) -> PendingWrite:
         if group["algorithm"] == "adamw":
             return prepare_adam_step(self, params, group)
         updates = [self._update(param, group) for param in params]
         powers = [self.update_power_at(group, self.state[param]["step"]) for param in params]
+        # directions[i]: the polar factors the commit adds to params[i] (this rank's rows; checked[i] is
+        # the same, as the checks read it), filled in when they are computed.
         directions, checked = self._directions(params, updates, powers, group)
-        decay = self.prepare_decay(params, group, blocks=self._decay_blocks(group))
-        return MuonStep(group, params, self.gradient_checks(params), decay, checked, directions)
+        return self.prepare_write(params, group, checks=self.gradient_checks(params), checked=checked,
+                                  update=functools.partial(self._muon_update, params, group, directions),
+                                  blocks=self._decay_blocks(group))
 
-    def commit_group(self, step: PreparedStep, keep: list) -> None:
-        if step.group["algorithm"] == "adamw":
-            commit_element_wise(adam_update_, step, keep, self.state)
-            return
-        group = step.group
+    def _muon_update(self, params, group, directions, keep):
+        """The :class:`~spectral_ops.decay.PendingWrite` ``update`` of a Muon group: allocates
+        everything first (the momenta of a capturable step, its masked directions and lrs: a skipped
+        parameter adds an exact zero, whatever the lr; the directions of a filter whose matrix is no
+        view of it), and returns the function that writes the momenta and adds the directions."""
         masks = device_masks(keep) if capturable(group) else None
         lr = step_scalar(group["lr"], group)
-        # Everything that allocates first: the momenta of a capturable step, its masked directions and
-        # lrs (a skipped parameter adds an exact zero, whatever the lr), the directions of a filter whose
-        # matrix is no view of it.
         momenta, additions = [], []
-        for index, (param, direction) in enumerate(zip(step.params, step.directions)):
+        for index, (param, direction) in enumerate(zip(params, directions)):
             if keep[index] is False:
                 continue
             mask = None if masks is None else masks[index]
@@ -278,11 +271,13 @@ class SpectralMuon(SpectralOptimizer):
                           for start, size, _ in row_blocks(rows, group)]
             additions.extend((target_block, direction_block, adjusted_lr(lr_of, group["adjust_lr_fn"], (size, cols)))
                              for target_block, direction_block, size in blocks)
-        for param, buffer_value, count_value in momenta:  # the first write
-            self._store_momentum(param, group, buffer_value, count_value)
-        step.decay.commit(keep)
-        for target, direction, scale in additions:
-            add_scaled_(target, direction, scale)
+
+        def write():
+            for param, buffer_value, count_value in momenta:
+                self._store_momentum(param, group, buffer_value, count_value)
+            for target, direction, scale in additions:
+                add_scaled_(target, direction, scale)
+        return write
 
     def _update(self, param, group) -> torch.Tensor:
         """Muon's update (this rank's shard) in a temporary of its own: the momentum buffer after this
@@ -355,24 +350,26 @@ class SpectralMuon(SpectralOptimizer):
 
         alone = [i for i in range(len(params)) if layouts[i] is None]
         keep(alone, self._orthogonalize([updates[i] for i in alone], [powers[i] for i in alone], group))
-        views = [matrix_view_of_parameter(param, group) for param in params]
-        for view in dict.fromkeys(views[i] for i in spread):
-            alike = [i for i in spread if views[i] == view]
-            costs = [direction_flops(matrix_dims(params[i].shape, view), group)
-                     * (params[i].shape[:-2].numel() if batched(params[i].shape, view) else 1) for i in alike]
 
-            def orthogonalize(positions, wholes, view=view, alike=alike):
+        def orthogonalized_on_owners(alike, view):
+            """The directions of the spread matrices ``alike``, read as ``view``: submitted, then kept."""
+            def orthogonalize(positions, wholes):
                 # The exchange moves parameter-shaped parts (a layout's parts are the parameter's).
                 directions = self._orthogonalize([as_matrices(whole, view) for whole in wholes],
                                                  [powers[alike[position]] for position in positions], group)
                 return [direction.reshape(whole.shape) for direction, whole in zip(directions, wholes)]
 
-            self.exchange.map(orthogonalize, [updates[i].reshape(local(params[i]).shape) for i in alike],
-                              [layouts[i] for i in alike], costs,
-                              lambda results, view=view, alike=alike: keep(alike, [as_matrices(result, view)
-                                                                                   for result in results]),
-                              # A stack sharded by its batch (experts) holds whole matrices: computed here.
-                              [layouts[i].holds_whole_matrices(view) for i in alike])
+            costs = [direction_flops(matrix_dims(params[i].shape, view), group)
+                     * (params[i].shape[:-2].numel() if batched(params[i].shape, view) else 1) for i in alike]
+            results = yield self.exchange.submit(
+                orthogonalize, [updates[i].reshape(local(params[i]).shape) for i in alike], [layouts[i] for i in alike],
+                # A stack sharded by its batch (experts) holds whole matrices: computed here.
+                costs, [layouts[i].holds_whole_matrices(view) for i in alike])
+            keep(alike, [as_matrices(result, view) for result in results])
+
+        views = [matrix_view_of_parameter(param, group) for param in params]
+        for view in dict.fromkeys(views[i] for i in spread):
+            self.exchange.wait(orthogonalized_on_owners([i for i in spread if views[i] == view], view))
         return directions, checked
 
     @staticmethod

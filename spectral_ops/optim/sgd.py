@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ..decay import PendingWrite
 from ._decay import decay_keywords
-from .base import PreparedStep, SpectralOptimizer, add_scaled_, commit_element_wise, scalar, step_scalar
+from .base import SpectralOptimizer, add_scaled_, element_wise_update, scalar, step_scalar
 from .distributed import local, state_like
 
 
@@ -43,11 +44,9 @@ class SpectralSGD(SpectralOptimizer):
             for param in params:
                 self.state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
-    def prepare_group(self, params, group: dict) -> PreparedStep:
-        return PreparedStep(group, params, self.gradient_checks(params), self.prepare_decay(params, group))
-
-    def commit_group(self, step: PreparedStep, keep: list) -> None:
-        commit_element_wise(momentum_update_, step, keep, self.state)
+    def prepare_group(self, params, group: dict) -> PendingWrite:
+        return self.prepare_write(params, group, checks=self.gradient_checks(params),
+                                  update=element_wise_update(momentum_update_, params, group, self.state))
 
 
 def momentum_update_(params, group: dict, state, masks=None) -> None:
