@@ -1485,7 +1485,7 @@ def work(op: str, shape: tuple, *, p=0, precision: str = "fp32", iteration: str 
     """The :class:`~spectral_ops.backends.counting.Work` of one call of ``op`` (one of :data:`OPS`) on a
     ``dtype`` tensor of ``shape`` (a batch counts each matrix): its matrix FLOPs, its primitives' bytes
     and launches, read off the plan: it runs on meta tensors with
-    :class:`~spectral_ops.backends.counting.CountingBackend`, which counts each primitive.
+    :class:`~spectral_ops.backends.counting.CountingKernels`, which counts each primitive.
 
     At full cost this is what ``FlopCounterMode`` counts of the torch backend; ``symmetric_at_half``
     gives the GPU kernels' count, each symmetric product (the Gram, ``A A``, the sign steps) at half.
@@ -1510,9 +1510,9 @@ def work(op: str, shape: tuple, *, p=0, precision: str = "fp32", iteration: str 
 @functools.lru_cache(maxsize=4096)
 def _counted(op, shape, p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard, symmetric_at_half, eps,
              threshold, dtype):
-    from .backends.counting import CountingBackend
+    from .backends.counting import CountingKernels
 
-    kernels = CountingBackend(symmetric_at_half)
+    kernels = CountingKernels(symmetric_at_half)
     W = torch.empty(shape, dtype=dtype, device="meta")
     polar_coefficients, sign_coefficients = (None if count is None else ((1.0, 0.0, 0.0),) * count
                                              for count in (steps, sign_steps))

@@ -1,4 +1,4 @@
-"""A provider that computes nothing and counts: the plan's cost, read off the plan itself.
+"""Kernels that compute nothing and count: the plan's cost, read off the plan itself.
 
 It implements every primitive of :mod:`spectral_ops.backends.base` on meta tensors (shapes only),
 adding each product's matrix FLOPs as it goes, so :func:`spectral_ops.plan.cost` runs the very code
@@ -29,7 +29,9 @@ class Work:
     launches: int = 0
 
 
-class CountingBackend:
+class CountingKernels:
+    """:class:`~spectral_ops.backends.base.Kernels` that count what the plan runs on meta tensors."""
+
     def __init__(self, symmetric_at_half: bool = False):
         self.symmetric_share = 0.5 if symmetric_at_half else 1.0
         self.flops = 0.0
