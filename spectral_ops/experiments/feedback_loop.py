@@ -45,9 +45,9 @@ def noisy_equilibria(steps: int) -> list[dict]:
     lag1 = (deviation[1:] * deviation[:-1]).mean(0) / (deviation**2).mean(0)
     closed_form, slope = equilibrium_norm(eta, lam, np.sqrt(c_squared)), equilibrium_norm_slope(eta, lam)
     rows = []
-    for i, (e, l) in enumerate(EQUILIBRIUM_POINTS):
-        full_batch = full_batch_equilibrium(e, l)
-        rows.append({"eta": e, "lambda": l, "eta_lambda": e * l, "c_squared": float(c_squared[i]),
+    for i, (e, lam_i) in enumerate(EQUILIBRIUM_POINTS):
+        full_batch = full_batch_equilibrium(e, lam_i)
+        rows.append({"eta": e, "lambda": lam_i, "eta_lambda": e * lam_i, "c_squared": float(c_squared[i]),
                      "n_star": float(closed_form[i]), "n_star_simulated": float(np.sqrt(x[:, i].mean())),
                      "relative_error_n_star_squared": float(x[:, i].mean() / closed_form[i]**2 - 1),
                      "norm_map_slope": float(slope[i]), "lag1_autocorrelation": float(lag1[i]),
