@@ -37,7 +37,8 @@ def _accepts(implementation, declared) -> bool:
         if parameter.default is not inspect.Parameter.empty and got[parameter.name].default is inspect.Parameter.empty:
             return False
     positional = [q.name for q in wanted if q.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
-    return [n for n, q in got.items() if q.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD][:len(positional)] == positional
+    accepted = [n for n, q in got.items() if q.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    return accepted[:len(positional)] == positional
 
 
 def test_the_primitives_are_the_protocols_methods():

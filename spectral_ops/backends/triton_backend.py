@@ -196,6 +196,7 @@ class TritonBackend:
 
     def decay_epilogue_(self, W, D, keep, step, noise=None):
         batch = W.shape[:-2]
-        _decay_epilogue(W, D, *number_and_per_matrix(keep, batch, W.device), *number_and_per_matrix(step, batch, W.device),
+        _decay_epilogue(W, D, *number_and_per_matrix(keep, batch, W.device),
+                        *number_and_per_matrix(step, batch, W.device),
                         self.input_precision, noise)
         return W
