@@ -42,8 +42,10 @@ demo: $(STAMP)
 	$(PY) -m spectral_ops
 	$(PY) -m spectral_ops.train demo
 
-# The benchmarks run once each, untimed, as a smoke test; then the core of the suite at the oldest torch.
+# Lint first (pyproject.toml's [tool.ruff]); the benchmarks run once each, untimed, as a smoke test; then the
+# core of the suite at the oldest torch.
 test: $(STAMP) $(COMPAT_STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest tests bench -q --benchmark-disable
 	$(COMPAT_PY) -m pytest $(COMPAT_TESTS) -q
 

@@ -1,9 +1,9 @@
 """GPU cases for the CUDA kernels (csrc/), for bench/gpu_check.py.
 
 ``cases()`` checks every CUDA entry point (spectral_ops._extension) and every op of the plan on the CUDA
-kernels, with and without the fused chain, against the torch reference, in float32, bfloat16 and float16, on batched, odd-sized, tall and
-wide shapes. ``timing_cases()`` pairs each CUDA op with what torch would run instead, at the sizes the
-routing in spectral_ops/dispatch.py is about (both sides of its CUDA thresholds).
+kernels, with and without the fused chain, against the torch reference, in float32, bfloat16 and float16, on
+batched, odd-sized, tall and wide shapes. ``timing_cases()`` pairs each CUDA op with what torch would run
+instead, at the sizes the routing in spectral_ops/dispatch.py is about (both sides of its CUDA thresholds).
 
 Each case is a plain dict:
 
@@ -150,7 +150,8 @@ def _poly_sign_cases():
             return (_symmetric(shape, torch.float32, device, 5),)
 
         yield _case(f"poly_step/{precision}/{_dims(shape)}", "poly_step", torch.float32, shape, make,
-                    lambda A, precision=precision: ext.poly_step(A, torch.empty_like(A), 0.3, -0.2, precision=precision),
+                    lambda A, precision=precision: ext.poly_step(A, torch.empty_like(A), 0.3, -0.2,
+                                                                 precision=precision),
                     lambda A: 0.3 * A.double() - 0.2 * A.double() @ A.double(), TOLERANCE[torch.float32])
         shape = (2, 300, 300)
 
@@ -317,8 +318,9 @@ def timing_cases() -> list[dict]:
     def make_gram(device, shape=shape):
         return (_gram_minus_tau(_weight(shape, torch.float32, device, 17, two_clusters=True)),)
 
-    out.append(_case(f"time/backend.msign[composed]/fp32/{_dims(shape)}", "backend.msign[composed]", torch.float32, shape,
-                     make_gram, lambda A: _cuda("composed").msign(A, SIGN_NS), lambda A: plan.msign(TORCH, A, SIGN_NS),
+    out.append(_case(f"time/backend.msign[composed]/fp32/{_dims(shape)}", "backend.msign[composed]", torch.float32,
+                     shape, make_gram, lambda A: _cuda("composed").msign(A, SIGN_NS),
+                     lambda A: plan.msign(TORCH, A, SIGN_NS),
                      CHAIN_TOLERANCE[torch.float32]))
     shape = (64, 1024, 1024)
 
@@ -346,7 +348,8 @@ def timing_cases() -> list[dict]:
         # The fused chain and the composed path, at sizes on both sides of where a measured routing may switch.
         for path, label, shape in (("chain", "polar", (64, 64, 256)), ("chain", "decay_p2", (96, 32, 1024)),
                                    ("chain", "polar", (96, 128, 768)), ("composed", "polar", (2048, 2048)),
-                                   ("composed", "polar", (4096, 4096)), ("composed", "spectral_power_p2", (4096, 16384)),
+                                   ("composed", "polar", (4096, 4096)),
+                                   ("composed", "spectral_power_p2", (4096, 16384)),
                                    ("composed", "decay_p2", (4096, 4096))):
             op, run, reference = next((o, r, ref) for name, o, r, ref in _backend_runs(False) if name == label)
 

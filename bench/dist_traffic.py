@@ -58,7 +58,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from spectral_ops import plan
-from spectral_ops.backends.counting import CountingBackend
+from spectral_ops.backends.counting import CountingKernels
 from spectral_ops.optim import SpectralMuon
 from spectral_ops.optim._decay import row_blocks_of
 from spectral_ops.plan import needs_direction
@@ -202,7 +202,7 @@ def owner_groups(param, mesh: Mesh) -> list[list[int]]:
     return list(groups.values())
 
 
-class GramCounter(CountingBackend):
+class GramCounter(CountingKernels):
     """Counts, besides the FLOPs, the products of a plan on :data:`PROBE_SHAPE` that have its long side
     inside: the Grams of the iterate, which a matrix sharded along that side forms from each rank's
     columns by an all-reduce. Every other product of the plan has the short side inside and runs on

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from spectral_ops.backends.counting import CountingBackend
+from spectral_ops.backends.counting import CountingKernels
 from spectral_ops.coefficients import polar_express_coefficients
 from spectral_ops.plan import cost
 
@@ -33,7 +33,7 @@ def op_flops(op: str, shape, steps: int = 8, precision: str = "fp32") -> float:
         return cost(name, matrix, precision=precision, steps=steps, symmetric_at_half=True, **options)
 
     def gram():
-        kernels = CountingBackend(symmetric_at_half=True)
+        kernels = CountingKernels(symmetric_at_half=True)
         X = torch.empty(matrix, device="meta")
         kernels.symmetric(X, X.mT)
         return kernels.flops

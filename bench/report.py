@@ -54,7 +54,8 @@ def main_table(entries) -> list[str]:
     lines = ["| op | implementation | shape | dtype | precision | median (p20-p80) | TFLOP/s | % of peak | "
              "vs composed torch | vs SVD route |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for e in sorted(rows, key=lambda e: (e["extra_info"]["op"], e["extra_info"]["shape"], e["extra_info"]["dtype"], e["stats"]["median"])):
+    for e in sorted(rows, key=lambda e: (e["extra_info"]["op"], e["extra_info"]["shape"], e["extra_info"]["dtype"],
+                                         e["stats"]["median"])):
         info = e["extra_info"]
         median, low, high = quantiles(e)
         key = (info["op"], shape_text(info["shape"]), info["dtype"])
@@ -80,7 +81,8 @@ def selection_table(entries) -> list[str]:
     for e in entries:
         info = e["extra_info"]
         if info["op"].startswith("select_"):
-            table[(info["op"][len("select_"):], tuple(info["shape"]), info["dtype"])][info["implementation"]] = e["stats"]["median"]
+            shape_key = (info["op"][len("select_"):], tuple(info["shape"]), info["dtype"])
+            table[shape_key][info["implementation"]] = e["stats"]["median"]
     if not table:
         return []
     lines = ["| op | shape | dtype | gram | svd | eigh | auto | fastest | auto / fastest |",

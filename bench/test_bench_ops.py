@@ -72,7 +72,8 @@ def baselines(op, shape):
     if op == "muon_step":
         return {"torch.optim.Muon": None} if has_torch_muon() and len(shape) == 2 else {}
     routes = {
-        "textbook": (lambda W: textbook_polar_express(W)) if power == 0 else (lambda W: textbook_spectral_power(W, power)),
+        "textbook": ((lambda W: textbook_polar_express(W)) if power == 0
+                     else (lambda W: textbook_spectral_power(W, power))),
         "svd32": lambda W: svd_route(W, power, torch.float32),
         "svd64": lambda W: svd_route(W, power, torch.float64),
     }

@@ -106,7 +106,8 @@ def _shape(text: str) -> tuple[int, ...]:
     except ValueError:
         shape = ()
     if len(shape) < 2 or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"a shape is [batch x] rows x cols, e.g. 4096x4096 or 32x128x768, not {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"a shape is [batch x] rows x cols, e.g. 4096x4096 or 32x128x768, not {text!r}")
     return shape
 
 

@@ -266,7 +266,8 @@ def poly_step(a: torch.Tensor, out: torch.Tensor, b: float, c: float, *, precisi
     """``out = b * a + c * a @ a`` for symmetric ``a (..., r, r)``, one symmetric-product launch."""
     _require_extension()
     _writable("poly_step", "out", out)
-    _poly_step_op(a, out, _number("poly_step", "b", b), _number("poly_step", "c", c), _precision("poly_step", precision))
+    _poly_step_op(a, out, _number("poly_step", "b", b), _number("poly_step", "c", c),
+                  _precision("poly_step", precision))
     return out
 
 

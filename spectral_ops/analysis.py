@@ -289,7 +289,8 @@ class NormalisedTrajectory:
             raise ValueError(f"a prefix needs 0 < steps <= {len(self.norm)}, got {steps}")
         if steps == len(self.norm):
             return self
-        per_step = {field.name: getattr(self, field.name)[:steps] for field in fields(self) if field.name != "final_norm"}
+        per_step = {field.name: getattr(self, field.name)[:steps]
+                    for field in fields(self) if field.name != "final_norm"}
         return NormalisedTrajectory(**per_step, final_norm=self.norm[steps])
 
 
@@ -407,7 +408,8 @@ def equilibrium_norm(eta, lam, gradient_constant) -> np.ndarray:
 
 
 def equilibrium_norm_slope(eta, lam) -> np.ndarray:
-    """``F'(n*)`` for the norm map ``n+ = F(n) = sqrt((1 - eta lam)^2 n^2 + eta^2 c^2 / n^2)``: ``2 (1 - eta lam)^2 - 1``.
+    """``F'(n*)`` for the norm map ``n+ = F(n) = sqrt((1 - eta lam)^2 n^2 + eta^2 c^2 / n^2)``:
+    ``2 (1 - eta lam)^2 - 1``.
 
     With ``G(x) = a x + b / x`` (``a = (1 - eta lam)^2``, ``b = eta^2 c^2``), ``F(n) = sqrt(G(n^2))`` and
     ``F'(n) = G'(n^2) n / F(n)``; at the fixed point ``F(n*) = n*`` and ``b / x*^2 = 1 - a``, so

@@ -1,6 +1,6 @@
 """The single point that decides which backend runs each primitive: never slower than cuBLAS by construction.
 
-An op call gets a :class:`Kernels` object (:func:`kernels_for`) and hands it to the plan; every
+An op call gets a :class:`RoutedKernels` object (:func:`kernels_for`) and hands it to the plan; every
 primitive call the plan makes goes through it, and is routed per call from the operand's device,
 dtype and shape:
 
@@ -301,7 +301,7 @@ def _trial(primitive: str, args: tuple, kwargs: dict, kernels=None):
 
 
 class _WithoutChain:
-    """A :class:`Kernels` whose small chain always composes: what the plan runs when none is fused."""
+    """A :class:`RoutedKernels` whose small chain always composes: what the plan runs when none is fused."""
 
     def __init__(self, kernels):
         self.kernels = kernels
@@ -339,7 +339,7 @@ def _traced_choice(op, primitive, device, dtype, shape, precision, optional, ste
     return "" if backend is None else backend.name
 
 
-class Kernels:
+class RoutedKernels:
     """The primitives for one op call, each routed to a backend per call (see the module docstring)."""
 
     def __init__(self, op: str, W: torch.Tensor):
@@ -430,9 +430,9 @@ class PinnedKernels:
         return self.backend.small_chain(X, p, coefficients, precision, sign=sign) if usable else None
 
 
-def kernels_for(op: str, W: torch.Tensor) -> Kernels:
+def kernels_for(op: str, W: torch.Tensor) -> RoutedKernels:
     """The primitives for one call of ``op`` on ``W``; what they run on is kept for :func:`last_backend`."""
-    return Kernels(op, W)
+    return RoutedKernels(op, W)
 
 
 def backend_for(op: str, W: torch.Tensor) -> str:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .backends.counting import CountingBackend, Work
+from .backends.counting import CountingKernels, Work
 
 __all__ = ["ARCHS", "Arch", "Work", "arch_for", "primitive_work", "op_work", "predict_ms", "achieved",
            "efficiency", "calibrate", "MEASURED_EFFICIENCY"]
@@ -106,7 +106,7 @@ def primitive_work(primitive: str, shape, dtype: torch.dtype, precision: str, pr
     ``(..., r, N)`` ``Z`` (``M`` is ``r x r``), ``poly_step``/``sign_step`` the ``(..., r, r)`` operand,
     ``decay_epilogue_`` the weight. The GPU kernels compute one triangle of a symmetric product; torch
     computes it whole. A fused chain does the composed chain's products in one launch."""
-    counter = CountingBackend(symmetric_at_half=provider != "torch")
+    counter = CountingKernels(symmetric_at_half=provider != "torch")
     X = torch.empty(tuple(shape), dtype=dtype, device="meta")
     square = torch.empty((*X.shape[:-1], X.shape[-2]), dtype=dtype, device="meta")
     calls = {

@@ -9,7 +9,8 @@ from pathlib import Path
 try:
     import matplotlib
 except ImportError as error:  # an optional dependency of the package
-    raise ImportError("the experiments draw their figures with matplotlib: pip install 'spectral-ops[plots]'") from error
+    raise ImportError("the experiments draw their figures with matplotlib: "
+                      "pip install 'spectral-ops[plots]'") from error
 
 matplotlib.use("Agg")  # files only: reports are written on headless machines
 import matplotlib.pyplot as plt  # noqa: E402

@@ -10,7 +10,8 @@ import torch
 
 from spectral_ops.plan import OPS
 
-_spec = importlib.util.spec_from_file_location("cuda_cases", Path(__file__).resolve().parents[1] / "bench" / "cuda_cases.py")
+_spec = importlib.util.spec_from_file_location("cuda_cases",
+                                               Path(__file__).resolve().parents[1] / "bench" / "cuda_cases.py")
 cuda_cases = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cuda_cases)
 # The ops whose chain-sized cases run (band forms need a spectral gap the small test spectra lack).
@@ -54,7 +55,8 @@ def test_timing_cases_time_every_op_against_torch():
     check(cases)
     timed = {case["op"].split("[")[0] for case in cases}
     assert EXTENSION_OPS - {"small_chain"} <= timed  # the chain is timed through backend.*[chain]
-    assert {case["op"] for case in cases} >= {"backend.polar[chain]", "backend.polar[composed]", "backend.msign[composed]"}
+    assert {case["op"] for case in cases} >= {"backend.polar[chain]", "backend.polar[composed]",
+                                              "backend.msign[composed]"}
 
 
 def test_timing_baselines_run_at_the_cases_precision():

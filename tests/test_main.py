@@ -16,7 +16,8 @@ def test_report_lists_versions_archs_and_every_backend_with_a_reason():
     for row in ("| triton |", "| CUDA runtime |", "| compiled architectures |", "| GPU |"):
         assert row in text
     backend_table = text.split("| backend |", 1)[1]
-    backend_rows = [line for line in backend_table.splitlines() if line.startswith(("| cuda |", "| triton |", "| torch |"))]
+    backend_rows = [line for line in backend_table.splitlines()
+                    if line.startswith(("| cuda |", "| triton |", "| torch |"))]
     assert len(backend_rows) == 3
     assert "| torch | available |" in backend_rows
     for row in backend_rows:

@@ -38,10 +38,10 @@ def test_orthonormal_matrix_has_full_flat_spectrum(shape):
 
 
 def test_identity():
-    I = torch.eye(5)
-    assert int(metrics.algebraic_rank(I)) == 5
-    assert close(metrics.stable_rank(I), 5) and close(metrics.effective_rank(I), 5)
-    assert close(metrics.spectral_entropy(I), 1.0)
+    identity = torch.eye(5)
+    assert int(metrics.algebraic_rank(identity)) == 5
+    assert close(metrics.stable_rank(identity), 5) and close(metrics.effective_rank(identity), 5)
+    assert close(metrics.spectral_entropy(identity), 1.0)
 
 
 def test_rank_one_matrix():

@@ -94,7 +94,8 @@ def test_a_short_run_lowers_the_loss_on_a_fixed_batch_and_writes_its_logs(tmp_pa
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[-1])["val_bpb"] == history[-1]["val_bpb"]
     assert (tmp_path / "run" / "metrics.csv").read_text().startswith("step,train_loss")
-    for key in ("mlp_gate/stable_rank", "mlp_down/stable_rank", "qk/stable_rank", "attention/entropy", "v/cross_head_cka", "o/effective_lr"):
+    for key in ("mlp_gate/stable_rank", "mlp_down/stable_rank", "qk/stable_rank", "attention/entropy",
+                "v/cross_head_cka", "o/effective_lr"):
         assert torch.isfinite(torch.tensor(history[-1][key]))
 
 
@@ -145,8 +146,10 @@ def test_config_file_then_flags(tmp_path, corpus_dir):
     from spectral_ops.train.__main__ import parser
     from spectral_ops.train.config import config_from_arguments
 
-    config = config_from_arguments(parser().parse_args(["train", "--config", str(tmp_path / "run.json"), "--steps", "3"]))
-    assert (config.preset, config.d_model, config.steps, config.n_layers) == ("small", 64, 3, PRESETS["small"]["n_layers"])
+    arguments = ["train", "--config", str(tmp_path / "run.json"), "--steps", "3"]
+    config = config_from_arguments(parser().parse_args(arguments))
+    assert (config.preset, config.d_model, config.steps, config.n_layers) == (
+        "small", 64, 3, PRESETS["small"]["n_layers"])
     (tmp_path / "bad.json").write_text(json.dumps({"depth": 3}))
     with pytest.raises(ValueError, match="unknown config fields"):
         config_from_arguments(parser().parse_args(["train", "--config", str(tmp_path / "bad.json")]))
@@ -228,7 +231,8 @@ def test_resume_refuses_a_changed_config_and_says_when_there_is_nothing(tmp_path
 
 def test_a_diverging_run_stops_without_checkpointing_non_finite_weights(tmp_path, corpus_dir):
     config = tiny_run(tmp_path, corpus_dir, steps=6, checkpoint_every=1, lr=1e6, grad_clip=0.0)
-    with pytest.raises(FloatingPointError, match="not finite|non-finite gradients|training loss is nan|training loss is inf"):
+    with pytest.raises(FloatingPointError,
+                       match="not finite|non-finite gradients|training loss is nan|training loss is inf"):
         train(config, progress=False)
     for path in tmp_path.glob("run/checkpoint*.pt"):
         state = torch.load(path, weights_only=False)

@@ -1,7 +1,6 @@
 """Sweep grids: SPEC 7.6's 3 x 3 x 3 per recipe, the recipes' optimizer groups, the matched-loss pair."""
 
 import json
-import math
 from pathlib import Path
 
 import pytest

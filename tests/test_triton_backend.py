@@ -16,7 +16,7 @@ import torch
 import spectral_ops as so
 from spectral_ops import dispatch, reference
 from spectral_ops.backends.base import PRIMITIVES
-from spectral_ops.backends.triton_backend import TritonBackend, kernels
+from spectral_ops.backends.triton_backend import TritonBackend, modules
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 from spectral_ops.plan import OPS
 
@@ -204,8 +204,8 @@ def test_unforced_cpu_calls_stay_on_torch_under_the_interpreter():
 @pytest.mark.filterwarnings("ignore:overflow encountered", "ignore:invalid value encountered")
 def test_a_wrong_small_chain_is_refused_before_it_runs_and_the_plan_composes(monkeypatch):
     dispatch.reset()
-    real = kernels.small.small_spectral
-    monkeypatch.setattr(kernels.small, "small_spectral", lambda *args, **kwargs: real(*args, **kwargs).mul_(1.5))
+    real = modules.small.small_spectral
+    monkeypatch.setattr(modules.small, "small_spectral", lambda *args, **kwargs: real(*args, **kwargs).mul_(1.5))
     W = sample((2, 30, 16))
     with so.use_backend("triton"), pytest.warns(RuntimeWarning, match="triton backend's small_chain disagrees"):
         result = so.spectral_power(W, 2, method="gram")
@@ -230,7 +230,7 @@ def test_int64_in_matrix_offsets_are_chosen_by_extent_and_give_identical_results
         return results
 
     expected = powers()
-    for module in (kernels.syrk, kernels.update, kernels.small):
+    for module in (modules.syrk, modules.update, modules.small):
         monkeypatch.setattr(module, "wide_offsets", lambda *tensors: True)
     for got, want in zip(powers(), expected):
         assert torch.equal(got, want)

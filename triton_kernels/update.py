@@ -158,7 +158,8 @@ def product(M: torch.Tensor | None, Z: torch.Tensor, *, alpha=1.0, gamma=0.0, Y:
     check_precision(input_precision)
     stochastic = noise is not None and out is not None and out.dtype in (torch.bfloat16, torch.float16)
     if stochastic and (noise.shape != out.shape or noise.dtype != torch.int16):
-        raise ValueError(f"noise must be int16 of out's shape {tuple(out.shape)}, got {noise.dtype} {tuple(noise.shape)}")
+        raise ValueError(f"noise must be int16 of out's shape {tuple(out.shape)}, "
+                         f"got {noise.dtype} {tuple(noise.shape)}")
     r, n = Z.shape[-2:]
     if M is not None and M.shape[-2:] != (r, r):
         raise ValueError(f"M must be (..., {r}, {r}) for Z of shape {tuple(Z.shape)}, got {tuple(M.shape)}")

@@ -35,6 +35,9 @@ SASS = bench_module("sass")  # resource usage and SASS read with cuobjdump
 # Shared memory a block may use (opt-in maximum), per target.
 SHARED_MEMORY_LIMIT = {"sm80": 166912, "sm90": 232448}
 STATIC_SHARED_LIMIT = 48 * 1024  # static __shared__ arrays; beyond it a kernel must use dynamic shared memory
+# Without a GPU the cases run on CPU tensors (their launches are recorded, never run).
+CPU = torch.device("cpu")
+
 # Each worker holds torch and an LLVM context (~0.5 GB); a GPU machine has 16 or more cores.
 MAX_COMPILE_WORKERS = 16
 
@@ -56,7 +59,7 @@ def zero_filled_allocations():
         torch.empty, torch.empty_like, torch.Tensor.new_empty = empty, empty_like, new_empty
 
 
-def record_launches(cases, arch: str, device=torch.device("cpu"), tiny: bool = False) -> tuple[dict, list[dict]]:
+def record_launches(cases, arch: str, device: torch.device = CPU, tiny: bool = False) -> tuple[dict, list[dict]]:
     """Every distinct kernel specialisation the selected cases launch with ``arch``'s configs, and one
     row per case whose recording stopped early.
 

@@ -1,16 +1,16 @@
-"""What every backend implements: the primitives of :mod:`spectral_ops.plan`.
+"""What every backend implements: the primitives of :mod:`spectral_ops.plan`, as typed protocols.
 
-A backend provides primitives, never an algorithm. It is an object with
+A backend provides primitives, never an algorithm. Three protocols say who offers what:
 
-* ``name`` and ``needs_self_check`` (True for anything but the reference); optionally
-  ``self_check_in_child`` (True where a faulty kernel could poison the device context: dispatch then
-  runs the first-use self-check in a child process, and the class must be constructible without arguments);
-* ``unavailable_reason(device, forced=False)``: None when it can run on ``device`` at all, else why not.
-  ``forced`` says the user forced this backend (the Triton interpreter serves CPU tensors only then);
-* ``supports(primitive, device, dtype, shape, steps=0)``: whether it can run ``primitive`` correctly on
-  an operand of that dtype and shape (``steps``: the length of a small chain). Whether it *should* is
-  dispatch's decision;
-* one method per primitive it supports:
+* :class:`Primitives`: the six primitives (table below). Every backend implements them, and so does
+  every object the plan calls them on.
+* :class:`Backend`: a provider, the primitives plus what dispatch asks before it routes to one.
+* :class:`Kernels`: what the plan calls its primitives on, one op call's worth: the primitives plus
+  ``provider_of``. "Kernels" means this across the package: dispatch's routed
+  :class:`~spectral_ops.dispatch.RoutedKernels`, its :class:`~spectral_ops.dispatch.PinnedKernels` (one
+  backend, for tests and benchmarks) and :class:`~spectral_ops.backends.counting.CountingKernels` (the cost).
+
+The primitives:
 
 =======================================  ================================================================
 ``symmetric(L, R)``                      ``L @ R``, known to be symmetric (``X X^T``, ``A A``, commuting
@@ -22,7 +22,7 @@ A backend provides primitives, never an algorithm. It is an object with
 ``small_chain(X, p, coefficients,``      optional: the whole ``S_p`` of a wide ``X`` in one launch per
 ``sign=False)``                          matrix (Polar Express from ``X / (1.01 ||X||_F)`` for even ``p``);
                                          with ``sign``, ``msign`` of a symmetric ``X`` (``p = 0``, normalised
-                                         by ``||X||_F``)
+                                         by ``||X||_F``); None where no fused chain serves ``X``
 ``decay_epilogue_(W, D, keep, step,``    ``W <- keep * W + step * D`` in place, ``D`` None for ``keep * W``;
 ``noise=None)``                          with ``noise`` (int16, ``W``'s shape, row-major) a bf16/fp16 ``W``
                                          is rounded stochastically, as
@@ -40,9 +40,64 @@ tensor in their operands' dtype. ``alpha``/``beta`` are Python numbers; ``keep``
 
 from __future__ import annotations
 
+from typing import Protocol, Sequence, runtime_checkable
+
 import torch
 
-PRIMITIVES = ("symmetric", "product", "poly_step", "sign_step", "small_chain", "decay_epilogue_")
+Tensor = torch.Tensor
+Scale = float | Tensor
+
+
+@runtime_checkable
+class Primitives(Protocol):
+    """The six primitives (see the module docstring for what each computes)."""
+
+    def symmetric(self, L: Tensor, R: Tensor, precision: str) -> Tensor: ...
+
+    def product(self, M: Tensor, Z: Tensor, precision: str, *, alpha: float = 1.0, Y: Tensor | None = None,
+                beta: float = 1.0) -> Tensor: ...
+
+    def poly_step(self, A: Tensor, b: float, c: float, precision: str) -> Tensor: ...
+
+    def sign_step(self, Z: Tensor, coefficient: tuple[float, float, float], precision: str) -> Tensor: ...
+
+    def small_chain(self, X: Tensor, p: int, coefficients: Sequence, precision: str,
+                    sign: bool = False) -> Tensor | None: ...
+
+    def decay_epilogue_(self, W: Tensor, D: Tensor | None, keep: Scale, step: Scale,
+                        noise: Tensor | None = None) -> None: ...
+
+
+@runtime_checkable
+class Backend(Primitives, Protocol):
+    """A provider of the primitives. ``needs_self_check`` is True for anything but the reference;
+    ``self_check_in_child`` (optional) is True where a faulty kernel could poison the device context:
+    dispatch then runs the first-use self-check in a child process, and the class must be
+    constructible without arguments."""
+
+    name: str
+    needs_self_check: bool
+
+    def unavailable_reason(self, device, forced: bool = False) -> str | None:
+        """None when it can run on ``device`` at all, else why not. ``forced``: the user forced this
+        backend (the Triton interpreter serves CPU tensors only then)."""
+
+    def supports(self, primitive: str, device, dtype: torch.dtype, shape: tuple, steps: int = 0) -> bool:
+        """Whether it can run ``primitive`` correctly on an operand of that dtype and shape (``steps``:
+        the length of a small chain). Whether it *should* is dispatch's decision."""
+
+
+@runtime_checkable
+class Kernels(Primitives, Protocol):
+    """What the plan calls its primitives on, for one op call."""
+
+    def provider_of(self, primitive: str, dtype: torch.dtype, shape, precision: str | None = None) -> str | None:
+        """The name of the backend that would run ``primitive`` on ``dtype`` operands of ``shape`` (None:
+        none can): the plan's question before it weighs a factorisation against the composed products."""
+
+
+# In the order the protocol declares them.
+PRIMITIVES = tuple(name for name, member in vars(Primitives).items() if not name.startswith("_") and callable(member))
 
 
 def number_and_per_matrix(value, batch_shape, device) -> tuple[float, torch.Tensor | None]:

@@ -1,4 +1,4 @@
-"""A provider that computes nothing and counts: the plan's cost, read off the plan itself.
+"""Kernels that compute nothing and count: the plan's cost, read off the plan itself.
 
 It implements every primitive of :mod:`spectral_ops.backends.base` on meta tensors (shapes only),
 adding each product's matrix FLOPs as it goes, so :func:`spectral_ops.plan.cost` runs the very code
@@ -31,7 +31,9 @@ class Work:
     launches: int = 0
 
 
-class CountingBackend:
+class CountingKernels:
+    """:class:`~spectral_ops.backends.base.Kernels` that count what the plan runs on meta tensors."""
+
     def __init__(self, symmetric_at_half: bool = False):
         self.symmetric_share = 0.5 if symmetric_at_half else 1.0
         self.flops = 0.0
@@ -88,13 +90,13 @@ MATRIX_PRODUCTS = ("mm", "bmm", "addmm", "baddbmm")
 
 
 class UnroutedProducts(TorchDispatchMode):
-    """Counts into ``counting`` (a :class:`CountingBackend`) the matrix products computed outside its
+    """Counts into ``counting`` (a :class:`CountingKernels`) the matrix products computed outside its
     primitives while the mode is active, at full cost as ``FlopCounterMode`` counts them, with their
     traffic and one launch each. The primitives themselves compute nothing, so no product is counted
     twice; a counted product is not passed on either, so that a mode around the cost model (a caller's
     ``FlopCounterMode``) never sees the model's meta products."""
 
-    def __init__(self, counting: CountingBackend):
+    def __init__(self, counting: CountingKernels):
         super().__init__()
         self.counting = counting
 

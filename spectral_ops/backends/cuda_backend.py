@@ -54,7 +54,8 @@ class CudaBackend:
         from_env = environment.setting(environment.CUDA_PRECISION)
         self.precision = precision or from_env or DEFAULT_PRECISION
         if self.precision not in FP32_MODES:
-            raise ValueError(f"{environment.CUDA_PRECISION} must be one of {', '.join(FP32_MODES)}, got {self.precision!r}")
+            raise ValueError(f"{environment.CUDA_PRECISION} must be one of {', '.join(FP32_MODES)}, "
+                             f"got {self.precision!r}")
 
     def unavailable_reason(self, device: torch.device | None = None, forced: bool = False) -> str | None:
         if self.module is None:

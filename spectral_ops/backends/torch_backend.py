@@ -50,6 +50,9 @@ class TorchBackend:
         a, b, c = coefficient
         return self.product(self.poly_step(self.symmetric(Z, Z.mT), b, c), Z, Y=Z, beta=a)
 
+    def small_chain(self, X, p, coefficients, precision=None, sign=False):
+        return None  # no fused chain: the plan composes the other primitives
+
     def decay_epilogue_(self, W, D, keep, step, noise=None):
         X = W.to(compute_dtype(W.dtype))
         if D is None:

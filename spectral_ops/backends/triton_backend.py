@@ -40,7 +40,7 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None  # a file-system search: once per process
 
 
-class _Kernels:
+class _KernelModules:
     """The kernel modules, imported on first use: ``triton.jit`` reads TRITON_INTERPRET then."""
 
     def __getattr__(self, module: str):
@@ -49,7 +49,7 @@ class _Kernels:
         return loaded
 
 
-kernels = _Kernels()
+modules = _KernelModules()
 
 
 def _fresh(like: torch.Tensor, rows: int, cols: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -66,7 +66,7 @@ def _scale(value: float, per_matrix: Optional[torch.Tensor]):
 
 @torch.library.custom_op("spectral_ops::triton_symmetric", mutates_args=())
 def _symmetric(L: torch.Tensor, R: torch.Tensor, precision: str) -> torch.Tensor:
-    return kernels.syrk.symmetric_product(L, R.mT, out=_fresh(L, L.shape[-2], L.shape[-2]), input_precision=precision)
+    return modules.syrk.symmetric_product(L, R.mT, out=_fresh(L, L.shape[-2], L.shape[-2]), input_precision=precision)
 
 
 @_symmetric.register_fake
@@ -78,9 +78,9 @@ def _(L, R, precision):
 def _product(M: torch.Tensor, Z: torch.Tensor, Y: Optional[torch.Tensor], alpha: float, beta: float,
              precision: str) -> torch.Tensor:
     out = _fresh(Z, *Z.shape[-2:])
-    if Y is not None and kernels.common.same_view(Y, Z):  # a X + B X: the accumulator starts at a X
-        return kernels.update.product(M, Z, alpha=alpha, gamma=beta, out=out, input_precision=precision)
-    return kernels.update.product(M, Z, alpha=alpha, Y=Y, beta=beta if Y is not None else 0.0, out=out,
+    if Y is not None and modules.common.same_view(Y, Z):  # a X + B X: the accumulator starts at a X
+        return modules.update.product(M, Z, alpha=alpha, gamma=beta, out=out, input_precision=precision)
+    return modules.update.product(M, Z, alpha=alpha, Y=Y, beta=beta if Y is not None else 0.0, out=out,
                                   input_precision=precision)
 
 
@@ -91,7 +91,7 @@ def _(M, Z, Y, alpha, beta, precision):
 
 @torch.library.custom_op("spectral_ops::triton_poly_step", mutates_args=())
 def _poly_step(A: torch.Tensor, b: float, c: float, precision: str) -> torch.Tensor:
-    return kernels.poly_step.poly_step(A, b, c, out=_fresh(A, *A.shape[-2:]), input_precision=precision)
+    return modules.poly_step.poly_step(A, b, c, out=_fresh(A, *A.shape[-2:]), input_precision=precision)
 
 
 @_poly_step.register_fake
@@ -101,7 +101,7 @@ def _(A, b, c, precision):
 
 @torch.library.custom_op("spectral_ops::triton_sign_step", mutates_args=())
 def _sign_step(Z: torch.Tensor, a: float, b: float, c: float, precision: str) -> torch.Tensor:
-    return kernels.sign_step.sign_step(Z, (a, b, c), out=_fresh(Z, *Z.shape[-2:]), input_precision=precision)
+    return modules.sign_step.sign_step(Z, (a, b, c), out=_fresh(Z, *Z.shape[-2:]), input_precision=precision)
 
 
 @_sign_step.register_fake
@@ -114,8 +114,8 @@ def _small_chain(X: torch.Tensor, p: int, coefficients: list[float], sign: bool,
     triples = [coefficients[i:i + 3] for i in range(0, len(coefficients), 3)]
     out = _fresh(X, *X.shape[-2:], torch.float32)
     if sign:
-        return kernels.small.small_sign(X, triples, out=out, input_precision=precision)
-    return kernels.small.small_spectral(X, p, triples, out=out, input_precision=precision)
+        return modules.small.small_sign(X, triples, out=out, input_precision=precision)
+    return modules.small.small_spectral(X, p, triples, out=out, input_precision=precision)
 
 
 @_small_chain.register_fake
@@ -127,7 +127,7 @@ def _(X, p, coefficients, sign, precision):
 def _decay_epilogue(W: torch.Tensor, D: Optional[torch.Tensor], keep: float, keep_per_matrix: Optional[torch.Tensor],
                     step: float, step_per_matrix: Optional[torch.Tensor], precision: str,
                     noise: Optional[torch.Tensor]) -> None:
-    kernels.decay.decay_epilogue_(W, D, keep=_scale(keep, keep_per_matrix), step=_scale(step, step_per_matrix),
+    modules.decay.decay_epilogue_(W, D, keep=_scale(keep, keep_per_matrix), step=_scale(step, step_per_matrix),
                                   input_precision=precision, noise=noise)
 
 
@@ -170,7 +170,7 @@ class TritonBackend:
         if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
             return False  # the interpreter has no bfloat16 arithmetic
         if primitive == "small_chain":  # only where its registers suffice: a spilling chain is no fast path
-            return kernels.small.spill_free(kernels.common.arch(torch.device(device)), shape)
+            return modules.small.spill_free(modules.common.arch(torch.device(device)), shape)
         return True
 
     def _dot_precision(self, precision) -> str:
@@ -196,6 +196,7 @@ class TritonBackend:
 
     def decay_epilogue_(self, W, D, keep, step, noise=None):
         batch = W.shape[:-2]
-        _decay_epilogue(W, D, *number_and_per_matrix(keep, batch, W.device), *number_and_per_matrix(step, batch, W.device),
+        _decay_epilogue(W, D, *number_and_per_matrix(keep, batch, W.device),
+                        *number_and_per_matrix(step, batch, W.device),
                         self.input_precision, noise)
         return W

@@ -113,8 +113,8 @@ operands, so only the storage differs; `s_max` is the FP64 spectral norm of the 
 
 {table}
 
-Each step shrinks `s_max` by `lr lambda s_max <= {LR * SPECTRAL_WEIGHT_DECAY:g}` of itself (s_max <= 1), below half a bf16
-unit (2^-9 to 2^-8 of an entry): rounded to nearest, bf16 loses {lost:.0%} of the fp32 run's decrease of
+Each step shrinks `s_max` by `lr lambda s_max <= {LR * SPECTRAL_WEIGHT_DECAY:g}` of itself (s_max <= 1), below
+half a bf16 unit (2^-9 to 2^-8 of an entry): rounded to nearest, bf16 loses {lost:.0%} of the fp32 run's decrease of
 `s_max`. Stochastic rounding keeps each step on average; the mantissa keeps the fp32 value itself (bit for
 bit at every step: {"yes" if result["pair_is_fp32_bitwise"] else "no"}).
 """

@@ -45,9 +45,9 @@ def noisy_equilibria(steps: int) -> list[dict]:
     lag1 = (deviation[1:] * deviation[:-1]).mean(0) / (deviation**2).mean(0)
     closed_form, slope = equilibrium_norm(eta, lam, np.sqrt(c_squared)), equilibrium_norm_slope(eta, lam)
     rows = []
-    for i, (e, l) in enumerate(EQUILIBRIUM_POINTS):
-        full_batch = full_batch_equilibrium(e, l)
-        rows.append({"eta": e, "lambda": l, "eta_lambda": e * l, "c_squared": float(c_squared[i]),
+    for i, (e, lam_i) in enumerate(EQUILIBRIUM_POINTS):
+        full_batch = full_batch_equilibrium(e, lam_i)
+        rows.append({"eta": e, "lambda": lam_i, "eta_lambda": e * lam_i, "c_squared": float(c_squared[i]),
                      "n_star": float(closed_form[i]), "n_star_simulated": float(np.sqrt(x[:, i].mean())),
                      "relative_error_n_star_squared": float(x[:, i].mean() / closed_form[i]**2 - 1),
                      "norm_map_slope": float(slope[i]), "lag1_autocorrelation": float(lag1[i]),
@@ -97,8 +97,8 @@ def run(out_dir, quick: bool = False) -> str:
     map_steps = QUICK_MAP_STEPS if quick else MAP_STEPS
     # The same maps over a third of the horizon too: a boundary set by an equilibrium does not move with it.
     short_steps = map_steps // 3
-    maps_by_horizon = {name: regime_maps(etas, lams, (map_steps, short_steps), **options)
-                       for name, options in (("full batch", {}), (f"gradient noise {NOISE}", {"gradient_noise": NOISE}))}
+    regimes = (("full batch", {}), (f"gradient noise {NOISE}", {"gradient_noise": NOISE}))
+    maps_by_horizon = {name: regime_maps(etas, lams, (map_steps, short_steps), **options) for name, options in regimes}
     maps = {name: by_horizon[map_steps] for name, by_horizon in maps_by_horizon.items()}
     count_rows = [[name, *[int((labels == regime).sum()) for regime in REGIMES]] for name, labels in maps.items()]
     boundaries = {(name, horizon): boundary_summary(etas, lams, by_horizon[horizon])
@@ -128,11 +128,14 @@ def run(out_dir, quick: bool = False) -> str:
     counts = markdown_table(["gradient", *REGIMES], count_rows)
     equilibrium_table = markdown_table(
         ["eta", "lambda", "eta·lambda", "c² (measured)", "n* closed form", "n* simulated", "rel. error of n*²",
-         "F'(n*)", "lag-1 autocorr. of ‖w‖²", "std of log ‖w‖", "full batch θ*", "full batch n*", "full batch ρ(J)"], equilibrium_rows)
+         "F'(n*)", "lag-1 autocorr. of ‖w‖²", "std of log ‖w‖", "full batch θ*", "full batch n*", "full batch ρ(J)"],
+        equilibrium_rows)
     boundary_table = markdown_table(
         ["gradient", "steps", "columns with a boundary", "slope d log eta_b / d log lambda", "follows",
          "eta_b max/min", "eta_b·lambda max/min", "median eta_b·lambda"], boundary_rows)
     long_boundaries = [boundaries[(name, map_steps)] for name in maps]
+    shorter_horizon_ratio = [boundaries[(name, short_steps)]["median_eta_lambda"] / whole["median_eta_lambda"]
+                             for name, whole in zip(maps, long_boundaries)]
     constant, cosine = trajectory_data["constant"], trajectory_data["cosine"]
     late = min(int(0.75 * steps), steps - 1)
     cosine_run = trajectories["cosine"]
@@ -215,9 +218,8 @@ property or a horizon effect.
 Over {map_steps} steps the boundary follows **{_follows(long_boundaries[0]["slope"])}** in full batch
 (slope {long_boundaries[0]["slope"]:.3g}) and **{_follows(long_boundaries[1]["slope"])}** with gradient noise (slope
 {long_boundaries[1]["slope"]:.3g}). Neither is a fixed eta·lambda: over a third of the horizon the median
-eta_b·lambda is {boundaries[("full batch", short_steps)]["median_eta_lambda"] / long_boundaries[0]["median_eta_lambda"]:.3g}x
-(full batch) and {boundaries[(f"gradient noise {NOISE}", short_steps)]["median_eta_lambda"] / long_boundaries[1]["median_eta_lambda"]:.3g}x
-(noise) larger. In full batch that is the time the norm takes to decay until the learned direction
+eta_b·lambda is {shorter_horizon_ratio[0]:.3g}x (full batch) and {shorter_horizon_ratio[1]:.3g}x (noise) larger. In
+full batch that is the time the norm takes to decay until the learned direction
 turns unstable; with noise the *oscillate* label near the boundary marks the stationary
 fluctuations of the log-norm around the stable n* (std of log ‖w‖ in the table above, growing with
 eta·lambda) crossing the classifier's 0.05-nat threshold, not an instability.

@@ -102,7 +102,8 @@ def matrix_weights(state: dict) -> dict:
     """The floating 2-D tensors that spectral decay applies to: by :func:`spectral_ops.optim.parameter_role`,
     not embeddings, output heads or vectors (the optimizers leave those without spectral decay)."""
     return {name: tensor for name, tensor in state.items()
-            if tensor.dim() == 2 and tensor.is_floating_point() and parameter_role(name, tensor) not in NON_MATRIX_ROLES}
+            if tensor.dim() == 2 and tensor.is_floating_point()
+            and parameter_role(name, tensor) not in NON_MATRIX_ROLES}
 
 
 def run(out_dir, quick: bool = False, checkpoint=None, horizon: float = HORIZON,

@@ -94,7 +94,8 @@ def fp32_accuracy(shapes):
         s2 = plan.cost("spectral_power", shape, p=2, iteration="auto")
         ratios = [plan.cost("spectral_power", shape, p=p, iteration="auto", steps=REAL_POWER_POLAR_STEPS) / s2
                   for p in POWERS]
-        floored = plan.cost("spectral_power", shape, p=-0.25, iteration="auto", steps=REAL_POWER_POLAR_STEPS, eps=1e-2) / s2
+        floored = plan.cost("spectral_power", shape, p=-0.25, iteration="auto", steps=REAL_POWER_POLAR_STEPS,
+                            eps=1e-2) / s2
         costs.append({"shape": list(shape), "per_s2": {str(p): r for p, r in zip(POWERS, ratios)},
                       "floored_-0.25_per_s2": floored})
         cost_rows.append(["x".join(map(str, shape)), *ratios, floored])
@@ -213,7 +214,8 @@ Matmul FLOPs per `S_2` on the same shape (`plan.cost`; goal 2.5x):
 Express, floor `eps = {plan.UPDATE_FLOOR:g}`) and DynMuon's construction (`bench/baselines.py`: the
 second-order Taylor expansion of `(X X^T)^(q/2)` around `I` times 12 Newton-Schulz steps of Muon's
 quintic, bf16; its scale is arbitrary, so it is renormalised to the polar factor's Frobenius norm, as
-ours is by construction), against `reference.power_update_svd` (FP64 SVD), on Gaussian momenta. FLOPs per Polar Express Muon step (`q = 0`) on the same momentum.
+ours is by construction), against `reference.power_update_svd` (FP64 SVD), on Gaussian momenta. FLOPs per
+Polar Express Muon step (`q = 0`) on the same momentum.
 
 {update_table}
 

@@ -172,8 +172,8 @@ Express design bound (see polar-accuracy).
 
 ## What `iteration="auto"` (the default) picks
 
-`spectral_ops.plan.route(({r}, aspect*{r}), torch.float32, "cuda", p, precision, steps={steps}).iteration`, and whether its
-choice is within the bound at each kappa (REGRESSION marks a miss where the rectangle meets it).
+`spectral_ops.plan.route(({r}, aspect*{r}), torch.float32, "cuda", p, precision, steps={steps}).iteration`, and
+whether its choice is within the bound at each kappa (REGRESSION marks a miss where the rectangle meets it).
 
 {auto_table}
 

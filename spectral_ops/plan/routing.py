@@ -318,7 +318,7 @@ def work(op: str, shape: tuple, *, p=0, precision: str = "fp32", iteration: str 
     """The :class:`~spectral_ops.backends.counting.Work` of one call of ``op`` (one of :data:`OPS`) on a
     ``dtype`` tensor of ``shape`` (a batch counts each matrix): its matrix FLOPs, its primitives' bytes
     and launches, read off the plan: it runs on meta tensors with
-    :class:`~spectral_ops.backends.counting.CountingBackend`, which counts each primitive, and
+    :class:`~spectral_ops.backends.counting.CountingKernels`, which counts each primitive, and
     :class:`~spectral_ops.backends.counting.UnroutedProducts`, which counts the products the plan forms
     outside them (the matrix-vector products of :meth:`~.gram.GramPlan.spectral_norm_estimate`).
 
@@ -346,10 +346,10 @@ def work(op: str, shape: tuple, *, p=0, precision: str = "fp32", iteration: str 
 @functools.lru_cache(maxsize=4096)
 def _counted(op, shape, p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard, symmetric_at_half, eps,
              threshold, dtype):
-    from ..backends.counting import CountingBackend, UnroutedProducts
+    from ..backends.counting import CountingKernels, UnroutedProducts
     from .decay import DecayRequest, decay_  # the decay sits above the cost model, which counts it too
 
-    kernels = CountingBackend(symmetric_at_half)
+    kernels = CountingKernels(symmetric_at_half)
     W = torch.empty(shape, dtype=dtype, device="meta")
     polar_coefficients, sign_coefficients = (None if count is None else ((1.0, 0.0, 0.0),) * count
                                              for count in (steps, sign_steps))

@@ -52,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
                                    f"{_listed(response['grid']['coefficients'])}) or module-wise (7.6: recipes "
                                    f"{' '.join(module_wise['grid']['recipes'])} x lr x lambda_A x lambda_M, "
                                    f"{len(module_wise['grid']['lrs'])} values each, "
-                                   f"{module_wise['config']['steps']:,} steps); the flags below and --steps override it")
+                                   f"{module_wise['config']['steps']:,} steps); "
+                                   "the flags below and --steps override it")
     sweep_parser.add_argument("--powers", type=int, nargs="+",
                               help=f"spectral powers p to sweep (default: {_listed(GRID_DEFAULTS['powers'])})")
     sweep_parser.add_argument("--coefficients", type=float, nargs="+",

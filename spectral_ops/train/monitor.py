@@ -102,7 +102,9 @@ def activation_metrics(model, tokens, tensor_parallel=None) -> dict[str, float]:
         model.train(was_training)
     v_metrics = metrics.v_activation_metrics(v_outputs, attentions[0].n_heads)
     return {
-        "attention/entropy": float(torch.stack([metrics.attention_entropy(p, causal=True).mean() for p in probabilities]).mean()),
-        "attention/max_probability": float(torch.stack([metrics.mean_max_attention(p, causal=True).mean() for p in probabilities]).mean()),
+        "attention/entropy": float(torch.stack(
+            [metrics.attention_entropy(p, causal=True).mean() for p in probabilities]).mean()),
+        "attention/max_probability": float(torch.stack(
+            [metrics.mean_max_attention(p, causal=True).mean() for p in probabilities]).mean()),
         **{f"v/{key}": value for key, value in v_metrics.items()},
     }
