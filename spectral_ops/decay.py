@@ -222,9 +222,9 @@ def spectral_decay_(
     contiguous copy and written back). Four or more dimensions must say it (a conv filter is never
     decayed per kernel position unasked), except a 1 x 1 convolution ``(out, in, 1, 1)``, read as the
     ``(out, in)`` matrix; a Conv1d filter ``(out, in, k)`` must say ``"flatten"``. ``band`` (a
-    :class:`Band` or dict) makes the decay band-selective; ``p0_mode="prox"`` replaces the explicit ``p = 0`` step by exact soft-thresholding. For
-    ``p > 1``, ``stability`` decides what happens if the step would reorder the singular values
-    (``p * kappa >= 1``, ``kappa = scale * spectral_weight_decay * s_max^(p-1)``):
+    :class:`Band` or dict) makes the decay band-selective; ``p0_mode="prox"`` replaces the explicit ``p = 0``
+    step by exact soft-thresholding. For ``p > 1``, ``stability`` decides what happens if the step would reorder
+    the singular values (``p * kappa >= 1``, ``kappa = scale * spectral_weight_decay * s_max^(p-1)``):
     ``"raise"`` (:class:`SpectralStabilityError`, nothing written), ``"warn"``, ``"clamp"`` (scale
     those matrices' coefficient down to ``p * kappa = 1/2``, logging each one with its factor on the
     ``spectral_ops.decay`` logger) or ``"ignore"``.

@@ -243,7 +243,7 @@ def _modelled_order(primitive: str, device, dtype, shape, precision, steps: int)
         composed = gpu_model.primitive_work(primitive, shape, dtype, precision, "torch")
         predicted[COMPOSED] = gpu_model.predict_ms(arch, "torch", Work(composed.flops, composed.bytes,
                                                                        _composed_launches(shape, steps)), precision)
-    ranked = sorted((ms, name != "torch" and name != COMPOSED, name) for name, ms in predicted.items() if ms is not None)
+    ranked = sorted((ms, name not in ("torch", COMPOSED), name) for name, ms in predicted.items() if ms is not None)
     return [name for _, _, name in ranked]
 
 

@@ -494,7 +494,8 @@ class SpectralOptimizer(Optimizer):
         if torch.compiler.is_compiling():
             return
         values = {"lr": group["lr"] if lr is None else lr, self.spectral_key: group[self.spectral_key],
-                  self.ordinary_key: group[self.ordinary_key], "peak_lr": group.get("peak_lr") if peak_lr is None else peak_lr,
+                  self.ordinary_key: group[self.ordinary_key],
+                  "peak_lr": group.get("peak_lr") if peak_lr is None else peak_lr,
                   "initial_lr": group.get("initial_lr")}
         for key, value in values.items():
             if value is not None:

@@ -20,8 +20,8 @@ factors (:mod:`spectral_ops.optim.muon`) and the decay's spectral directions (:f
 
 A job's matrices of one shape and dtype travel together, in :data:`ROUNDS_PER_SHAPE` rounds: the
 next round's collective (of this job or the next) is started, asynchronously, before this round is
-computed, and an owner batches what it holds of a round into one call. Element-wise work (Adam's moments, momentum, the ordinary
-decay) never leaves a rank: it runs on the local shard, and the optimizer state stays a DTensor
+computed, and an owner batches what it holds of a round into one call. Element-wise work (Adam's moments,
+momentum, the ordinary decay) never leaves a rank: it runs on the local shard, and the optimizer state stays a DTensor
 sharded like its parameter, so that ``torch.distributed.checkpoint`` saves and loads it.
 
 Before anything is written, the ranks agree (:meth:`Exchange.agree`, one ``all_reduce``): a
@@ -401,7 +401,7 @@ class Exchange:
                 if not job.here[position]:
                     matrices[layout.group].append((number, position))
         owners = {}
-        for group, members in matrices.items():
+        for members in matrices.values():
             world_size = jobs[members[0][0]].layouts[members[0][1]].world_size
             assigned, _ = assign_owners([jobs[number].costs[position] for number, position in members], world_size)
             owners.update(zip(members, assigned))

@@ -198,9 +198,9 @@ class SpectralMuon(SpectralOptimizer):
         for param in params:
             if group["algorithm"] == "muon" and self.layout(param) is not None and param.ndim > 2 and \
                     matrix_view_of_parameter(param, group) == "flatten" and not local(param).is_contiguous():
-                raise ValueError(f"SpectralMuon: {self.parameter_name(group, param)} is spread over ranks and read with "
-                                 "matrix_view='flatten', and its layout (channels-last?) has no view of its matrix: "
-                                 "make it contiguous (module.to(memory_format=torch.contiguous_format))")
+                raise ValueError(f"SpectralMuon: {self.parameter_name(group, param)} is spread over ranks and read "
+                                 "with matrix_view='flatten', and its layout (channels-last?) has no view of its "
+                                 "matrix: make it contiguous (module.to(memory_format=torch.contiguous_format))")
 
     def init_state(self, params: list, group: dict) -> None:
         if group["algorithm"] == "adamw":

@@ -177,9 +177,8 @@ class GramPlan:
         """``(ln lower, ln upper)`` with ``lower <= s_max(X) <= upper`` per matrix (float64, the batch
         shape; ``-inf`` for a zero matrix), from the plan's own Gram and its first ``squarings``
         squares: the last of :meth:`spectral_norm_levels`."""
-        for bounds in self.spectral_norm_levels(squarings, keep):
-            pass
-        return bounds
+        *_, last = self.spectral_norm_levels(squarings, keep)
+        return last
 
     def spectral_norm_levels(self, squarings: int = GUARD_SQUARINGS, keep: int | None = None):
         """The bounds of :meth:`log_spectral_norm_bounds` after ``||X||_F`` and each square of the Gram in
@@ -260,9 +259,9 @@ class GramPlan:
         """
         if self._gram_polar is None:
             shrink = 1.0 / NORMALIZATION_MARGIN
-            X, G, identity, done = self.Xo * shrink, self.gram * shrink**2, self.identity(), 0
-            for number, steps in enumerate(restart_blocks(len(coefficients), self.restart_every)):
-                if number:
+            X, G, identity, Z, done = self.Xo * shrink, self.gram * shrink**2, self.identity(), None, 0
+            for steps in restart_blocks(len(coefficients), self.restart_every):
+                if Z is not None:  # a restart
                     X = self.product(Z, X)
                     G = self.symmetric(X, X.mT)
                 Z = coupled_inverse_root(self.kernels, G, coefficients[done:done + steps], self.precision,

@@ -133,9 +133,9 @@ class Band:
     ``mode`` is ``"top"`` (the spectral rule above ``tau``, ordinary decay below), ``"bot"``,
     ``"top_only"``, ``"bot_only"``, ``"two_band"`` or ``"clip"``: ``U (s - tau)_+ V^T``, each singular
     value's excess over ``tau`` (with ``p = 1``), so that a decay by it is the clipped decay
-    ``s -> s - c (s - tau)_+`` (``c`` = the step's ``lr lambda``; ``c = 1`` caps at ``tau``). In ``"two_band"`` the call's ``p`` and
-    ``spectral_weight_decay`` act on the top band and ``p_bot``/``spectral_weight_decay_bot`` on the
-    bottom one. ``sign_steps``/``sign_method`` configure the sign iteration of the projector (by default
+    ``s -> s - c (s - tau)_+`` (``c`` = the step's ``lr lambda``; ``c = 1`` caps at ``tau``). In ``"two_band"``
+    the call's ``p`` and ``spectral_weight_decay`` act on the top band and ``p_bot``/``spectral_weight_decay_bot`` on
+    the bottom one. ``sign_steps``/``sign_method`` configure the sign iteration of the projector (by default
     designed for ``tau``: :func:`threshold_design`).
     ``weight_decay_bot`` is the deprecated name of ``spectral_weight_decay_bot``.
     """
