@@ -42,20 +42,24 @@ demo: $(STAMP)
 	$(PY) -m spectral_ops
 	$(PY) -m spectral_ops.train demo
 
+# pytest-xdist: one worker per core (at most 8), each with its share of the cores for torch's threads;
+# the modules that share a costly fixture run on one worker each (tests/conftest.py, docs/testing.md).
+XDIST := -n auto --maxprocesses 8
+
 # Lint first (pyproject.toml's [tool.ruff]); the benchmarks run once each, untimed, as a smoke test; then the
 # core of the suite at the oldest torch.
 test: $(STAMP) $(COMPAT_STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest tests bench -q --benchmark-disable
-	$(COMPAT_PY) -m pytest $(COMPAT_TESTS) -q
+	$(PY) -m pytest tests bench -q --benchmark-disable $(XDIST)
+	$(COMPAT_PY) -m pytest $(COMPAT_TESTS) -q $(XDIST)
 
 # The suite with the kernels an AVX2-only CPU runs (bf16 emulated, MKL's AVX2 GEMM), on a CPU with
 # AVX-512: run both before you stop (docs/testing.md).
 test-avx2: $(STAMP)
-	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(PY) -m pytest tests bench -q --benchmark-disable
+	ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(PY) -m pytest tests bench -q --benchmark-disable $(XDIST)
 
 compat: $(COMPAT_STAMP)
-	$(COMPAT_PY) -m pytest tests bench -q --benchmark-disable
+	$(COMPAT_PY) -m pytest tests bench -q --benchmark-disable $(XDIST)
 
 # Timed benchmarks, then the markdown report.
 bench: $(STAMP)

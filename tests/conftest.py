@@ -1,7 +1,45 @@
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
 from spectral_ops import dispatch, gpu_model
+
+# Modules whose tests share a costly module- or session-scoped fixture (a build kept under build/, every
+# experiment run once, a multi-process launch, the dry run of the GPU check). Under pytest-xdist (`make test`
+# runs `-n auto`) each runs on one worker, so its fixture is made once, not once per worker, and no two
+# workers write the same build folder; every other test goes to whichever worker is free.
+ONE_WORKER_MODULES = ("test_cuda_emulation", "test_cuda_sass", "test_experiments", "test_optim_distributed",
+                      "test_train_distributed", "test_triton_gpu_check")
+
+
+def pytest_configure(config):
+    """Each xdist worker takes its share of the cores for torch's threads (and hands it on to the processes
+    its tests start): with more threads than cores, OpenMP threads wait on one another at every product
+    (a 64 x 32 one then takes milliseconds instead of microseconds). An OMP_NUM_THREADS already set wins."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's default distribution (`-n` alone), with the tests of each of ONE_WORKER_MODULES as one unit
+    of work. (`--dist loadgroup` would do it from marks, but xdist 3.8 puts the group into item._nodeid,
+    which pytest 9's node ids no longer read.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneWorkerModules(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return module if Path(module).stem in ONE_WORKER_MODULES else nodeid
+
+    return OneWorkerModules(config, log)
 
 
 @pytest.fixture(autouse=True)

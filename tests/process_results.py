@@ -21,7 +21,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import tempfile
 import time
 import warnings
@@ -33,18 +32,14 @@ import torch.distributed as dist
 TIMEOUT = 600  # seconds for a whole launch; a healthy 4-process one takes ~2 minutes on 2 loaded cores
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _rank_main(worker, rank: int, world_size: int, port: int, results: str, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(worker, rank: int, world_size: int, results: str, args: tuple) -> None:
     torch.set_num_threads(1)  # world_size processes share the cores
+    # The ranks meet in a file of the launch's own folder, not on a port picked in advance: another launch
+    # at the same time (a second pytest-xdist worker, another checkout's suite) could take the port first.
     # A worker that fails on one rank alone leaves the others waiting in a collective: without a bound
     # (Gloo's default is 30 minutes) that is a 30-minute hang of the suite; the launch's TIMEOUT counts too.
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=180))
+    dist.init_process_group("gloo", init_method=Path(results, "rendezvous").as_uri(), rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=180))
     result = worker(rank, world_size, *args)
     path = Path(results) / f"{rank}.json"
     partial = path.with_suffix(".partial")
@@ -80,8 +75,7 @@ def run_ranks(worker, world_size: int, *args, timeout: float = TIMEOUT) -> list:
     must be importable by name (a module-level function), as the spawned processes import it."""
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as results:
-        port = _free_port()
-        processes = [context.Process(target=_rank_main, args=(worker, rank, world_size, port, results, args))
+        processes = [context.Process(target=_rank_main, args=(worker, rank, world_size, results, args))
                      for rank in range(world_size)]
         for process in processes:
             process.start()

@@ -3,9 +3,11 @@ check that runs without a GPU, so it is strict.
 
 Every csrc/*.cu is compiled to an sm_90 cubin, and gemm.cu and syrk.cu (every tiled variant: 5 math
 modes x 2 grids x 4 operand layouts) also to an sm_80 one, as the CMake build compiles them (-O3),
-cached under build/sass/ by the hash of the sources, flags and nvcc version (the first, uncached run
-takes about 2 minutes on 2 cores, later ones well under a second), and read with cuobjdump through
-bench/sass.py. Checked, on both archs:
+and read with cuobjdump through bench/sass.py. The cubins are cached under the package's cache
+directory (spectral_ops.environment.cache_dir(), in sass/) by the hash of the sources, flags and nvcc
+version, none of which names the checkout's path: every checkout and CI run of a machine shares them
+(the first, uncached run takes 6-8 minutes on 2 cores, later ones well under a second). Checked, on both
+archs:
   * no kernel spills (stack frame 0, no LDL/STL) but those in SPILL_EXCEPTIONS, each with its reason;
   * the tiled kernels fit their launch bounds: registers * threads * kMinBlocks <= 65536;
   * the tensor-core mainloops: fp16 and bf16 read every fragment with ldmatrix (LDSM), tf32 with
@@ -30,11 +32,12 @@ from pathlib import Path
 
 import pytest
 
+from spectral_ops import environment
 from spectral_ops.build_config import ENV_REQUIRE_CUDA, env_flag, find_nvcc
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
-CACHE = ROOT / "build" / "sass"
+CACHE = environment.cache_dir() / "sass"
 ARCHS = ("sm_90", "sm_80")
 REGISTERS_PER_SM = 65536
 
@@ -65,7 +68,8 @@ def math_modes() -> list[str]:
 
 
 def flags(arch: str) -> list[str]:
-    return ["-std=c++17", "-O3", "-DNDEBUG", f"-arch={arch}", "-cubin", f"-I{CSRC}"]
+    """nvcc's flags, run from the checkout's root (so they name no absolute path)."""
+    return ["-std=c++17", "-O3", "-DNDEBUG", f"-arch={arch}", "-cubin", "-Icsrc"]
 
 
 def compile_cubin(source: Path, arch: str) -> Path:
@@ -76,8 +80,9 @@ def compile_cubin(source: Path, arch: str) -> Path:
     target = CACHE / digest.hexdigest()[:16] / f"{source.stem}.cubin"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(".partial")
-        result = subprocess.run([NVCC, *flags(arch), str(source), "-o", str(partial)], capture_output=True, text=True)
+        partial = target.with_suffix(f".{os.getpid()}.partial")  # suites of two checkouts may build it at once
+        result = subprocess.run([NVCC, *flags(arch), str(source.relative_to(ROOT)), "-o", str(partial)], cwd=ROOT,
+                                capture_output=True, text=True)
         assert result.returncode == 0, f"nvcc failed on {source.name}:\n{result.stderr}"
         partial.replace(target)
     return target
@@ -166,7 +171,7 @@ def read_cubin(source: Path, arch: str) -> dict:
         code = sass.sass_instructions(cubin, cuobjdump=CUOBJDUMP)
         listed = listings(cubin)
         names = sass.demangle(usage)
-        partial = cached.with_suffix(".partial.json")
+        partial = cached.with_suffix(f".{os.getpid()}.partial.json")
         partial.write_text(json.dumps({names[name]: [usage[name], code[name], hot_loop(listed[name])]
                                        for name in usage}))
         partial.replace(cached)
