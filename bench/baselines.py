@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from spectral_ops.linalg import compute_dtype, factorised_spectral_power
 from spectral_ops.coefficients import polar_express_coefficients
+from spectral_ops.linalg import compute_dtype, factorised_spectral_power
 
 
 def svd_route(W: torch.Tensor, p: int, dtype: torch.dtype) -> torch.Tensor:

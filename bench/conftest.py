@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from settings import DEVICE, DTYPES
 from spectral_ops.provenance import machine
+
+from settings import DEVICE, DTYPES
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):

@@ -33,12 +33,12 @@ import torch
 
 from spectral_ops import _extension as ext
 from spectral_ops import plan
-from spectral_ops.plan import Band, DecayRequest
 from spectral_ops.backends.cuda_backend import CudaBackend
 from spectral_ops.backends.torch_backend import TorchBackend
-from spectral_ops.dispatch import PinnedKernels
 from spectral_ops.coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients
+from spectral_ops.dispatch import PinnedKernels
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum
+from spectral_ops.plan import Band, DecayRequest
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # A kernel that computes in fp32 and rounds once differs from the reference by a few units of the

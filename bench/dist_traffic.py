@@ -61,7 +61,6 @@ from spectral_ops import plan
 from spectral_ops.backends.counting import CountingKernels
 from spectral_ops.optim import SpectralMuon
 from spectral_ops.optim._decay import row_blocks_of
-from spectral_ops.plan import needs_direction
 from spectral_ops.optim.distributed import (
     assign_owners,
     decay_flops,
@@ -69,6 +68,7 @@ from spectral_ops.optim.distributed import (
     split_rounds,
 )
 from spectral_ops.optim.muon import direction_flops, orthogonalization_coefficients
+from spectral_ops.plan import needs_direction
 from spectral_ops.provenance import machine_line
 from spectral_ops.train.config import preset
 from spectral_ops.train.data import GPT2_VOCAB

@@ -26,8 +26,8 @@ from baselines import (
     textbook_spectral_power,
     torch_muon_newton_schulz,
 )
-from settings import ALL_SHAPES, DEVICE, DTYPES, interleaved_medians, synchronize
 from flops import op_bytes, op_flops
+from settings import ALL_SHAPES, DEVICE, DTYPES, interleaved_medians, synchronize
 
 DECAY_LR, DECAY_WD = 1e-3, 0.1  # small enough that repeated timing rounds stay stable
 

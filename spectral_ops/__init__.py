@@ -18,7 +18,6 @@ from ._version import __version__
 from .coefficients import MUON_QUINTIC, NEWTON_SCHULZ_SIGN, polar_express_coefficients
 from .decay import Band, SpectralStabilityError, spectral_decay, spectral_decay_
 from .dispatch import BackendUnavailableError, backend_for, backend_status, last_backend, use_backend
-from .tuning import tune
 from .ops import (
     band_direction,
     band_projectors,
@@ -30,6 +29,7 @@ from .ops import (
     spectral_power,
     svt,
 )
+from .tuning import tune
 
 __all__ = [
     "__version__",

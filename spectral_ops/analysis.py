@@ -21,11 +21,11 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
-from .progress import progress as progress_bar  # `progress` is these functions' flag
 
 from .linalg import matrix_with_spectrum, power_weights
 from .ops import spectral_power, svt
 from .optim import width_scaled_hyperparameters  # noqa: F401  (documented as analysis.width_scaled_hyperparameters)
+from .progress import progress as progress_bar  # `progress` is these functions' flag
 
 
 def _float64(x) -> torch.Tensor:

@@ -45,15 +45,14 @@ import warnings
 
 import torch
 
-from . import environment
+from . import environment, gpu_model, selfcheck
 from ._compile import constant_when_traced
+from .backends.counting import Work
 from .backends.cuda_backend import CudaBackend
 from .backends.torch_backend import TorchBackend
 from .backends.triton_backend import TritonBackend
 from .linalg import relative_error, wide
 from .precision import OPERAND_DTYPES, resolve_precision
-from . import gpu_model, selfcheck
-from .backends.counting import Work
 from .selfcheck import EXACT_PRECISION, self_check_cases
 from .tuning import Autotuner, routing_key
 

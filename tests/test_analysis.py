@@ -10,8 +10,8 @@ import torch
 
 import spectral_ops as so
 from spectral_ops import analysis
-from spectral_ops.metrics import singular_values
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum
+from spectral_ops.metrics import singular_values
 
 S0 = torch.tensor([3.0, 1.0, 0.4, 0.05], dtype=torch.float64)
 

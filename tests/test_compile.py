@@ -24,4 +24,5 @@ def test_constant_when_traced_marks_a_function_as_torch_compiler_does():
 def test_importing_the_package_imports_neither_dynamo_nor_triton():
     # Importing either would fix Triton's mode before a test (or a user) could choose the interpreter.
     code = "import sys, spectral_ops; print(sorted(m for m in ('torch._dynamo', 'triton') if m in sys.modules))"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert imported.strip() == "[]"

@@ -22,16 +22,17 @@ import subprocess
 import pytest
 import torch
 
-from cuda_emulation import build, harness
 from spectral_ops import _extension, dispatch, plan
 from spectral_ops.backends.base import PRIMITIVES
-from spectral_ops.plan import Band, DecayRequest
 from spectral_ops.backends.cuda_backend import CudaBackend
 from spectral_ops.backends.torch_backend import TorchBackend
-from spectral_ops.dispatch import PinnedKernels
 from spectral_ops.build_config import ENV_REQUIRE_CUDA, env_flag
 from spectral_ops.coefficients import polar_express_coefficients
+from spectral_ops.dispatch import PinnedKernels
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
+from spectral_ops.plan import Band, DecayRequest
+
+from cuda_emulation import build, harness
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Relative Frobenius error against an fp64/fp32 reference: the final rounding to the dtype dominates.

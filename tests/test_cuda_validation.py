@@ -6,9 +6,9 @@ Descriptors point at a fake, aligned address (test_extension.desc); no test lets
 
 import pytest
 import torch
+from test_extension import ADDRESS, NO_DEVICE, C, desc, no_gpu  # noqa: F401, F811 (C and no_gpu are fixtures)
 
 from spectral_ops import _extension
-from test_extension import ADDRESS, NO_DEVICE, C, desc, no_gpu  # noqa: F401, F811 (C and no_gpu are fixtures)
 
 F32, F16, BF16, F64 = 0, 1, 2, 3
 

@@ -107,7 +107,8 @@ def test_p1_allocates_no_copy_of_the_weights(count, shape, dtype):
 def test_a_spectral_decay_stays_within_the_temporaries_of_the_plan(count, shape, dtype, p):
     peak = measured(count, shape, dtype, p)
     bound = workspace_bound(count, shape, dtype, p)
-    assert peak.tensors <= bound + SLACK, f"{peak.tensors} bytes of tensors, {peak.tensors / bound:.2f}x the plan's {bound}"
+    assert peak.tensors <= bound + SLACK, (f"{peak.tensors} bytes of tensors, "
+                                           f"{peak.tensors / bound:.2f}x the plan's {bound}")
     # The direction and the epilogue's result exist at once whatever the plan: at least 2 r x N in fp32.
     assert peak.tensors >= 2 * 4 * count * min(shape) * max(shape)
     library = decay_memory.product_scratch(count, shape, dtype)

@@ -8,11 +8,12 @@ import inspect
 import pytest
 import torch
 
-from generated_docs import generated_section
 from spectral_ops import decay_options
 from spectral_ops.decay_options import DecayOption
 from spectral_ops.optim import SpectralDecay
 from spectral_ops.optim.base import SpectralOptimizer
+
+from generated_docs import generated_section
 
 
 def family() -> list[type]:

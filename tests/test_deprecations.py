@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import spectral_ops as so
-from generated_docs import generated_section
 from spectral_ops import deprecations
 from spectral_ops.optim import SpectralAdamW, SpectralDecay
+
+from generated_docs import generated_section
 
 
 def test_each_rename_is_declared_once_with_the_release_that_removes_it():

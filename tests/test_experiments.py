@@ -11,8 +11,8 @@ import torch
 from spectral_ops import analysis, experiments
 from spectral_ops.experiments import width_transfer
 from spectral_ops.experiments.__main__ import main
-from spectral_ops.reporting import with_machine
 from spectral_ops.provenance import machine
+from spectral_ops.reporting import with_machine
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

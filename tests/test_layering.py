@@ -41,7 +41,8 @@ def test_imported_modules_resolves_relative_imports(tmp_path):
 def test_train_does_not_import_experiments():
     offenders = {}
     for path in sorted((PACKAGE / "train").rglob("*.py")):
-        names = sorted(name for name in imported_modules(path) if name.split(".")[:2] == ["spectral_ops", "experiments"])
+        names = sorted(name for name in imported_modules(path)
+                       if name.split(".")[:2] == ["spectral_ops", "experiments"])
         if names:
             offenders[str(path.relative_to(PACKAGE.parent))] = names
     assert not offenders
@@ -63,7 +64,8 @@ def _mentions_power(node: ast.AST) -> bool:
     ``needs_direction(p, ...)``) is not reading it."""
     if isinstance(node, ast.Call):
         return False
-    if isinstance(node, ast.Name) and node.id in POWER_NAMES or isinstance(node, ast.Attribute) and node.attr in POWER_NAMES:
+    if (isinstance(node, ast.Name) and node.id in POWER_NAMES
+            or isinstance(node, ast.Attribute) and node.attr in POWER_NAMES):
         return True
     return any(_mentions_power(child) for child in ast.iter_child_nodes(node))
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import spectral_ops as so
-from op_calls import OPS, SAME_SHAPE
 from spectral_ops import reference
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 from spectral_ops.matrix_views import op_view, resolve_matrix_view, unambiguous_view
+
+from op_calls import OPS, SAME_SHAPE
 
 FILTER = (16, 8, 3, 3)  # (out, in, kh, kw)
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import spectral_ops as so
-from op_calls import OPS
 from spectral_ops import reference
 from spectral_ops.coefficients import odd_quintic, polar_express_coefficients
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
+
+from op_calls import OPS
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 5e-5}
 SHAPES = [(24, 24), (40, 16), (16, 40), (3, 20, 12), (2, 2, 12, 20)]

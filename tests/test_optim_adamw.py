@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import spectral_ops as so
-from spectral_ops.optim import SpectralAdamW
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
+from spectral_ops.optim import SpectralAdamW
 
 from optim_models import assert_same_trajectory, tiny_model, train
 

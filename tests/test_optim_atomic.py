@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from optim_models import batch, tiny_model
 from spectral_ops.decay import PendingWrite
 from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD
+
+from optim_models import batch, tiny_model
 
 
 class InjectedFault(RuntimeError):
@@ -330,7 +331,8 @@ def test_attached_a_fault_in_the_decays_write_restores_it_and_leaves_the_hosts_s
             host.step()
         assert all(torch.equal(a, b) for a, b in zip(reference_model.parameters(), model.parameters()))
         assert all(torch.equal(a, b) for a, b in zip(_host_state(reference_host), _host_state(host)))
-        assert all(torch.equal(a, b) for a, b in zip(counts["skipped"].values(), decay.count_state()["skipped"].values()))
+        assert all(torch.equal(a, b)
+                   for a, b in zip(counts["skipped"].values(), decay.count_state()["skipped"].values()))
 
 
 def test_attached_a_fault_in_the_hosts_step_leaves_the_decay_unwritten():

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import spectral_ops as so
-from optim_models import batch, tiny_model
 from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD
+
+from optim_models import batch, tiny_model
 
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "nonzero")
 

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import spectral_ops as so
-from optim_models import batch, tiny_model
 from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD
+
+from optim_models import batch, tiny_model
 
 STEPS = 20
 

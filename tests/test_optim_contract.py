@@ -140,7 +140,8 @@ def test_every_optimizer_gives_a_default_to_every_decay_key(optimizer):
     from spectral_ops.decay_options import DECAY_OPTIONS
 
     matrices = [torch.nn.Parameter(torch.randn(6, 4))]
-    made = optimizer(matrices, lr=1e-2, spectral_weight_decay=0.0) if optimizer is SpectralDecay else optimizer(matrices)
+    made = (optimizer(matrices, lr=1e-2, spectral_weight_decay=0.0) if optimizer is SpectralDecay
+            else optimizer(matrices))
     assert {"capturable", "strict", "rollback"} <= set(made.defaults)
     shared = [option for option in DECAY_OPTIONS if option.key != "spectral_weight_decay"]  # SpectralDecay's: None
     assert {option.key: made.defaults[option.key] for option in shared} == \

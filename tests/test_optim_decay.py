@@ -15,8 +15,8 @@ import torch
 import spectral_ops as so
 from spectral_ops import reference
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
-from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD, param_groups_by_module
 from spectral_ops.matrix_views import unambiguous_view
+from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD, param_groups_by_module
 
 AGAINST_OP = dict(rtol=1e-5, atol=1e-6)
 AGAINST_SVD = 5e-5

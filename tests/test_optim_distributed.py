@@ -653,7 +653,8 @@ def _scenarios(folder: Path, world: int) -> dict:
         "sgd": lambda mesh, rank, world: _compare(lambda params, **o: SpectralSGD(
             params, lr=5e-2, momentum=0.9, nesterov=True, p=2, spectral_weight_decay=0.5, matrix_view="flatten", **o),
             mesh, seed=12),
-        "stacks decayed per matrix": lambda mesh, rank, world: _compare(_adamw(2, "batch"), mesh, seed=20, shapes=STACKS),
+        "stacks decayed per matrix": lambda mesh, rank, world: _compare(_adamw(2, "batch"), mesh, seed=20,
+                                                                        shapes=STACKS),
         "muon on stacks, head-wise and fused": lambda mesh, rank, world: _compare(
             _muon_stacks, mesh, seed=21, shapes=[(3, 48, 16), (5, 8, 8), (5, 8, 8), (41,)]),
         "stacks clamped per matrix": _scenario_clamp_stacks,

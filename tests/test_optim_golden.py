@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import spectral_ops as so
+from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD
+
 from golden import assert_matches, environment
 from optim_models import tiny_model, train
-from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD
 
 GOLDEN = Path(__file__).with_name("data") / "optim_golden.pt"
 STEPS = 3

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from spectral_ops.decay import Band
 from spectral_ops.optim import (
     SpectralAdamW,
     SpectralMuon,
@@ -14,7 +15,6 @@ from spectral_ops.optim import (
     width_scaled_hyperparameters,
     width_transfer,
 )
-from spectral_ops.decay import Band
 from spectral_ops.optim.groups import width_decay_factor
 
 

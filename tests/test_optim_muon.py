@@ -5,14 +5,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_backends_torch import copied_bytes
 
 import spectral_ops as so
 from spectral_ops.coefficients import without_normalization_margin
-from spectral_ops.optim import SpectralMuon
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
+from spectral_ops.optim import SpectralMuon
 
 from optim_models import assert_same_trajectory, batch, tiny_model, train
-from test_backends_torch import copied_bytes
 
 
 def torch_style_newton_schulz(G, coefficients, steps, dtype=torch.float64):

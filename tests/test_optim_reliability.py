@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import spectral_ops as so
-from optim_models import batch, tiny_model
 from spectral_ops.backends.torch_backend import TorchBackend
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum
 from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD, param_groups_by_module
+
+from optim_models import batch, tiny_model
 
 
 def _muon(params, **options):

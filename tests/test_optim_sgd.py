@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import spectral_ops as so
-from spectral_ops.optim import SpectralSGD
 from spectral_ops.linalg import matrix_with_spectrum, relative_error
+from spectral_ops.optim import SpectralSGD
 
 from optim_models import assert_same_trajectory, tiny_model, train
 

@@ -55,7 +55,8 @@ def test_the_compute_dtype_is_fp64_only_for_fp64():
 def test_an_unknown_precision_is_refused_before_anything_is_written():
     W = torch.randn(8, 6)
     before = W.clone()
-    with pytest.raises(ValueError, match=r"precision must be one of \[.bf16., .fp16., .fp32., .fp64., .tf32.\], got .int8."):
+    with pytest.raises(ValueError,
+                       match=r"precision must be one of \[.bf16., .fp16., .fp32., .fp64., .tf32.\], got .int8."):
         so.spectral_decay_(W, 2, 0.1, 0.1, precision="int8")
     assert torch.equal(W, before)
 
@@ -192,8 +193,8 @@ OP_COST_CASES = [
     ("spectral_norm_bounds", {}),
     *[("spectral_power", {"p": p, "iteration": it}) for p in (0, 1, 2, 3, 4, 5) for it in ("rectangle", "gram_space")],
     *[("band_direction", {"p": 2, "band_mode": mode, "p_bot": 0}) for mode in ("top", "bot", "two_band")],
-    *[("decay_", {"p": p, "iteration": it, "guard": guard}) for p in (0, 1, 2, 3, 4) for it in ("rectangle", "gram_space")
-      for guard in (False, True)],
+    *[("decay_", {"p": p, "iteration": it, "guard": guard})
+      for p in (0, 1, 2, 3, 4) for it in ("rectangle", "gram_space") for guard in (False, True)],
     ("decay_", {"p": 2, "band_mode": "top"}),
     ("decay_", {"p": 1, "band_mode": "clip"}),
 ]

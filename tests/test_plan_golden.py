@@ -21,8 +21,9 @@ import pytest
 import torch
 
 import spectral_ops as so
-from golden import assert_matches, environment
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum
+
+from golden import assert_matches, environment
 
 GOLDEN = Path(__file__).with_name("data") / "torch_golden.pt"
 DTYPES = (torch.float64, torch.float32, torch.bfloat16)

@@ -13,12 +13,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_optim_capturable import host_reads_forbidden
 
 import spectral_ops as so
 from spectral_ops import plan, reference
 from spectral_ops.coefficients import odd_quintic, polar_express_coefficients, polar_express_design
 from spectral_ops.linalg import matrix_with_spectrum, relative_error, zero_mode_cutoff
-from test_optim_capturable import host_reads_forbidden
 
 DEPTHS = [2, 5, 20, 100, 300, 1000]
 FP32_BOUND = 2e-5

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import spectral_ops.metrics
-from spectral_ops.train import PRESETS, Transformer, preset, train
+from spectral_ops.train import PRESETS, Transformer, loop, preset, train
 from spectral_ops.train import data as data_module
-from spectral_ops.train import loop
 from spectral_ops.train.__main__ import main
 from spectral_ops.train.schedule import lr_multiplier
 

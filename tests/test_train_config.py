@@ -8,8 +8,14 @@ import pytest
 from spectral_ops.train import data as data_module
 from spectral_ops.train import loop, preset, train
 from spectral_ops.train.__main__ import parser
-from spectral_ops.train.config import (RUN_KEEPING_FIELDS, computed_differences, config_from_arguments,
-                                       evaluation_steps, log_every_for, to_dict)
+from spectral_ops.train.config import (
+    RUN_KEEPING_FIELDS,
+    computed_differences,
+    config_from_arguments,
+    evaluation_steps,
+    log_every_for,
+    to_dict,
+)
 from spectral_ops.train.model import Transformer
 from spectral_ops.train.optimizers import param_groups
 

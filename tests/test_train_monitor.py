@@ -11,8 +11,7 @@ import math
 import torch
 
 from spectral_ops import metrics
-from spectral_ops.train import Transformer
-from spectral_ops.train import monitor
+from spectral_ops.train import Transformer, monitor
 from spectral_ops.train.model import ModelConfig
 
 

@@ -14,9 +14,8 @@ import math
 import pytest
 import torch
 
-from spectral_ops.train import Transformer, preset
+from spectral_ops.train import Transformer, monitor, preset
 from spectral_ops.train import data as data_module
-from spectral_ops.train import monitor
 from spectral_ops.train import report as report_module
 from spectral_ops.train.__main__ import main, parser
 from spectral_ops.train.loop import CHECKPOINT

@@ -290,8 +290,9 @@ def test_a_custom_op_compiles_without_a_graph_break_and_writes_through_torch():
 def test_a_capturable_step_on_the_triton_backend_reads_nothing_back(name):
     # The Triton primitives take their scales as device tensors (number_and_per_matrix): nothing in
     # the backend reads a value back either (the detector: tests/test_optim_capturable.py).
-    from optim_models import tiny_model
     from test_optim_capturable import FAMILY, OPTIONS, gradients, host_reads_forbidden
+
+    from optim_models import tiny_model
 
     with so.use_backend("triton"):
         model = tiny_model()

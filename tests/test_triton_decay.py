@@ -1,11 +1,10 @@
 """The decay write W <- keep W + step D, in place whatever W's strides."""
 
 import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
-
-import torch
 from triton_env import DTYPES, SMALL_TILES, randn, relative, small_integers
 
 import pytest
+import torch
 
 from spectral_ops.triton_kernels.decay import decay_epilogue_
 

@@ -1,10 +1,10 @@
 """The fused polynomial step B = b A + c A A for symmetric A (half the tiles)."""
 
 import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
+from triton_env import DTYPES, PRODUCT_TOLERANCE, SMALL_TILES, max_asymmetry, relative, symmetric
 
 import pytest
 import torch
-from triton_env import DTYPES, PRODUCT_TOLERANCE, SMALL_TILES, max_asymmetry, relative, symmetric
 
 from spectral_ops.triton_kernels.poly_step import poly_step
 

@@ -1,10 +1,10 @@
 """The symmetric sign step Z (a I + b Z^2 + c Z^4) from three half-tile symmetric products."""
 
 import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
+from triton_env import DTYPES, SMALL_TILES, max_asymmetry, relative, symmetric
 
 import pytest
 import torch
-from triton_env import DTYPES, SMALL_TILES, max_asymmetry, relative, symmetric
 
 from spectral_ops.backends.torch_backend import TorchBackend
 from spectral_ops.coefficients import NEWTON_SCHULZ_SIGN

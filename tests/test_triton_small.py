@@ -1,15 +1,15 @@
 """The small-matrix path: the whole S_p / sign computation in one program per matrix."""
 
 import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
+from triton_env import DTYPES, randn, relative, symmetric
 
 import pytest
 import torch
-from triton_env import DTYPES, randn, relative, symmetric
 
 from spectral_ops import plan
 from spectral_ops.backends.torch_backend import TorchBackend
-from spectral_ops.dispatch import PinnedKernels
 from spectral_ops.coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients
+from spectral_ops.dispatch import PinnedKernels
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum
 from spectral_ops.triton_kernels.small import MAX_SIDE, small_sign, small_spectral
 

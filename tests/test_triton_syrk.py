@@ -1,12 +1,12 @@
 """The symmetric (SYRK) kernel: X X^T and X^T X, lower tiles only, mirrored, with its epilogue."""
 
 import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
+from triton_env import DTYPES, PRODUCT_TOLERANCE, SMALL_TILES, max_asymmetry, randn, relative, small_integers, symmetric
 
 from dataclasses import replace
 
 import pytest
 import torch
-from triton_env import DTYPES, PRODUCT_TOLERANCE, SMALL_TILES, max_asymmetry, randn, relative, small_integers, symmetric
 
 from spectral_ops.triton_kernels.common import batched, describe
 from spectral_ops.triton_kernels.syrk import symmetric_product, syrk

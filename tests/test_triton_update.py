@@ -1,12 +1,12 @@
 """The fused rectangular product out = alpha M Z + beta Y + gamma Z (the Polar Express update)."""
 
 import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
+from triton_env import DTYPES, PRODUCT_TOLERANCE, SMALL_TILES, randn, relative, small_integers, symmetric
 
 from dataclasses import replace
 
 import pytest
 import torch
-from triton_env import DTYPES, PRODUCT_TOLERANCE, SMALL_TILES, randn, relative, small_integers, symmetric
 
 from spectral_ops.backends.torch_backend import TorchBackend
 from spectral_ops.plan import polar_iterations

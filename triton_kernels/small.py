@@ -33,8 +33,16 @@ import triton
 import triton.language as tl
 
 from ..coefficients import NORMALIZATION_MARGIN
-from .common import (Output, accumulate_rows_product, batched, check_precision, config, dot_precision, tile_indices,
-                     wide_offsets)
+from .common import (
+    Output,
+    accumulate_rows_product,
+    batched,
+    check_precision,
+    config,
+    dot_precision,
+    tile_indices,
+    wide_offsets,
+)
 
 MAX_SIDE = 128
 _TINY = torch.finfo(torch.float32).tiny

@@ -24,9 +24,25 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (Output, accumulate_described, accumulate_rows_product, batched, check_precision, config,
-                     describe, dot_precision, known_multiples, load_scale, lower_tile, persistent_programs,
-                     pointer_config, scale_arg, stride_alignment, tile_indices, wide_offsets)
+from .common import (
+    Output,
+    accumulate_described,
+    accumulate_rows_product,
+    batched,
+    check_precision,
+    config,
+    describe,
+    dot_precision,
+    known_multiples,
+    load_scale,
+    lower_tile,
+    persistent_programs,
+    pointer_config,
+    scale_arg,
+    stride_alignment,
+    tile_indices,
+    wide_offsets,
+)
 
 
 @triton.jit

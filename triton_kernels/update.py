@@ -26,9 +26,24 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (Output, accumulate_described, accumulate_rows_product, batched, check_precision, config,
-                     describe, dot_precision, known_multiples, load_scale, persistent_programs, pointer_config,
-                     scale_arg, stride_alignment, tile_indices, wide_offsets)
+from .common import (
+    Output,
+    accumulate_described,
+    accumulate_rows_product,
+    batched,
+    check_precision,
+    config,
+    describe,
+    dot_precision,
+    known_multiples,
+    load_scale,
+    persistent_programs,
+    pointer_config,
+    scale_arg,
+    stride_alignment,
+    tile_indices,
+    wide_offsets,
+)
 
 
 @triton.jit

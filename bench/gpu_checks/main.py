@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from spectral_ops.backends.cuda_backend import CudaBackend
 from spectral_ops.__main__ import routing_report
+from spectral_ops.backends.cuda_backend import CudaBackend
 from spectral_ops.environment import CACHE_DIR
 
 from . import cuda_child

@@ -50,7 +50,6 @@ from .cases import Case
 from .schedule import DEFAULT_BUDGET_S, HEADLINE_DEADLINE_S, STARTUP_S
 from .tables import row_status
 
-
 # ----- measuring -----
 
 def sync(device):

@@ -16,8 +16,7 @@ from spectral_ops.linalg import relative_error
 from spectral_ops.optim import SpectralAdamW, SpectralMuon
 
 from .cases import seeded_generator, weight
-from .runner import (HEADLINE_DTYPES, OPTIMIZER_TIMEOUT_S, TIMING_TIMEOUT_S, Task, dtype_name, skipping, time_ms,
-                     timings)
+from .runner import HEADLINE_DTYPES, OPTIMIZER_TIMEOUT_S, TIMING_TIMEOUT_S, Task, dtype_name, skipping, time_ms, timings
 
 MUON_SETTINGS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
 MUON_VARIANTS = {"torch NS5": dict(ns_coefficients=so.MUON_QUINTIC, ns_steps=5), "Polar Express": {}}

@@ -27,8 +27,8 @@ from typing import Optional
 
 import torch
 
-from ..compat import triton_too_old
 from .. import environment
+from ..compat import triton_too_old
 from .base import number_and_per_matrix
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

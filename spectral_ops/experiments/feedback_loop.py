@@ -12,8 +12,17 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.colors import ListedColormap
 
-from ..analysis import (REGIMES, constant_schedule, cosine_schedule, equilibrium_norm, equilibrium_norm_slope,
-                        full_batch_equilibrium, regime_boundary, regime_maps, simulate_normalised_network)
+from ..analysis import (
+    REGIMES,
+    constant_schedule,
+    cosine_schedule,
+    equilibrium_norm,
+    equilibrium_norm_slope,
+    full_batch_equilibrium,
+    regime_boundary,
+    regime_maps,
+    simulate_normalised_network,
+)
 from ..reporting import markdown_table, plt, write_outputs
 from .report import command_line
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from ..progress import progress
 
 from .. import reference
 from ..coefficients import NORMALIZATION_MARGIN, odd_quintic, polar_express_coefficients
-from ..linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 from ..decay import spectral_decay_
+from ..linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 from ..ops import spectral_power
+from ..progress import progress
 from ..reporting import markdown_table, plt, write_outputs
 from .report import command_line
 

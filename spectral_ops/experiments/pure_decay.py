@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from ..analysis import decay_checkpoint, pure_decay, time_to_shrink
-from ..metrics import default_rank_tolerance, matrix_metrics, shape_distance, singular_values, spectrum_metrics
 from ..linalg import matrix_with_spectrum
+from ..metrics import default_rank_tolerance, matrix_metrics, shape_distance, singular_values, spectrum_metrics
 from ..optim.groups import NON_MATRIX_ROLES, parameter_role
 from ..reporting import markdown_table, plt, write_outputs
 from .report import command_line

@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-from ..progress import progress
 
 from .. import dispatch, plan, reference
 from ..coefficients import resolve_polar_coefficients
 from ..linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error, scaled_
 from ..ops import spectral_power
+from ..progress import progress
 from ..reporting import format_number, markdown_table, plt, write_outputs
 from .report import command_line
 

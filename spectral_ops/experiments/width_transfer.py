@@ -16,18 +16,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from matplotlib.ticker import FormatStrFormatter
-from ..progress import progress
 
 from ..analysis import spectral_balance_scale
 from ..metrics import spectral_norm
 from ..optim import SpectralAdamW, width_transfer
 from ..optim.groups import MLP_ROLES
+from ..progress import progress
+from ..reporting import markdown_table, plt, write_outputs
 from ..train.config import TrainConfig
 from ..train.data import load_corpus, train_batch
 from ..train.model import Transformer
 from ..train.optimizers import param_groups
 from ..train.schedule import lr_multiplier
-from ..reporting import markdown_table, plt, write_outputs
 from .report import command_line
 
 WIDTHS, QUICK_WIDTHS = (32, 64, 128, 256), (16, 32, 64)

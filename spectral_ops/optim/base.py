@@ -33,8 +33,14 @@ from ..decay import Band, DecayOptions, PendingWrite
 from ..decay_options import decay_option_keys
 from ..deprecations import renamed_group_keys
 from ..plan import stability_terms
-from ._decay import (capturable, check_decay_group, check_replicas_round_alike, decay_scale, forbids_host_reads,
-                     prepare_parameter_decay)
+from ._decay import (
+    capturable,
+    check_decay_group,
+    check_replicas_round_alike,
+    decay_scale,
+    forbids_host_reads,
+    prepare_parameter_decay,
+)
 from .counts import COUNT_KEYS, StepCounts
 from .distributed import Exchange, layout_of, local
 from .rollback import rollback_record

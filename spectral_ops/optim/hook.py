@@ -18,8 +18,8 @@ import weakref
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..plan import needs_direction
 from ..decay import PendingWrite
+from ..plan import needs_direction
 from ._decay import decay_keywords
 from .base import SpectralOptimizer, detached_peak
 from .distributed import local

@@ -16,12 +16,12 @@ from collections import defaultdict
 
 import torch
 
-from .._checks import check_choice, check_eps, check_power, check_steps
 from .. import plan
+from .._checks import check_choice, check_eps, check_power, check_steps
 from ..decay import PendingWrite
+from ..matrix_views import as_matrices, batched, matrix_dims
 from ..ops import check_precision, power_update
 from ..plan import OPERAND_DTYPES, UPDATE_FLOOR, UPDATE_SCALES, resolve_precision
-from ..matrix_views import as_matrices, batched, matrix_dims
 from ._decay import capturable, check_matrices_said, decay_keywords, matrix_view_of_parameter
 from .adamw import check_adam_options, init_adam_state, prepare_adam_step
 from .base import SpectralOptimizer, add_scaled_, device_masks, scalar, step_scalar

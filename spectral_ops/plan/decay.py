@@ -22,6 +22,7 @@ from .iterations import polar_coefficients
 from .routing import plan_for, routed
 from .thresholds import Band, Scale, spectral_terms, weighs_its_bands
 
+
 @dataclass(frozen=True)
 class DecayRequest:
     """One validated decay step of a stack of matrices (:func:`decay_`):

@@ -29,9 +29,23 @@ import torch
 from ..coefficients import NORMALIZATION_MARGIN, inverse_root_coefficients
 from ..linalg import compute_dtype, frobenius_normalized, is_tall, scaled_, wide
 from ..precision import OPERAND_DTYPES
-from .iterations import (GRAM_SPACE_BLOCK, REAL_POWER_TOLERANCE, RESOLUTION, ROOT_LOWER, ROOT_ORDER,
-                         TENSOR_POWER_BOUND, coupled_inverse_root, design_widening, function_polynomial, inverse_root,
-                         matrix_power_of_root, polar_iterations, repeated_squaring, restart_blocks, root_squarings)
+from .iterations import (
+    GRAM_SPACE_BLOCK,
+    REAL_POWER_TOLERANCE,
+    RESOLUTION,
+    ROOT_LOWER,
+    ROOT_ORDER,
+    TENSOR_POWER_BOUND,
+    coupled_inverse_root,
+    design_widening,
+    function_polynomial,
+    inverse_root,
+    matrix_power_of_root,
+    polar_iterations,
+    repeated_squaring,
+    restart_blocks,
+    root_squarings,
+)
 from .thresholds import GramThresholds
 
 # The guard's s_max bound: the squarings of the Gram it may add to the direction's (SPEC 1.5).

@@ -14,8 +14,14 @@ import math
 
 import torch
 
-from ..coefficients import (floor_polynomial, interpolated_coefficients, polar_express_coefficients,
-                            power_polynomial, resolve_polar_coefficients, without_normalization_margin)
+from ..coefficients import (
+    floor_polynomial,
+    interpolated_coefficients,
+    polar_express_coefficients,
+    power_polynomial,
+    resolve_polar_coefficients,
+    without_normalization_margin,
+)
 from ..linalg import frobenius_normalized
 from ..precision import OPERAND_DTYPES
 

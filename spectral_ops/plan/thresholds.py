@@ -17,8 +17,8 @@ from typing import Union
 
 import torch
 
-from ..deprecations import renamed_argument
 from ..coefficients import NORMALIZATION_MARGIN, polar_express_coefficients, polar_express_design
+from ..deprecations import renamed_argument
 from ..linalg import as_float64, power_weights, ratio, zero_mode_cutoff
 from .iterations import matrix_sign
 

@@ -22,7 +22,6 @@ from ..reporting import markdown_table, with_machine
 from .config import TrainConfig
 from .loop import train, validation_key
 
-
 # SPEC 7.6: alpha in {8e-4, 2.529822e-3, 8e-3} and lambda_A, lambda_M in {8e-5, 2.529822e-4, 8e-4}. The
 # middle values are the geometric midpoints sqrt(8e-4 * 8e-3) and sqrt(8e-5 * 8e-4), which the SPEC
 # prints to 7 digits: computed here, not pasted.
