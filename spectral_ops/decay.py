@@ -498,11 +498,17 @@ class PendingWrite:
             write_update()
 
     def _write_values(self, kept: list) -> None:
-        by_factor = {}  # one multiply per factor, in the order the decay met them
+        by_factor = []  # (factor, targets): one multiply per factor, in the order the decay met them
         for i, factor in self.factors.items():
-            if kept[i] is not False:
-                by_factor.setdefault(id(factor), (factor, []))[1].append(i)
-        for factor, indices in by_factor.values():
+            if kept[i] is False:
+                continue
+            # Grouped by identity with `is`, not id(): Dynamo before torch 2.13 cannot take the id of a
+            # tensor made in the traced step, and breaks the graph there.
+            indices = next((indices for known, indices in by_factor if known is factor), None)
+            if indices is None:
+                by_factor.append((factor, indices := []))
+            indices.append(i)
+        for factor, indices in by_factor:
             if all(kept[i] is True for i in indices):
                 multiply_([self.tensors[i] for i in indices], factor)
             else:

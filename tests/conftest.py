@@ -65,22 +65,3 @@ def modelled_gpu(monkeypatch):
     """CPU tensors routed as on a GPU the cost model knows (nothing measured on it unless a test says)."""
     monkeypatch.setattr(dispatch, "_arch_of", lambda device: FAKE_GPU)
     return FAKE_GPU
-
-
-# A known regression of #45's one-pending-write change, open in that issue: at torch 2.12 only, these compiled
-# steps recompile every step (28 graphs where torch's AdamW has 2). Strict: they fail once it is fixed.
-RECOMPILES_AT_TORCH_2_12 = {
-    "tests/test_optim_capturable.py::test_a_compiled_step_has_no_graph_break_and_matches_eager[adamw]",
-    "tests/test_optim_capturable.py::test_an_nan_lr_skips_a_device_step_and_writes_nothing[compiled]",
-    "tests/test_optim_compile.py::test_a_compiled_default_step_has_no_more_graphs_or_breaks_than_torchs"
-    "[adamw-p2-scheduled-lr]",
-}
-
-
-def pytest_collection_modifyitems(config, items):
-    import torch
-    if tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13):
-        return
-    for item in items:
-        if item.nodeid in RECOMPILES_AT_TORCH_2_12:
-            item.add_marker(pytest.mark.xfail(strict=True, reason="#45: recompiles every step at torch 2.12"))

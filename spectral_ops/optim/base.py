@@ -431,7 +431,8 @@ class SpectralOptimizer(Optimizer):
             options = self.decay_options(group)  # validated here, in Python, when the step is compiled
             self.check_materialised(group)
         except (TypeError, ValueError):
-            if not torch.compiler.is_compiling():
+            # torch 2.12 runs this with is_compiling() False: its tracing context says it is compiling.
+            if not torch.compiler.is_compiling() and torch._guards.TracingContext.try_get() is None:
                 raise
             return False
         params.extend(self.stepped_params(group))
