@@ -111,6 +111,17 @@ def test_positional_options_keep_their_places():
     assert (made.defaults["p"], made.defaults["spectral_weight_decay"]) == (2, 0.5)
 
 
+def test_a_misspelled_option_is_refused_by_name_with_the_closest_option():
+    """The generated signature binds the arguments itself: its TypeError names the optimizer, as
+    Python's own does, and suggests the option a misspelling is closest to."""
+    for optimizer in family():
+        with pytest.raises(TypeError, match=rf"^{optimizer.__name__}\.__init__\(\) got an unexpected keyword "
+                           r"argument 'spectral_weight_decy'; did you mean 'spectral_weight_decay'"):
+            optimizer([weight()], spectral_weight_decy=0.1)
+        with pytest.raises(TypeError, match=r"unexpected keyword argument 'bogus'$"):
+            optimizer([weight()], bogus=1)
+
+
 def test_the_docs_show_the_option_table():
     assert generated_section("optimizers.md", "spectral_ops.decay_options.markdown_table()") == \
         decay_options.markdown_table()

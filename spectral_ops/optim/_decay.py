@@ -12,6 +12,7 @@ spread over processes is decayed on its owner (:func:`spectral_ops.optim.distrib
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import inspect
 import math
@@ -46,7 +47,11 @@ def decay_keywords(after: str, positional: int | None = None, **defaults):
         @functools.wraps(init)
         def init_with_decay_options(self, *args, **kwargs):
             names = deprecations.class_names(type(self))
-            bound = _signature(init, after, positional, defaults, names).bind(self, *args, **kwargs)
+            signature = _signature(init, after, positional, defaults, names)
+            try:
+                bound = signature.bind(self, *args, **kwargs)
+            except TypeError as error:  # bind's message names no function, and suggests nothing
+                raise TypeError(f"{type(self).__name__}.__init__() {error}{_close_names(kwargs, signature)}") from None
             bound.apply_defaults()
             renamed = {rename.old for rename in deprecations.optimizer_renames(names)}
             init(**{key: value for key, value in bound.arguments.items() if key not in renamed or value is not None})
@@ -56,6 +61,15 @@ def decay_keywords(after: str, positional: int | None = None, **defaults):
         return init_with_decay_options
 
     return decorate
+
+
+def _close_names(kwargs: dict, signature: inspect.Signature) -> str:
+    """``"; did you mean ...?"`` for the keywords in ``kwargs`` the signature does not take, where it
+    takes a close one."""
+    known = list(signature.parameters)
+    close = {name: difflib.get_close_matches(name, known, n=1) for name in kwargs if name not in known}
+    hints = [f"{close[name][0]!r} for {name!r}" for name in close if close[name]]
+    return f"; did you mean {', '.join(hints)}?" if hints else ""
 
 
 def _signature(init, after: str, positional: int | None, defaults: dict, names) -> inspect.Signature:
