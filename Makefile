@@ -24,16 +24,17 @@ BUILD_FILES := requirements-test.txt pyproject.toml setup.py CMakeLists.txt $(wi
 
 .PHONY: demo test test-avx2 compat bench clean
 
-# $(1): the venv, $(2): its torch requirements.
+# $(1): the venv, $(2): its requirements files besides requirements-test.txt (its torch's first).
 define make_venv
 	$(PYTHON) -m venv $(1)
-	$(1)/bin/python -m pip install --quiet -r $(2) -r requirements-test.txt
+	$(1)/bin/python -m pip install --quiet $(foreach file,$(2),-r $(file)) -r requirements-test.txt
 	$(1)/bin/python -m pip install --quiet --no-build-isolation -e .
 	touch $(1)/.installed
 endef
 
-$(STAMP): requirements-torch.txt $(BUILD_FILES)
-	$(call make_venv,$(VENV),requirements-torch.txt)
+# The main venv also has the frameworks of docs/integrations.md (tests/test_integrations_*.py).
+$(STAMP): requirements-torch.txt requirements-integrations.txt $(BUILD_FILES)
+	$(call make_venv,$(VENV),requirements-torch.txt requirements-integrations.txt)
 
 $(COMPAT_STAMP): requirements-torch-$(TORCH_SET).txt $(BUILD_FILES)
 	$(call make_venv,$(COMPAT_VENV),requirements-torch-$(TORCH_SET).txt)
@@ -46,11 +47,12 @@ demo: $(STAMP)
 # the modules that share a costly fixture run on one worker each (tests/conftest.py, docs/testing.md).
 XDIST := -n auto --maxprocesses 8
 
-# Lint first (pyproject.toml's [tool.ruff]); the benchmarks run once each, untimed, as a smoke test; then the
-# core of the suite at the oldest torch.
+# Lint first (pyproject.toml's [tool.ruff]); the benchmarks run once each, untimed, as a smoke test (no
+# framework of docs/integrations.md may skip: -rs prints why any test skips); then the core of the suite at
+# the oldest torch.
 test: $(STAMP) $(COMPAT_STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest tests bench -q --benchmark-disable $(XDIST)
+	SPECTRAL_OPS_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest tests bench -q -rs --benchmark-disable $(XDIST)
 	$(COMPAT_PY) -m pytest $(COMPAT_TESTS) -q $(XDIST)
 
 # The suite with the kernels an AVX2-only CPU runs (bf16 emulated, MKL's AVX2 GEMM), on a CPU with

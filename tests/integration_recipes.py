@@ -1,0 +1,52 @@
+"""docs/integrations.md's recipes as the tests run them, and the frameworks they run in.
+
+A section's ```python blocks run in order in one namespace, seeded with what the section says the
+user brings (a model, a dataset): the test then checks what they built."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+INTEGRATIONS = Path(__file__).resolve().parent.parent / "docs" / "integrations.md"
+
+# Set by `make test`: on the pinned torch, where requirements-integrations.txt is installed, a framework
+# that cannot be imported fails its tests instead of skipping them.
+REQUIRED = os.environ.get("SPECTRAL_OPS_REQUIRE_INTEGRATIONS") == "1"
+
+
+def sections() -> dict[str, list[str]]:
+    """Each ``## `` section of docs/integrations.md: its ```python blocks (none outside a section)."""
+    text = INTEGRATIONS.read_text()
+    parts = re.split(r"^## (.+)$", text, flags=re.MULTILINE)
+    blocks = {title.strip(): re.findall(r"^```python\n(.*?)^```", body, flags=re.DOTALL | re.MULTILINE)
+              for title, body in zip(parts[1::2], parts[2::2])}
+    return {"": re.findall(r"^```python\n(.*?)^```", parts[0], flags=re.DOTALL | re.MULTILINE), **blocks}
+
+
+def run_recipe(section: str, **given) -> dict:
+    """Run the section's blocks, as written, in one namespace holding ``given``; return the namespace."""
+    blocks = sections()[section]
+    assert blocks, f"docs/integrations.md's section {section!r} has no python block"
+    namespace = {"__name__": "recipe", **given}
+    for block in blocks:
+        exec(compile(block, f"{INTEGRATIONS}:{section}", "exec"), namespace)
+    return namespace
+
+
+def framework(module: str):
+    """Import a framework's module, or skip the calling test module with the reason (printed by
+    ``-rs``): the framework cannot import on the running torch. Where ``make test`` requires the
+    frameworks, the failure to import fails instead."""
+    try:
+        return importlib.import_module(module)
+    except Exception as error:  # a framework's import can fail in its own ways on an unsupported torch
+        reason = f"{module} cannot be imported on torch {torch.__version__}: {type(error).__name__}: {error}"
+        if REQUIRED:
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason, allow_module_level=True)
