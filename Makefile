@@ -51,7 +51,8 @@ XDIST := -n auto --maxprocesses 8
 # Python and Debian's CPU torch (2.14, inside the supported range), in a chroot that debootstrap builds once per
 # machine from Debian's packages (root only; about 2 GB and 5 minutes), with a venv of what the tests need from
 # PyPI. The registry's Debian is a snapshot whose Release files outlive their Valid-Until: apt is told so. The
-# chroot trusts the host's CA bundle, as the host's pip does. `make test DEBIAN_CHROOT=0` leaves it out.
+# chroot trusts the host's CA bundle, as the host's pip does (the host's wheel folder, PIP_FIND_LINKS, is not
+# there). `make test DEBIAN_CHROOT=0` leaves it out.
 DEBIAN_CHROOT ?= 1
 DEBIAN_SUITE := forky
 DEBIAN_ROOT ?= $(HOME)/.cache/spectral_ops/debian-$(DEBIAN_SUITE)
@@ -75,7 +76,7 @@ $(DEBIAN_STAMP):
 		--no-install-recommends python3-torch
 	cp "$${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}" "$(DEBIAN_ROOT)/etc/ssl/certs/ca-certificates.crt"
 	chroot "$(DEBIAN_ROOT)" python3 -m venv --system-site-packages /venv
-	chroot "$(DEBIAN_ROOT)" /venv/bin/pip install --quiet $(DEBIAN_PIP)
+	chroot "$(DEBIAN_ROOT)" env -u PIP_FIND_LINKS /venv/bin/pip install --quiet $(DEBIAN_PIP)
 	touch "$@"
 
 # The working tree (tracked files and untracked ones git does not ignore), copied in afresh.
