@@ -10,7 +10,8 @@ from spectral_ops import dispatch, gpu_model
 # experiment run once, a multi-process launch, the dry run of the GPU check). Under pytest-xdist (`make test`
 # runs `-n auto`) each runs on one worker, so its fixture is made once, not once per worker, and no two
 # workers write the same build folder; every other test goes to whichever worker is free.
-ONE_WORKER_MODULES = ("test_cuda_emulation", "test_cuda_sass", "test_experiments", "test_optim_distributed",
+ONE_WORKER_MODULES = ("test_cuda_emulation", "test_cuda_sass", "test_experiments", "test_integrations_torchtitan",
+                      "test_optim_distributed",
                       "test_train_distributed", "test_triton_gpu_check")
 
 

@@ -35,7 +35,9 @@ def run_recipe(section: str, **given) -> dict:
     assert blocks, f"docs/integrations.md's section {section!r} has no python block"
     namespace = {"__name__": "recipe", **given}
     for block in blocks:
-        exec(compile(block, f"{INTEGRATIONS}:{section}", "exec"), namespace)
+        # dont_inherit: a block is compiled as a user's module is, without this file's __future__ imports (under
+        # postponed annotations a dataclass defined in a block cannot resolve its fields' types).
+        exec(compile(block, f"{INTEGRATIONS}:{section}", "exec", dont_inherit=True), namespace)
     return namespace
 
 
