@@ -6,7 +6,8 @@ with a gradient) is computed and checked from their pre-update values, with the 
 *current* lr (or ``eta_t`` = lr / peak_lr under the independent convention, the peak being the host
 group's starting lr or its scheduler's ``initial_lr``); once the host's step has returned, it is added
 to the weights (SPEC 1.5's decoupled decay: ``W <- W - lr (update(W) + lambda_p S_p(W))``, both
-terms of the pre-step ``W``). A host step that raises leaves the decay unwritten. It can also run on
+terms of the pre-step ``W``); a step given a closure plans it once the closure has made the gradients,
+before the host's update. A host step that raises leaves the decay unwritten. It can also run on
 its own: ``SpectralDecay(params, ..., lr=0.01).step()`` decays every parameter it holds, gradient or
 not.
 """
