@@ -29,6 +29,19 @@ def test_decay_equals_out_of_place_update_and_svd(p, dtype):
     assert relative_error(W_new, oracle) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("method", ["gram", "svd"])
+def test_the_decay_takes_no_precision_from_an_enclosing_autocast(method):
+    """An optimizer stepped inside a forward's autocast (Lightning's manual optimization steps in its
+    training_step, under precision="bf16-mixed") decays as outside it, bit for bit: autocast would run
+    the fp32 weights' products in bf16."""
+    W = weights(dtype=torch.float32, seed=5)
+    outside, inside = W.clone(), W.clone()
+    so.spectral_decay_(outside, 2, 0.05, 0.2, method=method)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        so.spectral_decay_(inside, 2, 0.05, 0.2, method=method)
+    assert torch.equal(inside, outside)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 def test_p_one_is_bitwise_ordinary_weight_decay(dtype):
     W = weights(dtype=dtype)

@@ -256,3 +256,32 @@ def test_a_host_that_is_not_a_torch_optimizer_is_refused_and_the_recipe_does_wha
             torch.nn.functional.mse_loss(model(inputs), targets).backward()
             optimizer.step()
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+
+
+@pytest.mark.parametrize("passed", ["keyword", "positional"])
+def test_a_closure_step_decays_the_parameters_its_closure_gives_a_gradient(passed):
+    """A host stepped with a closure (Lightning's automatic optimization calls ``step(closure=...)``,
+    whose closure zeroes the gradients and runs the backward) gets its gradients inside its step: the
+    decay takes the parameters that have one once the closure has run, so the first step is decayed
+    (no gradient existed before it) and a closure that skips the backward decays nothing (a gradient
+    of the last step existed before it), each from the weights before the step, as a step without a
+    closure after the same backward."""
+    W0 = matrix_with_spectrum((12, 6), log_spaced_spectrum(6, 10), torch.float64, seed=3)
+    W = torch.nn.Parameter(W0.clone())
+    host = torch.optim.SGD([W], lr=0.1)
+    SpectralDecay([W], p=2, spectral_weight_decay=0.2).attach(host)
+
+    def closure(backward=True):
+        W.grad = torch.zeros_like(W) if backward else None  # a zero gradient: the step is the decay alone
+        return torch.zeros(())
+
+    def step(closure):
+        return host.step(closure=closure) if passed == "keyword" else host.step(closure)
+
+    step(closure)
+    once = so.reference.spectral_decay_svd(W0, 2, 0.1, 0.2)
+    assert relative_error(W.detach(), once) < 1e-10
+    step(lambda: closure(backward=False))
+    assert relative_error(W.detach(), once) < 1e-10  # no gradient: neither SGD nor the decay stepped it
+    step(closure)
+    assert relative_error(W.detach(), so.reference.spectral_decay_svd(once, 2, 0.1, 0.2)) < 1e-10

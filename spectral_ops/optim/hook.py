@@ -6,7 +6,8 @@ with a gradient) is computed and checked from their pre-update values, with the 
 *current* lr (or ``eta_t`` = lr / peak_lr under the independent convention, the peak being the host
 group's starting lr or its scheduler's ``initial_lr``); once the host's step has returned, it is added
 to the weights (SPEC 1.5's decoupled decay: ``W <- W - lr (update(W) + lambda_p S_p(W))``, both
-terms of the pre-step ``W``). A host step that raises leaves the decay unwritten. It can also run on
+terms of the pre-step ``W``); a step given a closure plans it once the closure has made the gradients,
+before the host's update. A host step that raises leaves the decay unwritten. It can also run on
 its own: ``SpectralDecay(params, ..., lr=0.01).step()`` decays every parameter it holds, gradient or
 not.
 """
@@ -135,18 +136,44 @@ class SpectralDecay(SpectralOptimizer):
             handle.remove()
         self._handles, self._attached, self._planned = (), False, None
 
-    @torch.no_grad()
-    def _before_host_step(self, optimizer, args, kwargs) -> None:
+    def _before_host_step(self, optimizer, args, kwargs):
         """Plan the decay of every group before the host's step, with its lr: computed from the pre-step
         weights and checked, nothing written (a failure raises, and the host's step does not run).
+
+        A step given a closure (``step(closure)``: Lightning's automatic optimization, LBFGS) gets its
+        gradients from it, inside the host's step: the decay is then planned when the closure first
+        returns, before the host's update, so that it takes the parameters that have a gradient now,
+        not those that had one at the last step (which missed the first step, and decayed a step whose
+        closure skipped the backward).
 
         A step torch.compile traces writes it here instead, as new values: the plan would have to
         cross the host's own graph break (torch's AdamW breaks around its update), which Dynamo does
         not carry reliably, and a compiled step is not rolled back anyway."""
-        compiled = torch.compiler.is_compiling()
         stale, self._planned = self._planned, None
         if stale is not None:  # the host's last step raised: its decay was never written
             self._forget(stale.created)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the host itself
+        if closure is None:
+            self._plan_decay(optimizer)
+            return None
+        planned = False
+
+        def closure_then_plan():
+            nonlocal planned
+            loss = closure()
+            if not planned:  # LBFGS calls it again after its own writes: the decay reads the pre-step weights
+                planned = True
+                self._plan_decay(optimizer)
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_plan}
+        return (args[0], closure_then_plan, *args[2:]), kwargs
+
+    @torch.no_grad()
+    def _plan_decay(self, optimizer) -> None:
+        """The pre-hook's plan (or, compiled, its write) of the decay, with the host's current lr."""
+        compiled = torch.compiler.is_compiling()
         host_group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
 
         def prepare(params, group):
