@@ -256,3 +256,27 @@ def test_a_host_that_is_not_a_torch_optimizer_is_refused_and_the_recipe_does_wha
             torch.nn.functional.mse_loss(model(inputs), targets).backward()
             optimizer.step()
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+
+
+def test_a_host_without_step_hooks_is_refused_naming_the_optimizer_it_wraps():
+    """A wrapper with no step hooks (a torch.optim.Optimizer subclass that never ran Optimizer.__init__,
+    as pytorch-optimizer's SafeFP16Optimizer; or another class, as its CPUOffloadOptimizer) gets a
+    TypeError instead of an AttributeError from inside attach, naming the torch optimizer it wraps."""
+    class HooklessWrapper(torch.optim.Optimizer):
+        def __init__(self, optimizer):  # Optimizer.__init__ never runs: no step hooks, no param_groups
+            self.optimizer = optimizer
+
+    class PlainWrapper:
+        def __init__(self, optimizer):
+            self.base = optimizer
+
+    W = torch.nn.Parameter(torch.randn(4, 4))
+    decay = SpectralDecay([W], p=2, spectral_weight_decay=0.05)
+    with pytest.raises(TypeError, match=r"HooklessWrapper is a torch.optim.Optimizer without step hooks .*"
+                                        r"It wraps a SGD in \.optimizer: attach to that one.*spectral_decay_"):
+        decay.attach(HooklessWrapper(torch.optim.SGD([W], lr=0.1)))
+    with pytest.raises(TypeError, match=r"needs a torch.optim.Optimizer .* got PlainWrapper\. It wraps a SGD in "
+                                        r"\.base: attach to that one"):
+        decay.attach(PlainWrapper(torch.optim.SGD([W], lr=0.1)))
+    assert not decay._attached
+    decay.attach(torch.optim.SGD([W], lr=0.1))  # the fix the error names

@@ -46,6 +46,24 @@ def spectrally_decayed(optimizer: SpectralOptimizer) -> set[int]:
             if needs_direction(group["p"], group[optimizer.spectral_key], group["band"])}
 
 
+def _cannot_attach(optimizer) -> str:
+    """Why ``attach`` refuses ``optimizer`` (no step hooks), and the fixes: the torch optimizer it wraps,
+    if it holds one (a wrapper such as pytorch-optimizer's SafeFP16Optimizer or CPUOffloadOptimizer), else the op."""
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.Optimizer):  # a subclass that never ran Optimizer.__init__
+        why = (f"{name} is a torch.optim.Optimizer without step hooks (it never ran Optimizer.__init__), so "
+               "SpectralDecay.attach has nothing to register")
+    else:
+        why = f"SpectralDecay.attach needs a torch.optim.Optimizer (it registers a step pre-hook), got {name}"
+    wrapped = [(attribute, value) for attribute, value in getattr(optimizer, "__dict__", {}).items()
+               if isinstance(value, torch.optim.Optimizer) and hasattr(value, "_optimizer_step_pre_hooks")]
+    inner = "".join(f". It wraps a {type(value).__name__} in .{attribute}: attach to that one, with the parameters "
+                    f"it updates (those in .{attribute}.param_groups)" for attribute, value in wrapped)
+    return (f"{why}{inner}. {'Or, f' if wrapped else 'F'}or another optimizer class, call "
+            "spectral_ops.spectral_decay_(matrices, p, lr, spectral_weight_decay, stability='clamp') at the start "
+            "of its step, with its lr (docs/optimizers.md, 'Optimizers that are not torch.optim.Optimizer')")
+
+
 class SpectralDecay(SpectralOptimizer):
     """Decay only: ``spectral_weight_decay`` is the spectral coefficient ``lambda_p`` (required where
     ``p != 1`` or a band is set) and ``ordinary_weight_decay`` the ordinary ``lambda_1``; every option
@@ -98,13 +116,10 @@ class SpectralDecay(SpectralOptimizer):
 
         Refused where a parameter would be decayed spectrally twice: by another SpectralDecay attached
         to ``optimizer``, or by ``optimizer`` itself (a family optimizer with a spectral decay); and
-        where ``optimizer`` is not a ``torch.optim.Optimizer``, which has no step pre-hooks to attach to."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"SpectralDecay.attach needs a torch.optim.Optimizer (it registers a step pre-hook), got "
-                            f"{type(optimizer).__name__}. For another optimizer class, call "
-                            "spectral_ops.spectral_decay_(matrices, p, lr, spectral_weight_decay, stability='clamp') "
-                            "at the start of its step, with its lr (docs/optimizers.md, 'Optimizers that are not "
-                            "torch.optim.Optimizer')")
+        where ``optimizer`` has no step hooks to attach to: not a ``torch.optim.Optimizer``, or a subclass
+        that never ran ``Optimizer.__init__`` (the error names the torch optimizer it wraps, if any)."""
+        if not isinstance(optimizer, torch.optim.Optimizer) or not hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            raise TypeError(_cannot_attach(optimizer))
         if self._attached:
             raise RuntimeError("this SpectralDecay is already attached; call detach() first")
         self._check_no_second_decay(optimizer)
