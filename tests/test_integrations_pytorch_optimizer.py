@@ -123,11 +123,14 @@ def test_lion_decays_once_per_step(recipe):
 
 def test_lookahead_decays_the_fast_weights_once_per_step_before_the_interpolation(recipe):
     """7 steps, syncs at 3 and 6: the recipe's run equals AdaBelief plus one decay per step by hand and
-    Lookahead's interpolation by hand after it, bit for bit. Right after a sync the weights are the
-    slow weights; attached to the wrapper instead, the sync step's decay lands after the interpolation,
-    on the fast weights only."""
+    Lookahead's interpolation by hand after it, bit for bit; a second decay on the wrapper is refused.
+    Right after a sync the weights are the slow weights; attached to the wrapper instead, the sync
+    step's decay lands after the interpolation, on the fast weights only."""
     attached = make_model()
     lookahead = recipe["build_lookahead"](attached)
+    with pytest.raises(ValueError, match="attached to the AdaBelief already decays.*this Lookahead share"):
+        SpectralDecay(matrices_of(attached.parameters()), p=P, spectral_weight_decay=SPECTRAL_WEIGHT_DECAY).attach(
+            lookahead)  # a second decay, on the wrapper
     recipe["train"](attached, lookahead, batches(0, 7))
 
     by_hand = make_model()
@@ -165,7 +168,7 @@ def test_safe_fp16_refuses_attach_and_decays_its_masters_once_per_step_none_on_a
     model = make_model(half=True)
     safe = recipe["build_fp16"](model)
     with pytest.raises(TypeError, match=r"SafeFP16Optimizer is a torch.optim.Optimizer without step hooks.*"
-                                        r"It wraps a Lion in \.optimizer: attach to that one"):
+                                        r"It wraps an optimizer in \.optimizer \(Lion\): attach to that one"):
         SpectralDecay(matrices_of(model.parameters()), p=P, spectral_weight_decay=SPECTRAL_WEIGHT_DECAY).attach(safe)
 
     def run(build):
