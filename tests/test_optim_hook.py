@@ -1,6 +1,7 @@
 """SpectralDecay bolted onto other optimizers."""
 
 import copy
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -285,3 +286,61 @@ def test_a_closure_step_decays_the_parameters_its_closure_gives_a_gradient(passe
     assert relative_error(W.detach(), once) < 1e-10  # no gradient: neither SGD nor the decay stepped it
     step(closure)
     assert relative_error(W.detach(), so.reference.spectral_decay_svd(once, 2, 0.1, 0.2)) < 1e-10
+
+
+def test_a_host_without_step_hooks_is_refused_naming_the_optimizer_it_wraps():
+    """A wrapper with no step hooks (a torch.optim.Optimizer subclass that never ran Optimizer.__init__,
+    as pytorch-optimizer's SafeFP16Optimizer; or another class, as its CPUOffloadOptimizer) gets a
+    TypeError instead of an AttributeError from inside attach, naming the torch optimizer it wraps."""
+    class HooklessWrapper(torch.optim.Optimizer):
+        def __init__(self, optimizer):  # Optimizer.__init__ never runs: no step hooks, no param_groups
+            self.optimizer = optimizer
+
+    class PlainWrapper:
+        def __init__(self, optimizer):
+            self.base = optimizer
+
+    W = torch.nn.Parameter(torch.randn(4, 4))
+    decay = SpectralDecay([W], p=2, spectral_weight_decay=0.05)
+    with pytest.raises(TypeError, match=r"HooklessWrapper is a torch.optim.Optimizer without step hooks .*It wraps "
+                                        r"an optimizer in \.optimizer \(SGD\): attach to that one.*spectral_decay_"):
+        decay.attach(HooklessWrapper(torch.optim.SGD([W], lr=0.1)))
+    with pytest.raises(TypeError, match=r"needs a torch.optim.Optimizer .* got PlainWrapper\. It wraps an optimizer in "
+                                        r"\.base \(SGD\): attach to that one"):
+        decay.attach(PlainWrapper(torch.optim.SGD([W], lr=0.1)))
+    assert not decay._attached
+    decay.attach(torch.optim.SGD([W], lr=0.1))  # the fix the error names
+
+
+def test_a_wrapper_and_the_optimizer_it_wraps_take_one_decay_between_them():
+    """A wrapper whose groups are the wrapped optimizer's (pytorch-optimizer's Lookahead, OrthoGrad)
+    steps the wrapped one inside its own step: a SpectralDecay attached to each would decay the same
+    parameters twice per step. The second attach is refused, in either order, until the first detaches."""
+    class Wrapper(torch.optim.Optimizer):  # as Lookahead: its own step hooks, the wrapped optimizer's groups
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+            self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
+            self._patch_step_function()
+
+        @property
+        def param_groups(self):
+            return self.optimizer.param_groups
+
+        def step(self, closure=None):
+            return self.optimizer.step(closure)
+
+    model = tiny_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapper = Wrapper(inner)
+    first = SpectralDecay(matrices(model), p=2, spectral_weight_decay=0.05).attach(inner)
+    with pytest.raises(ValueError, match="attached to the SGD already decays.*this Wrapper share their param_groups"):
+        SpectralDecay(matrices(model), p=2, spectral_weight_decay=0.05).attach(wrapper)
+    first.detach()
+    on_wrapper = SpectralDecay(matrices(model), p=2, spectral_weight_decay=0.05).attach(wrapper)
+    with pytest.raises(ValueError, match="attached to the Wrapper already decays.*this SGD share their param_groups"):
+        SpectralDecay(matrices(model), p=2, spectral_weight_decay=0.05).attach(inner)
+    SpectralDecay(matrices(model), p=1, ordinary_weight_decay=0.01).attach(inner)  # no spectral decay: no conflict
+    inputs, targets = batch(0)
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+    wrapper.step()  # the wrapper's hooks run: the decay once
+    assert on_wrapper._attached

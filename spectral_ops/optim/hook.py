@@ -34,6 +34,10 @@ HOST_PEAK_KEY = "spectral_decay_peak_lr"
 # version counter of its storage just after): see SpectralDecay._check_not_decayed_twice.
 _last_standalone_decay = WeakIdKeyDictionary()
 
+# The live attached SpectralDecays: attach looks here for one attached to another optimizer over the same
+# param_groups list, which a wrapper shares with the optimizer it wraps (pytorch-optimizer's Lookahead, OrthoGrad).
+_attached_decays = weakref.WeakSet()
+
 
 def _remember_peak(host_group: dict):
     if HOST_PEAK_KEY not in host_group:
@@ -45,6 +49,24 @@ def spectrally_decayed(optimizer: SpectralOptimizer) -> set[int]:
     """The ids of the parameters ``optimizer``'s groups decay along a spectral direction."""
     return {id(param) for group in optimizer.param_groups for param in group["params"]
             if needs_direction(group["p"], group[optimizer.spectral_key], group["band"])}
+
+
+def _cannot_attach(optimizer) -> str:
+    """Why ``attach`` refuses ``optimizer`` (no step hooks), and the fixes: the torch optimizer it wraps,
+    if it holds one (a wrapper such as pytorch-optimizer's SafeFP16Optimizer or CPUOffloadOptimizer), else the op."""
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.Optimizer):  # a subclass that never ran Optimizer.__init__
+        why = (f"{name} is a torch.optim.Optimizer without step hooks (it never ran Optimizer.__init__), so "
+               "SpectralDecay.attach has nothing to register")
+    else:
+        why = f"SpectralDecay.attach needs a torch.optim.Optimizer (it registers a step pre-hook), got {name}"
+    wrapped = [(attribute, value) for attribute, value in getattr(optimizer, "__dict__", {}).items()
+               if isinstance(value, torch.optim.Optimizer) and hasattr(value, "_optimizer_step_pre_hooks")]
+    inner = "".join(f". It wraps an optimizer in .{attribute} ({type(value).__name__}): attach to that one, with the "
+                    f"parameters it updates (those in .{attribute}.param_groups)" for attribute, value in wrapped)
+    return (f"{why}{inner}. {'Or, f' if wrapped else 'F'}or another optimizer class, call "
+            "spectral_ops.spectral_decay_(matrices, p, lr, spectral_weight_decay, stability='clamp') at the start "
+            "of its step, with its lr (docs/optimizers.md, 'Optimizers that are not torch.optim.Optimizer')")
 
 
 class SpectralDecay(SpectralOptimizer):
@@ -72,10 +94,12 @@ class SpectralDecay(SpectralOptimizer):
         self._handles = ()  # attached: the removable handles of the host's step pre- and post-hook
         self._attached = False  # a plain flag, which torch.compile reads where it cannot read a handle
         self._planned = None  # attached: the decay planned before the host's step, written after it
+        self._host = None  # attached: a weak reference to the host optimizer
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        for key, value in (("_handles", ()), ("_attached", False), ("_planned", None)):  # a copy is not attached
+        # A copy is not attached.
+        for key, value in (("_handles", ()), ("_attached", False), ("_planned", None), ("_host", None)):
             self.__dict__.setdefault(key, value)
 
     def check_group(self, group: dict) -> None:
@@ -98,14 +122,13 @@ class SpectralDecay(SpectralOptimizer):
         the host's step skips when it raises).
 
         Refused where a parameter would be decayed spectrally twice: by another SpectralDecay attached
-        to ``optimizer``, or by ``optimizer`` itself (a family optimizer with a spectral decay); and
-        where ``optimizer`` is not a ``torch.optim.Optimizer``, which has no step pre-hooks to attach to."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"SpectralDecay.attach needs a torch.optim.Optimizer (it registers a step pre-hook), got "
-                            f"{type(optimizer).__name__}. For another optimizer class, call "
-                            "spectral_ops.spectral_decay_(matrices, p, lr, spectral_weight_decay, stability='clamp') "
-                            "at the start of its step, with its lr (docs/optimizers.md, 'Optimizers that are not "
-                            "torch.optim.Optimizer')")
+        to ``optimizer`` or to an optimizer sharing its ``param_groups`` (a wrapper such as
+        pytorch-optimizer's Lookahead and the optimizer it wraps), or by ``optimizer`` itself (a family
+        optimizer with a spectral decay); and where ``optimizer`` has no step hooks to attach to: not a
+        ``torch.optim.Optimizer``, or a subclass that never ran ``Optimizer.__init__`` (the error names
+        the torch optimizer it wraps, if any)."""
+        if not isinstance(optimizer, torch.optim.Optimizer) or not hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            raise TypeError(_cannot_attach(optimizer))
         if self._attached:
             raise RuntimeError("this SpectralDecay is already attached; call detach() first")
         self._check_no_second_decay(optimizer)
@@ -113,7 +136,8 @@ class SpectralDecay(SpectralOptimizer):
             _remember_peak(group)
         self._handles = (optimizer.register_step_pre_hook(self._before_host_step),
                          optimizer.register_step_post_hook(self._after_host_step))
-        self._attached = True
+        self._attached, self._host = True, weakref.ref(optimizer)
+        _attached_decays.add(self)
         return self
 
     def _check_no_second_decay(self, optimizer: torch.optim.Optimizer) -> None:
@@ -125,6 +149,15 @@ class SpectralDecay(SpectralOptimizer):
                 raise ValueError("another SpectralDecay attached to this optimizer already decays some of these "
                                  "parameters; each parameter may take one spectral decay (detach the other, or "
                                  "give each its own parameters)")
+        for other in list(_attached_decays):
+            host = other._host() if other._host is not None else None
+            if other._attached and host is not None and host is not optimizer and \
+                    host.param_groups is optimizer.param_groups and mine & spectrally_decayed(other):
+                raise ValueError(f"a SpectralDecay attached to the {type(host).__name__} already decays some of these "
+                                 f"parameters, and that optimizer and this {type(optimizer).__name__} share their "
+                                 "param_groups (one wraps the other, as Lookahead wraps its optimizer): both would "
+                                 "decay them at each step. Attach once, to the optimizer that updates the weights "
+                                 "(the wrapped one)")
         if isinstance(optimizer, SpectralOptimizer) and not isinstance(optimizer, SpectralDecay):
             if mine & spectrally_decayed(optimizer):
                 raise ValueError(f"{type(optimizer).__name__} already decays some of these parameters spectrally "
@@ -134,7 +167,8 @@ class SpectralDecay(SpectralOptimizer):
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles, self._attached, self._planned = (), False, None
+        self._handles, self._attached, self._planned, self._host = (), False, None, None
+        _attached_decays.discard(self)
 
     def _before_host_step(self, optimizer, args, kwargs):
         """Plan the decay of every group before the host's step, with its lr: computed from the pre-step
