@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import platform
 import re
 from pathlib import Path
 
@@ -43,12 +44,13 @@ def run_recipe(section: str, **given) -> dict:
 
 def framework(module: str):
     """Import a framework's module, or skip the calling test module with the reason (printed by
-    ``-rs``): the framework cannot import on the running torch. Where ``make test`` requires the
+    ``-rs``): the framework cannot import on the running Python or torch. Where ``make test`` requires the
     frameworks, the failure to import fails instead."""
     try:
         return importlib.import_module(module)
     except Exception as error:  # a framework's import can fail in its own ways on an unsupported torch
-        reason = f"{module} cannot be imported on torch {torch.__version__}: {type(error).__name__}: {error}"
+        reason = (f"{module} cannot be imported on Python {platform.python_version()} with torch {torch.__version__}: "
+                  f"{type(error).__name__}: {error}")
         if REQUIRED:
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason, allow_module_level=True)
