@@ -85,17 +85,17 @@ ifeq ($(DEBIAN_CHROOT),1)
 	rm -rf --one-file-system "$(DEBIAN_ROOT)/src" && mkdir "$(DEBIAN_ROOT)/src"
 	git ls-files -co --exclude-standard -z | xargs -0 tar c | tar x -C "$(DEBIAN_ROOT)/src"
 	chroot "$(DEBIAN_ROOT)" sh -c 'cd /src && HOME=/tmp PYTHONPATH=/src SPECTRAL_OPS_REQUIRE_INTEGRATIONS=1 \
-		/venv/bin/python -m pytest -q -rs -p no:cacheprovider $(DEBIAN_TESTS)'
+		/venv/bin/python -m pytest -q -rfEs -p no:cacheprovider $(DEBIAN_TESTS)'
 else
 	@echo "$(DEBIAN_TESTS): left out (DEBIAN_CHROOT=0)"
 endif
 
 # Lint first (pyproject.toml's [tool.ruff]); the benchmarks run once each, untimed, as a smoke test (no
-# framework of docs/integrations.md may skip: -rs prints why any test skips); then the core of the suite at
+# framework of docs/integrations.md may skip: -rfEs adds why any test skipped to the failures); then the core of the suite at
 # the oldest torch; then emerging-optimizers' tests in the Debian chroot.
 test: $(STAMP) $(COMPAT_STAMP)
 	$(VENV)/bin/ruff check .
-	SPECTRAL_OPS_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest tests bench -q -rs --benchmark-disable $(XDIST) \
+	SPECTRAL_OPS_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest tests bench -q -rfEs --benchmark-disable $(XDIST) \
 		$(foreach file,$(DEBIAN_TESTS),--ignore=$(file))
 	$(COMPAT_PY) -m pytest $(COMPAT_TESTS) -q $(XDIST)
 	$(MAKE) --no-print-directory test-debian

@@ -6,6 +6,12 @@ import torch
 
 from spectral_ops import dispatch, gpu_model
 
+# Triton's interpreter for the test_triton_* modules (tests/triton_env.py says why), set here, before pytest
+# collects any test module: a framework that another module imports at collection (heavyball, Lightning)
+# imports triton, and kernels decorated after that no longer see a variable set later (their launches then
+# fail: "Cannot call @triton.jit'd outside of the scope of a kernel"). setdefault: a GPU machine may set 0.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Modules whose tests share a costly module- or session-scoped fixture (a build kept under build/, every
 # experiment run once, a multi-process launch, the dry run of the GPU check). Under pytest-xdist (`make test`
 # runs `-n auto`) each runs on one worker, so its fixture is made once, not once per worker, and no two

@@ -2,11 +2,11 @@
 
 The Triton tests run the kernels on CPU tensors under Triton's interpreter. ``triton.jit`` picks
 compiled or interpreted when a kernel is *decorated*, i.e. when ``spectral_ops.triton_kernels`` is
-first imported, so ``TRITON_INTERPRET=1`` must be set before that. pytest imports (collects) every
-test module before it runs any test, and nothing imports the kernels at collection time, so
-setting the variable here, at import, is early enough. It is a plain module rather than
-``conftest.py`` so that the suite's conftest stays Triton-free; ``setdefault`` lets a GPU machine
-run the same tests compiled with ``TRITON_INTERPRET=0``.
+first imported, so ``TRITON_INTERPRET=1`` must be set before that, and before anything imports triton
+itself: ``tests/conftest.py`` sets it before pytest collects a module (a framework imported at collection
+imports triton), and this module sets it too, for its users run outside the suite. ``setdefault`` lets a
+GPU machine run the same tests compiled with ``TRITON_INTERPRET=0``. This module keeps the Triton imports
+out of the suite's conftest.
 
 The variable then stays set for the whole session. That is harmless for the other modules: on CPU
 tensors the triton backend is only used when it is forced, so unforced calls still go to torch.
