@@ -91,8 +91,8 @@ else
 endif
 
 # Lint first (pyproject.toml's [tool.ruff]); the benchmarks run once each, untimed, as a smoke test (no
-# framework of docs/integrations.md may skip: -rfEs adds why any test skipped to the failures); then the core of the suite at
-# the oldest torch; then emerging-optimizers' tests in the Debian chroot.
+# framework of docs/integrations.md may skip: -rfEs adds why any test skipped to the failures); then the core
+# of the suite at the oldest torch; then emerging-optimizers' tests in the Debian chroot.
 test: $(STAMP) $(COMPAT_STAMP)
 	$(VENV)/bin/ruff check .
 	SPECTRAL_OPS_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest tests bench -q -rfEs --benchmark-disable $(XDIST) \
