@@ -54,3 +54,19 @@ def framework(module: str):
         if REQUIRED:
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason, allow_module_level=True)
+
+
+def assert_bitwise_equal(a, b, where="state"):
+    """Nested state (dicts, lists, tensors, numbers) equal bit for bit."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_bitwise_equal(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    elif torch.is_tensor(a):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, where

@@ -15,7 +15,7 @@ from spectral_ops import reference
 from spectral_ops.linalg import relative_error
 from spectral_ops.optim import SpectralDecay, param_groups_by_module
 
-from integration_recipes import framework, run_recipe
+from integration_recipes import assert_bitwise_equal, framework, run_recipe
 
 L = framework("lightning")
 from lightning.pytorch.plugins import MixedPrecision  # noqa: E402  (after the import-or-skip)
@@ -239,21 +239,6 @@ def fitted_state(trainer) -> dict:
             "optimizers": [optimizer.state_dict() for optimizer in trainer.optimizers],
             "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
             "global_step": trainer.global_step}
-
-
-def assert_bitwise_equal(a, b, where="state"):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_bitwise_equal(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for index, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise_equal(x, y, f"{where}[{index}]")
-    elif torch.is_tensor(a):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, where
 
 
 @pytest.mark.parametrize("precision", ["32", "bf16-mixed"])

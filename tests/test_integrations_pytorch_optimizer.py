@@ -112,13 +112,19 @@ def test_lion_decays_once_per_step(recipe):
     lion, matrices = pytorch_optimizer.Lion(by_hand.parameters(), lr=1e-4, weight_decay=0.0), matrices_of(
         by_hand.parameters())
     for inputs, targets in batches(0, 4):
-        lion.zero_grad()
-        torch.nn.functional.mse_loss(by_hand(inputs), targets).backward()
-        increments = so.spectral_decay(matrices, P, 1e-4, SPECTRAL_WEIGHT_DECAY, stability="clamp", increment=True)
-        lion.step()
-        with torch.no_grad():
-            torch._foreach_add_(matrices, increments)
+        step_with_the_decay_by_hand(by_hand, lion, matrices, 1e-4, inputs, targets)
     assert_same(attached.parameters(), by_hand.parameters())
+
+
+def step_with_the_decay_by_hand(model, optimizer, matrices, lr, inputs, targets):
+    """One step of ``optimizer`` with the decay added as attach adds it: the increment computed from the
+    pre-step weights, added after the optimizer's own update."""
+    optimizer.zero_grad()
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+    increments = so.spectral_decay(matrices, P, lr, SPECTRAL_WEIGHT_DECAY, stability="clamp", increment=True)
+    optimizer.step()
+    with torch.no_grad():
+        torch._foreach_add_(matrices, increments)
 
 
 def test_lookahead_decays_the_fast_weights_once_per_step_before_the_interpolation(recipe):
@@ -138,12 +144,8 @@ def test_lookahead_decays_the_fast_weights_once_per_step_before_the_interpolatio
     fast = pytorch_optimizer.AdaBelief(params, lr=1e-3, weight_decay=0.0)
     slow = [param.detach().clone() for param in params]
     for step, (inputs, targets) in enumerate(batches(0, 7), start=1):
-        fast.zero_grad()
-        torch.nn.functional.mse_loss(by_hand(inputs), targets).backward()
-        increments = so.spectral_decay(matrices, P, 1e-3, SPECTRAL_WEIGHT_DECAY, stability="clamp", increment=True)
-        fast.step()
+        step_with_the_decay_by_hand(by_hand, fast, matrices, 1e-3, inputs, targets)
         with torch.no_grad():
-            torch._foreach_add_(matrices, increments)
             if step % K == 0:
                 torch._foreach_lerp_(params, slow, 1.0 - ALPHA)
                 torch._foreach_copy_(slow, params)

@@ -16,7 +16,7 @@ from spectral_ops import reference
 from spectral_ops.linalg import relative_error
 from spectral_ops.optim import SpectralDecay, _decay
 
-from integration_recipes import framework, run_recipe
+from integration_recipes import assert_bitwise_equal, framework, run_recipe
 
 # Read when huggingface_hub is imported: no request leaves, and no progress bar is printed.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -78,22 +78,6 @@ def arguments(output_dir, **options):
     settings = dict(max_steps=6, save_steps=3, per_device_train_batch_size=4, seed=0, report_to="none",
                     use_cpu=True) | options
     return transformers.TrainingArguments(str(output_dir), **settings)
-
-
-def assert_bitwise_equal(a, b, where="state"):
-    """Nested state (dicts, lists, tensors, numbers) equal bit for bit."""
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_bitwise_equal(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise_equal(x, y, f"{where}[{i}]")
-    elif torch.is_tensor(a):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, where
 
 
 def assert_same_run(trainer, resumed):
