@@ -7,6 +7,7 @@ half-updated.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -570,12 +571,11 @@ def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, 
     for indices in groups.values():
         # The decay is computed in a copy: a stack of a same-shape batch, or a clone of a lone weight.
         stack = torch.stack([tensors[i] for i in indices]) if len(indices) > 1 else tensors[indices[0]].clone()
-        if torch.is_autocast_enabled(stack.device.type):
-            # A step called inside a forward's autocast (Lightning's manual optimization steps in its
-            # training_step) would run the decay's products in bf16: its precision is its options' alone.
-            with torch.autocast(stack.device.type, enabled=False):
-                outcome = plan.decay_(dispatch.kernels_for("decay_", stack), stack, request)
-        else:
+        # A step called inside a forward's autocast (Lightning's manual optimization steps in its
+        # training_step) would run the decay's products in bf16: its precision is its options' alone.
+        autocast_off = (torch.autocast(stack.device.type, enabled=False)
+                        if torch.is_autocast_enabled(stack.device.type) else contextlib.nullcontext())
+        with autocast_off:
             outcome = plan.decay_(dispatch.kernels_for("decay_", stack), stack, request)
         pending.decayed.update(zip(indices, stack.unbind(0) if len(indices) > 1 else [stack]))
         if outcome.clamp_factor is not None:
