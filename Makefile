@@ -56,7 +56,9 @@ XDIST := -n auto --maxprocesses 8
 DEBIAN_CHROOT ?= 1
 DEBIAN_SUITE := forky
 DEBIAN_ROOT ?= $(HOME)/.cache/spectral_ops/debian-$(DEBIAN_SUITE)
-DEBIAN_MIRROR ?= $(shell sed -n 's/^URIs: //p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+# The host's own Debian mirror, from its apt sources (deb822 first, then the one-line format).
+DEBIAN_MIRROR ?= $(shell { sed -n 's/^URIs: //p' /etc/apt/sources.list.d/debian.sources; \
+	awk '$$1 == "deb" {print $$2}' /etc/apt/sources.list; } 2>/dev/null | head -1)
 DEBIAN_APT := -o Acquire::Check-Valid-Until=false
 # Besides the framework's pin (requirements-integrations.txt): the triton Debian's torch 2.14 pairs with (the
 # framework imports it), and what the tests import.
@@ -67,6 +69,7 @@ DEBIAN_STAMP := $(DEBIAN_ROOT)/.installed-$(shell cat requirements-integrations.
 $(DEBIAN_STAMP):
 	@test "$$(id -u)" = 0 || { echo "$(DEBIAN_TESTS) runs in a chroot, which needs root: run as root, or \
 	make test DEBIAN_CHROOT=0 to leave it out (docs/testing.md)"; exit 1; }
+	@test -n "$(DEBIAN_MIRROR)" || { echo "no Debian mirror in the host's apt sources: set DEBIAN_MIRROR"; exit 1; }
 	command -v debootstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap; }
 	rm -rf --one-file-system "$(DEBIAN_ROOT)"
 	debootstrap --variant=minbase --include=python3-venv $(DEBIAN_SUITE) "$(DEBIAN_ROOT)" $(DEBIAN_MIRROR) \
