@@ -1,6 +1,7 @@
 """The reference training loop: presets, data, a short run, resume, sweep and report."""
 
 import dataclasses
+import errno
 import json
 import math
 
@@ -360,6 +361,42 @@ def test_resume_refuses_a_checkpoint_without_an_embedded_config_unless_forced(tm
     del state["config"]
     torch.save(state, path)
     with pytest.raises(ValueError, match=r"checkpoint\.pt embeds no config.*--force"):
+        train(config, resume=True, progress=False)
+    assert train(config, resume=True, force=True, progress=False) == history
+
+
+def test_a_full_disk_is_named_leaves_no_temporary_file_and_the_run_resumes_bitwise(tmp_path, corpus_dir,
+                                                                                    monkeypatch):
+    """Once the first checkpoint is in place the disk fills: the temporary becomes a link to /dev/full, on
+    which every write fails with ENOSPC from the kernel, as on a full disk. torch.save's own file writer
+    said "basic_ios::clear: iostream error" and left the torn temporary."""
+    config = tiny_run(tmp_path, corpus_dir, steps=4, checkpoint_every=2)
+    reference = train(dataclasses.replace(config, out_dir=str(tmp_path / "reference")), progress=False)
+    install = loop.install_checkpoint
+
+    def install_then_fill_the_disk(temporary, paths):
+        install(temporary, paths)
+        temporary.symlink_to("/dev/full")
+
+    monkeypatch.setattr(loop, "install_checkpoint", install_then_fill_the_disk)
+    with pytest.raises(OSError, match=r"No space left on device: writing .*checkpoint\.tmp failed and was "
+                                      r"removed.*--resume") as raised:
+        train(config, progress=False)
+    assert raised.value.errno == errno.ENOSPC
+    out = tmp_path / "run"
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint.pt"]
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 2
+    monkeypatch.undo()  # space freed
+    assert train(config, resume=True, progress=False) == reference
+
+
+def test_resume_names_a_field_missing_from_config_json_instead_of_reading_its_default(tmp_path, corpus_dir):
+    config = tiny_run(tmp_path, corpus_dir, steps=2)  # lr 1e-2, not the default 3e-3
+    history = train(config, progress=False)
+    path = tmp_path / "run" / "config.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "lr"}))
+    with pytest.raises(ValueError, match=r"config\.json \(lr: missing from the saved config \(its default is "
+                                         r"0\.003\) -> 0\.01\)"):
         train(config, resume=True, progress=False)
     assert train(config, resume=True, force=True, progress=False) == history
 

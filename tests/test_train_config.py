@@ -120,6 +120,9 @@ def test_a_resume_compares_what_changes_the_numbers_not_where_the_run_lives():
     # A field an older config lacks was added since: that run used its default.
     older = {key: value for key, value in to_dict(config).items() if key != "p_v"}
     assert computed_differences(older, config) == {}
+    # A field it lacks where the config is not at the default is named as missing, not read as the default.
+    (saved, now), = computed_differences(older, dataclasses.replace(config, p_v=3)).values()
+    assert repr(saved) == "missing from the saved config (its default is None)" and now == 3
 
 
 @pytest.mark.parametrize("text, found", [('{"steps": 3', "JSONDecodeError"), ("[3]", "JSON list")])

@@ -291,10 +291,26 @@ RUN_KEEPING_FIELDS = frozenset({"out_dir", "log_every", "checkpoint_every", "kee
                                 "allow_stand_in_data"})
 
 
+class NotSaved:
+    """A field a saved config lacks, as a refusal shows it: the field was added since that run, which used
+    its default, or the file was edited. Never the default itself, which the file does not say."""
+
+    def __init__(self, default):
+        self.default = default
+
+    def __repr__(self) -> str:
+        return f"missing from the saved config (its default is {self.default!r})"
+
+
 def computed_differences(saved: dict, config: TrainConfig) -> dict[str, tuple]:
     """``{field: (saved value, config's value)}`` for each field outside :data:`RUN_KEEPING_FIELDS` in which a
     saved config (a run's config.json, a checkpoint's) differs from ``config``. A field the saved config lacks
-    was added since: that run used its default."""
-    saved, now = {**to_dict(TrainConfig()), **saved}, to_dict(config)
-    compared = sorted((set(saved) | set(now)) - RUN_KEEPING_FIELDS)
-    return {key: (saved.get(key), now.get(key)) for key in compared if saved.get(key) != now.get(key)}
+    was added since (that run used its default: the same run when ``config`` has it too) or edited out; where
+    ``config`` differs from the default, its saved value is a :class:`NotSaved`, named as missing."""
+    defaults, now = to_dict(TrainConfig()), to_dict(config)
+    differences = {}
+    for key in sorted((set(saved) | set(now)) - RUN_KEEPING_FIELDS):
+        old = saved.get(key, defaults.get(key))
+        if old != now.get(key):
+            differences[key] = (saved[key] if key in saved else NotSaved(old), now.get(key))
+    return differences

@@ -289,9 +289,29 @@ def save_checkpoint(out: Path, model, optimizer, step: int, history: list, confi
     check_finite_weights(model, step, out)
     paths = checkpoint_paths(out, config.keep_checkpoints)
     temporary = paths[0].with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                "history": history, "config": to_dict(config)}, temporary)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "history": history,
+             "config": to_dict(config)}
+    write_aside(temporary, lambda handle: torch.save(state, handle))
     install_checkpoint(temporary, paths)
+
+
+def write_aside(temporary: Path, write) -> None:
+    """``write(handle)`` into the file ``temporary``, flushed to disk, or no file at all: a write that fails
+    (a full disk, an interrupt) removes it, and an OSError is raised again naming the file, its reason and
+    that nothing was replaced. torch.save is handed a Python file, not the path: its own file writer reports
+    a full disk as "basic_ios::clear: iostream error"."""
+    try:
+        with open(temporary, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException as error:
+        temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError) and error.errno is not None:
+            raise OSError(error.errno, f"{error.strerror}: writing {temporary} failed and was removed; the files "
+                                       f"in {temporary.parent} are as they were (free space, then run again with "
+                                       "--resume)", str(temporary)) from error
+        raise
 
 
 def install_checkpoint(temporary: Path, paths: list[Path]) -> None:
@@ -323,12 +343,21 @@ def save_sharded_checkpoint(out: Path, model, optimizer, step: int, history: lis
     if processes.main and temporary.exists():
         shutil.rmtree(temporary)  # an interrupted save's
     processes.barrier()
-    dcp.save(sharded_state(model, optimizer), checkpoint_id=temporary)
-    if processes.main:
-        # The counts agree on every process (the optimizer agrees on each skip and clamp).
-        torch.save({"step": step, "history": history, "config": to_dict(config), **optimizer.count_state()},
-                   temporary / RUN_STATE)
-    processes.barrier()
+    error = None
+    try:
+        dcp.save(sharded_state(model, optimizer), checkpoint_id=temporary)  # raises on every process, or none
+        if processes.main:
+            # The counts agree on every process (the optimizer agrees on each skip and clamp).
+            run = {"step": step, "history": history, "config": to_dict(config), **optimizer.count_state()}
+            write_aside(temporary / RUN_STATE, lambda handle: torch.save(run, handle))
+    except Exception as caught:
+        error = caught
+    # Every process learns whether all wrote their part, so that none waits for one that failed.
+    if not processes.every(error is None):
+        if processes.main:
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise error or RuntimeError(f"saving the checkpoint {temporary} failed on another process (its log says "
+                                    f"why); the checkpoints in {out} are as they were")
     if processes.main:
         install_checkpoint(temporary, paths)
     processes.barrier()
@@ -428,10 +457,7 @@ def write_config(out: Path, config: TrainConfig) -> None:
     the old file or the new one, never a torn one."""
     path = out / "config.json"
     temporary = path.with_suffix(".json.tmp")
-    with open(temporary, "w") as handle:
-        handle.write(json.dumps(to_dict(config), indent=2) + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    write_aside(temporary, lambda handle: handle.write((json.dumps(to_dict(config), indent=2) + "\n").encode()))
     os.replace(temporary, path)
 
 
