@@ -39,6 +39,32 @@ _last_standalone_decay = WeakIdKeyDictionary()
 _attached_decays = weakref.WeakSet()
 
 
+def _held_optimizers(host) -> list[tuple[str, torch.optim.Optimizer]]:
+    """The torch optimizers ``host`` holds in its attributes, one or a list of them, each with where it is
+    (``.optimizer``, ``.optimizers[1]``): a wrapper's optimizer, a container's (torchtitan's
+    OptimizersContainer, heavyball's SplitOpt)."""
+    held = []
+    for attribute, value in getattr(host, "__dict__", {}).items():
+        if isinstance(value, torch.optim.Optimizer) and value is not host:
+            held.append((f".{attribute}", value))
+        elif isinstance(value, (list, tuple)):
+            held += [(f".{attribute}[{index}]", item) for index, item in enumerate(value)
+                     if isinstance(item, torch.optim.Optimizer) and item is not host]
+    return held
+
+
+def lr_groups(host: torch.optim.Optimizer) -> dict[int, tuple]:
+    """Parameter id -> ``(the optimizer whose group it is, the group)``, for the groups that hold the lr
+    each parameter of ``host`` is stepped with: ``host``'s own, and where one holds no ``lr``, as a
+    container's groups do (torchtitan's OptimizersContainer, heavyball's SplitOpt: their step steps the
+    optimizers they hold), the groups of the optimizers it holds."""
+    own = [(host, group) for group in host.param_groups]
+    held = [(optimizer, group) for _, optimizer in _held_optimizers(host) for group in optimizer.param_groups] \
+        if any("lr" not in group for _, group in own) else []
+    return {id(param): (optimizer, group) for optimizer, group in held + own if "lr" in group
+            for param in group["params"]}
+
+
 def _remember_peak(host_group: dict):
     if HOST_PEAK_KEY not in host_group:
         host_group[HOST_PEAK_KEY] = detached_peak(host_group["lr"])
@@ -60,10 +86,10 @@ def _cannot_attach(optimizer) -> str:
                "SpectralDecay.attach has nothing to register")
     else:
         why = f"SpectralDecay.attach needs a torch.optim.Optimizer (it registers a step pre-hook), got {name}"
-    wrapped = [(attribute, value) for attribute, value in getattr(optimizer, "__dict__", {}).items()
-               if isinstance(value, torch.optim.Optimizer) and hasattr(value, "_optimizer_step_pre_hooks")]
-    inner = "".join(f". It wraps an optimizer in .{attribute} ({type(value).__name__}): attach to that one, with the "
-                    f"parameters it updates (those in .{attribute}.param_groups)" for attribute, value in wrapped)
+    wrapped = [(where, value) for where, value in _held_optimizers(optimizer)
+               if hasattr(value, "_optimizer_step_pre_hooks")]
+    inner = "".join(f". It wraps an optimizer in {where} ({type(value).__name__}): attach to that one, with the "
+                    f"parameters it updates (those in {where}.param_groups)" for where, value in wrapped)
     return (f"{why}{inner}. {'Or, f' if wrapped else 'F'}or another optimizer class, call "
             "spectral_ops.spectral_decay_(matrices, p, lr, spectral_weight_decay, stability='clamp') at the start "
             "of its step, with its lr (docs/optimizers.md, 'Optimizers that are not torch.optim.Optimizer')")
@@ -119,26 +145,43 @@ class SpectralDecay(SpectralOptimizer):
         """Decay at every ``optimizer.step()``, following that optimizer's current lr: computed from the
         pre-step weights before the host's step (a step pre-hook, which raises before the host's step
         runs where the decay cannot be computed), added to the weights after it (a step post-hook, which
-        the host's step skips when it raises).
+        the host's step skips when it raises). Each parameter's lr is read in the host group that holds
+        it, or, in a container whose groups hold no lr (torchtitan's OptimizersContainer, heavyball's
+        SplitOpt), in the group of the optimizer inside it that steps it (:func:`lr_groups`).
 
         Refused where a parameter would be decayed spectrally twice: by another SpectralDecay attached
-        to ``optimizer`` or to an optimizer sharing its ``param_groups`` (a wrapper such as
-        pytorch-optimizer's Lookahead and the optimizer it wraps), or by ``optimizer`` itself (a family
-        optimizer with a spectral decay); and where ``optimizer`` has no step hooks to attach to: not a
+        to ``optimizer``, to an optimizer sharing its ``param_groups`` (a wrapper such as
+        pytorch-optimizer's Lookahead and the optimizer it wraps), or to a container holding it or an
+        optimizer it holds, or by ``optimizer`` (or one it holds) itself (a family optimizer with a
+        spectral decay); where ``optimizer`` has no step hooks to attach to: not a
         ``torch.optim.Optimizer``, or a subclass that never ran ``Optimizer.__init__`` (the error names
-        the torch optimizer it wraps, if any)."""
+        the torch optimizer it wraps, if any); and where a parameter's lr cannot be read."""
         if not isinstance(optimizer, torch.optim.Optimizer) or not hasattr(optimizer, "_optimizer_step_pre_hooks"):
             raise TypeError(_cannot_attach(optimizer))
         if self._attached:
             raise RuntimeError("this SpectralDecay is already attached; call detach() first")
         self._check_no_second_decay(optimizer)
-        for group in optimizer.param_groups:
+        groups = lr_groups(optimizer)
+        self._check_lrs_readable(optimizer, groups)
+        for _, group in groups.values():
             _remember_peak(group)
         self._handles = (optimizer.register_step_pre_hook(self._before_host_step),
                          optimizer.register_step_post_hook(self._after_host_step))
         self._attached, self._host = True, weakref.ref(optimizer)
         _attached_decays.add(self)
         return self
+
+    def _check_lrs_readable(self, optimizer: torch.optim.Optimizer, groups: dict) -> None:
+        """Refuse, before anything is registered, a parameter whose lr the decay cannot read: one in a group
+        of ``optimizer`` without an ``lr`` that no optimizer it holds steps."""
+        lr_less = {id(param) for group in optimizer.param_groups if "lr" not in group for param in group["params"]}
+        unread = [param for group in self.param_groups for param in group["params"]
+                  if id(param) not in groups and id(param) in lr_less]
+        if unread:
+            raise ValueError(f"{type(optimizer).__name__}'s param_groups hold no 'lr' for {len(unread)} of these "
+                             "parameters, and no torch optimizer it holds (in an attribute, or a list of them) steps "
+                             "them: the decay cannot read the lr they are stepped with. Attach to the optimizer whose "
+                             "param_groups hold their lr (the one that steps them)")
 
     def _check_no_second_decay(self, optimizer: torch.optim.Optimizer) -> None:
         mine = spectrally_decayed(self)
@@ -149,18 +192,26 @@ class SpectralDecay(SpectralOptimizer):
                 raise ValueError("another SpectralDecay attached to this optimizer already decays some of these "
                                  "parameters; each parameter may take one spectral decay (detach the other, or "
                                  "give each its own parameters)")
+        held = [value for _, value in _held_optimizers(optimizer)]
         for other in list(_attached_decays):
             host = other._host() if other._host is not None else None
-            if other._attached and host is not None and host is not optimizer and \
-                    host.param_groups is optimizer.param_groups and mine & spectrally_decayed(other):
-                raise ValueError(f"a SpectralDecay attached to the {type(host).__name__} already decays some of these "
-                                 f"parameters, and that optimizer and this {type(optimizer).__name__} share their "
-                                 "param_groups (one wraps the other, as Lookahead wraps its optimizer): both would "
-                                 "decay them at each step. Attach once, to the optimizer that updates the weights "
-                                 "(the wrapped one)")
-        if isinstance(optimizer, SpectralOptimizer) and not isinstance(optimizer, SpectralDecay):
-            if mine & spectrally_decayed(optimizer):
-                raise ValueError(f"{type(optimizer).__name__} already decays some of these parameters spectrally "
+            if not other._attached or host is None or host is optimizer or not mine & spectrally_decayed(other):
+                continue
+            if host.param_groups is optimizer.param_groups:
+                how = ("share their param_groups (one wraps the other, as Lookahead wraps its optimizer)",
+                       "to the optimizer that updates the weights (the wrapped one)")
+            elif any(host is value for value in held) or any(optimizer is value for _, value in _held_optimizers(host)):
+                how = ("are one inside the other (a container steps the optimizers it holds, as torchtitan's "
+                       "OptimizersContainer does)", "to the container or to the optimizers it holds")
+            else:
+                continue
+            raise ValueError(f"a SpectralDecay attached to the {type(host).__name__} already decays some of these "
+                             f"parameters, and that optimizer and this {type(optimizer).__name__} {how[0]}: both "
+                             f"would decay them at each step. Attach once, {how[1]}")
+        for stepper in [optimizer, *held]:
+            if isinstance(stepper, SpectralOptimizer) and not isinstance(stepper, SpectralDecay) and \
+                    mine & spectrally_decayed(stepper):
+                raise ValueError(f"{type(stepper).__name__} already decays some of these parameters spectrally "
                                  "(p and spectral_weight_decay of its groups); set the spectral decay in one "
                                  "place: the optimizer's groups, or this SpectralDecay")
 
@@ -208,18 +259,18 @@ class SpectralDecay(SpectralOptimizer):
     def _plan_decay(self, optimizer) -> None:
         """The pre-hook's plan (or, compiled, its write) of the decay, with the host's current lr."""
         compiled = torch.compiler.is_compiling()
-        host_group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        host_group_of = lr_groups(optimizer)
 
         def prepare(params, group):
             by_host = {}
             for param in params:
-                host = host_group_of.get(id(param))
-                if host is None:
+                found = host_group_of.get(id(param))
+                if found is None:
                     raise ValueError("SpectralDecay holds a parameter that the attached optimizer does not optimise")
-                by_host.setdefault(id(host), (host, []))[1].append(param)
+                by_host.setdefault(id(found[1]), (*found, []))[2].append(param)
             return [self._prepare_decay_step(params, group, increments=not compiled, lr=host["lr"],
                                              peak_lr=host.get("initial_lr", _remember_peak(host)))
-                    for host, params in by_host.values()]
+                    for _, host, params in by_host.values()]
 
         if compiled:
             self.run_step(prepare)
