@@ -31,7 +31,9 @@ from typing import Callable, Iterable
 import torch
 
 from . import environment
+from ._checks import FLOAT_DTYPES, check_choice
 from ._version import __version__
+from .precision import PRECISIONS
 
 logger = logging.getLogger("spectral_ops")
 
@@ -273,27 +275,32 @@ def tune(target, *, ops=("decay", "polar"), precision: str | None = None) -> lis
 
     ``target``: an optimizer (each param group's matrices, read by its ``matrix_view``, same shapes
     stacked as the decay stacks them, at the group's ``p``), a module (its parameters, conv filters
-    flattened), or tensors. ``ops``: from :data:`TUNE_OPS`. Each call runs once on random weights of
-    the same shape, dtype and device: the target's weights are never touched. Returns the
-    ``(shape, dtype, p)`` stacks it ran; none where routing is not measured (CPU tensors, or
-    ``SPECTRAL_OPS_AUTOTUNE=0``).
+    flattened), a tensor, or any iterable of tensors (``model.parameters()``, consumed once, as torch's
+    optimizers take it). ``ops``: an op name from :data:`TUNE_OPS`, or several. Every argument is
+    checked first, on every device. Each call runs once on random weights of the same shape, dtype
+    and device: the target's weights are never touched. Returns the ``(shape, dtype, p)`` stacks it
+    ran; none where routing is not measured (CPU tensors, or ``SPECTRAL_OPS_AUTOTUNE=0``).
     """
     from .dispatch import measured_routing_applies
     from .matrix_views import matrix_dims, unambiguous_view
     from .progress import progress
 
-    unknown = set(ops) - set(TUNE_OPS)
-    if unknown:
-        raise ValueError(f"tune(ops=...) takes {', '.join(TUNE_OPS)}; got {sorted(unknown)}")
+    ops = _tune_ops(ops)
+    if precision is not None:
+        check_choice(precision, "tune(precision=...)", PRECISIONS)
     stacks: dict[tuple, int] = {}
     for group in _groups_of(target):
         for param in group["params"]:
-            if param.ndim < 2 or not measured_routing_applies(param.device):
+            if param.ndim < 2:
                 continue
+            if param.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"tune() measures floating weights; a {tuple(param.shape)} tensor has dtype "
+                                f"{param.dtype}: leave it out")
             view = group.get("matrix_view") or unambiguous_view(param.shape) or "batch"
             rows, cols = matrix_dims(param.shape, view)
             key = ((rows, cols), param.dtype, param.device, group.get("p", 2))
             stacks[key] = stacks.get(key, 0) + param.numel() // (rows * cols)
+    stacks = {key: count for key, count in stacks.items() if measured_routing_applies(key[2])}
     if not stacks:
         return []
     calls = _tune_calls()
@@ -304,6 +311,21 @@ def tune(target, *, ops=("decay", "polar"), precision: str | None = None) -> lis
             calls[op](W, p, precision)
         tuned.append((tuple(W.shape), dtype, p))
     return tuned
+
+
+def _tune_ops(ops) -> tuple[str, ...]:
+    """``tune``'s ``ops``: one name or an iterable of names (each run once), all from :data:`TUNE_OPS`."""
+    names = (ops,) if isinstance(ops, str) else ops  # a string is one name, not its letters
+    try:
+        names = tuple(dict.fromkeys(names))
+    except TypeError:  # not iterable, or holding unhashable items
+        raise TypeError(f"tune(ops=...) takes an op name or a sequence of them ({', '.join(TUNE_OPS)}), "
+                        f"got {ops!r}") from None
+    unknown = [name for name in names if name not in TUNE_OPS]
+    if unknown or not names:
+        raise ValueError(f"tune(ops=...) takes {', '.join(TUNE_OPS)} (one name or several); got "
+                         f"{unknown if unknown else 'none'}")
+    return names
 
 
 def _groups_of(target) -> list[dict]:
@@ -317,7 +339,19 @@ def _groups_of(target) -> list[dict]:
         return [{"params": [param], "matrix_view": matrix_view_of(module, param)}
                 for module in target.modules() for param in module.parameters(recurse=False)
                 if id(param) not in seen and not seen.add(id(param))]
-    tensors = list(target) if isinstance(target, (list, tuple)) else None
-    if tensors is None or not all(isinstance(t, torch.Tensor) for t in tensors):
-        raise TypeError(f"tune() takes an optimizer, a module, or a list of tensors, got {type(target).__name__}")
+    if isinstance(target, torch.Tensor):
+        tensors = [target]
+    else:
+        try:
+            tensors = list(target)  # any iterable, consumed once (a generator such as model.parameters())
+        except TypeError:
+            tensors = None
+    kinds = "an optimizer, a module, a tensor, or an iterable of tensors (such as model.parameters())"
+    if tensors is None:
+        raise TypeError(f"tune() takes {kinds}, got {type(target).__name__}")
+    others = [type(item).__name__ for item in tensors if not isinstance(item, torch.Tensor)]
+    if others or not tensors:
+        found = (f"a {type(target).__name__} holding {others[0]}" if others
+                 else f"an empty {type(target).__name__} (an exhausted generator?)")
+        raise TypeError(f"tune() takes {kinds}, got {found}")
     return [{"params": tensors}]

@@ -12,6 +12,7 @@ import torch
 
 import spectral_ops as so
 from spectral_ops import reference
+from spectral_ops.optim import SpectralDecay
 
 from integration_recipes import framework, run_recipe
 
@@ -150,3 +151,79 @@ def test_compiled_the_decay_adds_no_graph_and_no_break_to_heavyballs(recipe, mon
     with_decay = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     assert with_decay == without_decay == ({"AdamW": 1, "Muon": 3}[name], 0)
     assert_same_weights(attached, by_hand)
+
+
+def test_warmup_steps_is_refused_at_attach_and_at_a_step_naming_the_fix(recipe):
+    """heavyball's warmup_steps scales the lr inside its step (heavyball steps at 0.002, 0.004, ... with
+    lr=0.01 and warmup_steps=4), where the decay, which reads the group's lr before the step, cannot
+    follow it: attach refuses it, and a step refuses it set after attach, before anything is written."""
+    W = torch.nn.Parameter(torch.randn(16, 8))
+    decay = SpectralDecay([W], p=P, spectral_weight_decay=SPECTRAL_WEIGHT_DECAY)
+    warming = heavyball.AdamW([W], lr=0.01, warmup_steps=4)
+    fix = r"heavyball.AdamW with warmup_steps=4 .* pass warmup_steps=0 and warm the lr up with a torch LR scheduler"
+    with pytest.raises(ValueError, match=fix):
+        decay.attach(warming)
+    assert not decay._attached and not warming._optimizer_step_pre_hooks
+    optimizer = heavyball.AdamW([W], lr=0.01)
+    decay.attach(optimizer)
+    optimizer.param_groups[0]["warmup_steps"] = 4
+    W.grad = torch.randn_like(W)
+    before = W.detach().clone()
+    with pytest.raises(ValueError, match=fix):
+        optimizer.step()
+    assert torch.equal(W.detach(), before) and not optimizer.state  # neither heavyball nor the decay wrote
+
+
+# heavyball warns once that a changed lr is experimental: the schedule here is the point.
+@pytest.mark.filterwarnings("ignore:Learning rate changed between steps")
+def test_a_torch_lr_scheduler_warms_heavyball_and_the_decay_alike(recipe, monkeypatch):
+    """The fix the error names: warmup_steps=0 and torch's LinearLR on heavyball's optimizer. heavyball
+    then steps at the scheduled lr (it takes a changed lr), and so does the decay: its step sizes are
+    0.002, 0.004, 0.006, 0.008, where heavyball's own warm-up would have left it at 0.01."""
+    import spectral_ops.plan
+
+    scales, decay_ = [], spectral_ops.plan.decay_
+    monkeypatch.setattr(spectral_ops.plan, "decay_",
+                        lambda kernels, W, request: scales.append(float(request.scale)) or decay_(kernels, W, request))
+    model = make_model(bias=False)
+    optimizers = recipe["build_optimizers"](model, heavyball.AdamW, lr=0.01)
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizers[0], start_factor=0.2, total_iters=4)
+    stepped = []
+    for inputs, targets in batches(0, 4):
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizers[0].step()
+        stepped.append(float(optimizers[0].param_groups[0]["prev_lr"]))  # the lr heavyball's step used
+        optimizers[0].zero_grad()
+        scheduler.step()
+    # heavyball computes the lr it steps with as a float32 tensor: its rounding, 6e-8 relative.
+    assert stepped == pytest.approx([0.002, 0.004, 0.006, 0.008], rel=1e-6)
+    # Each step decays the model's two matrices, each at the step's lr.
+    expected = [lr for lr in (0.002, 0.004, 0.006, 0.008) for _ in range(2)]
+    assert scales == pytest.approx(expected, rel=1e-12)
+
+
+def split_run(attach_to_split: bool, warmup_steps=0):
+    """heavyball's SplitOpt over the model's matrices (an AdamW) and its bias (another), the decay attached
+    to the SplitOpt itself or to the AdamW it holds that steps the matrices; the weights after 3 steps."""
+    model = make_model(bias=False)
+    split = heavyball.SplitOpt([
+        {"params": [model[0].weight], "optimizer": heavyball.AdamW, "lr": 1e-2, "weight_decay": 0.0},
+        {"params": [model[2].weight], "optimizer": heavyball.AdamW, "lr": 1e-3, "warmup_steps": warmup_steps}])
+    hosts = [(split, matrices_of(model))] if attach_to_split else \
+        [(optimizer, optimizer.param_groups[0]["params"]) for optimizer in split.optimizers]
+    for host, params in hosts:
+        SpectralDecay(params, p=P, spectral_weight_decay=SPECTRAL_WEIGHT_DECAY).attach(host)
+    for inputs, targets in batches(0, 3):
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        split.step()
+        split.zero_grad()
+    return list(model.parameters())
+
+
+def test_attached_to_a_split_opt_each_matrix_decays_at_the_lr_of_the_optimizer_inside_it(recipe):
+    """SplitOpt's own group holds no lr: attach(split) reads each matrix's lr in the group of the
+    optimizer it holds that steps it, as one decay attached to each inner optimizer does, bit for bit;
+    an inner optimizer's warm-up is refused as it is on its own."""
+    assert all(torch.equal(a, b) for a, b in zip(split_run(True), split_run(False)))
+    with pytest.raises(ValueError, match="heavyball.AdamW with warmup_steps=2"):
+        split_run(True, warmup_steps=2)

@@ -192,3 +192,38 @@ def test_safe_fp16_refuses_attach_and_decays_its_masters_once_per_step_none_on_a
     _, plain_masters = run(lambda model: pytorch_optimizer.SafeFP16Optimizer(
         pytorch_optimizer.Lion(model.parameters(), lr=1e-4, weight_decay=0.0)))
     assert not torch.equal(attached_masters[0], plain_masters[0])
+
+
+# Each of pytorch-optimizer's options under which it steps with an lr other than its group's (HOST_LR_OPTIONS),
+# with the fix the error names: (the refused optimizer, the option's text in the error, the fixed one).
+INTERNAL_LRS = {
+    "ScheduleFreeAdamW": (lambda params: pytorch_optimizer.ScheduleFreeAdamW(params, lr=0.01, warmup_steps=2),
+                          "warmup_steps=2", lambda params: pytorch_optimizer.ScheduleFreeAdamW(params, lr=0.01)),
+    "ApolloDQN": (lambda params: pytorch_optimizer.ApolloDQN(params, lr=0.01), "warmup_steps=500",
+                  lambda params: pytorch_optimizer.ApolloDQN(params, lr=0.01, warmup_steps=0)),
+    "Ranger21": (lambda params: pytorch_optimizer.Ranger21(params, num_iterations=10, lr=0.01),
+                 "disable_lr_scheduler=False",
+                 lambda params: pytorch_optimizer.Ranger21(params, num_iterations=10, lr=0.01,
+                                                          disable_lr_scheduler=True)),
+    "AdaFactor": (lambda params: pytorch_optimizer.AdaFactor(params), "relative_step=True",
+                  lambda params: pytorch_optimizer.AdaFactor(params, lr=0.01, relative_step=False,
+                                                            scale_parameter=False)),
+    "AdaFactor scaled": (lambda params: pytorch_optimizer.AdaFactor(params, lr=0.01, relative_step=False),
+                         "scale_parameter=True", None),
+    "Prodigy": (lambda params: pytorch_optimizer.Prodigy(params), "d=1e-06", None),
+    "DAdaptAdam": (lambda params: pytorch_optimizer.DAdaptAdam(params), "d=1e-06", None),
+}
+
+
+@pytest.mark.parametrize("name", INTERNAL_LRS)
+def test_an_optimizer_that_steps_with_an_lr_of_its_own_is_refused_naming_the_fix(name):
+    """Warm-up inside the step, Adafactor's relative step and parameter scaling, a learning-rate-free
+    estimate d: the host steps with an lr the decay cannot read before its step. attach refuses it,
+    naming the option; the fixed optimizer (where there is one) takes the decay."""
+    refused, option, fixed = INTERNAL_LRS[name]
+    W = torch.nn.Parameter(torch.randn(16, 8))
+    decay = SpectralDecay([W], p=P, spectral_weight_decay=SPECTRAL_WEIGHT_DECAY)
+    with pytest.raises(ValueError, match=rf"{option} .*cannot follow that lr.*To decay at the lr the weights"):
+        decay.attach(refused([W]))
+    if fixed is not None:
+        assert decay.attach(fixed([W]))._attached

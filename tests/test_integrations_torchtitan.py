@@ -18,6 +18,7 @@ import torch
 import spectral_ops.plan
 from spectral_ops import reference
 from spectral_ops.linalg import relative_error
+from spectral_ops.optim import SpectralDecay
 
 from integration_recipes import INTEGRATIONS, framework, run_recipe, sections
 from process_results import run_ranks
@@ -254,6 +255,43 @@ def test_a_checkpoint_without_the_decay_does_not_load_into_a_container_with_it(r
     spectral = config.build(model_parts=tiny_model_parts())
     with pytest.raises(KeyError, match="spectral_decay_peak_lr"):
         spectral.load_state_dict(plain.state_dict())
+
+
+@dataclasses.dataclass
+class AttachedToThePlainContainer:
+    """A config whose ``build`` is torchtitan's own OptimizersContainer, with one SpectralDecay over the
+    section's matrices attached to the container itself (not the section's subclass, which attaches one
+    to each optimizer the container holds)."""
+
+    section: OptimizersContainer.Config
+
+    def build(self, *, model_parts):
+        container = OptimizersContainer.Config(param_groups=self.section.param_groups).build(model_parts=model_parts)
+        pattern = re.compile(self.section.spectral_pattern)
+        matrices = [param for name, param in parameters(model_parts).items()
+                    if param.ndim >= 2 and pattern.search(name)]
+        SpectralDecay(matrices, p=self.section.spectral_p, matrix_view="batch",
+                      spectral_weight_decay=self.section.spectral_weight_decay).attach(container)
+        return container
+
+
+def test_attached_to_the_container_torchtitan_builds_the_run_is_the_sections(recipe, tmp_path):
+    """attach(container) (before: KeyError: 'lr', the container's own group holds none) decays each
+    matrix at the lr of the optimizer the container steps it with: a run stopped and resumed through the
+    CheckpointManager (the container's state dict, with the peak lr in those optimizers' groups) ends
+    bit for bit where the section's subclass ends uninterrupted, weights and optimizer state."""
+    section = optimizer_config(recipe)
+    expected_parts = tiny_model_parts()
+    expected = recipe["train"](expected_parts, loss_of, section, tmp_path / "section", STEPS)
+    attached = AttachedToThePlainContainer(section)
+    recipe["train"](tiny_model_parts(), loss_of, attached, tmp_path / "container", STEPS, stop_at=STOP_AT)
+    resumed_parts = tiny_model_parts()
+    resumed = recipe["train"](resumed_parts, loss_of, attached, tmp_path / "container", STEPS)
+    for (name, weight), actual in zip(parameters(expected_parts).items(), parameters(resumed_parts).values()):
+        assert torch.equal(actual, weight), name
+    state = expected.state_dict()
+    del state["spectral_decay_counts"]  # the subclass's own key: the plain container saves no counts
+    torch.testing.assert_close(resumed.state_dict(), state, rtol=0, atol=0)
 
 
 def test_the_real_runs_flags_parse_into_the_containers_config(tmp_path, monkeypatch):

@@ -175,3 +175,16 @@ def test_a_second_decay_attached_to_a_reused_optimizer_is_refused(recipe):
     matrices = [p for p in model.parameters() if p.ndim == 2]
     with pytest.raises(ValueError, match="already decays"):
         SpectralDecay(matrices, p=2, spectral_weight_decay=SPECTRAL_WEIGHT_DECAY).attach(optimizer)
+
+
+def test_transformers_adafactor_with_its_own_step_size_is_refused_naming_the_fix():
+    """transformers' Adafactor, by default, steps with a step size of its own (relative_step) times the
+    weight's RMS (scale_parameter), not with an lr the decay can read: attach refuses it, naming the
+    option; with both off it steps with its lr, and takes the decay."""
+    from transformers.optimization import Adafactor
+
+    W = torch.nn.Parameter(torch.randn(16, 8))
+    decay = SpectralDecay([W], p=2, spectral_weight_decay=0.1)
+    with pytest.raises(ValueError, match="relative_step=True .*pass relative_step=False and scale_parameter=False"):
+        decay.attach(Adafactor([W], lr=None))
+    assert decay.attach(Adafactor([W], lr=0.01, relative_step=False, scale_parameter=False))._attached

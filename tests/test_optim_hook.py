@@ -344,3 +344,91 @@ def test_a_wrapper_and_the_optimizer_it_wraps_take_one_decay_between_them():
     torch.nn.functional.mse_loss(model(inputs), targets).backward()
     wrapper.step()  # the wrapper's hooks run: the decay once
     assert on_wrapper._attached
+
+
+# --- a container of optimizers (torchtitan's OptimizersContainer, heavyball's SplitOpt) --------------
+
+
+class Container(torch.optim.Optimizer):
+    """As torchtitan's OptimizersContainer: a torch.optim.Optimizer (step hooks) whose single group holds
+    every parameter and no lr, and whose step steps the optimizers it holds in ``.optimizers``."""
+
+    def __init__(self, optimizers):
+        self.optimizers = optimizers
+        super().__init__([p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]],
+                         {})
+
+    def step(self, closure=None):
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none=True):
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def two_optimizers(model):
+    """The first layer in an AdamW at lr 1e-2, the second in an SGD at lr 0.05: a decay at the wrong one's lr
+    (or at none) shows."""
+    first, second = list(model[0].parameters()), list(model[2].parameters())
+    return [torch.optim.AdamW(first, lr=1e-2, weight_decay=0.0), torch.optim.SGD(second, lr=0.05)]
+
+
+def test_attached_to_a_container_each_parameter_decays_at_the_lr_of_the_optimizer_that_steps_it():
+    """attach(container) reads each parameter's lr in the group of the optimizer it holds that steps it
+    (the container's own group has none, where it raised KeyError: 'lr'), through a schedule, and saves
+    the peak lr in those groups: the run equals, bit for bit, one decay attached to each optimizer."""
+    by_container, by_optimizer = tiny_model(), tiny_model()
+    container = Container(two_optimizers(by_container))
+    SpectralDecay(matrices(by_container), p=2, spectral_weight_decay=0.1).attach(container)
+    each = two_optimizers(by_optimizer)
+    for optimizer in each:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.ndim == 2]
+        SpectralDecay(params, p=2, spectral_weight_decay=0.1).attach(optimizer)
+    container_schedule = torch.optim.lr_scheduler.StepLR(container.optimizers[0], step_size=2, gamma=0.5)
+    each_schedule = torch.optim.lr_scheduler.StepLR(each[0], step_size=2, gamma=0.5)
+    history = []
+    for optimizer, schedule, model in ((container, container_schedule, by_container),
+                                       (Container(each), each_schedule, by_optimizer)):
+        history.append(train(model, optimizer, 5, scheduler=schedule))
+    assert_same_trajectory(*history, atol=0)
+    assert [group["spectral_decay_peak_lr"] for optimizer in container.optimizers
+            for group in optimizer.param_groups] == [1e-2, 0.05]
+    without_decay = tiny_model()
+    train(without_decay, Container(two_optimizers(without_decay)), 5)
+    assert not torch.equal(without_decay[2].weight, by_container[2].weight)  # the decay is there to see
+
+
+def test_a_container_and_an_optimizer_it_holds_take_one_decay_between_them():
+    model = tiny_model()
+    container = Container(two_optimizers(model))
+    first = SpectralDecay(matrices(model), p=2, spectral_weight_decay=0.1).attach(container)
+    with pytest.raises(ValueError, match="attached to the Container already decays.*this AdamW are one inside the "
+                                         "other.*Attach once"):
+        SpectralDecay([model[0].weight], p=2, spectral_weight_decay=0.1).attach(container.optimizers[0])
+    first.detach()
+    SpectralDecay([model[0].weight], p=2, spectral_weight_decay=0.1).attach(container.optimizers[0])
+    with pytest.raises(ValueError, match="attached to the AdamW already decays.*this Container are one inside"):
+        SpectralDecay(matrices(model), p=2, spectral_weight_decay=0.1).attach(container)
+    held = SpectralAdamW([model[2].weight], lr=1e-2, p=2, spectral_weight_decay=0.1)
+    with pytest.raises(ValueError, match="SpectralAdamW already decays"):
+        SpectralDecay([model[2].weight], p=2, spectral_weight_decay=0.1).attach(Container([held]))
+
+
+def test_a_host_whose_groups_hold_no_lr_and_no_optimizer_is_refused_naming_the_fix():
+    """A host whose group holds no lr and that holds no optimizer stepping the parameter: a precise
+    error at attach, naming the fix, not KeyError: 'lr'; nothing is registered."""
+    class NoLr(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        def step(self, closure=None):
+            pass
+
+    W = torch.nn.Parameter(torch.randn(4, 4))
+    host = NoLr([W])
+    decay = SpectralDecay([W], p=2, spectral_weight_decay=0.1)
+    with pytest.raises(ValueError, match=r"NoLr's param_groups hold no 'lr' for 1 of these parameters.*Attach to the "
+                                         "optimizer whose param_groups hold their lr"):
+        decay.attach(host)
+    assert not decay._attached and not host._optimizer_step_pre_hooks

@@ -380,5 +380,33 @@ def test_tuning_an_optimizer_measures_what_its_compiled_step_will_route(tuner, c
     assert so.tune(torch.nn.Linear(3, 3).to(torch.float64), ops=("polar",)) == [((3, 3), torch.float64, 2)]
     with pytest.raises(ValueError, match="decay, polar, spectral_power"):
         so.tune(optimizer, ops=("muon",))
-    with pytest.raises(TypeError, match="an optimizer, a module, or a list of tensors, got NoneType"):
+    with pytest.raises(TypeError, match=r"an optimizer, a module, a tensor, or an iterable of tensors .*got NoneType"):
         so.tune(None)
+
+
+def test_tune_takes_one_op_name_and_any_iterable_of_tensors_as_torch_optimizers_do(tuner, clock):
+    """ops="decay" is the one op (not its letters), and model.parameters(), a generator, is consumed
+    once: the same stacks as the list of the same tensors (issue #52, item 10)."""
+    install(clock, {"cuda": 2.0, "triton": 1.0, "torch": 3.0})
+    model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.Linear(24, 8))
+    expected = [((24, 40), torch.float32, 2), ((8, 24), torch.float32, 2)]
+    assert so.tune(model.parameters(), ops="decay") == expected
+    assert so.tune(list(model.parameters()), ops=["decay", "decay"]) == expected
+    assert so.tune(model[0].weight, ops=iter(["polar"])) == expected[:1]
+
+
+@pytest.mark.parametrize("arguments, error, message", [
+    ({"precision": "bogus"}, ValueError, r"tune\(precision=...\) must be one of .*'bf16'.*got 'bogus'"),
+    ({"ops": "bogus"}, ValueError, r"takes decay, polar, spectral_power \(one name or several\); got \['bogus'\]"),
+    ({"ops": ()}, ValueError, "got none"),
+    ({"ops": None}, TypeError, "an op name or a sequence of them"),
+    ({"target": "weights"}, TypeError, "got a str holding str"),
+    ({"target": iter([])}, TypeError, r"got an empty list_iterator \(an exhausted generator\?\)"),
+    ({"target": [torch.zeros(3, 3, dtype=torch.int64)]}, TypeError, "dtype torch.int64"),
+])
+def test_every_argument_of_tune_is_checked_first_on_every_device(arguments, error, message):
+    """On a CPU, where nothing is measured, a bad argument still raises (it would on a GPU), naming
+    what tune takes; nothing is timed before."""
+    arguments = {"target": torch.nn.Linear(3, 3), **arguments}
+    with pytest.raises(error, match=message):
+        so.tune(arguments.pop("target"), **arguments)

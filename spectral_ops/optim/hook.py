@@ -4,7 +4,8 @@
 and a step post-hook: just before each ``optimizer.step()``, the decay of the listed parameters (those
 with a gradient) is computed and checked from their pre-update values, with the host optimizer's
 *current* lr (or ``eta_t`` = lr / peak_lr under the independent convention, the peak being the host
-group's starting lr or its scheduler's ``initial_lr``); once the host's step has returned, it is added
+group's starting lr or its scheduler's ``initial_lr``; a host that steps with an lr of its own is
+refused, :data:`HOST_LR_OPTIONS`); once the host's step has returned, it is added
 to the weights (SPEC 1.5's decoupled decay: ``W <- W - lr (update(W) + lambda_p S_p(W))``, both
 terms of the pre-step ``W``); a step given a closure plans it once the closure has made the gradients,
 before the host's update. A host step that raises leaves the decay unwritten. It can also run on
@@ -15,6 +16,8 @@ not.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -39,6 +42,105 @@ _last_standalone_decay = WeakIdKeyDictionary()
 _attached_decays = weakref.WeakSet()
 
 
+@dataclass(frozen=True)
+class HostLrOption:
+    """A host option under which the host steps with an lr other than its group's ``lr`` as it stands
+    before the step, which is the lr the decay reads (the pre-hook runs before the host's step): the decay
+    cannot follow it, so ``attach`` refuses it, and so does every step where it was set after ``attach``.
+    ``modules``: where the host's class (or a base of it) is defined, as module names or their packages
+    (empty: any host whose groups hold the option); ``active(host, group)``: whether it is on."""
+
+    modules: tuple[str, ...]
+    option: str
+    active: Callable[[torch.optim.Optimizer, dict], bool]
+    does: str  # what the host does with the lr
+    fix: str
+
+
+def _positive(option: str) -> Callable[[torch.optim.Optimizer, dict], bool]:
+    return lambda host, group: (group.get(option) or 0) > 0
+
+
+_WARM_UP_OUTSIDE = ("and warm the lr up with a torch LR scheduler on the optimizer "
+                    "(torch.optim.lr_scheduler.LinearLR), whose lr the decay follows")
+_DECAY_BY_HAND = ("call spectral_ops.spectral_decay_(matrices, p, lr, spectral_weight_decay, stability='clamp') "
+                  "yourself with the lr it steps with (docs/optimizers.md, 'Optimizers that are not "
+                  "torch.optim.Optimizer'), or use an optimizer that steps with its lr")
+
+# The one place that says which hosts step with an lr the decay cannot read. Hosts that scale their update
+# alone and decay the weights at the group's lr (torch's Muon by the matrix's shape, its Adafactor), or take
+# a schedule through their group's lr (an LR scheduler), step at the lr the decay reads, and are not listed.
+HOST_LR_OPTIONS = (
+    HostLrOption(("heavyball",), "warmup_steps", _positive("warmup_steps"),
+                 "multiplies the lr by step / (warmup_steps + 1) inside its step over its first warmup_steps steps, "
+                 "and puts the group's lr back after it", f"pass warmup_steps=0 {_WARM_UP_OUTSIDE}"),
+    HostLrOption(("pytorch_optimizer.optimizer.schedulefree",), "warmup_steps", _positive("warmup_steps"),
+                 "multiplies the lr by step / warmup_steps inside its step over its first warmup_steps steps",
+                 f"pass warmup_steps=0 {_WARM_UP_OUTSIDE}"),
+    HostLrOption(("pytorch_optimizer.optimizer.apollo",), "warmup_steps",
+                 lambda host, group: "init_lr" in group and (getattr(host, "warmup_steps", 0) or 0) > 0,
+                 "warms the lr up from init_lr to lr inside its step over its first warmup_steps steps",
+                 f"pass warmup_steps=0 {_WARM_UP_OUTSIDE}"),
+    HostLrOption(("pytorch_optimizer.optimizer.ranger21",), "disable_lr_scheduler",
+                 lambda host, group: not getattr(host, "disable_lr_scheduler", True),
+                 "warms the lr up and down inside its step", f"pass disable_lr_scheduler=True {_WARM_UP_OUTSIDE}"),
+    HostLrOption((), "relative_step", lambda host, group: bool(group.get("relative_step")),
+                 "steps with a step size of its own, computed from the step count, not with the lr (Adafactor's "
+                 "relative step)", "pass relative_step=False and scale_parameter=False, with an lr"),
+    HostLrOption((), "scale_parameter", lambda host, group: bool(group.get("scale_parameter")),
+                 "multiplies the lr by each weight's RMS inside its step (Adafactor's parameter scaling)",
+                 "pass scale_parameter=False and relative_step=False"),
+    HostLrOption(("pytorch_optimizer.optimizer.prodigy", "pytorch_optimizer.optimizer.dadapt"), "d",
+                 lambda host, group: "d" in group,
+                 "multiplies the lr by its estimate d, which it updates inside its step (learning-rate-free)",
+                 _DECAY_BY_HAND),
+)
+
+
+def _defined_in(host, modules: tuple[str, ...]) -> bool:
+    """Whether ``host``'s class, or a base of it, is defined in one of ``modules`` or a module under them."""
+    return any(cls.__module__ == module or cls.__module__.startswith(module + ".")
+               for cls in type(host).__mro__ for module in modules)
+
+
+def check_host_lr(host, group: dict) -> None:
+    """Refuse a host ``group`` whose options make the host step with an lr other than ``group["lr"]`` as
+    it stands before the step (:data:`HOST_LR_OPTIONS`), naming the option and the fix."""
+    for rule in HOST_LR_OPTIONS:
+        if (not rule.modules or _defined_in(host, rule.modules)) and rule.active(host, group):
+            value = group.get(rule.option, getattr(host, rule.option, None))
+            name = f"{type(host).__module__}.{type(host).__qualname__}"
+            raise ValueError(f"{name} with {rule.option}={value!r} {rule.does}, and the attached SpectralDecay "
+                             "cannot follow that lr: it decays with the group's lr as it stands before the step. "
+                             f"To decay at the lr the weights are stepped with, {rule.fix}")
+
+
+def _held_optimizers(host) -> list[tuple[str, torch.optim.Optimizer]]:
+    """The torch optimizers ``host`` holds in its attributes, one or a list of them, each with where it is
+    (``.optimizer``, ``.optimizers[1]``): a wrapper's optimizer, a container's (torchtitan's
+    OptimizersContainer, heavyball's SplitOpt)."""
+    held = []
+    for attribute, value in getattr(host, "__dict__", {}).items():
+        if isinstance(value, torch.optim.Optimizer) and value is not host:
+            held.append((f".{attribute}", value))
+        elif isinstance(value, (list, tuple)):
+            held += [(f".{attribute}[{index}]", item) for index, item in enumerate(value)
+                     if isinstance(item, torch.optim.Optimizer) and item is not host]
+    return held
+
+
+def lr_groups(host: torch.optim.Optimizer) -> dict[int, tuple]:
+    """Parameter id -> ``(the optimizer whose group it is, the group)``, for the groups that hold the lr
+    each parameter of ``host`` is stepped with: ``host``'s own, and where one holds no ``lr``, as a
+    container's groups do (torchtitan's OptimizersContainer, heavyball's SplitOpt: their step steps the
+    optimizers they hold), the groups of the optimizers it holds."""
+    own = [(host, group) for group in host.param_groups]
+    held = [(optimizer, group) for _, optimizer in _held_optimizers(host) for group in optimizer.param_groups] \
+        if any("lr" not in group for _, group in own) else []
+    return {id(param): (optimizer, group) for optimizer, group in held + own if "lr" in group
+            for param in group["params"]}
+
+
 def _remember_peak(host_group: dict):
     if HOST_PEAK_KEY not in host_group:
         host_group[HOST_PEAK_KEY] = detached_peak(host_group["lr"])
@@ -60,10 +162,10 @@ def _cannot_attach(optimizer) -> str:
                "SpectralDecay.attach has nothing to register")
     else:
         why = f"SpectralDecay.attach needs a torch.optim.Optimizer (it registers a step pre-hook), got {name}"
-    wrapped = [(attribute, value) for attribute, value in getattr(optimizer, "__dict__", {}).items()
-               if isinstance(value, torch.optim.Optimizer) and hasattr(value, "_optimizer_step_pre_hooks")]
-    inner = "".join(f". It wraps an optimizer in .{attribute} ({type(value).__name__}): attach to that one, with the "
-                    f"parameters it updates (those in .{attribute}.param_groups)" for attribute, value in wrapped)
+    wrapped = [(where, value) for where, value in _held_optimizers(optimizer)
+               if hasattr(value, "_optimizer_step_pre_hooks")]
+    inner = "".join(f". It wraps an optimizer in {where} ({type(value).__name__}): attach to that one, with the "
+                    f"parameters it updates (those in {where}.param_groups)" for where, value in wrapped)
     return (f"{why}{inner}. {'Or, f' if wrapped else 'F'}or another optimizer class, call "
             "spectral_ops.spectral_decay_(matrices, p, lr, spectral_weight_decay, stability='clamp') at the start "
             "of its step, with its lr (docs/optimizers.md, 'Optimizers that are not torch.optim.Optimizer')")
@@ -119,26 +221,48 @@ class SpectralDecay(SpectralOptimizer):
         """Decay at every ``optimizer.step()``, following that optimizer's current lr: computed from the
         pre-step weights before the host's step (a step pre-hook, which raises before the host's step
         runs where the decay cannot be computed), added to the weights after it (a step post-hook, which
-        the host's step skips when it raises).
+        the host's step skips when it raises). Each parameter's lr is read in the host group that holds
+        it, or, in a container whose groups hold no lr (torchtitan's OptimizersContainer, heavyball's
+        SplitOpt), in the group of the optimizer inside it that steps it (:func:`lr_groups`).
 
         Refused where a parameter would be decayed spectrally twice: by another SpectralDecay attached
-        to ``optimizer`` or to an optimizer sharing its ``param_groups`` (a wrapper such as
-        pytorch-optimizer's Lookahead and the optimizer it wraps), or by ``optimizer`` itself (a family
-        optimizer with a spectral decay); and where ``optimizer`` has no step hooks to attach to: not a
+        to ``optimizer``, to an optimizer sharing its ``param_groups`` (a wrapper such as
+        pytorch-optimizer's Lookahead and the optimizer it wraps), or to a container holding it or an
+        optimizer it holds, or by ``optimizer`` (or one it holds) itself (a family optimizer with a
+        spectral decay); where ``optimizer`` has no step hooks to attach to: not a
         ``torch.optim.Optimizer``, or a subclass that never ran ``Optimizer.__init__`` (the error names
-        the torch optimizer it wraps, if any)."""
+        the torch optimizer it wraps, if any); where a parameter's lr cannot be read; and where the host
+        steps with an lr of its own (:data:`HOST_LR_OPTIONS`)."""
         if not isinstance(optimizer, torch.optim.Optimizer) or not hasattr(optimizer, "_optimizer_step_pre_hooks"):
             raise TypeError(_cannot_attach(optimizer))
         if self._attached:
             raise RuntimeError("this SpectralDecay is already attached; call detach() first")
         self._check_no_second_decay(optimizer)
-        for group in optimizer.param_groups:
+        groups = lr_groups(optimizer)
+        self._check_host_lrs(optimizer, groups)
+        for _, group in groups.values():
             _remember_peak(group)
         self._handles = (optimizer.register_step_pre_hook(self._before_host_step),
                          optimizer.register_step_post_hook(self._after_host_step))
         self._attached, self._host = True, weakref.ref(optimizer)
         _attached_decays.add(self)
         return self
+
+    def _check_host_lrs(self, optimizer: torch.optim.Optimizer, groups: dict) -> None:
+        """Refuse, before anything is registered, a parameter whose lr the decay cannot read: one in a group
+        of ``optimizer`` without an ``lr`` that no optimizer it holds steps, or one whose host group's options
+        make the host step with another lr than the group's (:func:`check_host_lr`)."""
+        lr_less = {id(param) for group in optimizer.param_groups if "lr" not in group for param in group["params"]}
+        mine = [param for group in self.param_groups for param in group["params"]]
+        unread = [param for param in mine if id(param) not in groups and id(param) in lr_less]
+        if unread:
+            raise ValueError(f"{type(optimizer).__name__}'s param_groups hold no 'lr' for {len(unread)} of these "
+                             "parameters, and no torch optimizer it holds (in an attribute, or a list of them) steps "
+                             "them: the decay cannot read the lr they are stepped with. Attach to the optimizer whose "
+                             "param_groups hold their lr (the one that steps them)")
+        for host, group in {id(group): (host, group) for host, group in
+                            (groups[id(param)] for param in mine if id(param) in groups)}.values():
+            check_host_lr(host, group)
 
     def _check_no_second_decay(self, optimizer: torch.optim.Optimizer) -> None:
         mine = spectrally_decayed(self)
@@ -149,18 +273,26 @@ class SpectralDecay(SpectralOptimizer):
                 raise ValueError("another SpectralDecay attached to this optimizer already decays some of these "
                                  "parameters; each parameter may take one spectral decay (detach the other, or "
                                  "give each its own parameters)")
+        held = [value for _, value in _held_optimizers(optimizer)]
         for other in list(_attached_decays):
             host = other._host() if other._host is not None else None
-            if other._attached and host is not None and host is not optimizer and \
-                    host.param_groups is optimizer.param_groups and mine & spectrally_decayed(other):
-                raise ValueError(f"a SpectralDecay attached to the {type(host).__name__} already decays some of these "
-                                 f"parameters, and that optimizer and this {type(optimizer).__name__} share their "
-                                 "param_groups (one wraps the other, as Lookahead wraps its optimizer): both would "
-                                 "decay them at each step. Attach once, to the optimizer that updates the weights "
-                                 "(the wrapped one)")
-        if isinstance(optimizer, SpectralOptimizer) and not isinstance(optimizer, SpectralDecay):
-            if mine & spectrally_decayed(optimizer):
-                raise ValueError(f"{type(optimizer).__name__} already decays some of these parameters spectrally "
+            if not other._attached or host is None or host is optimizer or not mine & spectrally_decayed(other):
+                continue
+            if host.param_groups is optimizer.param_groups:
+                how = ("share their param_groups (one wraps the other, as Lookahead wraps its optimizer)",
+                       "to the optimizer that updates the weights (the wrapped one)")
+            elif any(host is value for value in held) or any(optimizer is value for _, value in _held_optimizers(host)):
+                how = ("are one inside the other (a container steps the optimizers it holds, as torchtitan's "
+                       "OptimizersContainer does)", "to the container or to the optimizers it holds")
+            else:
+                continue
+            raise ValueError(f"a SpectralDecay attached to the {type(host).__name__} already decays some of these "
+                             f"parameters, and that optimizer and this {type(optimizer).__name__} {how[0]}: both "
+                             f"would decay them at each step. Attach once, {how[1]}")
+        for stepper in [optimizer, *held]:
+            if isinstance(stepper, SpectralOptimizer) and not isinstance(stepper, SpectralDecay) and \
+                    mine & spectrally_decayed(stepper):
+                raise ValueError(f"{type(stepper).__name__} already decays some of these parameters spectrally "
                                  "(p and spectral_weight_decay of its groups); set the spectral decay in one "
                                  "place: the optimizer's groups, or this SpectralDecay")
 
@@ -208,18 +340,20 @@ class SpectralDecay(SpectralOptimizer):
     def _plan_decay(self, optimizer) -> None:
         """The pre-hook's plan (or, compiled, its write) of the decay, with the host's current lr."""
         compiled = torch.compiler.is_compiling()
-        host_group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        host_group_of = lr_groups(optimizer)
 
         def prepare(params, group):
             by_host = {}
             for param in params:
-                host = host_group_of.get(id(param))
-                if host is None:
+                found = host_group_of.get(id(param))
+                if found is None:
                     raise ValueError("SpectralDecay holds a parameter that the attached optimizer does not optimise")
-                by_host.setdefault(id(host), (host, []))[1].append(param)
+                by_host.setdefault(id(found[1]), (*found, []))[2].append(param)
+            for owner, host, _ in by_host.values():  # an option set since attach: refused before any write
+                check_host_lr(owner, host)
             return [self._prepare_decay_step(params, group, increments=not compiled, lr=host["lr"],
                                              peak_lr=host.get("initial_lr", _remember_peak(host)))
-                    for host, params in by_host.values()]
+                    for _, host, params in by_host.values()]
 
         if compiled:
             self.run_step(prepare)
