@@ -242,7 +242,8 @@ def matrix_sign(kernels, A: torch.Tensor, coefficients, precision: str, symmetri
     normalises again, harmlessly: it gets the unit-norm ``A``, whose square cannot leave fp32's range.
     ``symmetrized``: each step's result is symmetrised (no fused chain): a sign step takes ``Z Z^T`` for
     ``Z^2``, so it iterates the polar factor, whose value on eigenvalues within a few hundred units of
-    rounding of 0 (the zero cutoff's, :data:`CUTOFF_BAND`) turns with the products' asymmetric rounding.
+    rounding of 0 (the zero cutoff's, :data:`~.thresholds.CUTOFF_RESOLUTION`) turns with the products'
+    asymmetric rounding.
     """
     Z = frobenius_normalized(A)[0]
     chained = None if symmetrized else kernels.small_chain(Z, 0, coefficients, precision, sign=True)
