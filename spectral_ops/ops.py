@@ -233,7 +233,7 @@ def power_update(X: torch.Tensor, q=0, *, eps: float = plan.UPDATE_FLOOR, steps:
     """
     M = _validated(X, "X", capturable=capturable, matrix_view=matrix_view)
     q = check_power(q, "q", eps=eps, capturable=capturable)
-    polar_c = plan.polar_coefficients(check_steps(steps), coefficients)
+    polar_c = plan.update_coefficients(check_steps(steps), coefficients, q)
     _check_iterate_options(precision, dtype, overwrite_input)
     check_choice(scale, "scale", plan.UPDATE_SCALES)
     if X.numel() == 0:

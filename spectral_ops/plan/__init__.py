@@ -75,6 +75,7 @@ from .iterations import (
                          TENSOR_POWER_BOUND,
                          coupled_inverse_root,
                          design_widening,
+                         floor_lifts,
                          function_polynomial,
                          inverse_root,
                          matrix_power_of_root,
@@ -86,6 +87,7 @@ from .iterations import (
                          restart_blocks,
                          root_squarings,
                          symmetric_polynomial,
+                         update_coefficients,
 )
 from .routing import (
                          CHAIN_POWER_RANGE_BITS,
@@ -102,6 +104,7 @@ from .routing import (
                          beyond_tensor_power_nan,
                          composed_chain,
                          cost,
+                         lifting,
                          msign,
                          plan_for,
                          polar,

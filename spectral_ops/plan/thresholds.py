@@ -281,6 +281,7 @@ class GramThresholds:
         self.plan = plan
         self._absolute_value = None  # |Xn| from the plan's polar factor, for the sign iterations on it
         self._lifting_polar = None
+        self._nonzero_projector = None
 
     def threshold_ratio(self, tau) -> float | None:
         """The smallest ``tau / c`` of the stack on the host (one read), or None where the plan may not
@@ -331,16 +332,23 @@ class GramThresholds:
 
     def lifting_polar(self, design: ThresholdDesign | LiftDesign) -> torch.Tensor:
         """The polar factor a lift multiplies (operand dtype): ``Q``, and with ``design.cutoff``
-        ``P_top(c) Q``, ``Q`` on the modes above the zero cutoff ``c = N eps s_max`` only: those at or below
-        ``c`` are kept at 0, those from ``c (1 + rho) / (1 - rho)`` up lifted (:data:`CUTOFF_RESOLUTION`).
-        ``s_max`` is the Rayleigh estimate (three squarings of the Gram and matrix-vector products, which the
-        cost model counts), widened by :data:`CUTOFF_ESTIMATE_MARGIN` so that the cutoff is never read low."""
+        ``P_top(c) Q`` (:meth:`nonzero_projector`), ``Q`` on the modes above the zero cutoff only."""
         plan = self.plan
         Q = plan.polar(design.polar)
         if design.cutoff is None:
             return Q
         if self._lifting_polar is None:
-            exact = torch.float64
+            self._lifting_polar = plan.product(self.nonzero_projector(design).to(Q.dtype), Q)
+        return self._lifting_polar
+
+    def nonzero_projector(self, design: ThresholdDesign | LiftDesign) -> torch.Tensor:
+        """``P_top(c)`` (compute dtype, small side) at the zero cutoff ``c = N eps s_max``, by a float64 sign
+        iteration with ``design.cutoff``: 0 on the modes at or below ``c``, 1 on those from ``c (1 + rho) / (1 -
+        rho)`` up (:data:`CUTOFF_RESOLUTION`). ``s_max`` is the Rayleigh estimate (three squarings of the Gram
+        and matrix-vector products, which the cost model counts), widened by :data:`CUTOFF_ESTIMATE_MARGIN` so
+        that the cutoff is never read low. Formed once."""
+        if self._nonzero_projector is None:
+            plan, exact = self.plan, torch.float64
             s_max = plan.spectral_norm_estimate().to(exact) * (1.0 + CUTOFF_ESTIMATE_MARGIN)
             threshold = zero_mode_cutoff(plan.shape[-1], plan.dtype) * s_max / (1.0 - CUTOFF_RESOLUTION[plan.dtype])
             # Xn Q^T is symmetric only up to Q's error, s_i times its round-off between a zero mode's left
@@ -349,8 +357,8 @@ class GramThresholds:
             identity = torch.eye(plan.shape[-2], dtype=exact, device=P.device)
             J = matrix_sign(plan.kernels, (P + P.mT) * 0.5 - threshold * identity, design.cutoff, "fp64",
                             symmetrized=True)
-            self._lifting_polar = plan.product(((J + identity) * 0.5).to(Q.dtype), Q)
-        return self._lifting_polar
+            self._nonzero_projector = ((J + identity) * 0.5).to(plan.dtype)
+        return self._nonzero_projector
 
     def top_projector(self, tau, polar_coefficients, sign_coefficients) -> torch.Tensor:
         """:meth:`projector` alone, with the design for ``tau`` (None coefficients: designed for it)."""
