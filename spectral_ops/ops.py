@@ -220,8 +220,11 @@ def power_update(X: torch.Tensor, q=0, *, eps: float = plan.UPDATE_FLOOR, steps:
     (docs/real-powers.md, "Porting from DynMuon").
 
     On the Gram route (docs/real-powers.md): Polar Express (``steps``/``coefficients`` as in
-    :func:`polar`, Muon's 8 steps by default), then a polynomial in an inverse root of ``|X|``; about
-    1.4x the FLOPs of the polar factor. In bf16 (``python -m spectral_ops.experiments real-powers``):
+    :func:`polar`), then a polynomial in an inverse root of ``|X|``. A ``q != 0`` lifts the small modes to
+    the floor's weight: with nothing given (``steps``, ``coefficients``, ``precision``) it computes in fp32
+    (bf16/fp16 momenta too), its polar factor resolved down to the zero cutoff and kept off the zero modes
+    (a rank-1 bf16 momentum's update erred 1.4 in bf16 operands), 2.3x to 4.6x the FLOPs of the polar
+    factor. With Muon's 8 steps given, about 1.4x; in bf16 (``python -m spectral_ops.experiments real-powers``):
     1e-2 from the FP64 SVD on Gaussian momenta; on low-rank momenta over noise 1.4e-2 where the noise
     reaches 1e-1 of ``s_max``, 5e-2 at 1e-2, 0.35 at 1e-3, where the noise modes are below Polar
     Express's design bound (Muon's own polar factor errs as much there: fp32 takes the error to 1e-2).
@@ -233,7 +236,7 @@ def power_update(X: torch.Tensor, q=0, *, eps: float = plan.UPDATE_FLOOR, steps:
     """
     M = _validated(X, "X", capturable=capturable, matrix_view=matrix_view)
     q = check_power(q, "q", eps=eps, capturable=capturable)
-    polar_c = plan.polar_coefficients(check_steps(steps), coefficients)
+    polar_c = plan.update_coefficients(check_steps(steps), coefficients, q)
     _check_iterate_options(precision, dtype, overwrite_input)
     check_choice(scale, "scale", plan.UPDATE_SCALES)
     if X.numel() == 0:

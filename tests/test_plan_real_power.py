@@ -191,6 +191,64 @@ def test_bf16_powers_of_a_gaussian_matrix(q):
     assert relative_error(result, reference(U, s, Vh.mT, q, 1e-2)) < 2e-2
 
 
+def low_rank(shape, rank, dtype, seed=1):
+    """A product of small integer matrices: exact in every dtype, so its zero modes are exactly zero and the FP64
+    SVD's oracle (which counts as zero what float64 does) is every dtype's."""
+    generator = torch.Generator().manual_seed(seed)
+    left = torch.randint(-3, 4, (shape[0], rank), generator=generator, dtype=torch.float64)
+    right = torch.randint(-3, 4, (rank, shape[1]), generator=generator, dtype=torch.float64)
+    return (left @ right).to(dtype)
+
+
+FLOORED_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def floored_bound(expected: torch.Tensor, dtype: torch.dtype) -> float:
+    """What a floored power (or update) in ``dtype`` can reach against its FP64 result ``expected``: fp64 the
+    construction's 1e-9 (above), fp32 the real powers' 2e-5. A bf16 or fp16 weight's floored power computes in
+    fp32 and is rounded to the weight's dtype once: fp32's 2e-5 plus that rounding, which no computation beats,
+    measured on ``expected`` itself (an fp16 result of entries near 1e-5 is subnormal, where the rounding is
+    coarser than the unit roundoff); twice it, since the computed result's rounding is another draw of it."""
+    if dtype in (torch.float64, torch.float32):
+        return 1e-9 if dtype == torch.float64 else 2e-5
+    return 2e-5 + 2 * relative_error(expected.to(dtype), expected)
+
+
+@pytest.mark.parametrize("dtype", FLOORED_DTYPES)
+@pytest.mark.parametrize("rank", [1, 2, 8])
+@pytest.mark.parametrize("p, eps", [(-1.5, 1e-4), (-1.0, 1e-2), (-0.25, 1e-2), (0.5, 1e-2)])
+def test_a_floored_power_of_a_rank_deficient_matrix_meets_its_dtypes_bound(p, eps, rank, dtype):
+    """Issue #52, item 9: the Gram route's floored power of a rank-1 matrix at p < 0 erred 13 to 2e4
+    (relative) in fp32, fp16 and bf16 (and 3.6e-4 at p = 0.5 in fp32): the floor weighs every mode by at least
+    ``(eps s_max)^p``, so the polar factor's round-off on the zero modes came out at ``eps^p`` times the top's
+    weight (1e6 at p = -1.5, eps = 1e-4), and bf16/fp16 operands rounded the matrix's zero modes to 2^-9 of
+    ``s_max``. A floored power is now a lift (plan.floor_lifts): its polar factor resolves every mode above the
+    zero cutoff and none below (plan.lift_design), it computes in fp32 for bf16/fp16 weights, and the zero modes
+    sit where the power weighs them least: :func:`floored_bound`. ``"auto"`` (the SVD on a CPU) meets it too."""
+    W = low_rank((64, 32), rank, dtype)
+    expected = so.reference.spectral_power_svd(W, p, eps=eps)
+    for method in ("gram", "auto"):
+        result = so.spectral_power(W, p, method=method, eps=eps)
+        assert result.dtype == dtype
+        assert relative_error(result, expected) < floored_bound(expected, dtype), method
+
+
+@pytest.mark.parametrize("dtype", FLOORED_DTYPES)
+@pytest.mark.parametrize("q", [-1.0, -0.25, 0.25])
+def test_an_update_of_a_rank_one_momentum_meets_its_dtypes_bound(q, dtype):
+    """Issue #52, item 9: ``power_update`` of a rank-1 bf16 momentum at ``q < 0`` erred 1.4 (fp16 1.4, and 0.34
+    at ``q = 0.25``): its bf16 operands rounded the zero modes to 2^-9 of ``s_max``, which the floor (raised to
+    2^-6 in bf16) weighs most. ``precision=None`` now computes a floored update in fp32 and lifts it as
+    :func:`spectral_power` does, to :func:`floored_bound`. An explicit ``precision="bf16"`` (SpectralMuon's
+    default) keeps bf16 operands and their documented limit."""
+    X = low_rank((64, 128), 1, dtype)
+    update = so.power_update(X, q)
+    assert update.dtype == dtype
+    expected = so.reference.power_update_svd(X, q, 1e-2)
+    assert relative_error(update, expected) < floored_bound(expected, dtype)
+    assert torch.isfinite(so.power_update(X, q, precision="bf16")).all()
+
+
 @pytest.mark.parametrize("p", [-1.0, -0.25, 0.0, 0.5, 1.0])
 def test_a_power_held_in_a_tensor(p):
     # A capturable call may take p on the device: floored either way, with coefficients computed there

@@ -46,7 +46,7 @@ from .iterations import (
     restart_blocks,
     root_squarings,
 )
-from .thresholds import GramThresholds
+from .thresholds import GramThresholds, lift_design
 
 # The guard's s_max bound: the squarings of the Gram it may add to the direction's (SPEC 1.5).
 GUARD_SQUARINGS = 3
@@ -61,6 +61,9 @@ ROUNDING = {
     "fp16": (2.0**-11, 2.0**-11, 2.0**-22),
 }
 RELATIVE_ROUNDING_CAP = 1e10
+# The matrix-vector products of GramPlan.spectral_norm_estimate: its Rayleigh quotient misses s_max^2 by at most
+# about 1 / (16 e (RAYLEIGH_SWEEPS + 1)) of it (0.3%).
+RAYLEIGH_SWEEPS = 8
 # ||X||_F's relative rounding, in units of the compute dtype's eps (a reduction's error grows with log2 of
 # its length; 64 covers 2^64 terms).
 NORM_ROUNDING = 64
@@ -129,6 +132,7 @@ class GramPlan:
         self._gram_squares: dict[int, tuple] = {}
         self._polar = None
         self._gram_polar = None
+        self._spectral_norm_estimate = None
 
     @property
     def thresholds(self) -> GramThresholds:
@@ -323,11 +327,21 @@ class GramPlan:
         (:func:`matrix_power_of_root`). Then ``S_p = c^p b^f A^f S_k`` with ``k = floor(p)``, ``f = p - k``
         and ``S_k`` the integer power (``Q`` for ``k = 0``); a floored power is :meth:`_floored_power`'s.
         Modes below :data:`ROOT_LOWER` of ``b`` are outside the design
-        (as Polar Express's below its bound): the polynomial takes them to about the bound's value."""
+        (as Polar Express's below its bound): the polynomial takes them to about the bound's value.
+        ``coefficients`` None with a floor: the floor lifts (:func:`~.iterations.floor_lifts`), and ``Q`` is the
+        lift's (:func:`~.thresholds.lift_design`), resolved down to the zero cutoff and 0 below it."""
         precision, identity = self.precision, self.identity()
         operand = OPERAND_DTYPES[precision]
-        Q = self.scaled_power(0, coefficients, iteration)[0].to(operand)
-        P = self.absolute(Q)
+        zero_modes = None
+        if eps is not None and coefficients is None:
+            # A floor's lift (the op's router leaves the coefficients to it where the precision resolves it):
+            # Q on every non-zero mode and on none of the zero ones, whose weight the floor would set.
+            forms, lift = self.thresholds, lift_design(*self.shape[-2:], self.dtype, precision)
+            Q, P = forms.lifting_polar(lift), forms.absolute_value(lift).to(operand)
+            zero_modes = (identity - forms.nonzero_projector(lift)).to(operand)
+        else:
+            Q = self.scaled_power(0, coefficients, iteration)[0].to(operand)
+            P = self.absolute(Q)
         shift, tiny = RESOLUTION[precision], torch.finfo(self.dtype).tiny
         if eps is not None or shift:
             # A floor's scale, and a shift's: with the free bound below, a flat spectrum's modes would sit at
@@ -337,7 +351,7 @@ class GramPlan:
             self._gram_square(1)
             b = (self._square_norm(1)[..., None, None].sqrt() * NORMALIZATION_MARGIN).clamp_min(tiny)
         if eps is not None:
-            return self._floored_power(p, P, Q, b, eps)
+            return self._floored_power(p, P, Q, b, eps, zero_modes)
         whole, fraction = math.floor(p), p - math.floor(p)
         if whole == 0:
             base, log_base = Q, torch.zeros_like(self.log_scale)
@@ -366,7 +380,7 @@ class GramPlan:
         largest = max(math.prod([a for a, _, _ in root]), lower ** (-1.0 / n))
         return Z, 1.0 / widening, largest * widening
 
-    def _floored_power(self, p, P, Q, b, eps: float):
+    def _floored_power(self, p, P, Q, b, eps: float, zero_modes=None):
         """``U diag((s^2 + e^2)^(p/2)) V^T``, ``e = eps s_max``, scaled, from ``P = |Xn|`` and ``b``, a bound on
         ``s_max(Xn)``.
 
@@ -379,7 +393,10 @@ class GramPlan:
         (:func:`~spectral_ops.coefficients.floor_polynomial`); ``Q`` is 0 on a zero mode, which has no
         singular vectors: it stays 0. A floor below the precision's :data:`RESOLUTION` is raised to it, and
         one below the design bound (:data:`ROOT_LOWER` of ``b``) leaves the modes below the bound as the positive
-        powers leave them: about the bound's value.
+        powers leave them: about the bound's value. ``zero_modes`` (a lift's ``I - P_top(c)``, with ``Q`` 0 there)
+        are moved to the top of ``A``'s interval, where the power weighs them least (``p < 0``) or as the top
+        mode (``p > 0``): at the floor's weight (``eps^p`` of the top's) any rounding of ``Q`` left on them would
+        be amplified by it (0.4 relative at ``p = -1.5``, ``eps = 1e-4`` in fp32, where that weight is 1e6).
 
         Both factors are polynomials at the exponent ``p / 2^j`` (:func:`root_squarings` for the root's
         ``8 p``), and their product is squared ``j`` times: ``A^p`` and ``(1 - W)^(p/2)`` each span up to
@@ -392,6 +409,8 @@ class GramPlan:
         # b is 1.01 of the estimate of s_max that sets the floor: d = e / b is the same for every matrix.
         d = max(eps / NORMALIZATION_MARGIN, RESOLUTION[precision])
         A = (P * b.reciprocal().to(operand) + d * identity) * (1.0 / (1.0 + d))
+        if zero_modes is not None:
+            A = A + zero_modes * (1.0 / (1.0 + d))
         Z, lo, hi = self._inverse_root(A, max(d / (1.0 + d), ROOT_LOWER))
         V = Z
         for _ in range(n.bit_length() - 1):
@@ -416,22 +435,25 @@ class GramPlan:
         """``|Xn| = Xn Q^T = U diag(s) U^T`` from the polar factor ``Q`` (operand dtype): one product."""
         return self.symmetric(self.Xo, Q.mT)
 
-    def spectral_norm_estimate(self, sweeps: int = 8) -> torch.Tensor:
+    def spectral_norm_estimate(self) -> torch.Tensor:
         """``s_max(Xn)`` per matrix (compute dtype, ``(..., 1, 1)``), from below: the Rayleigh quotient of
-        ``Gn`` at ``v = Gn^(8 (sweeps + 1)) e_j``, from the column ``j`` of ``Gn^8`` (three squarings) of
-        largest norm and ``sweeps`` matrix-vector products by it. ``v`` weighs mode ``i`` by
-        ``(s_i / s_max)^(16 (sweeps + 1))``, so the quotient misses ``s_max^2`` by at most about
-        ``1 / (16 e (sweeps + 1))`` of it (0.3% with 8 sweeps; the modes that weigh most are those that
-        miss least). It sets a floor's scale (``eps s_max``)."""
+        ``Gn`` at ``v = Gn^(8 (k + 1)) e_j``, from the column ``j`` of ``Gn^8`` (three squarings) of
+        largest norm and ``k =`` :data:`RAYLEIGH_SWEEPS` matrix-vector products by it. ``v`` weighs mode ``i`` by
+        ``(s_i / s_max)^(16 (k + 1))``, so the quotient misses ``s_max^2`` by at most about
+        ``1 / (16 e (k + 1))`` of it (0.3% with 8 sweeps; the modes that weigh most are those that
+        miss least). It sets a floor's scale (``eps s_max``) and a lift's zero cutoff, formed once for both."""
+        if self._spectral_norm_estimate is not None:
+            return self._spectral_norm_estimate
         M, _ = self._gram_square(8)
         M = M.to(self.dtype)
         column = torch.linalg.vector_norm(M, dim=-2).argmax(-1)
         v = torch.take_along_dim(M, column[..., None, None], dim=-1)
         tiny = torch.finfo(self.dtype).tiny
-        for _ in range(sweeps):
+        for _ in range(RAYLEIGH_SWEEPS):
             v = M @ (v / torch.linalg.vector_norm(v, dim=-2, keepdim=True).clamp_min(tiny))
         quotient = (v * (self.gram.to(self.dtype) @ v)).sum((-2, -1), keepdim=True)
-        return (quotient / (v * v).sum((-2, -1), keepdim=True).clamp_min(tiny)).sqrt()
+        self._spectral_norm_estimate = (quotient / (v * v).sum((-2, -1), keepdim=True).clamp_min(tiny)).sqrt()
+        return self._spectral_norm_estimate
 
     def power(self, p: int, coefficients) -> torch.Tensor:
         """``S_p`` (wide, compute dtype), non-finite only where it overflows the compute dtype."""

@@ -242,7 +242,8 @@ def matrix_sign(kernels, A: torch.Tensor, coefficients, precision: str, symmetri
     normalises again, harmlessly: it gets the unit-norm ``A``, whose square cannot leave fp32's range.
     ``symmetrized``: each step's result is symmetrised (no fused chain): a sign step takes ``Z Z^T`` for
     ``Z^2``, so it iterates the polar factor, whose value on eigenvalues within a few hundred units of
-    rounding of 0 (the zero cutoff's, :data:`CUTOFF_BAND`) turns with the products' asymmetric rounding.
+    rounding of 0 (the zero cutoff's, :data:`~.thresholds.CUTOFF_RESOLUTION`) turns with the products'
+    asymmetric rounding.
     """
     Z = frobenius_normalized(A)[0]
     chained = None if symmetrized else kernels.small_chain(Z, 0, coefficients, precision, sign=True)
@@ -258,19 +259,43 @@ def matrix_sign(kernels, A: torch.Tensor, coefficients, precision: str, symmetri
 
 # ----- which coefficients a polar factor iterates, chosen here for every op, decay and optimizer
 
+def floor_lifts(p, floored: bool) -> bool:
+    """Whether the power ``p`` with a floor (``floored``) lifts its small modes: ``(s^2 + (eps s_max)^2)^(p/2)``
+    weighs every non-zero mode, however small, by at least the floor's weight (``eps^p`` of the top's for
+    ``p > 0``, the most for ``p < 0``), so it needs the polar factor on every non-zero mode and none on the
+    zero ones, as the clip's ``min=`` does (:func:`~.thresholds.lift_design`). A number ``p = 0`` is the polar
+    factor itself, floored or not (its design bound is its own documented limit); a power in a tensor may be
+    anything."""
+    return floored and (torch.is_tensor(p) or p != 0)
+
+
 def polar_coefficients(steps: int | None, coefficients=None, powers=(), *, floored: bool = False,
                        thresholded: bool = False):
     """The polar coefficients of an op's (or a decay's) directions of ``powers``, from the caller's checked
-    ``steps`` and ``coefficients``: None (designed for its threshold, :func:`~.thresholds.threshold_design`)
-    for a ``thresholded`` form where neither is given and every power is an integer; else
+    ``steps`` and ``coefficients``: None where neither is given and the plan designs them: for a
+    ``thresholded`` form whose every power is an integer (for its threshold,
+    :func:`~.thresholds.threshold_design`) and for a power whose floor lifts (:func:`floor_lifts`: down to
+    the zero cutoff, :func:`~.thresholds.lift_design`, where its precision resolves it); else
     :func:`~spectral_ops.coefficients.resolve_polar_coefficients`'s, a real power's (not an integer, or any
     power but 0 with a floor: ``floored``) designed further down
     (:data:`~spectral_ops.coefficients.REAL_POWER_LOWER`)."""
+    given = steps is not None or coefficients is not None
+    if not given and any(floor_lifts(q, floored) for q in powers):
+        return None
     # A power held in a tensor is not an int: real, without reading it on the host.
     real_power = any(not isinstance(q, int) or (floored and q != 0) for q in powers)
-    if thresholded and steps is None and coefficients is None and not real_power:
+    if thresholded and not given and not real_power:
         return None
     return resolve_polar_coefficients(steps, coefficients, real_power=real_power)
+
+
+def update_coefficients(steps: int | None, coefficients, power):
+    """A Muon-family update's polar coefficients (:func:`~.routing.power_update`): Muon's (Polar Express, 8
+    steps) or the given ones, as :func:`polar` takes them; None (the plan's design) for a power whose floor
+    lifts (every update's but ``q = 0``'s) where nothing is given."""
+    if steps is None and coefficients is None and floor_lifts(power, True):
+        return None
+    return resolve_polar_coefficients(steps, coefficients)
 
 
 def orthogonalization_coefficients(steps: int | None, ns_coefficients=None) -> tuple:

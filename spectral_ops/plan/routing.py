@@ -20,12 +20,13 @@ import torch
 
 from .._checks import check_power
 from .._compile import constant_when_traced
+from ..coefficients import resolve_polar_coefficients
 from ..linalg import compute_dtype
 from ..precision import OPERAND_DTYPES, clip_precision, resolve_precision
 from .factorised import FactorisedPlan
 from .gram import GUARD_SQUARINGS, GramPlan, checked_finite
-from .iterations import GRAM_SPACE_PRECISIONS, GRAM_SPACE_SAVING, TENSOR_POWER_BOUND, matrix_sign
-from .thresholds import Band, Scale
+from .iterations import GRAM_SPACE_PRECISIONS, GRAM_SPACE_SAVING, TENSOR_POWER_BOUND, floor_lifts, matrix_sign
+from .thresholds import GRAM_RESOLVES, Band, Scale
 
 OPS = ("polar", "msign", "spectral_power", "power_update", "band_projectors", "band_direction", "svt",
        "spectral_clip", "spectral_norm_bounds", "decay_")
@@ -160,6 +161,8 @@ def spectral_power(kernels, W: torch.Tensor, p, polar_coefficients, precision: s
     ``eps`` (:meth:`GramPlan.scaled_real_power`; ``p = 0`` is the polar factor, floored or not)."""
     if eps is None and p == 1:
         return W.clone()  # S_1(W) = W, and the result must never alias the input
+    precision, polar_coefficients = lifting(W, p, eps, precision, polar_coefficients,
+                                            resolve_polar_coefficients(None, None, real_power=True))
     chosen = routed(kernels, W, p, precision, method, polar_coefficients, iteration=iteration, floored=eps is not None)
     if chosen.method == "gram" and not torch.is_tensor(p) and p == 0:
         return polar_factor(kernels, W, polar_coefficients, precision, chosen)
@@ -167,6 +170,21 @@ def spectral_power(kernels, W: torch.Tensor, p, polar_coefficients, precision: s
     result = plan.result(*plan.scaled_direction(p, polar_coefficients, chosen, eps)).to(W.dtype)
     result = beyond_tensor_power_nan(result, p)
     return checked_finite(result, "spectral_power") if sync else result
+
+
+def lifting(W: torch.Tensor, p, eps, precision: str | None, polar_coefficients, fallback) -> tuple:
+    """``(precision, polar coefficients)`` of a power ``p`` with the floor ``eps`` (None: none): where the floor
+    lifts (:func:`~.iterations.floor_lifts`), ``precision=None`` computes in fp32 (fp64 for float64 weights,
+    :func:`~spectral_ops.precision.clip_precision`): bf16, fp16 and tf32 operands resolve neither the small
+    modes the floor weighs most (for ``p < 0``) nor the zero ones it must leave at 0 (a rank-1 bf16 update at
+    ``q = -1`` erred 1.4); coefficients left to the plan (None) stay None where the precision resolves the
+    lift (:func:`~.thresholds.lift_design`), and are ``fallback`` where it does not."""
+    if not floor_lifts(p, eps is not None):
+        return precision, polar_coefficients
+    precision = clip_precision(precision, W.dtype)
+    if polar_coefficients is None and precision not in GRAM_RESOLVES:
+        return precision, fallback
+    return precision, polar_coefficients
 
 
 def beyond_tensor_power_nan(result: torch.Tensor, p) -> torch.Tensor:
@@ -218,6 +236,8 @@ def power_update(kernels, X: torch.Tensor, power, polar_coefficients, precision:
         if X.shape[-2] != X.shape[-1]:
             return polar(kernels, X, polar_coefficients, precision, dtype, overwrite_input)
         return polar(kernels, X.mT, polar_coefficients, precision, dtype, overwrite_input).mT
+    precision, polar_coefficients = lifting(X, power, eps, precision, polar_coefficients,
+                                            resolve_polar_coefficients(None, None))
     chosen = routed(kernels, X, power, precision, "gram", polar_coefficients, floored=True)
     plan = GramPlan(X, kernels, resolve_precision(precision, X.dtype))
     D, log_factor = plan.scaled_direction(power, polar_coefficients, chosen, eps)

@@ -45,19 +45,32 @@ THRESHOLD_TOLERANCE = {torch.float32: 1e-7, torch.float64: 1e-13}
 # from tau: tests/test_thresholds.py); 5e-5 leaves 4x for the GPU kernels' 3xTF32 (2^-22). bf16, fp16 and
 # tf32 operands round the Gram too coarsely for any 1% gap: they keep it only where the default design does.
 GRAM_RESOLVES = {"fp32": 5e-5, "fp64": 1e-6}
-# A lift (spectral_clip's min=, a band form with p = 0 below tau) maps every mode below tau to O(1),
-# however small: its polar factor must resolve each non-zero mode, down to the zero cutoff
+# A lift (spectral_clip's min=, a band form with p = 0 below tau, a floored power) maps every mode below tau to
+# O(1), however small: its polar factor must resolve each non-zero mode, down to the zero cutoff
 # (linalg.zero_mode_cutoff, N eps s_max), where the threshold's design stops at tau (and the default one at
 # 1e-3 ||W||_F: 0.31 min at s = 1e-4 ||W||_F before). A factor designed that deep also amplifies the
 # round-off of a rank-deficient matrix's zero modes (an eps in step j grows by the later steps' linear
 # coefficients, ~1 / lower in all): measured 0.2 of min on the zero modes of a 64 x 128 of rank 8. So the lift
-# takes Q on the modes above the cutoff only, P_top(c) Q, with a sign iteration on |Xn| - c I (where the
-# zero modes sit at -c, away from the sign's unstable 0, and |Xn| = Xn Q^T is 0 on them whatever Q's
-# round-off there). Both are designed for the cutoff at its smallest relative to ||X||_F (s_max >= ||X||_F /
-# sqrt(r)): the polar factor down to c, the sign for the modes at c / 2 and 2 c. Modes within that factor of 2
-# of the cutoff come out partly lifted. Only fp32 and fp64 operands resolve it (GRAM_RESOLVES): bf16, fp16
-# and tf32 ones lift as the threshold's design does (the clip computes in fp32 unless told otherwise).
-CUTOFF_BAND = 2.0
+# takes Q on the modes above the cutoff only, P_top(c) Q, with a sign iteration on |Xn| - t I (where the
+# zero modes sit at -t, away from the sign's unstable 0, and |Xn| = Xn Q^T is 0 on them whatever Q's
+# round-off there). The polar factor is designed down to the cutoff at its smallest relative to ||X||_F
+# (s_max >= ||X||_F / sqrt(r)). Only fp32 and fp64 operands resolve it (GRAM_RESOLVES): bf16, fp16 and tf32
+# ones lift as the threshold's design does (the clip and the floored powers compute in fp32 unless told
+# otherwise).
+#
+# The cutoff is a promise (docs/guarantees.md): a mode at or below it stays 0, on every route. The sign's
+# threshold t therefore sits above the cutoff, t = c / (1 - CUTOFF_RESOLUTION), so that the modes at or below
+# c are CUTOFF_RESOLUTION (relatively) from it and resolved to 0; the modes from c (1 + rho) / (1 - rho) up
+# are lifted, those in between partly. |Xn| holds the modes near c to about 4e-4 of c in fp32 (its rounding
+# is relative to s_max, and c is N eps s_max: measured 1e-4 to 4e-4 at 128 x 64 to 512 x 128), so rho = 1% is
+# resolvable, but not by an fp32 sign iteration, whose rounding (eps of ||A||_F) is as large as that gap:
+# an fp32 plan takes the cutoff's sign in float64 (r x r products only). An fp64 plan has no finer dtype:
+# its rho is 1/2 (modes from 3 c lifted), as wide as its rounding at the cutoff allows (the design this
+# replaced resolved a factor 2 around c: modes from c / 2 lifted partly, against the promise).
+CUTOFF_RESOLUTION = {torch.float32: 0.01, torch.float64: 0.5}
+# s_max sets the cutoff; its Rayleigh estimate (GramPlan.spectral_norm_estimate) is from below, within about
+# 0.13% of s_max: widened by this much, the cutoff is never placed below c (at most 0.5% above it).
+CUTOFF_ESTIMATE_MARGIN = 0.005
 # A design this deep amplifies each step's rounding in its middle steps (the cushion's polynomials are steeper
 # than 1 at the top modes: up to 1e10 over fp64's 27 steps) and its last steps contract that quadratically,
 # so it must end a contraction step later than THRESHOLD_TOLERANCE does: within this many units of the
@@ -99,31 +112,67 @@ def threshold_design(t: float | None, r: int, dtype: torch.dtype, precision: str
 
     ``lift_size``: the long side ``N`` of a form that lifts its bottom band (the clip's ``min=``, ``p = 0``
     below ``tau``): where nothing is given and the operands resolve it, the polar factor is designed down to
-    the zero cutoff as well, and ``cutoff`` for its projector (:data:`CUTOFF_BAND`)."""
+    the zero cutoff as well, and ``cutoff`` for its projector (:func:`lift_design`)."""
     if t is None:
         t = CAPTURABLE_DEPTH / math.sqrt(r)
     near, tolerance, floor = THRESHOLD_RESOLUTION, THRESHOLD_TOLERANCE[dtype], torch.finfo(dtype).eps
 
-    def designed(lower, tolerance=tolerance):
-        return polar_express_design(max(lower, floor), tolerance) if lower < DEFAULT_LOWER else \
-            polar_express_coefficients(DEFAULT_STEPS)
+    def designed(lower):
+        return _designed(lower, tolerance, floor)
 
-    lifts = lift_size is not None and polar_coefficients is None and sign_coefficients is None \
-        and precision in GRAM_RESOLVES
-    cutoff = zero_mode_cutoff(lift_size, dtype) / math.sqrt(r) if lifts else math.inf
-    cutoff_tolerance = min(tolerance, CUTOFF_TOLERANCE_UNITS * floor)
+    lift = None if polar_coefficients is not None or sign_coefficients is not None or lift_size is None \
+        else lift_design(r, lift_size, dtype, precision)
     if polar_coefficients is None:
         lower = (1 - near) * t
-        polar_coefficients = designed(lower / NORMALIZATION_MARGIN) if lower < cutoff else \
-            designed(cutoff / NORMALIZATION_MARGIN, cutoff_tolerance)
+        # A threshold below the cutoff (no mode between them to lift) keeps its own design.
+        polar_coefficients = lift.polar if lift is not None and lower >= lift.depth else \
+            designed(lower / NORMALIZATION_MARGIN)
     if sign_coefficients is not None:
         return ThresholdDesign(False, sign_coefficients, polar_coefficients)
-    cutoff_sign = designed(cutoff / CUTOFF_BAND, cutoff_tolerance) if lifts else None
+    cutoff_sign = None if lift is None else lift.cutoff
     gram_gap = (1 - (1 - near) ** 2) * t * t / math.sqrt(max(1 - 2 * t * t + r * t**4, floor))
     if gram_gap >= DEFAULT_LOWER or (not holds_polar and gram_gap >= GRAM_RESOLVES.get(precision, math.inf)):
         return ThresholdDesign(False, designed(gram_gap), polar_coefficients, cutoff_sign)
     gap = near * t / math.sqrt(max(1 - 2 * t + r * t * t, floor))
     return ThresholdDesign(True, designed(gap), polar_coefficients, cutoff_sign)
+
+
+def _designed(lower: float, tolerance: float, floor: float) -> tuple:
+    """Polar Express resolving ``[lower, 1]`` to ``tolerance`` (``lower`` no deeper than ``floor``, the dtype's
+    epsilon), and the default steps where those reach it."""
+    return polar_express_design(max(lower, floor), tolerance) if lower < DEFAULT_LOWER else \
+        polar_express_coefficients(DEFAULT_STEPS)
+
+
+@dataclass(frozen=True)
+class LiftDesign:
+    """How a lift resolves every non-zero mode (:data:`CUTOFF_RESOLUTION`): ``polar``, the polar factor's
+    coefficients down to the zero cutoff; ``cutoff``, the float64 sign coefficients of ``P_top`` at the
+    cutoff (:meth:`GramThresholds.lifting_polar`); ``depth``: the cutoff they are designed for, relative to
+    ``||X||_F``."""
+
+    polar: tuple
+    cutoff: tuple
+    depth: float
+
+
+def lift_design(r: int, size: int, dtype: torch.dtype, precision: str) -> LiftDesign | None:
+    """The design of a lift on ``r x size`` matrices in the compute ``dtype`` with ``precision``'s operands, or
+    None where they do not resolve the zero cutoff (bf16, fp16, tf32: :data:`GRAM_RESOLVES`). It does not
+    depend on the weight (the cutoff at its smallest against ``||X||_F``, ``N eps / sqrt(r)``), so a
+    capturable call takes it as it is.
+
+    The polar factor is designed for the cutoff within :data:`CUTOFF_TOLERANCE_UNITS` of the dtype's
+    rounding; the cutoff's sign (float64) for a gap of :data:`CUTOFF_RESOLUTION` of it, to the rounding of
+    the dtype its projector is rounded to."""
+    if precision not in GRAM_RESOLVES:
+        return None
+    cutoff = zero_mode_cutoff(size, dtype) / math.sqrt(r)
+    floor = torch.finfo(dtype).eps
+    tolerance = min(THRESHOLD_TOLERANCE[dtype], CUTOFF_TOLERANCE_UNITS * floor)
+    sign_floor = torch.finfo(torch.float64).eps
+    return LiftDesign(_designed(cutoff / NORMALIZATION_MARGIN, tolerance, floor),
+                      _designed(CUTOFF_RESOLUTION[dtype] * cutoff, tolerance, sign_floor), cutoff)
 
 
 @dataclass(frozen=True)
@@ -232,6 +281,7 @@ class GramThresholds:
         self.plan = plan
         self._absolute_value = None  # |Xn| from the plan's polar factor, for the sign iterations on it
         self._lifting_polar = None
+        self._nonzero_projector = None
 
     def threshold_ratio(self, tau) -> float | None:
         """The smallest ``tau / c`` of the stack on the host (one read), or None where the plan may not
@@ -272,7 +322,7 @@ class GramThresholds:
         J = matrix_sign(plan.kernels, shifted, sign_coefficients, plan.precision, symmetrized).to(plan.dtype)
         return (J + plan.identity()) * 0.5
 
-    def absolute_value(self, design: ThresholdDesign) -> torch.Tensor:
+    def absolute_value(self, design: ThresholdDesign | LiftDesign) -> torch.Tensor:
         """``|Xn|`` (compute dtype) from the plan's polar factor (``design``'s where it is the first to ask),
         formed once for every sign iteration on it."""
         if self._absolute_value is None:
@@ -280,26 +330,35 @@ class GramThresholds:
             self._absolute_value = plan.absolute(plan.polar(design.polar)).to(plan.dtype)
         return self._absolute_value
 
-    def lifting_polar(self, design: ThresholdDesign) -> torch.Tensor:
+    def lifting_polar(self, design: ThresholdDesign | LiftDesign) -> torch.Tensor:
         """The polar factor a lift multiplies (operand dtype): ``Q``, and with ``design.cutoff``
-        ``P_top(c) Q``, ``Q`` on the modes above the zero cutoff ``c = N eps s_max`` only
-        (:data:`CUTOFF_BAND`; ``s_max`` from below by the guard's bound, within ``r^(1/32)`` of it: three
-        squarings of the Gram, products the cost model counts)."""
+        ``P_top(c) Q`` (:meth:`nonzero_projector`), ``Q`` on the modes above the zero cutoff only."""
         plan = self.plan
         Q = plan.polar(design.polar)
         if design.cutoff is None:
             return Q
         if self._lifting_polar is None:
-            log_lower, _ = plan.log_spectral_norm_bounds()
-            # Of Xn: 0 for a zero matrix (whose log scale is -inf), which has no mode to lift.
-            s_max = (log_lower - plan.log_scale[..., 0, 0]).exp().nan_to_num(0.0)[..., None, None]
-            c = zero_mode_cutoff(plan.shape[-1], plan.dtype) * s_max.to(plan.dtype)
+            self._lifting_polar = plan.product(self.nonzero_projector(design).to(Q.dtype), Q)
+        return self._lifting_polar
+
+    def nonzero_projector(self, design: ThresholdDesign | LiftDesign) -> torch.Tensor:
+        """``P_top(c)`` (compute dtype, small side) at the zero cutoff ``c = N eps s_max``, by a float64 sign
+        iteration with ``design.cutoff``: 0 on the modes at or below ``c``, 1 on those from ``c (1 + rho) / (1 -
+        rho)`` up (:data:`CUTOFF_RESOLUTION`). ``s_max`` is the Rayleigh estimate (three squarings of the Gram
+        and matrix-vector products, which the cost model counts), widened by :data:`CUTOFF_ESTIMATE_MARGIN` so
+        that the cutoff is never read low. Formed once."""
+        if self._nonzero_projector is None:
+            plan, exact = self.plan, torch.float64
+            s_max = plan.spectral_norm_estimate().to(exact) * (1.0 + CUTOFF_ESTIMATE_MARGIN)
+            threshold = zero_mode_cutoff(plan.shape[-1], plan.dtype) * s_max / (1.0 - CUTOFF_RESOLUTION[plan.dtype])
             # Xn Q^T is symmetric only up to Q's error, s_i times its round-off between a zero mode's left
             # vector and a non-zero one's right vector (1e-6 in fp32): as large as the cutoff's gap.
-            P = self.absolute_value(design)
-            nonzero = self._top((P + P.mT) * 0.5 - c * plan.identity(), design.cutoff, symmetrized=True)
-            self._lifting_polar = plan.product(nonzero.to(Q.dtype), Q)
-        return self._lifting_polar
+            P = self.absolute_value(design).to(exact)
+            identity = torch.eye(plan.shape[-2], dtype=exact, device=P.device)
+            J = matrix_sign(plan.kernels, (P + P.mT) * 0.5 - threshold * identity, design.cutoff, "fp64",
+                            symmetrized=True)
+            self._nonzero_projector = ((J + identity) * 0.5).to(plan.dtype)
+        return self._nonzero_projector
 
     def top_projector(self, tau, polar_coefficients, sign_coefficients) -> torch.Tensor:
         """:meth:`projector` alone, with the design for ``tau`` (None coefficients: designed for it)."""
@@ -315,7 +374,7 @@ class GramThresholds:
         above, below = BAND_SIDES[band.mode]
         # Odd integer powers are X G^k: only the other powers (and the clip's tau Q) form the polar factor.
         holds_polar = not all(isinstance(q, int) and q % 2 for q in (term_power(t, p, band) for t in above + below))
-        # p = 0 below tau lifts the bottom band: Q there, on every non-zero mode (CUTOFF_BAND).
+        # p = 0 below tau lifts the bottom band: Q there, on every non-zero mode (CUTOFF_RESOLUTION).
         lifts = any(term_power(term, p, band) == 0 for term in below)
         design = self.design(band.tau, polar_coefficients, sign_coefficients, holds_polar, lifts)
         P_top = self.projector(band.tau, design)
