@@ -266,8 +266,14 @@ def test_a_power_held_in_a_tensor(p):
 
 
 def test_a_tensor_power_out_of_its_design_is_nan_and_needs_a_floor():
+    """A capturable call cannot read its power to refuse it: a power held in a tensor beyond its design
+    (|p| <= 1) makes the whole result NaN, never a finite wrong one (SpectralMuon skips and counts that
+    step); outside a capturable call it is read, as a number is taken, and computed."""
     W = matrix(32, 16, 10)[0]
     assert torch.isnan(so.spectral_power(W, torch.tensor(1.5), method="gram", eps=1e-2, capturable=True)).all()
+    for q in (1.5, -3.0):
+        assert torch.isnan(so.power_update(W, torch.tensor(q), capturable=True)).all()
+        assert torch.equal(so.power_update(W, torch.tensor(q)), so.power_update(W, q))
     with pytest.raises(ValueError, match="floored either way"):
         so.spectral_power(W, torch.tensor(0.5), method="gram", capturable=True)
     # Outside a capturable call it is read, as a number is taken.
