@@ -7,7 +7,6 @@ half-updated.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from .plan import (  # noqa: F401  (SpectralStabilityError: the decay's public n
     rounding_noise,
     stability_terms,
 )
+from .precision import outside_autocast
 
 
 def row_block(matrices: torch.Tensor, rows) -> torch.Tensor:
@@ -181,6 +181,7 @@ def check_generator(generator, tensors: list[torch.Tensor]) -> None:
                          "torch.Generator(device=W.device).manual_seed(seed)")
 
 
+@outside_autocast
 @torch.no_grad()
 def spectral_decay_(
     W,
@@ -553,7 +554,8 @@ def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, 
     :func:`check_decay_options`, ``scale`` the lr or the schedule. Same-shape weights are decayed as
     one stack, by :func:`spectral_ops.plan.decay_` (the guard, the direction and the write).
     ``increment``: the step's increment instead of the new value (see :func:`spectral_decay`).
-    ``generator``: a stochastic rounding's random bits (None: the device's default generator)."""
+    ``generator``: a stochastic rounding's random bits (None: the device's default generator). Its callers
+    run it outside any autocast (:func:`spectral_decay_`, an optimizer's step: ``outside_autocast``)."""
     nonempty = [i for i, t in enumerate(tensors) if t.numel()]
     rounds_stochastically = options.rounding == "stochastic" and any(
         tensors[i].dtype in STOCHASTICALLY_ROUNDED for i in nonempty)
@@ -571,12 +573,7 @@ def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, 
     for indices in groups.values():
         # The decay is computed in a copy: a stack of a same-shape batch, or a clone of a lone weight.
         stack = torch.stack([tensors[i] for i in indices]) if len(indices) > 1 else tensors[indices[0]].clone()
-        # A step called inside a forward's autocast (Lightning's manual optimization steps in its
-        # training_step) would run the decay's products in bf16: its precision is its options' alone.
-        autocast_off = (torch.autocast(stack.device.type, enabled=False)
-                        if torch.is_autocast_enabled(stack.device.type) else contextlib.nullcontext())
-        with autocast_off:
-            outcome = plan.decay_(dispatch.kernels_for("decay_", stack), stack, request)
+        outcome = plan.decay_(dispatch.kernels_for("decay_", stack), stack, request)
         pending.decayed.update(zip(indices, stack.unbind(0) if len(indices) > 1 else [stack]))
         if outcome.clamp_factor is not None:
             clamp = outcome.clamp_factor

@@ -4,7 +4,8 @@ Every function takes a matrix, or a tensor of more than two dimensions read as i
 (:mod:`spectral_ops.matrix_views`: ``"batch"``, a stack ``(..., m, n)``, what a 3-D tensor is read as
 unsaid; ``"flatten"``, one matrix of dim 0's rows; four or more dimensions need it said), on CPU or CUDA,
 in float64, float32, float16 or bfloat16, with any strides. It runs without autograd (the result never requires grad)
-and returns a new tensor of the input's dtype.
+and without an enclosing autocast (its precision is its own, :func:`~spectral_ops.precision.outside_autocast`), and
+returns a new tensor of the input's dtype.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients
 from .deprecations import renamed_argument
 from .linalg import compute_dtype
 from .matrix_views import matrices_of, resolve_matrix_view
+from .precision import outside_autocast
 
 dispatch.composes_small_chains_by(plan.composed_chain)  # dispatch times the plan's composition, never imports it
 
@@ -111,6 +113,7 @@ def _check_iterate_options(precision, dtype, overwrite_input) -> None:
         raise TypeError(f"overwrite_input must be True or False, got {overwrite_input!r}")
 
 
+@outside_autocast
 @torch.no_grad()
 def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, precision: str | None = None,
           capturable: bool = False, dtype: torch.dtype | None = None, overwrite_input: bool = False,
@@ -141,6 +144,7 @@ def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, preci
                                  overwrite_input=overwrite_input), W)
 
 
+@outside_autocast
 @torch.no_grad()
 def msign(A: torch.Tensor, steps: int | None = None, method: str = "newton_schulz", *,
           precision: str | None = None, capturable: bool = False) -> torch.Tensor:
@@ -174,6 +178,7 @@ def _check_symmetric(A: torch.Tensor) -> None:
         )
 
 
+@outside_autocast
 @torch.no_grad()
 def spectral_power(W: torch.Tensor, p, method: str = "auto", *, steps: int | None = None,
                    coefficients=None, precision: str | None = None, capturable: bool = False,
@@ -206,6 +211,7 @@ def spectral_power(W: torch.Tensor, p, method: str = "auto", *, steps: int | Non
                                           sync=not capturable, iteration=iteration, method=method, eps=eps), W)
 
 
+@outside_autocast
 @torch.no_grad()
 def power_update(X: torch.Tensor, q=0, *, eps: float = plan.UPDATE_FLOOR, steps: int | None = None, coefficients=None,
                  precision: str | None = None, capturable: bool = False, dtype: torch.dtype | None = None,
@@ -258,6 +264,7 @@ def _check_tau(tau, name: str = "tau", sync: bool = True):
     return check_coefficient(tau, name, positive=True, sync=sync)
 
 
+@outside_autocast
 @torch.no_grad()
 def band_projectors(W: torch.Tensor, tau, sign_steps: int | None = None, sign_method: str | None = None, *,
                     precision: str | None = None, capturable: bool = False, method: str = "auto", steps=None,
@@ -317,6 +324,7 @@ def _thresholded_coefficients(steps, sign_steps, sign_method: str, precision, po
     return polar_c, threshold_sign_coefficients(sign_steps, sign_method)
 
 
+@outside_autocast
 @torch.no_grad()
 def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: int = 1,
                    lambda_top=1.0, lambda_bot=1.0, steps: int | None = None,
@@ -352,6 +360,7 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
                                           method=check_method(method, capturable)), W)
 
 
+@outside_autocast
 @torch.no_grad()
 def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None = None,
         sign_method: str = "polar_express", precision: str | None = None,
@@ -373,6 +382,7 @@ def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None 
                                method=check_method(method, capturable)), W)
 
 
+@outside_autocast
 @torch.no_grad()
 def spectral_clip(W: torch.Tensor, min=None, max=None, *, steps: int | None = None, sign_steps: int | None = None,
                   sign_method: str = "polar_express", precision: str | None = None, capturable: bool = False,
@@ -414,6 +424,7 @@ def spectral_clip(W: torch.Tensor, min=None, max=None, *, steps: int | None = No
                                          precision, sync=not capturable, method=check_method(method, capturable)), W)
 
 
+@outside_autocast
 @torch.no_grad()
 def spectral_norm_bounds(W: torch.Tensor, squarings: int = 3, *, capturable: bool = False,
                          matrix_view: str | None = None):

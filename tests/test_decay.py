@@ -8,6 +8,10 @@ import torch
 import spectral_ops as so
 from spectral_ops import reference
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
+from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD
+from spectral_ops.precision import outside_autocast
+
+from op_calls import OPS
 
 # Same budget as test_ops: a chain of ~30 products of inner size <= 64, plus one subtraction.
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 5e-5}
@@ -29,17 +33,77 @@ def test_decay_equals_out_of_place_update_and_svd(p, dtype):
     assert relative_error(W_new, oracle) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("method", ["gram", "svd"])
-def test_the_decay_takes_no_precision_from_an_enclosing_autocast(method):
-    """An optimizer stepped inside a forward's autocast (Lightning's manual optimization steps in its
-    training_step, under precision="bf16-mixed") decays as outside it, bit for bit: autocast would run
-    the fp32 weights' products in bf16."""
-    W = weights(dtype=torch.float32, seed=5)
-    outside, inside = W.clone(), W.clone()
-    so.spectral_decay_(outside, 2, 0.05, 0.2, method=method)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        so.spectral_decay_(inside, 2, 0.05, 0.2, method=method)
-    assert torch.equal(inside, outside)
+def _stepped(optimizer, **options):
+    """An entry that steps two weights (a same-shape pair: a stacked decay) twice with seeded gradients, through
+    ``optimizer(params)``: the weights after."""
+    def step(W):
+        params = [torch.nn.Parameter(W.clone()), torch.nn.Parameter(W * 0.5)]
+        stepper = optimizer(params, **options)
+        for seed in range(2):
+            generator = torch.Generator().manual_seed(seed)
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+            stepper.step()
+        return [param.detach() for param in params]
+    return step
+
+
+def _attached(params, **options):
+    host = torch.optim.SGD(params, lr=1e-2)
+    SpectralDecay(params, **options).attach(host)
+    return host
+
+
+DECAY = {"p": 2, "spectral_weight_decay": 0.1}
+# Every public entry that computes: the ops (tests/op_calls.py's table), msign, the p = 0 decay's other mode,
+# and each optimizer's step, SpectralMuon's AdamW group and an attached decay included.
+ENTRIES = {
+    **OPS,
+    "msign": lambda W: so.msign(W[..., :3, :3] + W[..., :3, :3].mT),
+    "spectral_decay_ prox": lambda W: so.spectral_decay_(W.clone(), 0, 0.02, 0.5, p0_mode="prox"),
+    "adamw": _stepped(SpectralAdamW, lr=1e-2, **DECAY),
+    "sgd": _stepped(SpectralSGD, lr=1e-2, momentum=0.9, **DECAY),
+    "muon": _stepped(SpectralMuon, lr=1e-2, **DECAY),
+    "muon-adamw": _stepped(lambda params, **o: SpectralMuon([{"params": params, "algorithm": "adamw"}], **o),
+                           lr=1e-2, **DECAY),
+    "decay": _stepped(SpectralDecay, lr=1e-2, **DECAY),
+    "attached": _stepped(_attached, **DECAY),
+}
+
+
+@pytest.mark.parametrize("autocast", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_an_enclosing_autocast_changes_nothing(entry, dtype, autocast):
+    """A step inside a forward's autocast (Lightning's manual optimization steps in its training_step under
+    precision="bf16-mixed"; a loop's ``with torch.autocast(...)`` around the whole step): every op, decay and
+    optimizer step gives, bit for bit, what it gives outside, for every weight dtype under either autocast
+    dtype. Autocast ran the fp32 weights' products in bf16 (a decay 1e-4 off), and refused a weight of the
+    other half dtype with torch's own error ("Unexpected floating ScalarType in at::autocast::prioritize", a
+    bf16 weight under an fp16 autocast). A 3-D stack and a matrix, as the entries batch either."""
+    W = weights((2, 8, 6) if entry in OPS else (8, 6), torch.float64, seed=5).to(dtype)
+    outside = ENTRIES[entry](W)
+    with torch.autocast("cpu", dtype=autocast):
+        inside = ENTRIES[entry](W)
+    assert all(torch.equal(a, b) for a, b in zip(_as_list(inside), _as_list(outside)))
+
+
+def _as_list(result):
+    return result if isinstance(result, list) else [result]
+
+
+def test_no_autocast_reaches_inside_an_entry():
+    """The switch covers every device type the package computes on: CUDA's autocast state too (set here
+    without a GPU, as torch.autocast("cuda") would on one)."""
+    states = outside_autocast(lambda: [torch.is_autocast_enabled(device) for device in ("cpu", "cuda")])
+    for device in ("cpu", "cuda"):
+        torch.set_autocast_enabled(device, True)
+    try:
+        assert states() == [False, False]
+        assert torch.is_autocast_enabled("cpu") and torch.is_autocast_enabled("cuda")  # restored after the call
+    finally:
+        for device in ("cpu", "cuda"):
+            torch.set_autocast_enabled(device, False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])

@@ -33,6 +33,7 @@ from ..decay import Band, DecayOptions, PendingWrite
 from ..decay_options import decay_option_keys
 from ..deprecations import renamed_group_keys
 from ..plan import stability_terms
+from ..precision import outside_autocast
 from ._decay import (
     capturable,
     check_decay_group,
@@ -359,6 +360,7 @@ class SpectralOptimizer(Optimizer):
         (:meth:`commit_steps`)."""
         self.commit_steps(self.plan_step(prepare))
 
+    @outside_autocast
     def plan_step(self, prepare) -> StepPlan:
         """Everything a step does before its first write: each group's state and counts created
         (:meth:`_init_group`), its inputs checked (:meth:`check_step`), its records prepared, the
@@ -508,6 +510,7 @@ class SpectralOptimizer(Optimizer):
             if value is not None:
                 check_coefficient(value, key, sync=not capturable(group))
 
+    @outside_autocast
     @torch.no_grad()
     def commit_steps(self, plan: StepPlan) -> None:
         """Write a planned step (:meth:`plan_step`), skipping each parameter whose checks failed: its
