@@ -165,6 +165,32 @@ def test_zero_coefficients_and_empty_weights():
     assert torch.equal(zero, torch.zeros(3, 6, 4))
 
 
+ZERO_LR_FORMS = {"explicit": {}, "prox": {"p0_mode": "prox"}, "band": {"band": so.Band(0.5)},
+                 "two_band": {"band": so.Band(0.5, "two_band", p_bot=1)}, "clip": {"band": so.Band(0.5, "clip")}}
+
+
+@pytest.mark.parametrize("lr", ["number", "tensor", "capturable"])
+@pytest.mark.parametrize("p, form", [(p, form) for p in range(5) for form in ZERO_LR_FORMS
+                                     if form not in ("prox", "clip") or p == (form == "clip")])
+def test_an_lr_of_zero_leaves_the_weights_bit_for_bit_in_every_form(p, form, lr):
+    """guarantees.md: lr = 0 writes nothing that changes a bit. The prox decay rebuilt W from its factors
+    at a zero threshold, 1.2e-6 off in fp32 (1.9e-6 here); now a zero threshold keeps W itself: by the
+    multiply for a Python zero, on the device for a tensor one (no host read: capturable). Every power,
+    both p = 0 modes and the band forms; in place, out of place, and the increment (0)."""
+    options = dict(ZERO_LR_FORMS[form])  # prox is a p = 0 mode, clip a p = 1 one
+    if lr == "capturable":
+        options.update(capturable=True, method="gram", stability="clamp")
+    zero = 0.0 if lr == "number" else torch.tensor(0.0)
+    W = weights(dtype=torch.float32, seed=p)
+    decayed = W.clone()
+    so.spectral_decay_(decayed, p, zero, 0.5, ordinary_weight_decay=0.1, **options)
+    assert torch.equal(decayed, W)
+    assert torch.equal(so.spectral_decay(W, p, zero, 0.5, ordinary_weight_decay=0.1, **options), W)
+    if form != "prox":  # the prox decay refuses increment=True (it rebuilds W)
+        increment = so.spectral_decay(W, p, zero, 0.5, ordinary_weight_decay=0.1, increment=True, **options)
+        assert torch.equal(increment, torch.zeros_like(W))
+
+
 def test_tensor_coefficients():
     W = weights()
     lr, wd = torch.tensor(0.1, dtype=torch.float64), torch.tensor(0.2, dtype=torch.float64)
