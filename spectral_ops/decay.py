@@ -14,7 +14,15 @@ from dataclasses import dataclass, field
 import torch
 
 from . import dispatch, plan
-from ._checks import check_coefficient, check_finite, check_matrix, check_same_device, finite_limit
+from ._checks import (
+    check_coefficient,
+    check_finite,
+    check_matrix,
+    check_same_device,
+    finite_limit,
+    overlaps_itself,
+    shared_memory_error,
+)
 from .backends.torch_backend import round_stochastic
 from .decay_options import checked_decay_options
 from .deprecations import renamed_argument
@@ -97,9 +105,9 @@ def _check_writable(tensors, names: list[str]) -> None:
         if t.is_inference() and not torch.is_inference_mode_enabled():
             raise RuntimeError(f"{names[i]} is an inference tensor, which cannot be written outside "
                                "torch.inference_mode()")
-        if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
-            raise ValueError(f"{names[i]} has elements that share memory (an expanded view); it cannot be "
-                             "written in place")
+        if overlaps_itself(t):
+            raise shared_memory_error(t, names[i], f"Decay a copy with memory of its own ({names[i]}.contiguous()), "
+                                      "or take the decayed value out of place (spectral_decay)")
         storage, start, end = _extent(t)
         for j, (other_storage, other_start, other_end) in extents:
             if storage == other_storage and start < other_end and other_start < end:

@@ -1,5 +1,6 @@
 """The in-place decay step (SPEC 1.5) against its out-of-place definition and the SVD oracle."""
 
+import math
 import warnings
 
 import pytest
@@ -366,7 +367,7 @@ def test_a_schedule_under_the_decoupled_convention_is_refused_not_ignored():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-LAYOUTS = ("contiguous", "transposed", "row_slice", "strided", "batch_slice")
+LAYOUTS = ("contiguous", "transposed", "row_slice", "strided", "batch_slice", "interleaved", "overlapping")
 
 
 def _laid_out(layout: str, shape, dtype, seed: int):
@@ -387,9 +388,18 @@ def _laid_out(layout: str, shape, dtype, seed: int):
         base = torch.randn(m, 2 * n, dtype=dtype)
         base[:, ::2] = W
         return base[:, ::2], base
-    base = torch.randn(3, m, n, dtype=dtype)  # one matrix of a batch
-    base[1] = W
-    return base[1], base
+    if layout == "batch_slice":  # one matrix of a batch
+        base = torch.randn(3, m, n, dtype=dtype)
+        base[1] = W
+        return base[1], base
+    if layout == "interleaved":  # as_strided's: strides (n + 1, m + 1) share nothing, and their dims do not nest
+        strides = (n + 1, m + 1) if math.gcd(n + 1, m + 1) == 1 else (n + 2, m + 1) if math.gcd(n + 2, m + 1) == 1 \
+            else (n + 1, m + 2)
+        base = torch.randn((m - 1) * strides[0] + (n - 1) * strides[1] + 1, dtype=dtype)
+        base.as_strided((m, n), strides).copy_(W)
+        return base.as_strided((m, n), strides), base
+    base = torch.randn(m + n - 1, dtype=dtype)  # overlapping: element (i, j) is base[i + j]
+    return base.as_strided((m, n), (1, 1)), base
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -400,16 +410,16 @@ def _laid_out(layout: str, shape, dtype, seed: int):
        share_base=st.booleans())
 def test_any_layout_and_list_is_decayed_exactly_or_refused_untouched(layouts, shape, p, dtype, share_base):
     """Each weight of a list, in any layout, gets the SVD oracle's decay (to the dtype's tolerance of
-    this module) and nothing around it changes; a list whose weights overlap in memory is refused
-    with every weight and its base bitwise unchanged."""
+    this module) and nothing around it changes; a list whose weights overlap in memory, or with a weight
+    whose elements share memory, is refused with every weight and its base bitwise unchanged."""
     laid = [_laid_out(layout, shape, dtype, seed) for seed, layout in enumerate(layouts)]
     if share_base and len(laid) > 1:  # the same weight twice: overlapping memory
         laid.append(laid[0])
     tensors = [W for W, _ in laid]
     bases = [base.clone() for _, base in laid]
     expected = [reference.spectral_decay_svd(W, p, 0.05, 0.2, 0.1) for W in tensors]
-    if share_base and len(laid) > 1:
-        with pytest.raises(ValueError, match="overlap in memory"):
+    if "overlapping" in layouts or share_base and len(laid) > 1:
+        with pytest.raises(ValueError, match="share memory" if "overlapping" in layouts else "overlap in memory"):
             so.spectral_decay_(tensors, p, 0.05, 0.2, ordinary_weight_decay=0.1)
         assert all(torch.equal(base, before) for (_, base), before in zip(laid, bases))
         return

@@ -28,7 +28,14 @@ import functools
 import torch
 from torch.optim import Optimizer
 
-from .._checks import check_coefficient, conjunction, finite_limit, within_limits
+from .._checks import (
+    check_coefficient,
+    conjunction,
+    finite_limit,
+    overlaps_itself,
+    shared_memory_error,
+    within_limits,
+)
 from ..decay import Band, DecayOptions, PendingWrite
 from ..decay_options import decay_option_keys
 from ..deprecations import renamed_group_keys
@@ -481,6 +488,9 @@ class SpectralOptimizer(Optimizer):
             self.check_coefficients(group)
         for param in params:
             weight, name = local(param), None
+            if overlaps_itself(weight):  # a step writes the parameter in place
+                raise shared_memory_error(weight, f"{type(self).__name__}: {self.parameter_name(group, param)}",
+                                          "Give the parameter memory of its own: param.data = param.data.contiguous()")
             state = self.state.get(param, {})
             expected = [("the gradient", param.grad)] if self.reads_gradients else []
             expected += [(f"the state's {key!r}", state[key]) for key in PARAMETER_SHAPED_STATE if key in state]
