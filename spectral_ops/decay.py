@@ -226,12 +226,13 @@ def spectral_decay_(
     ``W`` is one tensor or a list of them; same-shape tensors of a list are decayed as one batch.
     Returns ``W``. ``matrix_view`` says which matrices a tensor of more than two dimensions holds
     (SPEC 1.8, :mod:`spectral_ops.matrix_views`): ``"batch"`` (the ``torch.linalg`` convention:
-    ``(..., m, n)``, leading dims index independent matrices, as MoE experts, heads or banks; a 3-D
-    tensor's reading unsaid) or ``"flatten"`` (one matrix, dim 0's rows by the product of the other
+    ``(..., m, n)``, leading dims index independent matrices, as MoE experts, heads or banks; a 3-D stack of
+    matrices' reading unsaid) or ``"flatten"`` (one matrix, dim 0's rows by the product of the other
     sizes: a conv filter ``(out, in, kh, kw)``, as Muon reads it; a channels-last filter is decayed in a
     contiguous copy and written back). Four or more dimensions must say it (a conv filter is never
     decayed per kernel position unasked), except a 1 x 1 convolution ``(out, in, 1, 1)``, read as the
-    ``(out, in)`` matrix; a Conv1d filter ``(out, in, k)`` must say ``"flatten"``. ``band`` (a
+    ``(out, in)`` matrix; a Conv1d filter ``(out, in, k)`` must say ``"flatten"``, and a 3-D stack of vectors
+    (``(out, in, 1)``: a kernel-size-1 Conv1d filter's shape) must say either. ``band`` (a
     :class:`Band` or dict) makes the decay band-selective; ``p0_mode="prox"`` replaces the explicit ``p = 0``
     step by exact soft-thresholding. For ``p > 1``, ``stability`` decides what happens if the step would reorder
     the singular values (``p * kappa >= 1``, ``kappa = scale * spectral_weight_decay * s_max^(p-1)``):

@@ -1,11 +1,11 @@
 """The public spectral functions (SPEC 1.2-1.4): validation here, the algorithm in :mod:`spectral_ops.plan`.
 
 Every function takes a matrix, or a tensor of more than two dimensions read as its ``matrix_view`` says
-(:mod:`spectral_ops.matrix_views`: ``"batch"``, a stack ``(..., m, n)``, what a 3-D tensor is read as
-unsaid; ``"flatten"``, one matrix of dim 0's rows; four or more dimensions need it said), on CPU or CUDA,
-in float64, float32, float16 or bfloat16, with any strides. It runs without autograd (the result never requires grad)
-and without an enclosing autocast (its precision is its own, :func:`~spectral_ops.precision.outside_autocast`), and
-returns a new tensor of the input's dtype.
+(:mod:`spectral_ops.matrix_views`: ``"batch"``, a stack ``(..., m, n)``, what a 3-D tensor of matrices is read
+as unsaid; ``"flatten"``, one matrix of dim 0's rows; a stack of vectors and four or more dimensions need it
+said), on CPU or CUDA, in float64, float32, float16 or bfloat16, with any strides. It runs without autograd
+(the result never requires grad) and without an enclosing autocast (its precision is its own:
+:func:`~spectral_ops.precision.outside_autocast`), and returns a new tensor of the input's dtype.
 """
 
 from __future__ import annotations
@@ -138,8 +138,9 @@ def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, preci
     values are then unspecified) instead of allocating a full-size copy (one whose elements share memory
     is copied all the same); it changes no result.
     ``matrix_view`` (every op takes it but :func:`msign`): the matrices of a tensor of three or more
-    dimensions, ``"batch"`` (a 3-D tensor's unsaid) or ``"flatten"`` (a Conv1d filter ``(out, in, k)``
-    needs it said); four or more dimensions must say it (:mod:`spectral_ops.matrix_views`).
+    dimensions, ``"batch"`` (a 3-D stack of matrices' unsaid) or ``"flatten"`` (a Conv1d filter
+    ``(out, in, k)`` needs it said); a 3-D stack of vectors ``(out, in, 1)`` and four or more dimensions
+    must say it (:mod:`spectral_ops.matrix_views`).
     """
     M = _validated(W, capturable=capturable, matrix_view=matrix_view)
     polar_c = plan.polar_coefficients(check_steps(steps), coefficients)
