@@ -99,6 +99,37 @@ def conjunction(flags: list):
     return result
 
 
+def overlaps_itself(tensor: torch.Tensor) -> bool:
+    """Whether two elements of ``tensor`` share a memory location: an expanded view (a stride 0 over a size
+    above 1), or strides that overlap (``base.as_strided((64, 32), (1, 1))``, ``unfold``'s windows). An in-place
+    write through it writes such a location once per element, the last one winning, so no in-place result
+    means anything there. From the sizes and strides alone, nothing read: taken in order of stride, each dim
+    that steps past the reach of those below it (every layout slicing, transposing or permuting makes) adds
+    no repeat; else the offsets are counted (a layout only ``as_strided`` makes)."""
+    if tensor.is_contiguous():
+        return False
+    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride()) if size > 1)
+    reach = 1  # one past the largest offset of the dims so far
+    for stride, size in dims:
+        if stride == 0:
+            return True
+        if stride < reach:  # not evident either way: count the distinct offsets
+            offsets = torch.zeros((), dtype=torch.int64)
+            for dim_size, dim_stride in zip(tensor.shape, tensor.stride()):
+                offsets = offsets.unsqueeze(-1) + torch.arange(dim_size) * dim_stride
+            return offsets.unique().numel() < tensor.numel()
+        reach += (size - 1) * stride
+    return False
+
+
+def shared_memory_error(tensor: torch.Tensor, name: str, fix: str) -> ValueError:
+    """The error of a ``tensor`` to be written in place whose elements share memory (:func:`overlaps_itself`);
+    ``fix`` names the way to a copy of its own, for the caller's use."""
+    return ValueError(f"{name} has elements that share memory (shape {tuple(tensor.shape)}, strides "
+                      f"{tuple(tensor.stride())}: an expanded view or overlapping strides), so an in-place write would "
+                      f"write some locations once per element; nothing was written. {fix}")
+
+
 def check_dtype(dtype, name: str = "dtype"):
     """None (the input's dtype) or one of the supported floating dtypes."""
     if dtype is not None and dtype not in FLOAT_DTYPES:

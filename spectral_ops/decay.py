@@ -7,7 +7,6 @@ half-updated.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -15,7 +14,15 @@ from dataclasses import dataclass, field
 import torch
 
 from . import dispatch, plan
-from ._checks import check_coefficient, check_finite, check_matrix, check_same_device, finite_limit
+from ._checks import (
+    check_coefficient,
+    check_finite,
+    check_matrix,
+    check_same_device,
+    finite_limit,
+    overlaps_itself,
+    shared_memory_error,
+)
 from .backends.torch_backend import round_stochastic
 from .decay_options import checked_decay_options
 from .deprecations import renamed_argument
@@ -32,6 +39,7 @@ from .plan import (  # noqa: F401  (SpectralStabilityError: the decay's public n
     rounding_noise,
     stability_terms,
 )
+from .precision import outside_autocast
 
 
 def row_block(matrices: torch.Tensor, rows) -> torch.Tensor:
@@ -97,9 +105,9 @@ def _check_writable(tensors, names: list[str]) -> None:
         if t.is_inference() and not torch.is_inference_mode_enabled():
             raise RuntimeError(f"{names[i]} is an inference tensor, which cannot be written outside "
                                "torch.inference_mode()")
-        if any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride())):
-            raise ValueError(f"{names[i]} has elements that share memory (an expanded view); it cannot be "
-                             "written in place")
+        if overlaps_itself(t):
+            raise shared_memory_error(t, names[i], f"Decay a copy with memory of its own ({names[i]}.contiguous()), "
+                                      "or take the decayed value out of place (spectral_decay)")
         storage, start, end = _extent(t)
         for j, (other_storage, other_start, other_end) in extents:
             if storage == other_storage and start < other_end and other_start < end:
@@ -181,6 +189,7 @@ def check_generator(generator, tensors: list[torch.Tensor]) -> None:
                          "torch.Generator(device=W.device).manual_seed(seed)")
 
 
+@outside_autocast
 @torch.no_grad()
 def spectral_decay_(
     W,
@@ -217,12 +226,13 @@ def spectral_decay_(
     ``W`` is one tensor or a list of them; same-shape tensors of a list are decayed as one batch.
     Returns ``W``. ``matrix_view`` says which matrices a tensor of more than two dimensions holds
     (SPEC 1.8, :mod:`spectral_ops.matrix_views`): ``"batch"`` (the ``torch.linalg`` convention:
-    ``(..., m, n)``, leading dims index independent matrices, as MoE experts, heads or banks; a 3-D
-    tensor's reading unsaid) or ``"flatten"`` (one matrix, dim 0's rows by the product of the other
+    ``(..., m, n)``, leading dims index independent matrices, as MoE experts, heads or banks; a 3-D stack of
+    matrices' reading unsaid) or ``"flatten"`` (one matrix, dim 0's rows by the product of the other
     sizes: a conv filter ``(out, in, kh, kw)``, as Muon reads it; a channels-last filter is decayed in a
     contiguous copy and written back). Four or more dimensions must say it (a conv filter is never
     decayed per kernel position unasked), except a 1 x 1 convolution ``(out, in, 1, 1)``, read as the
-    ``(out, in)`` matrix; a Conv1d filter ``(out, in, k)`` must say ``"flatten"``. ``band`` (a
+    ``(out, in)`` matrix; a Conv1d filter ``(out, in, k)`` must say ``"flatten"``, and a 3-D stack of vectors
+    (``(out, in, 1)``: a kernel-size-1 Conv1d filter's shape) must say either. ``band`` (a
     :class:`Band` or dict) makes the decay band-selective; ``p0_mode="prox"`` replaces the explicit ``p = 0``
     step by exact soft-thresholding. For ``p > 1``, ``stability`` decides what happens if the step would reorder
     the singular values (``p * kappa >= 1``, ``kappa = scale * spectral_weight_decay * s_max^(p-1)``):
@@ -553,7 +563,8 @@ def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, 
     :func:`check_decay_options`, ``scale`` the lr or the schedule. Same-shape weights are decayed as
     one stack, by :func:`spectral_ops.plan.decay_` (the guard, the direction and the write).
     ``increment``: the step's increment instead of the new value (see :func:`spectral_decay`).
-    ``generator``: a stochastic rounding's random bits (None: the device's default generator)."""
+    ``generator``: a stochastic rounding's random bits (None: the device's default generator). Its callers
+    run it outside any autocast (:func:`spectral_decay_`, an optimizer's step: ``outside_autocast``)."""
     nonempty = [i for i, t in enumerate(tensors) if t.numel()]
     rounds_stochastically = options.rounding == "stochastic" and any(
         tensors[i].dtype in STOCHASTICALLY_ROUNDED for i in nonempty)
@@ -571,12 +582,7 @@ def prepare_decay(tensors: list[torch.Tensor], options: DecayOptions, *, scale, 
     for indices in groups.values():
         # The decay is computed in a copy: a stack of a same-shape batch, or a clone of a lone weight.
         stack = torch.stack([tensors[i] for i in indices]) if len(indices) > 1 else tensors[indices[0]].clone()
-        # A step called inside a forward's autocast (Lightning's manual optimization steps in its
-        # training_step) would run the decay's products in bf16: its precision is its options' alone.
-        autocast_off = (torch.autocast(stack.device.type, enabled=False)
-                        if torch.is_autocast_enabled(stack.device.type) else contextlib.nullcontext())
-        with autocast_off:
-            outcome = plan.decay_(dispatch.kernels_for("decay_", stack), stack, request)
+        outcome = plan.decay_(dispatch.kernels_for("decay_", stack), stack, request)
         pending.decayed.update(zip(indices, stack.unbind(0) if len(indices) > 1 else [stack]))
         if outcome.clamp_factor is not None:
             clamp = outcome.clamp_factor

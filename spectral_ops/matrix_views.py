@@ -9,10 +9,14 @@ caller of an ``(..., m, n)`` function means:
 * a 1 x 1 convolution's filter ``(out, in, 1, 1)`` (or ``(out, in, 1, 1, 1)``) is read ``"flatten"``, as
   the ``(out, in)`` matrix: its batch reading would hold 1 x 1 matrices, whose spectral power is
   element-wise, no spectral decay at all (:func:`unambiguous_view` has the rule);
-* an op (:mod:`spectral_ops.ops`, :func:`~spectral_ops.spectral_decay_`) reads a 3-D tensor as a stack, as
-  ``torch.linalg`` and every batched Newton-Schulz do: a 3-D tensor handed to a spectral op is a stack of
-  experts, heads or a bank's matrices (modded-nanogpt's banks), or a batch of momenta. A Conv1d filter
-  ``(out, in, k)`` is the exception, and must say ``matrix_view="flatten"``;
+* an op (:mod:`spectral_ops.ops`, :func:`~spectral_ops.spectral_decay_`) reads a 3-D tensor of matrices as a
+  stack, as ``torch.linalg`` and every batched Newton-Schulz do: a 3-D tensor handed to a spectral op is a
+  stack of experts, heads or a bank's matrices (modded-nanogpt's banks), or a batch of momenta. A Conv1d
+  filter ``(out, in, k)`` has the same shape, and must say ``matrix_view="flatten"``;
+* a 3-D tensor whose stack would hold vectors, ``(out, in, 1)`` or ``(out, 1, k)``, is refused unsaid by the
+  ops as by the optimizers: it is as much a Conv1d filter of kernel size 1 (or one input channel), whose
+  ``(out, in)`` matrix its caller means, as a stack of columns (rows), whose spectral power only scales
+  each by a power of its norm;
 * four or more dimensions are a conv filter or a nest of stacks: an op refuses them unsaid;
 * an optimizer refuses any parameter of three or more dimensions unsaid: it is handed a model's
   parameters wholesale, Conv1d filters included (``spectral_ops.optim.param_groups_by_module`` says the
@@ -61,10 +65,16 @@ def unambiguous_view(shape) -> str | None:
 
 
 def op_view(shape) -> str | None:
-    """The reading an op takes unsaid: a stack for 3-D (the ``torch.linalg`` convention, which an op's
-    caller of ``(..., m, n)`` functions means, stacks of 1 x 1 matrices included), else
-    :func:`unambiguous_view`'s (four or more dimensions: None unless evident, the caller must say)."""
-    return "batch" if len(shape) == 3 else unambiguous_view(shape)
+    """The reading an op takes unsaid: a stack for a 3-D tensor of matrices, two dims of at least 2 (the
+    ``torch.linalg`` convention, which an op's caller of ``(..., m, n)`` functions means), else
+    :func:`unambiguous_view`'s, the optimizers' (None unless evident: the caller must say). A 3-D stack of
+    vectors, ``(out, in, 1)``, is a Conv1d filter's shape too (kernel size 1), read as its ``(out, in)`` matrix
+    0.4 away from the stack of columns: neither is guessed. A stack of 1 x 1 matrices is evident, as a 1 x 1
+    convolution is: its ``(out, 1)`` column, scalars being no matrices."""
+    shape = tuple(shape)
+    if len(shape) == 3 and min(shape[1:]) > 1:
+        return "batch"
+    return unambiguous_view(shape)
 
 
 def ambiguity_message(shape, what: str, how: str) -> str:

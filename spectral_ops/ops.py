@@ -1,10 +1,11 @@
 """The public spectral functions (SPEC 1.2-1.4): validation here, the algorithm in :mod:`spectral_ops.plan`.
 
 Every function takes a matrix, or a tensor of more than two dimensions read as its ``matrix_view`` says
-(:mod:`spectral_ops.matrix_views`: ``"batch"``, a stack ``(..., m, n)``, what a 3-D tensor is read as
-unsaid; ``"flatten"``, one matrix of dim 0's rows; four or more dimensions need it said), on CPU or CUDA,
-in float64, float32, float16 or bfloat16, with any strides. It runs without autograd (the result never requires grad)
-and returns a new tensor of the input's dtype.
+(:mod:`spectral_ops.matrix_views`: ``"batch"``, a stack ``(..., m, n)``, what a 3-D tensor of matrices is read
+as unsaid; ``"flatten"``, one matrix of dim 0's rows; a stack of vectors and four or more dimensions need it
+said), on CPU or CUDA, in float64, float32, float16 or bfloat16, with any strides. It runs without autograd
+(the result never requires grad) and without an enclosing autocast (its precision is its own:
+:func:`~spectral_ops.precision.outside_autocast`), and returns a new tensor of the input's dtype.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from ._checks import (
     check_matrix,
     check_power,
     check_steps,
+    overlaps_itself,
 )
 from .coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients
 from .deprecations import renamed_argument
 from .linalg import compute_dtype
 from .matrix_views import matrices_of, resolve_matrix_view
+from .precision import outside_autocast
 
 dispatch.composes_small_chains_by(plan.composed_chain)  # dispatch times the plan's composition, never imports it
 
@@ -103,14 +106,19 @@ def threshold_sign_coefficients(steps=None, method: str = "polar_express"):
     return sign_coefficients(steps, method)
 
 
-def _check_iterate_options(precision, dtype, overwrite_input) -> None:
-    """The options of an op that returns Polar Express's iterate (:func:`polar`, :func:`power_update`)."""
+def _check_iterate_options(M, precision, dtype, overwrite_input) -> bool:
+    """The options of an op that returns Polar Express's iterate (:func:`polar`, :func:`power_update`) on the
+    matrices ``M``; returns whether the plan may overwrite them: not where their elements share memory (an
+    expanded view, overlapping strides), whose normalisation in place would write a location once per
+    element (0.78 off). They are normalised in a copy then, as without the option, which changes no result."""
     check_precision(precision)
     check_dtype(dtype)
     if not isinstance(overwrite_input, bool):
         raise TypeError(f"overwrite_input must be True or False, got {overwrite_input!r}")
+    return overwrite_input and not overlaps_itself(M)
 
 
+@outside_autocast
 @torch.no_grad()
 def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, precision: str | None = None,
           capturable: bool = False, dtype: torch.dtype | None = None, overwrite_input: bool = False,
@@ -127,20 +135,23 @@ def polar(W: torch.Tensor, steps: int | None = None, coefficients=None, *, preci
     (``torch.bfloat16`` for ``"bf16"``) returns the last iterate as it is, as torch.optim.Muon uses it:
     no rounding and no full-size copy in ``W``'s dtype. ``overwrite_input=True`` (as SciPy's
     ``overwrite_a``): ``W`` is a temporary of the caller's, which the normalisation may overwrite (its
-    values are then unspecified) instead of allocating a full-size copy; it changes no result.
+    values are then unspecified) instead of allocating a full-size copy (one whose elements share memory
+    is copied all the same); it changes no result.
     ``matrix_view`` (every op takes it but :func:`msign`): the matrices of a tensor of three or more
-    dimensions, ``"batch"`` (a 3-D tensor's unsaid) or ``"flatten"`` (a Conv1d filter ``(out, in, k)``
-    needs it said); four or more dimensions must say it (:mod:`spectral_ops.matrix_views`).
+    dimensions, ``"batch"`` (a 3-D stack of matrices' unsaid) or ``"flatten"`` (a Conv1d filter
+    ``(out, in, k)`` needs it said); a 3-D stack of vectors ``(out, in, 1)`` and four or more dimensions
+    must say it (:mod:`spectral_ops.matrix_views`).
     """
     M = _validated(W, capturable=capturable, matrix_view=matrix_view)
     polar_c = plan.polar_coefficients(check_steps(steps), coefficients)
-    _check_iterate_options(precision, dtype, overwrite_input)
+    overwrite_input = _check_iterate_options(M, precision, dtype, overwrite_input)
     if W.numel() == 0:
         return W.to(dtype or W.dtype, copy=True)
     return _shaped_as(plan.polar(dispatch.kernels_for("polar", M), M, polar_c, precision, dtype=dtype,
                                  overwrite_input=overwrite_input), W)
 
 
+@outside_autocast
 @torch.no_grad()
 def msign(A: torch.Tensor, steps: int | None = None, method: str = "newton_schulz", *,
           precision: str | None = None, capturable: bool = False) -> torch.Tensor:
@@ -174,6 +185,7 @@ def _check_symmetric(A: torch.Tensor) -> None:
         )
 
 
+@outside_autocast
 @torch.no_grad()
 def spectral_power(W: torch.Tensor, p, method: str = "auto", *, steps: int | None = None,
                    coefficients=None, precision: str | None = None, capturable: bool = False,
@@ -206,6 +218,7 @@ def spectral_power(W: torch.Tensor, p, method: str = "auto", *, steps: int | Non
                                           sync=not capturable, iteration=iteration, method=method, eps=eps), W)
 
 
+@outside_autocast
 @torch.no_grad()
 def power_update(X: torch.Tensor, q=0, *, eps: float = plan.UPDATE_FLOOR, steps: int | None = None, coefficients=None,
                  precision: str | None = None, capturable: bool = False, dtype: torch.dtype | None = None,
@@ -237,7 +250,7 @@ def power_update(X: torch.Tensor, q=0, *, eps: float = plan.UPDATE_FLOOR, steps:
     M = _validated(X, "X", capturable=capturable, matrix_view=matrix_view)
     q = check_power(q, "q", eps=eps, capturable=capturable)
     polar_c = plan.update_coefficients(check_steps(steps), coefficients, q)
-    _check_iterate_options(precision, dtype, overwrite_input)
+    overwrite_input = _check_iterate_options(M, precision, dtype, overwrite_input)
     check_choice(scale, "scale", plan.UPDATE_SCALES)
     if X.numel() == 0:
         return X.to(dtype or X.dtype, copy=True)
@@ -261,6 +274,7 @@ def _check_tau(tau, name: str = "tau", sync: bool = True):
     return check_coefficient(tau, name, positive=True, sync=sync)
 
 
+@outside_autocast
 @torch.no_grad()
 def band_projectors(W: torch.Tensor, tau, sign_steps: int | None = None, sign_method: str | None = None, *,
                     precision: str | None = None, capturable: bool = False, method: str = "auto", steps=None,
@@ -320,6 +334,7 @@ def _thresholded_coefficients(steps, sign_steps, sign_method: str, precision, po
     return polar_c, threshold_sign_coefficients(sign_steps, sign_method)
 
 
+@outside_autocast
 @torch.no_grad()
 def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: int = 1,
                    lambda_top=1.0, lambda_bot=1.0, steps: int | None = None,
@@ -355,6 +370,7 @@ def band_direction(W: torch.Tensor, tau, p: int, mode: str = "top", *, p_bot: in
                                           method=check_method(method, capturable)), W)
 
 
+@outside_autocast
 @torch.no_grad()
 def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None = None,
         sign_method: str = "polar_express", precision: str | None = None,
@@ -376,6 +392,7 @@ def svt(W: torch.Tensor, t, *, steps: int | None = None, sign_steps: int | None 
                                method=check_method(method, capturable)), W)
 
 
+@outside_autocast
 @torch.no_grad()
 def spectral_clip(W: torch.Tensor, min=None, max=None, *, steps: int | None = None, sign_steps: int | None = None,
                   sign_method: str = "polar_express", precision: str | None = None, capturable: bool = False,
@@ -417,6 +434,7 @@ def spectral_clip(W: torch.Tensor, min=None, max=None, *, steps: int | None = No
                                          precision, sync=not capturable, method=check_method(method, capturable)), W)
 
 
+@outside_autocast
 @torch.no_grad()
 def spectral_norm_bounds(W: torch.Tensor, squarings: int = 3, *, capturable: bool = False,
                          matrix_view: str | None = None):

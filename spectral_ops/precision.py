@@ -2,10 +2,13 @@
 
 A precision decides the dtype of an iteration's operands: every product takes them in that dtype,
 accumulates in fp32 (fp64 for ``"fp64"``) and rounds its result to it, as torch.optim.Muon's bf16
-iteration does. It sits below dispatch and the plan: both read it.
+iteration does. It sits below dispatch and the plan: both read it. An enclosing autocast decides
+nothing (:func:`outside_autocast`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -16,6 +19,25 @@ OPERAND_DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "tf32": torch.fl
                   "fp16": torch.float16}
 # torch.set_float32_matmul_precision's settings, read as precisions for float32 weights.
 FLOAT32_MATMUL_PRECISIONS = {"highest": "fp32", "high": "tf32", "medium": "bf16"}
+
+
+def outside_autocast(function):
+    """``function`` run with every enclosing autocast switched off: its precision is the package's alone
+    (``precision=``, the weight's dtype), never a forward's autocast, which a framework may step an optimizer
+    inside (Lightning's manual optimization, a loop's ``with torch.autocast(...)`` around the whole step).
+    Under one, the products would run in the autocast's dtype (a bf16 decay of fp32 weights), and a weight of
+    the other half dtype would be refused by torch itself (``torch.stack`` of bf16 tensors under an fp16
+    autocast: "Unexpected floating ScalarType in at::autocast::prioritize"). Every public entry that computes
+    (each op, the decay, an optimizer's step) takes it, so the result is bitwise the one outside."""
+    @functools.wraps(function)
+    def without_autocast(*args, **kwargs):
+        # The device types the package computes on, each with an autocast state of its own. Entering the
+        # switches costs ~10 us a call: only under an autocast.
+        if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+            return function(*args, **kwargs)
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return function(*args, **kwargs)
+    return without_autocast
 
 
 def resolve_precision(precision: str | None, dtype: torch.dtype) -> str:

@@ -264,9 +264,12 @@ def _tune_calls() -> dict:
     from .decay import spectral_decay_
     from .ops import polar, spectral_power
 
-    return {"decay": lambda W, p, precision: spectral_decay_(W, p, 1e-3, 0.1, precision=precision),
-            "polar": lambda W, p, precision: polar(W, precision=precision),
-            "spectral_power": lambda W, p, precision: spectral_power(W, p, method="gram", precision=precision)}
+    # W: a stack of the group's matrices, which may be vectors (an op reads those only as said).
+    return {"decay": lambda W, p, precision: spectral_decay_(W, p, 1e-3, 0.1, precision=precision,
+                                                             matrix_view="batch"),
+            "polar": lambda W, p, precision: polar(W, precision=precision, matrix_view="batch"),
+            "spectral_power": lambda W, p, precision: spectral_power(W, p, method="gram", precision=precision,
+                                                                     matrix_view="batch")}
 
 
 def tune(target, *, ops=("decay", "polar"), precision: str | None = None) -> list[tuple]:

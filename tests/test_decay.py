@@ -1,5 +1,6 @@
 """The in-place decay step (SPEC 1.5) against its out-of-place definition and the SVD oracle."""
 
+import math
 import warnings
 
 import pytest
@@ -8,6 +9,10 @@ import torch
 import spectral_ops as so
 from spectral_ops import reference
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
+from spectral_ops.optim import SpectralAdamW, SpectralDecay, SpectralMuon, SpectralSGD
+from spectral_ops.precision import outside_autocast
+
+from op_calls import OPS
 
 # Same budget as test_ops: a chain of ~30 products of inner size <= 64, plus one subtraction.
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 5e-5}
@@ -29,17 +34,77 @@ def test_decay_equals_out_of_place_update_and_svd(p, dtype):
     assert relative_error(W_new, oracle) < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("method", ["gram", "svd"])
-def test_the_decay_takes_no_precision_from_an_enclosing_autocast(method):
-    """An optimizer stepped inside a forward's autocast (Lightning's manual optimization steps in its
-    training_step, under precision="bf16-mixed") decays as outside it, bit for bit: autocast would run
-    the fp32 weights' products in bf16."""
-    W = weights(dtype=torch.float32, seed=5)
-    outside, inside = W.clone(), W.clone()
-    so.spectral_decay_(outside, 2, 0.05, 0.2, method=method)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        so.spectral_decay_(inside, 2, 0.05, 0.2, method=method)
-    assert torch.equal(inside, outside)
+def _stepped(optimizer, **options):
+    """An entry that steps two weights (a same-shape pair: a stacked decay) twice with seeded gradients, through
+    ``optimizer(params)``: the weights after."""
+    def step(W):
+        params = [torch.nn.Parameter(W.clone()), torch.nn.Parameter(W * 0.5)]
+        stepper = optimizer(params, **options)
+        for seed in range(2):
+            generator = torch.Generator().manual_seed(seed)
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+            stepper.step()
+        return [param.detach() for param in params]
+    return step
+
+
+def _attached(params, **options):
+    host = torch.optim.SGD(params, lr=1e-2)
+    SpectralDecay(params, **options).attach(host)
+    return host
+
+
+DECAY = {"p": 2, "spectral_weight_decay": 0.1}
+# Every public entry that computes: the ops (tests/op_calls.py's table), msign, the p = 0 decay's other mode,
+# and each optimizer's step, SpectralMuon's AdamW group and an attached decay included.
+ENTRIES = {
+    **OPS,
+    "msign": lambda W: so.msign(W[..., :3, :3] + W[..., :3, :3].mT),
+    "spectral_decay_ prox": lambda W: so.spectral_decay_(W.clone(), 0, 0.02, 0.5, p0_mode="prox"),
+    "adamw": _stepped(SpectralAdamW, lr=1e-2, **DECAY),
+    "sgd": _stepped(SpectralSGD, lr=1e-2, momentum=0.9, **DECAY),
+    "muon": _stepped(SpectralMuon, lr=1e-2, **DECAY),
+    "muon-adamw": _stepped(lambda params, **o: SpectralMuon([{"params": params, "algorithm": "adamw"}], **o),
+                           lr=1e-2, **DECAY),
+    "decay": _stepped(SpectralDecay, lr=1e-2, **DECAY),
+    "attached": _stepped(_attached, **DECAY),
+}
+
+
+@pytest.mark.parametrize("autocast", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_an_enclosing_autocast_changes_nothing(entry, dtype, autocast):
+    """A step inside a forward's autocast (Lightning's manual optimization steps in its training_step under
+    precision="bf16-mixed"; a loop's ``with torch.autocast(...)`` around the whole step): every op, decay and
+    optimizer step gives, bit for bit, what it gives outside, for every weight dtype under either autocast
+    dtype. Autocast ran the fp32 weights' products in bf16 (a decay 1e-4 off), and refused a weight of the
+    other half dtype with torch's own error ("Unexpected floating ScalarType in at::autocast::prioritize", a
+    bf16 weight under an fp16 autocast). A 3-D stack and a matrix, as the entries batch either."""
+    W = weights((2, 8, 6) if entry in OPS else (8, 6), torch.float64, seed=5).to(dtype)
+    outside = ENTRIES[entry](W)
+    with torch.autocast("cpu", dtype=autocast):
+        inside = ENTRIES[entry](W)
+    assert all(torch.equal(a, b) for a, b in zip(_as_list(inside), _as_list(outside)))
+
+
+def _as_list(result):
+    return result if isinstance(result, list) else [result]
+
+
+def test_no_autocast_reaches_inside_an_entry():
+    """The switch covers every device type the package computes on: CUDA's autocast state too (set here
+    without a GPU, as torch.autocast("cuda") would on one)."""
+    states = outside_autocast(lambda: [torch.is_autocast_enabled(device) for device in ("cpu", "cuda")])
+    for device in ("cpu", "cuda"):
+        torch.set_autocast_enabled(device, True)
+    try:
+        assert states() == [False, False]
+        assert torch.is_autocast_enabled("cpu") and torch.is_autocast_enabled("cuda")  # restored after the call
+    finally:
+        for device in ("cpu", "cuda"):
+            torch.set_autocast_enabled(device, False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
@@ -99,6 +164,32 @@ def test_zero_coefficients_and_empty_weights():
     zero = torch.zeros(3, 6, 4)
     so.spectral_decay_(zero, 0, 0.1, 0.1)
     assert torch.equal(zero, torch.zeros(3, 6, 4))
+
+
+ZERO_LR_FORMS = {"explicit": {}, "prox": {"p0_mode": "prox"}, "band": {"band": so.Band(0.5)},
+                 "two_band": {"band": so.Band(0.5, "two_band", p_bot=1)}, "clip": {"band": so.Band(0.5, "clip")}}
+
+
+@pytest.mark.parametrize("lr", ["number", "tensor", "capturable"])
+@pytest.mark.parametrize("p, form", [(p, form) for p in range(5) for form in ZERO_LR_FORMS
+                                     if form not in ("prox", "clip") or p == (form == "clip")])
+def test_an_lr_of_zero_leaves_the_weights_bit_for_bit_in_every_form(p, form, lr):
+    """guarantees.md: lr = 0 writes nothing that changes a bit. The prox decay rebuilt W from its factors
+    at a zero threshold, 1.2e-6 off in fp32 (1.9e-6 here); now a zero threshold keeps W itself: by the
+    multiply for a Python zero, on the device for a tensor one (no host read: capturable). Every power,
+    both p = 0 modes and the band forms; in place, out of place, and the increment (0)."""
+    options = dict(ZERO_LR_FORMS[form])  # prox is a p = 0 mode, clip a p = 1 one
+    if lr == "capturable":
+        options.update(capturable=True, method="gram", stability="clamp")
+    zero = 0.0 if lr == "number" else torch.tensor(0.0)
+    W = weights(dtype=torch.float32, seed=p)
+    decayed = W.clone()
+    so.spectral_decay_(decayed, p, zero, 0.5, ordinary_weight_decay=0.1, **options)
+    assert torch.equal(decayed, W)
+    assert torch.equal(so.spectral_decay(W, p, zero, 0.5, ordinary_weight_decay=0.1, **options), W)
+    if form != "prox":  # the prox decay refuses increment=True (it rebuilds W)
+        increment = so.spectral_decay(W, p, zero, 0.5, ordinary_weight_decay=0.1, increment=True, **options)
+        assert torch.equal(increment, torch.zeros_like(W))
 
 
 def test_tensor_coefficients():
@@ -276,7 +367,7 @@ def test_a_schedule_under_the_decoupled_convention_is_refused_not_ignored():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-LAYOUTS = ("contiguous", "transposed", "row_slice", "strided", "batch_slice")
+LAYOUTS = ("contiguous", "transposed", "row_slice", "strided", "batch_slice", "interleaved", "overlapping")
 
 
 def _laid_out(layout: str, shape, dtype, seed: int):
@@ -297,9 +388,18 @@ def _laid_out(layout: str, shape, dtype, seed: int):
         base = torch.randn(m, 2 * n, dtype=dtype)
         base[:, ::2] = W
         return base[:, ::2], base
-    base = torch.randn(3, m, n, dtype=dtype)  # one matrix of a batch
-    base[1] = W
-    return base[1], base
+    if layout == "batch_slice":  # one matrix of a batch
+        base = torch.randn(3, m, n, dtype=dtype)
+        base[1] = W
+        return base[1], base
+    if layout == "interleaved":  # as_strided's: strides (n + 1, m + 1) share nothing, and their dims do not nest
+        strides = (n + 1, m + 1) if math.gcd(n + 1, m + 1) == 1 else (n + 2, m + 1) if math.gcd(n + 2, m + 1) == 1 \
+            else (n + 1, m + 2)
+        base = torch.randn((m - 1) * strides[0] + (n - 1) * strides[1] + 1, dtype=dtype)
+        base.as_strided((m, n), strides).copy_(W)
+        return base.as_strided((m, n), strides), base
+    base = torch.randn(m + n - 1, dtype=dtype)  # overlapping: element (i, j) is base[i + j]
+    return base.as_strided((m, n), (1, 1)), base
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -310,16 +410,16 @@ def _laid_out(layout: str, shape, dtype, seed: int):
        share_base=st.booleans())
 def test_any_layout_and_list_is_decayed_exactly_or_refused_untouched(layouts, shape, p, dtype, share_base):
     """Each weight of a list, in any layout, gets the SVD oracle's decay (to the dtype's tolerance of
-    this module) and nothing around it changes; a list whose weights overlap in memory is refused
-    with every weight and its base bitwise unchanged."""
+    this module) and nothing around it changes; a list whose weights overlap in memory, or with a weight
+    whose elements share memory, is refused with every weight and its base bitwise unchanged."""
     laid = [_laid_out(layout, shape, dtype, seed) for seed, layout in enumerate(layouts)]
     if share_base and len(laid) > 1:  # the same weight twice: overlapping memory
         laid.append(laid[0])
     tensors = [W for W, _ in laid]
     bases = [base.clone() for _, base in laid]
     expected = [reference.spectral_decay_svd(W, p, 0.05, 0.2, 0.1) for W in tensors]
-    if share_base and len(laid) > 1:
-        with pytest.raises(ValueError, match="overlap in memory"):
+    if "overlapping" in layouts or share_base and len(laid) > 1:
+        with pytest.raises(ValueError, match="share memory" if "overlapping" in layouts else "overlap in memory"):
             so.spectral_decay_(tensors, p, 0.05, 0.2, ordinary_weight_decay=0.1)
         assert all(torch.equal(base, before) for (_, base), before in zip(laid, bases))
         return

@@ -399,6 +399,8 @@ def _expected_outcome(expected: torch.Tensor, dtype: torch.dtype):
     return True if largest < torch.finfo(dtype).max / 64 else None
 
 
+# A stack (2,) of m x n matrices, vectors (m or n = 1) included: read as said ("batch"), as an op reads no
+# stack of vectors unsaid (tests/test_matrix_views.py).
 matrices = st.tuples(
     st.sampled_from([(), (2,)]),
     st.integers(1, 24), st.integers(1, 24),
@@ -418,7 +420,7 @@ def test_spectral_power_is_accurate_or_refuses(case):
     expected = reference.spectral_power_svd(W, p)
     fits = _expected_outcome(expected, dtype)
     try:
-        result = so.spectral_power(W, p, method="gram")
+        result = so.spectral_power(W, p, method="gram", matrix_view="batch")
     except (ValueError, ArithmeticError):
         assert fits is not True
     else:
@@ -435,7 +437,7 @@ def test_spectral_decay_never_makes_a_finite_weight_non_finite(case):
     before = W.clone()
     expected = reference.spectral_decay_svd(W, p, 1e-3, 0.1)
     try:
-        so.spectral_decay_(W, p, 1e-3, 0.1)
+        so.spectral_decay_(W, p, 1e-3, 0.1, matrix_view="batch")
     except (ValueError, ArithmeticError):
         assert torch.equal(W, before)
     else:

@@ -148,6 +148,29 @@ def test_non_contiguous_inputs():
     assert relative_error(so.polar(sliced), reference.polar_svd(sliced)) < 1e-12
 
 
+def overlapping_weight(seed=0) -> torch.Tensor:
+    """A 64 x 32 fp32 weight overlapping itself: element (i, j) is the (i + j)-th of 95 values."""
+    return torch.randn(95, generator=torch.Generator().manual_seed(seed)).as_strided((64, 32), (1, 1))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_a_weight_whose_elements_share_memory_is_read_as_its_values(op):
+    """Read, a weight overlapping itself is the matrix of its values: each op gives what it gives on a
+    contiguous copy, which is held to the FP64 SVD as any matrix is (spectral_power here, at the module's
+    fp32 tolerance). The in-place decay refuses it (test_checks.py); the out-of-place one decays a copy."""
+    W = overlapping_weight()
+    assert torch.equal(OPS[op](W), OPS[op](W.contiguous()))
+    if op == "spectral_power":
+        assert relative_error(OPS[op](W), reference.spectral_power_svd(W, 2)) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("op", ["polar", "power_update"])
+def test_an_op_allowed_to_overwrite_a_weight_whose_elements_share_memory_copies_it(op):
+    """overwrite_input=True normalised such a W in place, a location once per element: 0.78 off. It changes
+    no result, so the op takes a copy there, as without it."""
+    assert torch.equal(OPS[op](overlapping_weight(), overwrite_input=True), OPS[op](overlapping_weight().contiguous()))
+
+
 def test_zero_and_empty_matrices():
     for p in range(4):
         zero = torch.zeros(3, 5, 4)

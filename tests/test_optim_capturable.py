@@ -44,25 +44,28 @@ def gradients(model, step):
     torch.nn.functional.mse_loss(model(inputs), targets).backward()
 
 
-def _muon(model, **options):
+def _muon(model, capturable=True, **options):
     matrices = [p for p in model.parameters() if p.ndim == 2]
     vectors = [p for p in model.parameters() if p.ndim < 2]
     return SpectralMuon([{"params": matrices}, {"params": vectors, "algorithm": "adamw", "weight_decay": 0.0}],
-                        capturable=True, **options)
+                        capturable=capturable, **options)
 
 
-def _attached(model, **options):
+def _attached(model, capturable=True, **options):
     host = torch.optim.SGD(model.parameters(), lr=options.pop("lr"))
-    SpectralDecay([p for p in model.parameters() if p.ndim == 2], capturable=True, **options).attach(host)
+    SpectralDecay([p for p in model.parameters() if p.ndim == 2], capturable=capturable, **options).attach(host)
     return host
 
 
+# Each optimizer capturable (capturable=False: the same optimizer eager).
 FAMILY = {
-    "adamw": lambda m, **o: SpectralAdamW(m.parameters(), capturable=True, weight_decay=0.1, **o),
-    "sgd": lambda m, **o: SpectralSGD(m.parameters(), capturable=True, momentum=0.9, weight_decay=0.1, **o),
+    "adamw": lambda m, capturable=True, **o: SpectralAdamW(m.parameters(), capturable=capturable, weight_decay=0.1,
+                                                           **o),
+    "sgd": lambda m, capturable=True, **o: SpectralSGD(m.parameters(), capturable=capturable, momentum=0.9,
+                                                       weight_decay=0.1, **o),
     "muon": _muon,
     "muon-heads": lambda m, **o: _muon(m, heads=2, **o),
-    "decay": lambda m, **o: SpectralDecay(m.parameters(), capturable=True, **o),
+    "decay": lambda m, capturable=True, **o: SpectralDecay(m.parameters(), capturable=capturable, **o),
     "decay-attached": _attached,
 }
 OPTIONS = {
@@ -270,14 +273,15 @@ def _sparse_gradients(model, step):
     model[0].weight.grad[:, 0] = 0.0
 
 
-def _at_lr(name, lr, steps=2, tensor_lr=False):
-    """SpectralAdamW ``name`` ("eager", "capturable" or "compiled") after a first step at lr 1e-2 (the
-    state exists) and ``steps`` more at ``lr``: the weights before and after those, and the skips."""
+def _at_lr(name, lr, steps=2, tensor_lr=False, **decay):
+    """SpectralAdamW ``name`` ("eager", "capturable" or "compiled") with the ``p = 2`` decay (or ``decay``)
+    after a first step at lr 1e-2 (the state exists) and ``steps`` more at ``lr``: the weights before and
+    after those, and the skips."""
     torch._dynamo.reset()
     model = tiny_model()
     capturable = name == "capturable"
-    optimizer = SpectralAdamW(model.parameters(), lr=torch.tensor(1e-2) if tensor_lr else 1e-2, p=2,
-                              spectral_weight_decay=0.5, capturable=capturable)
+    optimizer = SpectralAdamW(model.parameters(), lr=torch.tensor(1e-2) if tensor_lr else 1e-2,
+                              capturable=capturable, **(decay or {"p": 2, "spectral_weight_decay": 0.5}))
     _sparse_gradients(model, 0)
     optimizer.step()
     set_lr(optimizer, lr)
@@ -289,15 +293,35 @@ def _at_lr(name, lr, steps=2, tensor_lr=False):
     return before, [p.detach().clone() for p in model.parameters()], sum(int(c) for c in optimizer.skipped.values())
 
 
+@pytest.mark.parametrize("decay", [{}, {"p": 0, "spectral_weight_decay": 0.5, "p0_mode": "prox"}], ids=["p2", "prox"])
 @pytest.mark.parametrize("name", ["eager", "capturable", "compiled"])
-def test_an_lr_of_zero_leaves_every_weight_bit_for_bit(name):
+def test_an_lr_of_zero_leaves_every_weight_bit_for_bit(name, decay):
     """A warm-up from 0, a cosine to 0. The capturable (and so the compiled) Adam folded its step size into
     each term of the denominator, so a second moment of exactly 0 made 0/0, NaN, written with no skip;
     now the denominator is divided by the step size last (infinite: the update is exactly 0), as eager
-    leaves every weight as it was."""
-    before, after, skipped = _at_lr(name, 0.0, tensor_lr=name == "capturable")
+    leaves every weight as it was. The prox decay rebuilt W at a zero threshold (1.2e-6 off)."""
+    before, after, skipped = _at_lr(name, 0.0, tensor_lr=name == "capturable", **decay)
     assert skipped == 0
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("lr", ["eager", "float-lr", "tensor-lr"])
+@pytest.mark.parametrize("options", ["prox", *OPTIONS])
+@pytest.mark.parametrize("name", FAMILY)
+def test_an_lr_of_zero_leaves_every_weight_bit_for_bit_in_every_optimizer_and_decay(name, options, lr):
+    """Every optimizer, eager and capturable (a Python and a tensor lr), under each decay: the prox decay
+    moved weights by up to 1.2e-6 at lr = 0 (its soft-threshold at 0 rebuilt W from its factors)."""
+    model = tiny_model()
+    decay = {"p": 0, "spectral_weight_decay": 0.5, "p0_mode": "prox"} if options == "prox" else OPTIONS[options]
+    optimizer = FAMILY[name](model, capturable=lr != "eager", lr=torch.tensor(1e-2) if lr == "tensor-lr" else 1e-2,
+                             **decay)
+    gradients(model, 0)
+    optimizer.step()
+    set_lr(optimizer, 0.0)
+    gradients(model, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
 def test_an_nan_lr_raises_in_an_eager_step_before_any_write():

@@ -28,11 +28,19 @@ import functools
 import torch
 from torch.optim import Optimizer
 
-from .._checks import check_coefficient, conjunction, finite_limit, within_limits
+from .._checks import (
+    check_coefficient,
+    conjunction,
+    finite_limit,
+    overlaps_itself,
+    shared_memory_error,
+    within_limits,
+)
 from ..decay import Band, DecayOptions, PendingWrite
 from ..decay_options import decay_option_keys
 from ..deprecations import renamed_group_keys
 from ..plan import stability_terms
+from ..precision import outside_autocast
 from ._decay import (
     capturable,
     check_decay_group,
@@ -359,6 +367,7 @@ class SpectralOptimizer(Optimizer):
         (:meth:`commit_steps`)."""
         self.commit_steps(self.plan_step(prepare))
 
+    @outside_autocast
     def plan_step(self, prepare) -> StepPlan:
         """Everything a step does before its first write: each group's state and counts created
         (:meth:`_init_group`), its inputs checked (:meth:`check_step`), its records prepared, the
@@ -479,6 +488,9 @@ class SpectralOptimizer(Optimizer):
             self.check_coefficients(group)
         for param in params:
             weight, name = local(param), None
+            if overlaps_itself(weight):  # a step writes the parameter in place
+                raise shared_memory_error(weight, f"{type(self).__name__}: {self.parameter_name(group, param)}",
+                                          "Give the parameter memory of its own: param.data = param.data.contiguous()")
             state = self.state.get(param, {})
             expected = [("the gradient", param.grad)] if self.reads_gradients else []
             expected += [(f"the state's {key!r}", state[key]) for key in PARAMETER_SHAPED_STATE if key in state]
@@ -508,6 +520,7 @@ class SpectralOptimizer(Optimizer):
             if value is not None:
                 check_coefficient(value, key, sync=not capturable(group))
 
+    @outside_autocast
     @torch.no_grad()
     def commit_steps(self, plan: StepPlan) -> None:
         """Write a planned step (:meth:`plan_step`), skipping each parameter whose checks failed: its

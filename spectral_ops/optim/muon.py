@@ -406,7 +406,7 @@ class SpectralMuon(SpectralOptimizer):
             result = power_update(batch[0] if len(batch) == 1 else batch, power, eps=group["update_eps"],
                                   coefficients=coefficients, precision=precision, capturable=True,
                                   dtype=operand_dtypes[members[0][0]], overwrite_input=True,
-                                  scale=group["update_scale"])
+                                  scale=group["update_scale"], matrix_view="batch")
             result = result.view(batch.shape)
             for (index, start, size, _), piece in zip(members, result.split([s.shape[0] for s in sources])):
                 piece = piece.reshape(*updates[index].shape[:-2], size, cols)

@@ -146,12 +146,15 @@ def decay_(kernels, W: torch.Tensor, request: DecayRequest) -> DecayOutcome:
     any weight takes them: a value beyond the dtype comes out as Inf here.
     """
     p, band = request.p, request.band
-    if not needs_direction(p, request.spectral_weight_decay, band):
+    prox = is_prox(p, request.p0_mode, band)
+    # A soft-threshold at 0 (lr = 0) is W itself, which the plain multiply keeps exactly (rebuilt from its
+    # factors it would carry their rounding: 1e-6 in fp32).
+    if not needs_direction(p, request.spectral_weight_decay, band) or \
+            prox and is_zero(request.scale * request.spectral_weight_decay):
         kernels.decay_epilogue_(wide(W), None, plain_factor(request.scale, request.spectral_weight_decay,
                                                             request.ordinary_weight_decay, request.increment), 0.0,
                                 noise=rounding_noise(wide(W), request))
         return DecayOutcome(None, {})
-    prox = is_prox(p, request.p0_mode, band)
     chosen = routed(kernels, W, p, request.precision, request.method, request.polar_coefficients,
                     iteration=request.iteration, band=band is not None or prox)
     plan = plan_for(W, kernels, request.precision, chosen.method, request.capturable, request.threshold_ratio)
@@ -165,6 +168,11 @@ def decay_(kernels, W: torch.Tensor, request: DecayRequest) -> DecayOutcome:
     if prox:
         # The spectral part is the soft-threshold itself: W <- prox - ordinary W.
         keep, step = (-1.0 if request.increment else 0.0) - ordinary, 1.0
+        if isinstance(spectral, torch.Tensor):
+            # A threshold held in a tensor may be 0 (lr = 0): there W is kept as it is, not rebuilt (as a Python
+            # zero is, above), decided on the device: a capturable step reads nothing back.
+            keep = as_float64(keep, W.device)
+            keep, step = torch.where(spectral == 0, keep + 1.0, keep), (spectral != 0).to(torch.float64)
         direction, log_factor = plan.thresholds.svt(spectral, request.polar_coefficients, request.sign_coefficients)
     else:
         keep, step = (0.0 if request.increment else 1.0) - ordinary, -spectral
