@@ -188,8 +188,8 @@ def weight_magnitudes(step: PendingWrite) -> list:
 
 def within_range(param: torch.Tensor) -> float:
     """The limit of a bound on the magnitude of ``param``'s new entries: its dtype's largest finite
-    number, less 16 units of its rounding, which cover the roundings between the bound's terms and
-    the written value (each a relative ``eps / 2``)."""
+    number times ``1 - 16 eps`` (``eps`` its machine epsilon), a margin for the roundings between the
+    bound's terms and the written value (each at most a relative ``eps / 2``, a few of them per entry)."""
     dtype = real_view(local(param)).dtype
     return torch.finfo(dtype).max * (1 - 16 * torch.finfo(dtype).eps)
 
