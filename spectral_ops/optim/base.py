@@ -178,7 +178,8 @@ def weight_magnitudes(step: PendingWrite) -> list:
     before = list(bounds)
     decayed = [i for i in step.decayed if bounds[step.owners[i]] is not None]
     for i, largest in zip(decayed, largest_magnitudes([step.decayed[i] for i in decayed])):
-        bounds[step.owners[i]] = torch.maximum(bounds[step.owners[i]], largest)
+        if largest is not None:  # rows of a spread matrix this rank holds none of
+            bounds[step.owners[i]] = torch.maximum(bounds[step.owners[i]], largest)
     for i, factor in step.factors.items():
         owner = step.owners[i]
         if bounds[owner] is not None:
