@@ -80,6 +80,11 @@ OPTIMIZERS = {
                                                 **RECORDED),
     "muon": lambda params: _muon(params, **RECORDED),
     "decay": lambda params: SpectralDecay(params, lr=1e-2, ordinary_weight_decay=0.1, **RECORDED),
+    # rollback asked by the second group only (#52): a step is one unit, recorded whole, the first
+    # group's writes included (the record used to restore the second group's alone).
+    "adamw-mixed": lambda params: SpectralAdamW([{"params": params[:2], "rollback": False},
+                                                 {"params": params[2:], "rollback": True}],
+                                                lr=1e-2, weight_decay=0.1, **SPECTRAL),
 }
 
 

@@ -179,7 +179,13 @@ def test_an_invalid_option_set_on_a_group_raises_its_own_error_from_a_compiled_s
     for key, value, error, message in [("p", -0.5, ValueError, "p=-0.5 < 0 cannot be a decay"),
                                        ("rounding", "bogus", ValueError, "rounding must be one of"),
                                        ("spectral_weight_decay", "0.5", TypeError, "must be a real number"),
-                                       ("stability", "nope", ValueError, "stability must be one of")]:
+                                       ("stability", "nope", ValueError, "stability must be one of"),
+                                       # The optimizer's own options were never checked again (#52).
+                                       ("eps", float("nan"), ValueError, "eps must be finite"),
+                                       ("betas", (0.9, 1.5), ValueError, r"betas\[1\] must be in \[0, 1\)"),
+                                       # A Python NaN lr reached Inductor: "The argument 'nan' is not
+                                       # comparable" (#52). A 0-d tensor's NaN skips on the device instead.
+                                       ("lr", float("nan"), ValueError, "lr must be finite, got nan")]:
         valid, group[key] = group[key], value
         before = [param.detach().clone() for param in model.parameters()]
         with pytest.raises(error, match=message):

@@ -171,3 +171,33 @@ def test_a_callable_option_is_left_out_of_the_state_and_kept_on_load():
     assert int(next(iter(resumed.state.values()))["step"]) == 1
     with pytest.raises(ValueError, match="'update_power' was a callable"):
         build(adjust_lr_fn=lambda lr, shape: lr)[1].load_state_dict(state)
+
+
+# SGD with dampening creates its momentum as the step runs (torch's first buffer is the undamped
+# gradient), the others when the step starts; attached, the decay is SpectralDecay's and the state torch's.
+CLEARED = [*FAMILY, "sgd-dampening", "attached"]
+
+
+def _cleared_build(name, params):
+    if name == "sgd-dampening":
+        return SpectralSGD(params, lr=1e-2, momentum=0.9, dampening=0.5, p=2, spectral_weight_decay=0.1)
+    if name == "attached":
+        host = torch.optim.AdamW(params, lr=1e-2)
+        SpectralDecay([p for p in params if p.ndim == 2], p=2, spectral_weight_decay=0.1).attach(host)
+        return host
+    return FAMILY[name](params)
+
+
+@pytest.mark.parametrize("name", CLEARED)
+def test_a_step_after_state_clear_is_a_fresh_optimizers_first_step(name):
+    """``optimizer.state.clear()`` (how frameworks reset an optimizer) then a step raised KeyError 'step'
+    (SpectralAdamW) or 'momentum_buffer' (SpectralMuon): the state is created again, lazily, as torch's
+    optimizers create it, and the step is bit for bit the first step of a fresh optimizer."""
+    model = tiny_model()
+    optimizer = _cleared_build(name, list(model.parameters()))
+    train(model, optimizer, 2)
+    optimizer.state.clear()
+    fresh_model = copy.deepcopy(model)
+    fresh = _cleared_build(name, list(fresh_model.parameters()))
+    after_clear = train(model, optimizer, 2, start=2)
+    assert_same_values(after_clear, train(fresh_model, fresh, 2, start=2))

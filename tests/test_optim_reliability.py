@@ -518,3 +518,125 @@ def test_an_optimizer_built_before_to_empty_refuses_to_step_and_names_the_fixes(
     before = [param.detach().clone() for param in model.parameters()]
     optimizer.step()
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()) if a.ndim == 2)
+
+
+# ----- the optimizer's own update is checked too (#52): a finite weight never turns non-finite
+
+
+def _unit_weight(shape, dtype, seed=0):
+    W = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return torch.nn.Parameter((W / W.norm()).to(dtype))
+
+
+@pytest.mark.filterwarnings("ignore:.*skipped the update")
+@pytest.mark.parametrize("capturable", [False, True], ids=["eager", "capturable"])
+@pytest.mark.parametrize("build", [
+    *(lambda P, p=p, **o: SpectralAdamW([P], lr=1e-3, p=p, spectral_weight_decay=0.1, **o) for p in (0, 1, 2, 3)),
+    lambda P, **o: SpectralMuon([{"params": [P], "algorithm": "adamw"}], lr=1e-3, **o),
+], ids=["adamw-p0", "adamw-p1", "adamw-p2", "adamw-p3", "muon-adamw"])
+def test_an_fp16_adam_step_whose_second_moment_underflows_is_skipped(build, capturable):
+    """The issue's reproduction: gradients of 1e-3 square to 1e-9 (times 1 - beta2), below fp16's range,
+    so the second moment and the denominator (eps = 1e-8 rounds to 0 in fp16) are 0, and m / 0 wrote
+    Inf into every entry, skipped 0. Now the update is checked: skipped, counted, bits kept."""
+    P = _unit_weight((64, 32), torch.float16)
+    optimizer = build(P, capturable=capturable, stability="clamp")
+    P.grad = torch.randn(P.shape, generator=torch.Generator().manual_seed(1)).half() * 1e-3
+    before = P.detach().clone()
+    optimizer.step()
+    assert torch.equal(P.detach(), before)
+    assert [int(count) for count in optimizer.skipped.values()] == [1]
+
+
+@pytest.mark.filterwarnings("ignore:.*skipped the update")
+@pytest.mark.parametrize("capturable", [False, True], ids=["eager", "capturable"])
+def test_eps_zero_with_a_zero_gradient_is_skipped_not_written_nan(capturable):
+    """eps = 0 and a second moment of 0: 0 / 0 made every entry NaN. The other matrix steps as usual."""
+    P, Q = torch.nn.Parameter(torch.randn(32, 16)), torch.nn.Parameter(torch.randn(32, 16))
+    optimizer = SpectralAdamW([P, Q], lr=1e-2, eps=0.0, capturable=capturable)
+    P.grad, Q.grad = torch.zeros_like(P), torch.ones_like(Q)
+    before = P.detach().clone(), Q.detach().clone()
+    optimizer.step()
+    assert torch.equal(P.detach(), before[0]) and torch.isfinite(Q).all() and not torch.equal(Q.detach(), before[1])
+    assert [int(count) for count in optimizer.skipped.values()] == [1, 0]
+
+
+@pytest.mark.filterwarnings("ignore:.*skipped the update")
+@pytest.mark.parametrize("name", ["sgd", "sgd-nesterov", "muon", "adamw"])
+def test_an_update_that_overflows_the_weight_is_skipped(name):
+    """Finite weights near the dtype's largest number, a finite update that carries them past it."""
+    P = torch.nn.Parameter(torch.full((8, 6), 3e38))
+    build = {"sgd": lambda: SpectralSGD([P], lr=1e30, momentum=0.9),
+             "sgd-nesterov": lambda: SpectralSGD([P], lr=1e30, momentum=0.9, nesterov=True),
+             "muon": lambda: SpectralMuon([P], lr=1e39, weight_decay=0.0),
+             "adamw": lambda: SpectralAdamW([P], lr=1e38, weight_decay=0.0)}[name]
+    optimizer = build()
+    P.grad = -torch.ones_like(P) * 1e9
+    before = P.detach().clone()
+    optimizer.step()
+    assert torch.equal(P.detach(), before)
+    assert [int(count) for count in optimizer.skipped.values()] == [1]
+
+
+OPTIONS_SET_LATER = [("adamw", 0, "eps", float("nan")), ("adamw", 0, "betas", (0.9, float("nan"))),
+                     ("sgd", 0, "momentum", float("nan")), ("sgd", 0, "dampening", float("inf")),
+                     ("muon", 0, "momentum", float("nan")), ("muon", 1, "eps", float("nan")),
+                     ("muon", 1, "betas", (1.5, 0.95)), ("adamw", 0, "strict", "yes")]
+
+
+@pytest.mark.parametrize("name, group, key, value", OPTIONS_SET_LATER,
+                         ids=[f"{n}-{g}-{k}" for n, g, k, _ in OPTIONS_SET_LATER])
+def test_an_option_set_on_a_group_after_construction_is_checked_before_any_write(name, group, key, value):
+    """``param_groups[0]["eps"] = nan`` was never checked again (every entry NaN), nor SGD's or Muon's
+    momentum: every option of a group is validated again once it changed, before the step writes."""
+    model, optimizer = _run(name)
+    optimizer.param_groups[group][key] = value
+    before = _snapshot(model, optimizer)
+    with pytest.raises((ValueError, TypeError), match=re.escape(key.split("[")[0])):
+        optimizer.step()
+    _assert_unchanged(before, _snapshot(model, optimizer))
+
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+STEPPERS = {
+    "adamw": lambda params, p, eps, lr, **o: SpectralAdamW(params, lr=lr, eps=eps, p=p, spectral_weight_decay=0.1,
+                                                           **o),
+    "sgd": lambda params, p, eps, lr, **o: SpectralSGD(params, lr=lr, momentum=0.9, nesterov=True, p=p,
+                                                       spectral_weight_decay=0.1, **o),
+    "muon": lambda params, p, eps, lr, **o: SpectralMuon(
+        [{"params": params[:1]}, {"params": params[1:], "algorithm": "adamw", "eps": eps}], lr=lr, p=p,
+        spectral_weight_decay=0.1, **o),
+}
+
+
+@pytest.mark.filterwarnings("ignore:.*skipped the update")
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted(STEPPERS)), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       p=st.sampled_from([0, 1, 2, 3]), eps=st.sampled_from([0.0, 1e-8, 1e-4]), capturable=st.booleans(),
+       weight=st.floats(0, 1), gradient=st.floats(-8, 2), lr=st.floats(-4, 2), zeros=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_a_step_never_turns_a_finite_weight_non_finite(name, dtype, p, eps, capturable, weight, gradient, lr,
+                                                        zeros, seed):
+    """In every dtype (fp16 included), at any scale of weights (up to the dtype's largest numbers),
+    gradients and lr, with eps = 0 and gradients that are 0 in some entries: after each step every
+    weight and state tensor is finite, or the parameter was skipped, counted, its bits kept."""
+    generator = torch.Generator().manual_seed(seed)
+    largest = torch.finfo(dtype).max ** weight  # from 1 to the dtype's largest number
+    params = [torch.nn.Parameter((torch.rand(shape, generator=generator, dtype=torch.float64) * 2 - 1).mul(largest)
+                                 .to(dtype)) for shape in ((12, 8), (8,))]
+    optimizer = STEPPERS[name](params, p, eps, 10.0**lr, capturable=capturable, stability="clamp")
+    for _ in range(2):
+        for param in params:
+            param.grad = (torch.randn(param.shape, generator=generator, dtype=torch.float64) * 10.0**gradient).to(dtype)
+            if zeros:
+                param.grad[..., :2] = 0
+        before = [param.detach().clone() for param in params]
+        counts = [int(count) for count in optimizer.skipped.values()] or [0] * len(params)
+        optimizer.step()
+        for param, old, count, new in zip(params, before, counts, optimizer.skipped.values()):
+            state = [value for value in optimizer.state[param].values() if torch.is_tensor(value)]
+            if int(new) > count:
+                assert torch.equal(param.detach(), old)
+            else:
+                assert torch.isfinite(param).all() and all(torch.isfinite(value).all() for value in state)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .._checks import check_coefficient, real_view
 from ..decay import PendingWrite
 from ._decay import capturable, decay_keywords
-from .base import SpectralOptimizer, element_wise_update, scalar, step_scalar
+from .base import CheckedUpdate, SpectralOptimizer, device_masks, largest_magnitudes, scalar, step_scalar
 from .distributed import local
 
 
@@ -26,49 +28,114 @@ def init_adam_state(params, group: dict, state) -> None:
         state[param]["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
+def _adam_views(params, state) -> tuple:
+    """The step counts, and the real views of the gradients, moments and parameters Adam's arithmetic
+    reads: a DTensor's moments are DTensors sharded like it (for torch.distributed.checkpoint), and the
+    update is element-wise, so each rank runs it on its own shards."""
+    return ([state[param]["step"] for param in params], [real_view(local(param.grad)) for param in params],
+            [real_view(local(state[param]["exp_avg"])) for param in params],
+            [real_view(local(state[param]["exp_avg_sq"])) for param in params],
+            [real_view(local(param)) for param in params])
+
+
+def adam_denominators(params, group: dict, state) -> tuple[list, list]:
+    """Before any write, each parameter's denominator after this step, ``sqrt(v_t) / sqrt(1 - beta2^t) +
+    eps`` (in a tensor of its own, from the second moment ``v_t`` this step will write), and its step
+    size ``-lr / (1 - beta1^t)``: the numbers :func:`adam_update_` adds with, operation for operation
+    as torch's AdamW forms them. Eager: the bias corrections computed on the host from the CPU step
+    counts; ``capturable=True``: on the device, the step sizes 0-d tensors."""
+    beta1, beta2 = group["betas"]
+    steps, grads, _, exp_avg_sqs, _ = _adam_views(params, state)
+    denominators = [torch.empty_like(exp_avg_sq) for exp_avg_sq in exp_avg_sqs]
+    torch._foreach_copy_(denominators, exp_avg_sqs)
+    torch._foreach_mul_(denominators, beta2)
+    torch._foreach_addcmul_(denominators, grads, grads, value=1 - beta2)
+    torch._foreach_sqrt_(denominators)
+    counts = torch._foreach_add(steps, 1)
+    if capturable(group):
+        counts = [count.to(param.device) for count, param in zip(counts, params)]
+        corrections = torch._foreach_sqrt(torch._foreach_neg(torch._foreach_sub(torch._foreach_pow(beta2, counts), 1)))
+        lr = step_scalar(group["lr"], group)
+        step_sizes = [-lr / (1 - beta1**count) for count in counts]
+    else:
+        counts = [count.item() for count in counts]
+        corrections = [(1 - beta2**count) ** 0.5 for count in counts]
+        step_sizes = [-scalar(group["lr"]) / (1 - beta1**count) for count in counts]
+    torch._foreach_div_(denominators, corrections)
+    torch._foreach_add_(denominators, group["eps"])
+    return denominators, step_sizes
+
+
+class AdamUpdate(CheckedUpdate):
+    """Adam's update of a group (:func:`adam_update_`), bounded by ``|lr / (1 - beta1^t)| max(|m|, |g|) /
+    min(D)`` for each parameter (``|m_t| <= max(|m|, |g|)``: a convex combination), its denominators
+    ``D`` (:func:`adam_denominators`) formed first. A zero denominator (``eps = 0``, or an ``eps``
+    below the dtype's range, where the second moment is 0: fp16 underflows ``g^2`` below ``|g|`` about
+    5e-3) makes the bound NaN or Inf, as it makes the update. An eager step keeps its denominators
+    for the commit (the one full-size temporary torch's AdamW allocates); a capturable one forms them
+    again there, with its device decisions."""
+
+    def __init__(self, params, group: dict, state):
+        super().__init__(params, group, state)
+        self.denominators = self.step_sizes = None
+
+    def magnitudes(self) -> list:
+        if not self.params:
+            return []
+        denominators, step_sizes = adam_denominators(self.params, self.group, self.state)
+        if not capturable(self.group):
+            self.denominators, self.step_sizes = denominators, step_sizes
+        _, grads, exp_avgs, _, _ = _adam_views(self.params, self.state)
+        bounds = []
+        for denominator, step_size, moment, grad in zip(denominators, step_sizes, largest_magnitudes(exp_avgs),
+                                                       largest_magnitudes(grads)):
+            if moment is None:  # an empty parameter
+                bounds.append((None, None))
+                continue
+            smallest = torch.amin(denominator).float()
+            bounds.append((abs(step_size) * torch.maximum(moment, grad) / smallest, None))
+        return bounds
+
+    def __call__(self, keep):
+        if capturable(self.group):
+            return functools.partial(adam_update_, self.params, self.group, self.state, device_masks(keep))
+        kept = [i for i, kept in enumerate(keep) if kept is not False]
+        return functools.partial(adam_update_, [self.params[i] for i in kept], self.group, self.state,
+                                 denominators=[self.denominators[i] for i in kept],
+                                 step_sizes=[self.step_sizes[i] for i in kept])
+
+
 @torch.no_grad()
-def adam_update_(params, group: dict, state, masks=None) -> None:
+def adam_update_(params, group: dict, state, masks=None, denominators=None, step_sizes=None) -> None:
     """One Adam step (no weight decay) for a group, with torch's multi-tensor (``_foreach``) ops.
 
-    Eager (``capturable=False``): operation for operation as torch's AdamW, the bias corrections
-    computed on the host from a CPU step count. ``capturable=True``: the step counts live on the
-    parameters' device and the bias corrections are device tensors, as in torch's capturable Adam,
-    so nothing is read back; ``lr`` may be a 0-d device tensor. ``masks`` (capturable only): one 0-d
-    bool per parameter; a False one leaves the parameter and its state unchanged.
+    Eager (``capturable=False``): operation for operation as torch's AdamW, with the ``denominators``
+    and ``step_sizes`` of :func:`adam_denominators`, formed before the first write. ``capturable=True``:
+    the step counts live on the parameters' device and the bias corrections are device tensors, as in
+    torch's capturable Adam, so nothing is read back; ``lr`` may be a 0-d device tensor. ``masks``
+    (capturable only): one 0-d bool per parameter; a False one leaves the parameter and its state
+    unchanged.
 
-    Everything that allocates runs before the first write (the denominators are allocated empty and
-    filled in place), so that running out of memory cannot stop the update half-way.
+    Everything that allocates runs before the first write (the capturable denominators are allocated
+    empty and filled in place), so that running out of memory cannot stop the update half-way.
     """
     if not params:
         return
     beta1, beta2 = group["betas"]
-    eps, on_device = group["eps"], capturable(group)
     for param in params:
         param_state = state[param]
-        if on_device and param_state["step"].device != param.device:  # capturable switched on later
+        if capturable(group) and param_state["step"].device != param.device:  # capturable switched on later
             param_state["step"] = param_state["step"].to(param.device)
-    # A DTensor's moments are DTensors sharded like it (for torch.distributed.checkpoint); the update
-    # is element-wise, so each rank runs it on its own shards.
-    steps = [state[param]["step"] for param in params]
-    grads = [real_view(local(param.grad)) for param in params]
-    exp_avgs = [real_view(local(state[param]["exp_avg"])) for param in params]
-    exp_avg_sqs = [real_view(local(state[param]["exp_avg_sq"])) for param in params]
-    params = [real_view(local(param)) for param in params]
-    denom = [torch.empty_like(exp_avg_sq) for exp_avg_sq in exp_avg_sqs]
-    if on_device:
-        _capturable_adam_update_(params, grads, exp_avgs, exp_avg_sqs, steps, denom, group, masks)
+    steps, grads, exp_avgs, exp_avg_sqs, params = _adam_views(params, state)
+    if capturable(group):
+        denominators = [torch.empty_like(exp_avg_sq) for exp_avg_sq in exp_avg_sqs]
+        _capturable_adam_update_(params, grads, exp_avgs, exp_avg_sqs, steps, denominators, group, masks)
         return
-    lr = scalar(group["lr"])
     torch._foreach_add_(steps, 1)  # the first write
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-    counts = [step.item() for step in steps]
-    torch._foreach_copy_(denom, exp_avg_sqs)
-    torch._foreach_sqrt_(denom)
-    torch._foreach_div_(denom, [(1 - beta2**count) ** 0.5 for count in counts])
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / (1 - beta1**count) for count in counts])
+    torch._foreach_addcdiv_(params, exp_avgs, denominators, step_sizes)
 
 
 def _capturable_adam_update_(params, grads, exp_avgs, exp_avg_sqs, steps, denom, group: dict, masks) -> None:
@@ -78,8 +145,9 @@ def _capturable_adam_update_(params, grads, exp_avgs, exp_avg_sqs, steps, denom,
     step size folded into the denominator (addcdiv then needs no scalar on the host). ``D`` is formed
     from its positive part (at least ``eps``) divided by the step size last, so that ``lr = 0`` makes
     it infinite and the update exactly zero, where folding the step size into each term would make a
-    zero second moment ``0 / 0``, NaN. A masked-out parameter's step size is replaced by -1 and its
-    first moment by zeros: its update is an exact zero whatever the lr (NaN included)."""
+    zero second moment ``0 / 0``, NaN. A masked-out parameter's step size is replaced by -1, its first
+    moment by zeros and its denominator by 1: its update is an exact zero whatever the lr (NaN
+    included) and eps (0 included)."""
     beta1, beta2 = group["betas"]
     lr = step_scalar(group["lr"], group)
     if masks is None:
@@ -95,6 +163,7 @@ def _capturable_adam_update_(params, grads, exp_avgs, exp_avg_sqs, steps, denom,
         factors = [torch.where(mask, beta2, 1.0) for mask in masks]
         numerators = [torch.empty_like(exp_avg) for exp_avg in exp_avgs]
         zeros = [exp_avg.new_zeros(()) for exp_avg in exp_avgs]
+        ones = [exp_avg.new_ones(()) for exp_avg in exp_avgs]
     corrected = counts if masks is None else torch._foreach_clamp_min(counts, 1)
     # -lr / (1 - beta1^t) and sqrt(1 - beta2^t), all on the device.
     bias_correction1 = torch._foreach_neg(torch._foreach_sub(torch._foreach_pow(beta1, corrected), 1))
@@ -120,6 +189,9 @@ def _capturable_adam_update_(params, grads, exp_avgs, exp_avg_sqs, steps, denom,
     torch._foreach_div_(denom, bias_correction2)
     torch._foreach_add_(denom, group["eps"])
     torch._foreach_div_(denom, step_size)
+    if masks is not None:  # a masked-out parameter adds 0 / 1, not 0 / 0 where its denominator is 0 (eps = 0)
+        for mask, denominator, one in zip(masks, denom, ones):
+            torch.where(mask, denominator, one, out=denominator)
     torch._foreach_addcdiv_(params, numerators, denom)
 
 
@@ -153,8 +225,8 @@ class SpectralAdamW(SpectralOptimizer):
                         strict=strict, rollback=rollback)
         super().__init__(params, defaults, process_group=process_group)
 
-    def check_group(self, group: dict) -> None:
-        super().check_group(group)
+    def check_options(self, group: dict) -> None:
+        super().check_options(group)
         check_adam_options(group)
 
     def init_state(self, params: list, group: dict) -> None:
@@ -168,4 +240,4 @@ def prepare_adam_step(optimizer: SpectralOptimizer, params, group: dict) -> Pend
     """An Adam group's step: its decay, computed now (the Adam update is element-wise: computed as it is
     written, by :func:`adam_update_`)."""
     return optimizer.prepare_write(params, group, checks=adam_gradient_checks(params),
-                                   update=element_wise_update(adam_update_, params, group, optimizer.state))
+                                   update=AdamUpdate(params, group, optimizer.state))

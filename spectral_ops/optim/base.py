@@ -13,10 +13,11 @@ then writes each record for the parameters it keeps (:meth:`PendingWrite.commit
 <spectral_ops.decay.PendingWrite.commit>`: the decay, then the optimizer's update, a functional core
 such as :func:`~spectral_ops.optim.adamw.adam_update_`).
 
-A failure of the plan leaves everything as it was: nothing has been written. An eager step of a group
-with ``rollback=True`` (off by default: it costs a copy of what the step writes) also keeps a
-:class:`~spectral_ops.optim.rollback.Rollback` record of what its commit writes, so that a failure
-inside a write (an interrupt, a fault in an op) is undone too; see docs/optimizers.md, "Bad steps".
+A failure of the plan leaves everything as it was: nothing has been written. An eager step in which any
+group has ``rollback=True`` (off by default: it costs a copy of what the step writes) also keeps a
+:class:`~spectral_ops.optim.rollback.Rollback` record of everything its commit writes, every group's,
+so that a failure inside a write (an interrupt, a fault in an op) is undone too; see docs/optimizers.md,
+"Bad steps".
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from .._checks import (
     check_coefficient,
     conjunction,
     finite_limit,
+    largest_magnitude_each,
     overlaps_itself,
+    real_view,
     shared_memory_error,
     within_limits,
 )
 from ..decay import Band, DecayOptions, PendingWrite
-from ..decay_options import decay_option_keys
 from ..deprecations import renamed_group_keys
 from ..plan import stability_terms
 from ..precision import outside_autocast
@@ -104,6 +106,8 @@ def _option_key(value, identity: bool = True):
         return ("tensor", id(value)) if identity else ("tensor",)
     if isinstance(value, dict):
         return tuple(sorted((k, _option_key(v, identity)) for k, v in value.items()))
+    if isinstance(value, (tuple, list)):  # betas: a pair that may hold tensors
+        return tuple(_option_key(v, identity) for v in value)
     return value
 
 
@@ -123,17 +127,75 @@ def device_masks(keep) -> list | None:
     return None if all(k is True for k in keep) else [torch.as_tensor(k) for k in keep]
 
 
-def element_wise_update(update_, params, group: dict, state):
-    """A :class:`~spectral_ops.decay.PendingWrite`'s ``update`` for an element-wise optimizer,
-    ``update_(params, group, state, masks=None)`` (Adam's, SGD's): computed as it is written (a copy of
-    the moments would be the price of computing it first), for the parameters an eager step keeps, or
-    for all of a capturable step's, masked by its device decisions."""
-    def prepare(keep):
-        if capturable(group):
-            return functools.partial(update_, params, group, state, device_masks(keep))
-        return functools.partial(update_, [param for param, kept in zip(params, keep) if kept is not False], group,
-                                 state)
-    return prepare
+class CheckedUpdate:
+    """An optimizer's own update of a record's parameters (its :class:`~spectral_ops.decay.PendingWrite`'s
+    ``update``), checked before any write: once every group's step is prepared, :meth:`magnitudes`
+    bound what it adds to each weight and what it writes into the state, and the step skips a
+    parameter that either could make non-finite (:meth:`SpectralOptimizer.update_checks`).
+    ``update(keep)`` allocates what the writes need and returns the function that writes them."""
+
+    def __init__(self, params, group: dict, state):
+        self.params, self.group, self.state = list(params), group, state
+
+    def magnitudes(self) -> list:
+        """Per parameter, ``(added, written)``: 0-d float32 tensors at least the magnitude of every entry
+        the update adds to the weight and of every state entry it writes (NaN or Inf where one may not
+        be finite), or None where nothing needs checking (a state entry that is a convex combination
+        of finite ones)."""
+        raise NotImplementedError
+
+    def __call__(self, keep):
+        raise NotImplementedError
+
+
+class ElementWiseUpdate(CheckedUpdate):
+    """The update of an element-wise optimizer, ``update_(params, group, state, masks=None)`` (SGD's):
+    computed as it is written (a copy of the state would be the price of computing it first), for the
+    parameters an eager step keeps, or for all of a capturable step's, masked by its device decisions."""
+
+    update_ = None  # a staticmethod of the subclass
+
+    def __call__(self, keep):
+        if capturable(self.group):
+            return functools.partial(self.update_, self.params, self.group, self.state, device_masks(keep))
+        return functools.partial(self.update_, [param for param, kept in zip(self.params, keep) if kept is not False],
+                                 self.group, self.state)
+
+
+def largest_magnitudes(tensors) -> list:
+    """The largest magnitude of each tensor as a 0-d float32 tensor on its device (NaN where it holds
+    one), None for an empty one."""
+    tensors = [real_view(local(tensor)) for tensor in tensors]
+    filled = [i for i, tensor in enumerate(tensors) if tensor.numel()]
+    largest = [None] * len(tensors)
+    for i, value in zip(filled, largest_magnitude_each([tensors[i] for i in filled]) if filled else []):
+        largest[i] = value.float()
+    return largest
+
+
+def weight_magnitudes(step: PendingWrite) -> list:
+    """Per parameter of an optimizer's record, a 0-d float32 tensor at least the magnitude of every
+    entry of its weight once the record's decay is written (the weight's own, a multiplied target's
+    times its factor, a decayed value's), or None for an empty one."""
+    bounds = largest_magnitudes(step.params)
+    before = list(bounds)
+    decayed = [i for i in step.decayed if bounds[step.owners[i]] is not None]
+    for i, largest in zip(decayed, largest_magnitudes([step.decayed[i] for i in decayed])):
+        if largest is not None:  # rows of a spread matrix this rank holds none of
+            bounds[step.owners[i]] = torch.maximum(bounds[step.owners[i]], largest)
+    for i, factor in step.factors.items():
+        owner = step.owners[i]
+        if bounds[owner] is not None:
+            bounds[owner] = torch.maximum(bounds[owner], before[owner] * abs(factor))
+    return bounds
+
+
+def within_range(param: torch.Tensor) -> float:
+    """The limit of a bound on the magnitude of ``param``'s new entries: its dtype's largest finite
+    number times ``1 - 16 eps`` (``eps`` its machine epsilon), a margin for the roundings between the
+    bound's terms and the written value (each at most a relative ``eps / 2``, a few of them per entry)."""
+    dtype = real_view(local(param)).dtype
+    return torch.finfo(dtype).max * (1 - 16 * torch.finfo(dtype).eps)
 
 
 # torch.compiler.disable, as torch's optimizers apply it to their own methods: it imports Dynamo at the first
@@ -145,6 +207,8 @@ def _check_groups_eagerly(optimizer) -> None:
     for group in optimizer.param_groups:
         optimizer.decay_options(group)
         optimizer.check_materialised(group)
+        if next(iter(optimizer.stepped_params(group)), None) is not None:
+            optimizer.check_coefficients(group, numbers_only=True)
 
 
 @dataclasses.dataclass
@@ -153,7 +217,7 @@ class StepPlan:
     returns and :meth:`SpectralOptimizer.commit_steps` writes. ``prepared``: the step's
     :class:`~spectral_ops.decay.PendingWrite` records; ``keeps``: per record, one decision per
     parameter; ``skipped``: the ``(record, parameter)`` pairs an eager step skips; ``created``:
-    ``(parameter, whether it had a state)`` for those the step started tracking."""
+    ``(parameter, whether it had a state, whether it had counts)`` for those the step created either of."""
 
     prepared: list
     keeps: list
@@ -217,7 +281,8 @@ class SpectralOptimizer(Optimizer):
         self._validated_options = []  # (group, its options' keys, DecayOptions)
         self._exchange = None  # the step's Exchange, from the first group that asks for it
         self._counts = StepCounts()
-        self._created = []  # (parameter, whether it had a state) for those this step started tracking
+        self._created = []  # (parameter, whether it had a state, whether it had counts) for those this step
+        # created a state or counts of
 
     def layout(self, param: torch.Tensor):
         """How ``param`` is spread over the ranks (see :mod:`spectral_ops.optim.distributed`), or None:
@@ -284,27 +349,41 @@ class SpectralOptimizer(Optimizer):
                     param_state["step"] = torch.tensor(float(param_state["step"]), dtype=torch.float32, device=device)
 
     def check_group(self, group: dict) -> None:
-        for key in ("capturable", "strict", "rollback"):
-            if not isinstance(group[key], bool):
-                raise TypeError(f"{key} must be True or False, got {group[key]!r}")
-        if group["differentiable"] is not False:
-            raise ValueError(f"differentiable={group['differentiable']!r}: spectral_ops optimizers step without "
-                             "autograd (no gradient flows through a step); leave differentiable=False")
+        """Validate a group as it is added: its options (:meth:`decay_options`, which
+        :meth:`check_options` are part of), lr and the coefficients, and how its parameters are laid out."""
+        self.decay_options(group)
         if group["strict"] and capturable(group):
             raise ValueError("strict=True raises on a non-finite update, which needs the host to read it; "
                              "capturable=True forbids that (skips are still counted in optimizer.skipped)")
         if group["lr"] is not None or not self.lr_optional:
             check_coefficient(group["lr"], "lr")
-        self.decay_options(group)
         # layout() refuses a DTensor layout the owner compute does not handle.
         check_replicas_round_alike(group, group["params"], [self.layout(param) for param in group["params"]],
                                    group[self.ordinary_key])
         if capturable(group):
             check_on_parameter_device(group, ("lr", self.spectral_key, self.ordinary_key, "peak_lr"))
 
+    def check_options(self, group: dict) -> None:
+        """Validate the group's options besides lr, the coefficients and the decay's (subclasses add
+        their own: Adam's betas and eps, the momentum): when the group is added, and again before a
+        step wherever one of them changed since (:meth:`decay_options`)."""
+        for key in ("capturable", "strict", "rollback"):
+            if not isinstance(group[key], bool):
+                raise TypeError(f"{key} must be True or False, got {group[key]!r}")
+        if group["differentiable"] is not False:
+            raise ValueError(f"differentiable={group['differentiable']!r}: spectral_ops optimizers step without "
+                             "autograd (no gradient flows through a step); leave differentiable=False")
+
+    # Group keys left out of the options decay_options compares: lr, read again by every step
+    # (check_coefficients), and capturable, which Dynamo sets while it traces a step (its effect on the
+    # decay's validation is compared as forbids_host_reads).
+    UNCOMPARED_KEYS = ("lr", "capturable")
+
     def decay_options(self, group: dict) -> DecayOptions:
-        """The group's validated decay options: validated again only when one of them changes, so a
-        step does not re-check what construction did.
+        """The group's validated decay options: every option of the group (those of the decay and the
+        optimizer's own, :meth:`check_options`) is validated again only when one of them changes, so a
+        step does not re-check what construction did, and an option set on a group after construction
+        (``param_groups[0]["eps"] = nan``) raises before the step writes anything.
 
         torch.compile runs _init_group in Python before it traces a step (and again when a changed
         option fails a guard), where this validates as an eager step does. Where it traces _init_group
@@ -315,12 +394,13 @@ class SpectralOptimizer(Optimizer):
             if entry[0] is group:
                 cached = entry
         # The group's capturable key as validation reads it: traced, the key says True (see forbids_host_reads).
-        keys = [*decay_option_keys(), self.ordinary_key]  # the spectral coefficient's key is the table's
+        keys = [key for key in self.defaults if key not in self.UNCOMPARED_KEYS]
         traced = torch.compiler.is_dynamo_compiling()
         key = (*(_option_key(group[k], identity=not traced) for k in keys), forbids_host_reads(group))
         if cached is not None and cached[3 if traced else 1] == key:
             return cached[2]
         options = check_decay_group(group, spectral=self.spectral_key, ordinary=self.ordinary_key)
+        self.check_options(group)
         if not traced:
             cached = (group, key, options, (*(_option_key(group[k], identity=False) for k in keys), key[-1]))
             # Entries of groups the optimizer no longer has (load_state_dict replaces them) are dropped.
@@ -395,6 +475,8 @@ class SpectralOptimizer(Optimizer):
                 prepared.extend(prepare(params, group))
         if self._exchange is not None:
             self._exchange.run()
+        for step in prepared:
+            step.checks.extend(self.update_checks(step))
         checks = [step.all_checks() for step in prepared]
         on_host = [not capturable(step.group) for step, step_checks in zip(prepared, checks) for _ in step_checks]
         flags = iter(within_limits([check for step_checks in checks for check in step_checks], on_host))
@@ -417,12 +499,34 @@ class SpectralOptimizer(Optimizer):
                                      "is not finite; nothing was written (strict=True)")
         return StepPlan(prepared, keeps, skipped, created)
 
+    @staticmethod
+    def update_checks(step: PendingWrite) -> list:
+        """The checks, ``(owner, tensor, limit)``, that the optimizer's own update of a record
+        (:class:`CheckedUpdate`) leaves every weight and state entry it writes finite: the magnitude
+        of the weight after the decay plus a bound on what the update adds to it, and a bound on what
+        it writes into the state, within the dtype's range (:func:`within_range`). Made once every
+        group's step is prepared (a spread matrix's decay and direction are computed by then), from
+        0-d tensors on the parameters' devices, decided with the other checks."""
+        if not isinstance(step.update, CheckedUpdate):
+            return []
+        checks = []
+        for owner, (param, weight, (added, written)) in enumerate(zip(step.params, weight_magnitudes(step),
+                                                                      step.update.magnitudes())):
+            if weight is None:  # an empty parameter
+                continue
+            if added is not None:
+                checks.append((owner, weight + added, within_range(param)))
+            if written is not None:
+                checks.append((owner, written, within_range(param)))
+        return checks
+
     def _forget(self, created: list) -> None:
-        """Drop the state and counts a failed step created (the parameters it started tracking)."""
-        for param, had_state in created:
+        """Drop the state and counts a failed step created."""
+        for param, had_state, had_counts in created:
             if not had_state:
                 self.state.pop(param, None)
-            self._counts.forget(param)
+            if not had_counts:
+                self._counts.forget(param)
 
     def _init_group(self, group: dict, params: list) -> bool:
         """Append the parameters a step updates (:meth:`stepped_params`) to ``params``, and create the
@@ -439,20 +543,28 @@ class SpectralOptimizer(Optimizer):
         try:
             options = self.decay_options(group)  # validated here, in Python, when the step is compiled
             self.check_materialised(group)
+            params.extend(self.stepped_params(group))
+            if params:
+                self.check_coefficients(group, numbers_only=True)
         except (TypeError, ValueError):
             # torch 2.12 runs this with is_compiling() False: its tracing context says it is compiling.
             if not torch.compiler.is_compiling() and torch._guards.TracingContext.try_get() is None:
                 raise
             return False
-        params.extend(self.stepped_params(group))
-        fresh = [param for param in params if not self._counts.tracks(param)]
-        if not fresh:
-            return True
-        had_state = [bool(self.state.get(param)) for param in fresh]
-        self.init_state([param for param, had in zip(fresh, had_state) if not had], group)
-        clamps = group["stability"] == "clamp" and stability_terms(options.p, group[self.spectral_key], options.band)
-        self._counts.track(fresh, [param for param in fresh if clamps and param.ndim >= 2])
-        self._created.extend(zip(fresh, had_state))
+        # A parameter without state gets it here, whether it is stepped for the first time or its state
+        # was dropped since (optimizer.state.clear(), as frameworks reset an optimizer): torch's
+        # optimizers create their state lazily too. Its counts are the run's, and stay.
+        had_state = [bool(self.state.get(param)) for param in params]
+        tracked = [self._counts.tracks(param) for param in params]
+        stateless = [param for param, had in zip(params, had_state) if not had]
+        fresh = [param for param, known in zip(params, tracked) if not known]
+        if stateless:
+            self.init_state(stateless, group)
+        if fresh:
+            clamps = group["stability"] == "clamp" and stability_terms(options.p, group[self.spectral_key],
+                                                                       options.band)
+            self._counts.track(fresh, [param for param in fresh if clamps and param.ndim >= 2])
+        self._created.extend(entry for entry in zip(params, had_state, tracked) if not all(entry[1:]))
         return True
 
     def check_materialised(self, group: dict) -> None:
@@ -505,19 +617,23 @@ class SpectralOptimizer(Optimizer):
                         f"on {tensor.device}, and the parameter a {tuple(weight.shape)} {weight.dtype} one on "
                         f"{weight.device}; nothing was written. {MISMATCH_FIXES[what == 'the gradient']}")
 
-    def check_coefficients(self, group: dict, lr=None, peak_lr=None) -> None:
+    def check_coefficients(self, group: dict, lr=None, peak_lr=None, numbers_only=False) -> None:
         """lr (the group's, or the given one), the two decay coefficients and the peak lr, as the step
         reads them now: a step never writes with a NaN lr. A capturable step reads no tensor's value
-        here (its device checks skip the group instead: :meth:`prepare_decay`), and a compiled one
-        reads none (a Python lr is a symbolic number there, checked as a tensor)."""
-        if torch.compiler.is_compiling():
+        here (its device checks skip the group instead: :meth:`prepare_decay`), and a traced one reads
+        none (a Python lr is a symbolic number there).
+
+        ``numbers_only``: those that are Python numbers, as :meth:`_init_group` checks them where
+        torch.compile runs it in Python, before the trace: a NaN would reach Inductor, which refuses
+        to compile it with an error of its own ("The argument 'nan' is not comparable")."""
+        if torch.compiler.is_compiling() and not numbers_only:
             return
         values = {"lr": group["lr"] if lr is None else lr, self.spectral_key: group[self.spectral_key],
                   self.ordinary_key: group[self.ordinary_key],
                   "peak_lr": group.get("peak_lr") if peak_lr is None else peak_lr,
                   "initial_lr": group.get("initial_lr")}
         for key, value in values.items():
-            if value is not None:
+            if value is not None and not (numbers_only and torch.is_tensor(value)):
                 check_coefficient(value, key, sync=not capturable(group))
 
     @outside_autocast
@@ -533,10 +649,10 @@ class SpectralOptimizer(Optimizer):
         eager one is logged with its factor (see :func:`spectral_ops.decay.log_clamp`): a matrix's
         first clamp as a warning, its later ones at DEBUG.
 
-        Every temporary is allocated before the first write. Eager groups with ``rollback=True`` (not
-        the default) have a copy of what the commit writes taken first
-        (:class:`~spectral_ops.optim.rollback.Rollback`): a failure of
-        any write restores everything, forgets what the step created, and raises.
+        Every temporary is allocated before the first write. Where any group of an eager step has
+        ``rollback=True`` (not the default), a copy of everything the commit writes, in every group, is
+        taken first (:class:`~spectral_ops.optim.rollback.Rollback`): a failure of any write restores
+        everything, forgets what the step created, and raises.
         """
         record = rollback_record(plan.prepared, plan.keeps, self._counts, self.state)
         if record is None:  # no try block either: torch.compile traces this path

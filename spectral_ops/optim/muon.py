@@ -24,7 +24,7 @@ from ..ops import check_precision, power_update
 from ..plan import OPERAND_DTYPES, UPDATE_FLOOR, UPDATE_SCALES, resolve_precision
 from ._decay import capturable, check_matrices_said, decay_keywords, matrix_view_of_parameter
 from .adamw import check_adam_options, init_adam_state, prepare_adam_step
-from .base import SpectralOptimizer, add_scaled_, device_masks, scalar, step_scalar
+from .base import CheckedUpdate, SpectralOptimizer, add_scaled_, device_masks, largest_magnitudes, scalar, step_scalar
 from .distributed import local, local_block, polar_blocks_flops
 
 ALGORITHMS = ("muon", "adamw")
@@ -71,6 +71,33 @@ def direction_flops(shape, group: dict) -> float:
     steps = len(orthogonalization_coefficients(group))
     return sum(polar_blocks_flops((size // count, cols), count, steps) for _, size, letter in row_blocks(rows, group)
                for count in [group["heads"] if letter == "H" else 1])
+
+
+class MuonUpdate(CheckedUpdate):
+    """Muon's update of a group (:meth:`SpectralMuon._muon_update`): each block's direction, checked finite
+    with the step's checks, times its adjusted lr, added to the weight; bounded by the largest of those
+    lrs times the direction's largest magnitude. The momentum it writes is a convex combination of
+    finite ones."""
+
+    def __init__(self, optimizer: "SpectralMuon", params, group: dict, directions: list, checked: list):
+        super().__init__(params, group, optimizer.state)
+        # checked: the directions as the step's checks read them (see SpectralMuon._directions)
+        self.write, self.checked = functools.partial(optimizer._muon_update, self.params, group, directions), checked
+
+    def magnitudes(self) -> list:
+        group = self.group
+        lr = step_scalar(group["lr"], group)
+        bounds = []
+        for param, direction in zip(self.params, largest_magnitudes(self.checked)):
+            rows, cols = matrix_dims(param.shape, matrix_view_of_parameter(param, group))
+            scales = [abs(adjusted_lr(lr, group["adjust_lr_fn"], (size, cols)))
+                      for _, size, _ in row_blocks(rows, group)]
+            scale = functools.reduce(torch.maximum if torch.is_tensor(scales[0]) else max, scales)
+            bounds.append((None if direction is None else scale * direction, None))
+        return bounds
+
+    def __call__(self, keep):
+        return self.write(keep)
 
 
 class SpectralMuon(SpectralOptimizer):
@@ -126,8 +153,8 @@ class SpectralMuon(SpectralOptimizer):
                         capturable=capturable, strict=strict, rollback=rollback)
         super().__init__(params, defaults, process_group=process_group)
 
-    def check_group(self, group: dict) -> None:
-        super().check_group(group)
+    def check_options(self, group: dict) -> None:
+        super().check_options(group)
         check_choice(group["algorithm"], "algorithm", ALGORITHMS)
         if group["algorithm"] == "adamw":
             check_adam_options(group)
@@ -234,7 +261,7 @@ class SpectralMuon(SpectralOptimizer):
         # the same, as the checks read it), filled in when they are computed.
         directions, checked = self._directions(params, updates, powers, group)
         return self.prepare_write(params, group, checks=self.gradient_checks(params), checked=checked,
-                                  update=functools.partial(self._muon_update, params, group, directions),
+                                  update=MuonUpdate(self, params, group, directions, checked),
                                   blocks=self._decay_blocks(group))
 
     def _muon_update(self, params, group, directions, keep):

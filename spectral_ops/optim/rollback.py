@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from ._decay import capturable
 from .distributed import local
 
 
@@ -49,19 +48,27 @@ class Rollback:
             members.update(saved)
 
 
+def records(groups) -> bool:
+    """Whether a step of ``groups`` keeps a :class:`Rollback` record: where any of them asks for one
+    (``rollback=True``), for all of them, since a step is one unit (a record of some groups only would
+    restore those and leave the others written); never in a step torch.compile traces or a CUDA graph
+    captures, which could not restore it (a replayed graph allocates nothing and runs whole)."""
+    if not any(group["rollback"] for group in groups) or torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def rollback_record(prepared: list, keeps: list, counts, state: dict) -> Rollback | None:
-    """The :class:`Rollback` record of the eager records (:class:`~spectral_ops.decay.PendingWrite`) of
-    ``prepared`` whose groups keep one (None if none does), ``keeps`` their decisions: each stepped
-    parameter's counts and reported names (``counts``, the optimizer's
+    """The :class:`Rollback` record of a step's records (:class:`~spectral_ops.decay.PendingWrite`),
+    ``prepared``, if it keeps one (:func:`records`; None if not), ``keeps`` their decisions: each
+    stepped parameter's counts and reported names (``counts``, the optimizer's
     :class:`~spectral_ops.optim.counts.StepCounts`), and each written parameter and its ``state``."""
-    kept = [(step, keep) for step, keep in zip(prepared, keeps)
-            if not capturable(step.group) and step.group["rollback"]]
-    if not kept:
+    if not records([step.group for step in prepared]):
         return None
     record = Rollback()
     record.keep_set(counts.warned_skips)
     record.keep_set(counts.logged_clamps)
-    for step, keep in kept:
+    for step, keep in zip(prepared, keeps):
         for param, written in zip(step.params, keep):
             for count in counts.of(param):
                 record.keep_tensor(count)

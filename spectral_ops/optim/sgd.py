@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..decay import PendingWrite
 from ._decay import decay_keywords
-from .base import SpectralOptimizer, add_scaled_, element_wise_update, scalar, step_scalar
+from .base import ElementWiseUpdate, SpectralOptimizer, add_scaled_, largest_magnitudes, scalar, step_scalar
 from .distributed import local, state_like
 
 
@@ -29,10 +31,12 @@ class SpectralSGD(SpectralOptimizer):
                         **decay, capturable=capturable, strict=strict, rollback=rollback)
         super().__init__(params, defaults, process_group=process_group)
 
-    def check_group(self, group: dict) -> None:
-        super().check_group(group)
+    def check_options(self, group: dict) -> None:
+        super().check_options(group)
         if not 0.0 <= scalar(group["momentum"]) < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
+        if not math.isfinite(scalar(group["dampening"])):
+            raise ValueError(f"dampening must be a finite number, got {group['dampening']}")
         if group["nesterov"] and (group["momentum"] == 0 or group["dampening"] != 0):
             raise ValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
 
@@ -46,7 +50,7 @@ class SpectralSGD(SpectralOptimizer):
 
     def prepare_group(self, params, group: dict) -> PendingWrite:
         return self.prepare_write(params, group, checks=self.gradient_checks(params),
-                                  update=element_wise_update(momentum_update_, params, group, self.state))
+                                  update=MomentumUpdate(params, group, self.state))
 
 
 def momentum_update_(params, group: dict, state, masks=None) -> None:
@@ -85,3 +89,31 @@ def momentum_update_(params, group: dict, state, masks=None) -> None:
             if mask is not None:
                 direction = torch.where(mask, direction, zero, out=scratch)
         add_scaled_(local(param), direction, scale)
+
+
+class MomentumUpdate(ElementWiseUpdate):
+    """SGD's update (:func:`momentum_update_`), bounded from the gradient's and the buffer's largest
+    magnitudes: the new buffer ``momentum buf + (1 - dampening) g`` (the gradient itself where a first
+    step creates it), the direction (that buffer, plus ``g`` with Nesterov's ``g + momentum buf``), and
+    ``lr`` times the direction added to the weight."""
+
+    update_ = staticmethod(momentum_update_)
+
+    def magnitudes(self) -> list:
+        group = self.group
+        momentum, dampening = abs(group["momentum"]), abs(1 - group["dampening"])
+        lr = abs(step_scalar(group["lr"], group))
+        buffers = [self.state[param].get("momentum_buffer") if momentum != 0 else None for param in self.params]
+        largest = largest_magnitudes([buffer for buffer in buffers if buffer is not None])[::-1]
+        bounds = []
+        for grad, buffer in zip(largest_magnitudes([param.grad for param in self.params]), buffers):
+            held = None if buffer is None else largest.pop()
+            if grad is None:  # an empty parameter
+                bounds.append((None, None))
+            elif momentum == 0:
+                bounds.append((lr * grad, None))
+            else:
+                new_buffer = grad if held is None else momentum * held + dampening * grad
+                direction = grad + momentum * new_buffer if group["nesterov"] else new_buffer
+                bounds.append((lr * direction, new_buffer))
+        return bounds
