@@ -67,9 +67,21 @@ ROUNDS_PER_SHAPE = 2
 # thread descheduled on a loaded machine is back within milliseconds. Only memory depends on it: a buffer
 # Gloo still holds after it stays pinned (see lend) until a later let_go finds it let go.
 LET_GO_SECONDS = 0.1
-# Buffers lent to Gloo collectives, each with its pin, until let_go finds that Gloo holds nothing of them.
-_LENT: list[tuple[torch.Tensor, torch.Tensor]] = []
+# Buffers lent to Gloo collectives, by id (each is held here, so no other object takes its id): the buffer and
+# its pin, until let_go finds that Gloo holds nothing of it.
+_LENT: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 _LENT_LOCK = threading.Lock()
+
+
+def _through_gloo(group, device: torch.device) -> bool:
+    """Whether ``group`` (None: the default group) takes ``device``'s tensors to Gloo: a group made for
+    ``"gloo"``, or for no backend named (``init_process_group()`` on CPUs, whose ``get_backend`` is
+    ``"undefined"``)."""
+    try:
+        backend = (group if group is not None else dist.group.WORLD)._get_backend(device)
+    except RuntimeError:  # no backend for that device: the collective itself will say so
+        return False
+    return isinstance(backend, getattr(dist, "ProcessGroupGloo", ()))
 
 
 def lend(group, buffer: torch.Tensor) -> torch.Tensor:
@@ -91,7 +103,7 @@ def lend(group, buffer: torch.Tensor) -> torch.Tensor:
     A tensor made under ``torch.inference_mode`` has no views that pin it: a copy made outside that mode is lent
     in its place. Under another backend (NCCL releases its works from a watchdog thread that a use count does
     not follow), ``buffer`` itself, unpinned."""
-    if dist.get_backend(group) != "gloo":
+    if not _through_gloo(group, buffer.device):
         return buffer
     if buffer.is_inference():
         with torch.inference_mode(False):
@@ -100,30 +112,31 @@ def lend(group, buffer: torch.Tensor) -> torch.Tensor:
         raise ValueError("lend takes a tensor of its own, which nothing else references yet (a view's pin would "
                          "hold its base, not the view): lend the tensor the collective is given, as it is made")
     with _LENT_LOCK:
-        _LENT.append((buffer, buffer.view_as(buffer)))
+        _LENT[id(buffer)] = buffer, buffer.view_as(buffer)
     return buffer
 
 
 def _held(buffer: torch.Tensor) -> bool:
-    """Whether something beyond the buffer itself and its pin (see :func:`lend`) holds ``buffer``: Gloo, or a
-    view of it made since."""
+    """Whether something beyond a lent buffer itself and its pin (see :func:`lend`) holds it: Gloo, or a view
+    of it made since."""
     return buffer._use_count() > 2
 
 
-def let_go(group, buffers) -> None:
-    """Unpin what ``group``'s Gloo threads have let go of: ``buffers``, lent (:func:`lend`) to its finished
-    collectives, whose ``Work`` handles are dropped, waited for up to :data:`LET_GO_SECONDS`, and any earlier
-    loan Gloo no longer holds (a view made since reads as held, so pass ``buffers`` before viewing them).
+def let_go(buffers) -> None:
+    """Unpin what Gloo's threads have let go of: ``buffers`` (those :func:`lend` pinned: the others are left
+    alone) of finished collectives, whose ``Work`` handles are dropped, waited for up to
+    :data:`LET_GO_SECONDS`, and any earlier loan Gloo no longer holds (a view made since reads as held, so
+    pass ``buffers`` before viewing them).
 
     Nothing depends on the wait but memory: a buffer Gloo still holds keeps its pin until a later call finds
-    it let go, the exit included, so that Gloo's threads never need Python for it. Other backends: nothing."""
-    if dist.get_backend(group) != "gloo":
-        return
+    it let go, the exit included, so that Gloo's threads never need Python for it."""
+    lent = [buffer for buffer in buffers if id(buffer) in _LENT]
     deadline = time.monotonic() + LET_GO_SECONDS
-    while any(_held(buffer) for buffer in buffers) and time.monotonic() < deadline:
+    while any(_held(buffer) for buffer in lent) and time.monotonic() < deadline:
         time.sleep(0)  # yields the core to the worker
     with _LENT_LOCK:
-        _LENT[:] = [(buffer, pin) for buffer, pin in _LENT if _held(buffer)]
+        for key in [key for key, (buffer, _) in _LENT.items() if not _held(buffer)]:
+            del _LENT[key]
 
 
 class Layout:
@@ -533,7 +546,7 @@ class Exchange:
                         write.clamp_factors[index] = factors[start:start + count].view(shape)
                     start += count
                 offset += len(factors)
-            let_go(group, [reduced])
+            let_go([reduced])
         return decisions
 
     def _raise_agreed_error(self, group):
@@ -715,7 +728,7 @@ class _Round:
         self.return_work = None
         # Before the results view the returned buffer (a view reads as Gloo's hold; see let_go).
         lent = [self.send_back, self.returned] + ([] if self.layout.replicated else [self.send, self.received])
-        let_go(self.layout.group, lent)
+        let_go(lent)
         local_shape = self.layout.part_shape(self.layout.rank)
         size = math.prod(local_shape)
         for owner, piece in enumerate(self.returned.split(self.return_sizes)):

@@ -117,7 +117,7 @@ class Processes:
         total = lend(None, torch.tensor(value, dtype=torch.float64, device=self.device))
         dist.all_reduce(total)
         mean = total.item() / self.world_size
-        let_go(None, [total])
+        let_go([total])
         return mean
 
     def every(self, flag: bool) -> bool:
@@ -127,7 +127,7 @@ class Processes:
         value = lend(None, torch.tensor(float(flag), device=self.device))
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
         agreed = bool(value.item())
-        let_go(None, [value])
+        let_go([value])
         return agreed
 
     def barrier(self) -> None:
