@@ -415,7 +415,7 @@ def _scenario_checkpoint(mesh, rank, world, folder: Path):
 
 
 def _scenario_step_waits_for_gloo_to_let_go(mesh, rank, world):
-    """A step returns only once Gloo's workers hold none of its collectives' buffers (see
+    """A step frees its collectives' buffers within the step once Gloo's workers let go of them (see
     distributed.let_go): a worker letting go of the agreement's buffer late, played by a view of it
     dropped 50 ms after the all_reduce returned, is waited for."""
     import threading
@@ -443,6 +443,34 @@ def _scenario_step_waits_for_gloo_to_let_go(mesh, rank, world):
     finally:
         dist.all_reduce, distributed.Exchange.agree = all_reduce, agree
     assert durations and min(durations) >= 0.05, f"agreements returned after {durations} s, while Gloo held the buffer"
+
+
+def _scenario_every_buffer_handed_to_gloo_is_lent(mesh, rank, world):
+    """Every tensor a step hands to a Gloo collective is pinned when it is handed (distributed.lend): the
+    rounds' gathers and returns, sharded (FSDP2, by all_to_all) and replicated (DDP, by all_gather), and the
+    agreement's all_reduce, under SpectralAdamW p = 2 and SpectralMuon p = 0 (its AdamW group too). Unpinned,
+    a Gloo worker's late release of a buffer takes the GIL after the step returned, which aborts a process
+    whose program has ended meanwhile (tests/test_dist_exit.py)."""
+    from spectral_ops.optim import distributed
+
+    unpinned = []
+
+    def lent_only(collective):
+        def call(*args, **kwargs):
+            unpinned.extend(tuple(tensor.shape) for tensor in args if isinstance(tensor, torch.Tensor)
+                            and id(tensor) not in distributed._LENT)
+            return collective(*args, **kwargs)
+        return call
+
+    originals = dist.all_to_all_single, dist.all_reduce, distributed._all_gather_single
+    dist.all_to_all_single, dist.all_reduce, distributed._all_gather_single = map(lent_only, originals)
+    try:
+        _compare(_adamw(2), mesh, seed=40)
+        _compare(lambda params, **options: _muon(params, p=0, **options), mesh, seed=41, place=_replicated,
+                 process_group=dist.group.WORLD)
+    finally:
+        dist.all_to_all_single, dist.all_reduce, distributed._all_gather_single = originals
+    assert not unpinned, f"tensors of these shapes were handed to Gloo unpinned: {unpinned}"
 
 
 def _mesh_2d(world):
@@ -686,6 +714,7 @@ def _scenarios(folder: Path, world: int) -> dict:
         "error raised everywhere": _scenario_error,
         "clamps agreed": _scenario_clamp,
         "the step waits for gloo to let go": _scenario_step_waits_for_gloo_to_let_go,
+        "every buffer handed to gloo is lent": _scenario_every_buffer_handed_to_gloo_is_lent,
         "fsdp model": _scenario_fsdp_model,
         "checkpoint": lambda mesh, rank, world: _scenario_checkpoint(mesh, rank, world, folder),
     }

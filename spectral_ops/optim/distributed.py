@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import time
 from collections import defaultdict
 
@@ -63,27 +64,79 @@ def _all_gather_single(output, source, **options):
 # each owner still batches half of what it holds of the set into one call.
 ROUNDS_PER_SHAPE = 2
 # The longest a step waits for Gloo to let go of a finished collective's buffers (see let_go): a worker
-# thread descheduled on a loaded machine is back within milliseconds; a torch that kept them longer
-# would not be waited for.
+# thread descheduled on a loaded machine is back within milliseconds. Only memory depends on it: a buffer
+# Gloo still holds after it stays pinned (see lend) until a later let_go finds it let go.
 LET_GO_SECONDS = 0.1
+# Buffers lent to Gloo collectives, by id (each is held here, so no other object takes its id): the buffer and
+# its pin, until let_go finds that Gloo holds nothing of it.
+_LENT: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_LENT_LOCK = threading.Lock()
 
 
-def let_go(group, buffers) -> None:
-    """Return once ``group``'s Gloo worker threads hold none of ``buffers``: tensors this process handed
-    to finished collectives, whose ``Work`` handles are dropped, and which only the caller references.
+def _through_gloo(group, device: torch.device) -> bool:
+    """Whether ``group`` (None: the default group) takes ``device``'s tensors to Gloo: a group made for
+    ``"gloo"``, or for no backend named (``init_process_group()`` on CPUs, whose ``get_backend`` is
+    ``"undefined"``)."""
+    try:
+        backend = (group if group is not None else dist.group.WORLD)._get_backend(device)
+    except RuntimeError:  # no backend for that device: the collective itself will say so
+        return False
+    return isinstance(backend, getattr(dist, "ProcessGroupGloo", ()))
 
-    A Gloo worker keeps a collective's work, and with it its tensors, a moment after ``wait()`` returns
-    (measured: the agreement's buffer in 3 of 2000 steps when :meth:`Exchange.agree` returned). Should
-    the caller drop them first, the worker frees their Python objects, which takes the GIL; a thread
-    that asks for the GIL once the interpreter is exiting is ended there, and the process aborts
-    ("terminate called without an active exception"), which a program's last step could meet. Let
-    go of here, they are freed by the caller. Only Gloo is waited for: another backend releases its
-    works on its own schedule (NCCL's watchdog thread), which a use count cannot follow."""
-    if dist.get_backend(group) != "gloo":
-        return
+
+def lend(group, buffer: torch.Tensor) -> torch.Tensor:
+    """``buffer``, ready to be handed to a collective of ``group``: call it before the collective, on a tensor of
+    its own (not a view, no views of it yet). Under Gloo it is pinned until :func:`let_go` finds Gloo done with it.
+
+    Since torch 2.10 a tensor's C++ side holds a reference to its Python object while more than one C++
+    reference to it lives, and whichever thread takes that count from 2 to 1 drops it, taking the GIL. A Gloo
+    worker thread keeps a collective's tensors a moment after ``wait()`` returns (a third of a 2-process loop's
+    all_reduces, measured), and where Python holds the buffer alone, the worker's release is that step from 2
+    to 1: it takes the GIL after the step that waited has moved on, even after a use count read there showed
+    it released (1 in 100 to 750 all_reduces, measured under load). When the program has ended by then (its
+    last step, then the end of the script), the thread asks for the GIL once the interpreter is finalizing,
+    is ended there, and the process aborts ("terminate called without an active exception", exit code -6;
+    torchrun then stops the other ranks). A pin, a view of ``buffer`` (one more C++ reference) made before
+    the collective, keeps every release of Gloo's above 2: its threads never touch Python for the buffer.
+    The pin goes only once Gloo holds nothing of it, so a buffer still held at the exit keeps its pin.
+
+    A tensor made under ``torch.inference_mode`` has no views that pin it: a copy made outside that mode is lent
+    in its place. Under another backend (NCCL releases its works from a watchdog thread that a use count does
+    not follow), ``buffer`` itself, unpinned."""
+    if not _through_gloo(group, buffer.device):
+        return buffer
+    if buffer.is_inference():
+        with torch.inference_mode(False):
+            buffer = buffer.clone()
+    if buffer._base is not None or buffer._use_count() != 1:
+        raise ValueError("lend takes a tensor of its own, which nothing else references yet (a view's pin would "
+                         "hold its base, not the view): lend the tensor the collective is given, as it is made")
+    with _LENT_LOCK:
+        _LENT[id(buffer)] = buffer, buffer.view_as(buffer)
+    return buffer
+
+
+def _held(buffer: torch.Tensor) -> bool:
+    """Whether something beyond a lent buffer itself and its pin (see :func:`lend`) holds it: Gloo, or a view
+    of it made since."""
+    return buffer._use_count() > 2
+
+
+def let_go(buffers) -> None:
+    """Unpin what Gloo's threads have let go of: ``buffers`` (those :func:`lend` pinned: the others are left
+    alone) of finished collectives, whose ``Work`` handles are dropped, waited for up to
+    :data:`LET_GO_SECONDS`, and any earlier loan Gloo no longer holds (a view made since reads as held, so
+    pass ``buffers`` before viewing them).
+
+    Nothing depends on the wait but memory: a buffer Gloo still holds keeps its pin until a later call finds
+    it let go, the exit included, so that Gloo's threads never need Python for it."""
+    lent = [buffer for buffer in buffers if id(buffer) in _LENT]
     deadline = time.monotonic() + LET_GO_SECONDS
-    while any(buffer._use_count() > 1 for buffer in buffers) and time.monotonic() < deadline:
+    while any(_held(buffer) for buffer in lent) and time.monotonic() < deadline:
         time.sleep(0)  # yields the core to the worker
+    with _LENT_LOCK:
+        for key in [key for key, (buffer, _) in _LENT.items() if not _held(buffer)]:
+            del _LENT[key]
 
 
 class Layout:
@@ -471,7 +524,7 @@ class Exchange:
             if on_device:
                 parts.append(torch.stack([checked[i][1] for i in on_device]).to(torch.float64))
             parts += [factors for _, _, factors, _ in slots]
-            reduced = torch.cat(parts)
+            reduced = lend(group, torch.cat(parts))
             dist.all_reduce(reduced, op=dist.ReduceOp.MIN, group=group)
             if not eager and self.error is not None:
                 raise self.error  # capturable: no host read of the others' state; they wait on this rank
@@ -493,7 +546,7 @@ class Exchange:
                         write.clamp_factors[index] = factors[start:start + count].view(shape)
                     start += count
                 offset += len(factors)
-            let_go(group, [reduced])
+            let_go([reduced])
         return decisions
 
     def _raise_agreed_error(self, group):
@@ -619,11 +672,12 @@ class _Round:
         send = [self.sources[k].reshape(-1) for owner in range(world) for k in self.held[owner]]
         send_sizes = [len(self.held[owner]) * self._part_size(rank) for owner in range(world)]
         receive_sizes = [len(self.mine) * self._part_size(source) for source in range(world)]
-        self.send = torch.cat(send) if send else self.sources[0].new_empty(0)
-        self.received = self.sources[0].new_empty(sum(receive_sizes))
+        group = self.layout.group
+        self.send = lend(group, torch.cat(send) if send else self.sources[0].new_empty(0))
+        self.received = lend(group, self.sources[0].new_empty(sum(receive_sizes)))
         self.receive_sizes = receive_sizes
-        self.work = dist.all_to_all_single(self.received, self.send, receive_sizes, send_sizes,
-                                           group=self.layout.group, async_op=True)
+        self.work = dist.all_to_all_single(self.received, self.send, receive_sizes, send_sizes, group=group,
+                                           async_op=True)
 
     def matrices(self) -> list[torch.Tensor]:
         """The whole matrices this rank owns, once they have arrived: the parts, joined."""
@@ -648,33 +702,33 @@ class _Round:
 
     def start_return(self, results) -> None:
         """Send the results back: each rank its part (sharded), or every result to every rank."""
-        world, rank = self.layout.world_size, self.layout.rank
+        world, rank, group = self.layout.world_size, self.layout.rank, self.layout.group
         if self.layout.replicated:
             most = max(len(held) for held in self.held) * math.prod(self.shape)
-            send = torch.zeros(most, dtype=self.dtype, device=self.device)
+            send = lend(group, torch.zeros(most, dtype=self.dtype, device=self.device))
             if results:
                 flat = torch.cat([result.reshape(-1) for result in results])
                 send[:flat.numel()] = flat
             self.send_back = send
-            self.returned = send.new_empty(world * most)
+            self.returned = lend(group, send.new_empty(world * most))
             self.return_sizes = [most] * world
-            self.return_work = _all_gather_single(self.returned, send, group=self.layout.group, async_op=True)
+            self.return_work = _all_gather_single(self.returned, send, group=group, async_op=True)
             return
         send = [self.layout.take(result, target).reshape(-1) for target in range(world) for result in results]
         send_sizes = [len(self.mine) * self._part_size(target) for target in range(world)]
         self.return_sizes = [len(self.held[owner]) * self._part_size(rank) for owner in range(world)]
-        self.send_back = torch.cat(send) if send else self.sources[0].new_empty(0)
-        self.returned = self.sources[0].new_empty(sum(self.return_sizes))
+        self.send_back = lend(group, torch.cat(send) if send else self.sources[0].new_empty(0))
+        self.returned = lend(group, self.sources[0].new_empty(sum(self.return_sizes)))
         self.return_work = dist.all_to_all_single(self.returned, self.send_back, self.return_sizes, send_sizes,
-                                                  group=self.layout.group, async_op=True)
+                                                  group=group, async_op=True)
 
     def finish(self) -> None:
         """Each matrix's result on this rank's part, into the job's results (by position)."""
         self.return_work.wait()
         self.return_work = None
-        # The send buffers go with their collectives' works: once Gloo holds neither, it holds nothing of
-        # this round (the received ones live on as the results' storage).
-        let_go(self.layout.group, [self.send_back] + ([] if self.layout.replicated else [self.send]))
+        # Before the results view the returned buffer (a view reads as Gloo's hold; see let_go).
+        lent = [self.send_back, self.returned] + ([] if self.layout.replicated else [self.send, self.received])
+        let_go(lent)
         local_shape = self.layout.part_shape(self.layout.rank)
         size = math.prod(local_shape)
         for owner, piece in enumerate(self.returned.split(self.return_sizes)):

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from ..optim.distributed import let_go, local, whole
+from ..optim.distributed import lend, let_go, local, whole
 from ..progress import progress as progress_bar  # `progress` is the flag that turns it off
 from . import monitor
 from .config import PROTOCOL_PRESETS, TrainConfig, computed_differences, evaluation_steps, read_config_file, to_dict
@@ -113,20 +113,21 @@ class Processes:
         collective of its own on the "dp" mesh dim."""
         if not self.distributed:
             return value
-        total = torch.tensor(value, dtype=torch.float64, device=self.device)
+        # A run's last collective: lent, so that Gloo's threads never need Python for its buffer at the exit.
+        total = lend(None, torch.tensor(value, dtype=torch.float64, device=self.device))
         dist.all_reduce(total)
         mean = total.item() / self.world_size
-        let_go(None, [total])  # a run's last collective must not leave Gloo its buffer at the exit
+        let_go([total])
         return mean
 
     def every(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every process, so that all take the same branch (a collective)."""
         if not self.distributed:
             return flag
-        value = torch.tensor(float(flag), device=self.device)
+        value = lend(None, torch.tensor(float(flag), device=self.device))
         dist.all_reduce(value, op=dist.ReduceOp.MIN)
         agreed = bool(value.item())
-        let_go(None, [value])
+        let_go([value])
         return agreed
 
     def barrier(self) -> None:
