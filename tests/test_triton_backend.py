@@ -114,20 +114,40 @@ def test_spectral_decay_against_the_svd(forced, shape, dtype):
         assert relative_error(decayed, expected) < TOLERANCE[dtype], (p, p0_mode)
 
 
-@pytest.mark.parametrize("mode", ["top", "bot", "top_only", "bot_only", "two_band"])
-def test_band_decay_and_direction_against_the_svd(forced, mode):
+def band_test_matrix():
     # Singular values 0.2..1 with a gap around tau = 0.5, so 8 sign steps resolve the bands.
     spectrum = torch.cat([torch.linspace(1.0, 0.7, 8), torch.linspace(0.35, 0.2, 8)])
-    W = matrix_with_spectrum((2, 30, 16), spectrum, torch.float32, seed=2)
-    D = so.band_direction(W, 0.5, 2, mode, p_bot=0, lambda_top=0.5, lambda_bot=2.0)
+    return matrix_with_spectrum((2, 30, 16), spectrum, torch.float32, seed=2)
+
+
+@pytest.mark.parametrize("mode", ["top", "bot", "top_only", "bot_only", "two_band"])
+def test_band_decay_and_direction_against_the_svd(forced, mode):
+    # two_band takes S_1 below tau here: its p_bot = 0 lifts every non-zero mode, whose zero cutoff's sign
+    # runs in float64, which a forced Triton refuses (the test below).
+    p_bot = 1 if mode == "two_band" else 0
+    W = band_test_matrix()
+    D = so.band_direction(W, 0.5, 2, mode, p_bot=p_bot, lambda_top=0.5, lambda_bot=2.0)
     assert ran_on_triton("band_direction")
-    expected = reference.band_direction_svd(W, 0.5, 2, mode, p_bot=0, lambda_top=0.5, lambda_bot=2.0)
+    expected = reference.band_direction_svd(W, 0.5, 2, mode, p_bot=p_bot, lambda_top=0.5, lambda_bot=2.0)
     assert relative_error(D, expected) < 5e-5
     decayed = W.clone()
-    so.spectral_decay_(decayed, 2, 0.1, 0.3, band=so.Band(0.5, mode, p_bot=0, spectral_weight_decay_bot=0.2))
-    direction = reference.band_direction_svd(W, 0.5, 2, mode, p_bot=0, lambda_top=0.3, lambda_bot=0.2)
+    so.spectral_decay_(decayed, 2, 0.1, 0.3, band=so.Band(0.5, mode, p_bot=p_bot, spectral_weight_decay_bot=0.2))
+    direction = reference.band_direction_svd(W, 0.5, 2, mode, p_bot=p_bot, lambda_top=0.3, lambda_bot=0.2)
     scale = 1.0 if mode == "two_band" else 0.3
     assert relative_error(decayed, W.double() - 0.1 * scale * direction) < 5e-6
+
+
+def test_a_lift_to_the_zero_cutoff_is_refused_by_a_forced_triton_before_any_write(forced):
+    """A lift of every non-zero mode (p = 0 below tau) resolves fp32's zero cutoff with a float64 sign
+    iteration on the r x r Gram (plan.thresholds), which no GPU kernel runs: unforced it runs on torch;
+    a forced backend that cannot run it says so, and writes nothing."""
+    W = band_test_matrix()
+    with pytest.raises(so.BackendUnavailableError, match="no sign_step for torch.float64"):
+        so.band_direction(W, 0.5, 2, "two_band", p_bot=0)
+    decayed = W.clone()
+    with pytest.raises(so.BackendUnavailableError, match="no sign_step for torch.float64"):
+        so.spectral_decay_(decayed, 2, 0.1, 0.3, band=so.Band(0.5, "two_band", p_bot=0))
+    assert torch.equal(decayed, W)
 
 
 def test_polar_msign_projectors_and_svt_against_the_oracles(forced):
