@@ -4,6 +4,8 @@ import dataclasses
 import errno
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -388,6 +390,47 @@ def test_a_full_disk_is_named_leaves_no_temporary_file_and_the_run_resumes_bitwi
     assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 2
     monkeypatch.undo()  # space freed
     assert train(config, resume=True, progress=False) == reference
+
+
+SHARDED_FULL_DISK = """
+import errno, sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from spectral_ops.optim import SpectralAdamW
+from spectral_ops.train import loop, preset
+out = Path(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{out / 'rendezvous'}", rank=0, world_size=1)
+processes = loop.Processes(torch.device("cpu"), mode="ddp")
+model = torch.nn.Linear(8, 4)
+optimizer = SpectralAdamW(model.parameters(), lr=1e-2)
+config = preset("tiny")
+loop.save_sharded_checkpoint(out, model, optimizer, 1, [], config, processes)
+write = loop.write_aside
+
+def fill_the_disk(temporary, write_state):
+    write(temporary, write_state)
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+loop.write_aside = fill_the_disk
+try:
+    loop.save_sharded_checkpoint(out, model, optimizer, 2, [], config, processes)
+except OSError as error:
+    print("raised", error.errno)
+print(sorted(path.name for path in out.iterdir() if "checkpoint" in path.name))
+print(torch.load(out / "checkpoint.dcp" / loop.RUN_STATE, weights_only=False)["step"])
+dist.destroy_process_group()
+"""
+
+
+def test_a_sharded_save_that_fails_leaves_no_temporary_folder_and_the_previous_checkpoint(tmp_path):
+    """--fsdp/--ddp: a part that fails (rank 0's run state on a full disk, simulated after its bytes were
+    written) raises on every process, which all learn of it instead of waiting at the next barrier, and rank 0
+    removes the temporary folder; the previous checkpoint is whole. One Gloo process, in a child (a process
+    group outlives the test otherwise)."""
+    result = subprocess.run([sys.executable, "-c", SHARDED_FULL_DISK, str(tmp_path)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:3] == [f"raised {errno.ENOSPC}", "['checkpoint.dcp']", "1"]
 
 
 def test_resume_names_a_field_missing_from_config_json_instead_of_reading_its_default(tmp_path, corpus_dir):
