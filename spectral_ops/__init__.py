@@ -29,7 +29,7 @@ from .ops import (
     spectral_power,
     svt,
 )
-from .tuning import tune
+from .step_tuning import tune
 
 __all__ = [
     "__version__",

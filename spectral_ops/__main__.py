@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from . import __version__, compat, dispatch, environment, gpu_model, tuning
+from . import __version__, compat, dispatch, environment, gpu_model, step_tuning, tuning
 from ._extension import load_extension
 from .plan import PRECISIONS
 
@@ -124,7 +124,7 @@ def _names(choices):
 def tune(shapes, dtypes, ops, precision=None, device="cuda") -> str:
     """Run ``ops`` once on random weights of each shape and dtype (a 3-D shape: a stack) so that every
     primitive they call is routed by measurement and cached; returns the cache report."""
-    tuning.tune([torch.empty(shape, dtype=DTYPES[dtype], device=device) for shape in shapes for dtype in dtypes],
+    step_tuning.tune([torch.empty(shape, dtype=DTYPES[dtype], device=device) for shape in shapes for dtype in dtypes],
                 ops=ops, precision=precision)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -140,8 +140,9 @@ def main(argv=None) -> int:
                        help="comma-separated [batch x] rows x cols, e.g. 4096x4096,16384x4096,32x128x768")
     tuner.add_argument("--dtypes", type=_names(DTYPES), default=["bf16", "fp32"],
                        help=f"comma-separated weight dtypes from {', '.join(DTYPES)} (default: bf16,fp32)")
-    tuner.add_argument("--ops", type=_names(tuning.TUNE_OPS), default=list(tuning.TUNE_OPS),
-                       help=f"comma-separated ops to run from {', '.join(tuning.TUNE_OPS)} at p = 2 (default: all)")
+    tuner.add_argument("--ops", type=_names(step_tuning.TUNE_OPS), default=list(step_tuning.TUNE_OPS),
+                       help=f"comma-separated ops to run from {', '.join(step_tuning.TUNE_OPS)} at p = 2 "
+                            "(default: all)")
     tuner.add_argument("--precision", choices=PRECISIONS, default=None,
                        help="matmul precision of the ops (default: each dtype's default, see the README)")
     args = parser.parse_args(argv)

@@ -51,30 +51,14 @@ from .backends.counting import Work
 from .backends.cuda_backend import CudaBackend
 from .backends.torch_backend import TorchBackend
 from .backends.triton_backend import TritonBackend
-from .linalg import relative_error, wide
+from .linalg import wide
 from .precision import OPERAND_DTYPES, resolve_precision
-from .selfcheck import EXACT_PRECISION, self_check_cases
+from .selfcheck import EXACT_PRECISION, self_check_error, self_check_tolerance
 from .tuning import Autotuner, routing_key
 
 logger = logging.getLogger("spectral_ops")
 
 BACKEND_NAMES = ("cuda", "triton", "torch")
-
-# Relative Frobenius error allowed between a backend and the reference on the self-check inputs.
-# They are well conditioned (singular values in [0.5, 1]), so the only differences are summation
-# order and the final rounding to the dtype; a wrong kernel is off by O(1).
-SELF_CHECK_TOLERANCE = {
-    torch.float64: 1e-9,
-    torch.float32: 1e-4,
-    torch.float16: 1e-2,
-    torch.bfloat16: 5e-2,
-}
-# Single-pass TF32 products of fp32 operands: a 10-bit mantissa, u = 2^-11, a few u per product.
-TF32_SELF_CHECK_TOLERANCE = 5e-3
-
-
-def self_check_tolerance(dtype: torch.dtype, precision: str | None) -> float:
-    return TF32_SELF_CHECK_TOLERANCE if precision == "tf32" else SELF_CHECK_TOLERANCE[dtype]
 
 # The pseudo-provider of a small chain that no fused kernel runs: the plan composes the other primitives.
 COMPOSED = "composed"
@@ -236,19 +220,18 @@ def _modelled_order(primitive: str, device, dtype, shape, precision, steps: int)
             and _unrouted(name, primitive, device) is None]
     predicted = {}
     for name in able:
-        work = gpu_model.primitive_work(primitive, shape, dtype, precision, name)
+        work = gpu_model.primitive_work(primitive, shape, dtype, precision, name, compose=_compose_small_chain,
+                                        steps=steps)
         predicted[name] = gpu_model.predict_ms(arch, name, work, precision)
     if primitive == "small_chain":
-        composed = gpu_model.primitive_work(primitive, shape, dtype, precision, "torch")
-        predicted[COMPOSED] = gpu_model.predict_ms(arch, "torch", Work(composed.flops, composed.bytes,
-                                                                       _composed_launches(shape, steps)), precision)
+        # The composed chain: the fused one's FLOPs and traffic, in one launch per product of its steps.
+        fused = gpu_model.primitive_work(primitive, shape, dtype, precision, "torch", compose=_compose_small_chain,
+                                         steps=steps)
+        launches = gpu_model.composed_chain_work(_compose_small_chain, shape, torch.float32, "fp32", "torch",
+                                                 steps).launches
+        predicted[COMPOSED] = gpu_model.predict_ms(arch, "torch", Work(fused.flops, fused.bytes, launches), precision)
     ranked = sorted((ms, name not in ("torch", COMPOSED), name) for name, ms in predicted.items() if ms is not None)
     return [name for _, _, name in ranked]
-
-
-def _composed_launches(shape, steps: int) -> int:
-    """Launches of the composed chain that a fused one replaces: one per product of its ``steps`` steps."""
-    return gpu_model.op_work("spectral_power", shape, torch.float32, "fp32", "torch", p=0, steps=steps).launches
 
 
 def _measured(primitive: str, device, dtype, shape, precision, steps: int, trial) -> str | None:
@@ -511,19 +494,3 @@ def _child_self_check_error(backend, key: tuple, device) -> float:
             if reason is not None:
                 _self_check_failure[child_key] = f" ({reason})"
     return _child_errors[key]
-
-
-def self_check_error(backend, primitive: str, dtype: torch.dtype, device, precision: str | None = None) -> float:
-    """Largest relative error of ``backend``'s ``primitive`` (operands of ``dtype``, at ``precision``,
-    by default the exact one for the dtype) against the reference on fixed inputs."""
-    worst = 0.0
-    for run, reference in self_check_cases(primitive, dtype, device, precision):
-        try:
-            got = run(backend)
-        except Exception as error:  # a crashing kernel fails its check like a wrong one
-            logger.debug("spectral_ops: %s self-check of %s raised %r", backend.name, primitive, error)
-            return float("inf")
-        for g, e in zip(got, reference()):
-            error = relative_error(g, e)
-            worst = max(worst, error if error == error else float("inf"))
-    return worst

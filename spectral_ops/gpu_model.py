@@ -1,7 +1,8 @@
 """A GPU cost model: each provider's predicted time for a primitive call or an op, from the plan's work.
 
 The plan says what a call costs (:func:`spectral_ops.plan.work`: matrix FLOPs, bytes, launches, read
-off the plan itself on meta tensors). This module turns that into milliseconds on a known GPU:
+off the plan itself on meta tensors; :func:`primitive_work` counts one primitive call the same way). This
+module, below the plan, turns a :class:`Work` into milliseconds on a known GPU:
 
     time = max(FLOPs / peak, bytes / bandwidth) / efficiency + launches * LAUNCH_S
 
@@ -24,16 +25,17 @@ on the machine itself (no routing-cache entry); the GPU check prints it next to 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .backends.counting import CountingKernels, Work
+from .backends.counting import CountingKernels, Work, counted, placeholder_coefficients
 
-__all__ = ["ARCHS", "Arch", "Work", "arch_for", "primitive_work", "op_work", "predict_ms", "achieved",
-           "efficiency", "calibrate", "MEASURED_EFFICIENCY"]
+__all__ = ["ARCHS", "Arch", "Work", "arch_for", "primitive_work", "composed_chain_work", "halves_symmetric_products",
+           "predict_ms", "achieved", "efficiency", "calibrate", "MEASURED_EFFICIENCY"]
 
 
 @dataclass(frozen=True)
@@ -100,13 +102,22 @@ def provider_peak(arch: Arch, provider: str, precision: str) -> float:
     return arch.peak(precision)
 
 
-def primitive_work(primitive: str, shape, dtype: torch.dtype, precision: str, provider: str) -> Work:
+def halves_symmetric_products(provider: str) -> bool:
+    """Whether ``provider`` computes one triangle of a symmetric product (the GPU kernels) or all of it (torch)."""
+    return provider != "torch"
+
+
+def primitive_work(primitive: str, shape, dtype: torch.dtype, precision: str, provider: str, *,
+                   compose=None, steps: int = 8) -> Work:
     """The work of one call of ``primitive`` with operands of ``dtype`` and ``shape`` as the plan passes
     them: ``symmetric`` and ``small_chain`` a wide ``(..., r, n)`` ``L`` / ``X``, ``product`` its
     ``(..., r, N)`` ``Z`` (``M`` is ``r x r``), ``poly_step``/``sign_step`` the ``(..., r, r)`` operand,
-    ``decay_epilogue_`` the weight. The GPU kernels compute one triangle of a symmetric product; torch
-    computes it whole. A fused chain does the composed chain's products in one launch."""
-    counter = CountingKernels(symmetric_at_half=provider != "torch")
+    ``decay_epilogue_`` the weight. A fused chain does the products of its composition (``compose``, the
+    plan's, :func:`composed_chain_work`, of ``steps`` steps) in one launch."""
+    if primitive == "small_chain":
+        composed = composed_chain_work(compose, shape, dtype, precision, provider, steps)
+        return Work(composed.flops, 2 * math.prod(shape) * dtype.itemsize, 1)
+    counter = CountingKernels(halves_symmetric_products(provider))
     X = torch.empty(tuple(shape), dtype=dtype, device="meta")
     square = torch.empty((*X.shape[:-1], X.shape[-2]), dtype=dtype, device="meta")
     calls = {
@@ -116,20 +127,19 @@ def primitive_work(primitive: str, shape, dtype: torch.dtype, precision: str, pr
         "sign_step": lambda: counter.sign_step(X, (1.0, 1.0, 1.0), precision),
         "decay_epilogue_": lambda: counter.decay_epilogue_(X, X, 1.0, 1.0),
     }
-    if primitive == "small_chain":
-        composed = op_work("spectral_power", shape, dtype, precision, provider, p=0)
-        return Work(composed.flops, 2 * X.numel() * X.element_size(), 1)
     calls[primitive]()
     return counter.work
 
 
-def op_work(op: str, shape, dtype: torch.dtype, precision: str, provider: str, **options) -> Work:
-    """The work of one call of ``op`` (``plan.OPS``) on a ``dtype`` tensor of ``shape`` as ``provider``'s
-    primitives do it (``options``: :func:`spectral_ops.plan.work`'s, e.g. ``p=2``)."""
-    from . import plan
-
-    return plan.work(op, tuple(shape), precision=precision, symmetric_at_half=provider != "torch", dtype=dtype,
-                     **options)
+def composed_chain_work(compose, shape, dtype: torch.dtype, precision: str, provider: str, steps: int) -> Work:
+    """The work of a small chain on an ``X`` of ``shape`` as ``compose`` (the plan's composition of one,
+    ``compose(kernels, X, p, coefficients, precision)``, which dispatch is handed) runs it on ``provider``'s
+    primitives: the polar factor's ``steps`` steps, counted on meta tensors."""
+    if compose is None:
+        raise ValueError("a small chain's work is its composition's: pass compose=, the plan's "
+                         "(spectral_ops.plan.composed_chain)")
+    return counted(lambda kernels, X: compose(kernels, X, 0, placeholder_coefficients(steps), precision),
+                   tuple(shape), dtype, halves_symmetric_products(provider))
 
 
 def predict_ms(arch: Arch, provider: str, work: Work, precision: str) -> float | None:

@@ -19,8 +19,8 @@ caller of an ``(..., m, n)`` function means:
   each by a power of its norm;
 * four or more dimensions are a conv filter or a nest of stacks: an op refuses them unsaid;
 * an optimizer refuses any parameter of three or more dimensions unsaid: it is handed a model's
-  parameters wholesale, Conv1d filters included (``spectral_ops.optim.param_groups_by_module`` says the
-  reading per module).
+  parameters wholesale, Conv1d filters included (:func:`matrix_view_of` says the reading per module, as
+  ``spectral_ops.optim.param_groups_by_module`` and ``spectral_ops.tune`` take it).
 """
 
 from __future__ import annotations
@@ -39,6 +39,16 @@ def check_matrix_view(matrix_view, optional: bool = False):
     if optional and matrix_view is None:
         return None
     return check_choice(matrix_view, "matrix_view", MATRIX_VIEWS)
+
+
+def matrix_view_of(module: torch.nn.Module, param: torch.Tensor) -> str | None:
+    """How a parameter of ``module`` holds matrices (SPEC 1.8): None for a vector or a matrix (nothing to
+    say), ``"flatten"`` for a convolution's filters (one matrix of output channels by the rest, as Muon
+    reads them), ``"batch"`` for any other tensor of 3 or more dimensions (stacked experts, heads,
+    parameter banks: leading dims index independent matrices)."""
+    if param.ndim <= 2:
+        return None
+    return "flatten" if isinstance(module, torch.nn.modules.conv._ConvNd) else "batch"
 
 
 def unambiguous_view(shape) -> str | None:

@@ -1,4 +1,6 @@
-"""Fixed small inputs on which a backend's primitives must agree with the reference (see dispatch).
+"""Fixed small inputs on which a backend's primitives must agree with the reference, a backend's error on
+them (:func:`self_check_error`, in this process or in a child) and the error it may have: the check itself.
+:mod:`spectral_ops.dispatch`, above it, decides when a check runs and what a failure disables.
 
 Each primitive is exercised in every form the plan calls it with (transposed views of a tall weight,
 batches, odd sizes, the ``Y is Z`` update, per-matrix scales, a weight written in place), so that a
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,8 +23,28 @@ import torch
 from .backends.base import PRIMITIVES
 from .backends.torch_backend import TorchBackend
 from .coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients
-from .linalg import compute_dtype, matrix_with_spectrum, normalized_wide, wide
+from .linalg import compute_dtype, matrix_with_spectrum, normalized_wide, relative_error, wide
 from .reference import msign_eigh, spectral_power_svd
+
+logger = logging.getLogger("spectral_ops")
+
+# Relative Frobenius error allowed between a backend and the reference on the self-check inputs.
+# They are well conditioned (singular values in [0.5, 1]), so the only differences are summation
+# order and the final rounding to the dtype; a wrong kernel is off by O(1).
+SELF_CHECK_TOLERANCE = {
+    torch.float64: 1e-9,
+    torch.float32: 1e-4,
+    torch.float16: 1e-2,
+    torch.bfloat16: 5e-2,
+}
+# Single-pass TF32 products of fp32 operands: a 10-bit mantissa, u = 2^-11, a few u per product.
+TF32_SELF_CHECK_TOLERANCE = 5e-3
+
+
+def self_check_tolerance(dtype: torch.dtype, precision: str | None) -> float:
+    """The largest :func:`self_check_error` a backend may have for operands of ``dtype`` at ``precision``."""
+    return TF32_SELF_CHECK_TOLERANCE if precision == "tf32" else SELF_CHECK_TOLERANCE[dtype]
+
 
 # A child process checking a backend gets this long; one that runs longer is taken as hung.
 CHILD_TIMEOUT_S = 300.0
@@ -108,6 +131,22 @@ def self_check_cases(primitive: str, dtype: torch.dtype, device, precision: str 
     raise ValueError(f"no self-check for primitive {primitive!r}")
 
 
+def self_check_error(backend, primitive: str, dtype: torch.dtype, device, precision: str | None = None) -> float:
+    """Largest relative error of ``backend``'s ``primitive`` (operands of ``dtype``, at ``precision``,
+    by default the exact one for the dtype) against the reference on fixed inputs."""
+    worst = 0.0
+    for run, reference in self_check_cases(primitive, dtype, device, precision):
+        try:
+            got = run(backend)
+        except Exception as error:  # a crashing kernel fails its check like a wrong one
+            logger.debug("spectral_ops: %s self-check of %s raised %r", backend.name, primitive, error)
+            return float("inf")
+        for g, e in zip(got, reference()):
+            error = relative_error(g, e)
+            worst = max(worst, error if error == error else float("inf"))
+    return worst
+
+
 # ----- checking in a child process: a kernel that faults the device ends the child, not the caller
 
 
@@ -147,8 +186,6 @@ def errors_in_child(backend, device, checks) -> tuple[dict[tuple, float], str | 
 
 def _child_main() -> None:
     """The child: read the request on stdin, print ``[primitive, dtype, precision, error]`` rows as JSON."""
-    from .dispatch import self_check_error  # the parent's dispatch imports this module
-
     request = json.loads(sys.stdin.read())
     module, name = request["backend"].split(":")
     backend = getattr(importlib.import_module(module), name)()

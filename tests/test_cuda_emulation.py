@@ -22,7 +22,7 @@ import subprocess
 import pytest
 import torch
 
-from spectral_ops import _extension, dispatch, plan
+from spectral_ops import _extension, plan, selfcheck
 from spectral_ops.backends.base import PRIMITIVES
 from spectral_ops.backends.cuda_backend import CudaBackend
 from spectral_ops.backends.torch_backend import TorchBackend
@@ -359,8 +359,8 @@ def test_decay_epilogue_rounds_stochastically_as_the_torch_reference(dtype, tran
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("primitive", PRIMITIVES)
 def test_backend_passes_the_dispatch_self_check(primitive, dtype):
-    error = dispatch.self_check_error(CudaBackend(), primitive, dtype, CPU)
-    assert error <= dispatch.SELF_CHECK_TOLERANCE[dtype]
+    error = selfcheck.self_check_error(CudaBackend(), primitive, dtype, CPU)
+    assert error <= selfcheck.SELF_CHECK_TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("mode", ["top", "bot", "top_only", "bot_only", "two_band", "clip"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import spectral_ops as so
-from spectral_ops import dispatch, gpu_model
+from spectral_ops import dispatch, gpu_model, selfcheck
 from spectral_ops.backends.base import PRIMITIVES
 from spectral_ops.backends.torch_backend import TorchBackend
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
@@ -214,13 +214,13 @@ def test_every_primitive_has_a_self_check_that_the_reference_passes():
         if primitive == "small_chain":
             continue  # the reference has none; its check compares with the SVD (test below)
         for dtype in (torch.float64, torch.float32, torch.bfloat16):
-            assert dispatch.self_check_error(reference, primitive, dtype, "cpu") == 0.0
+            assert selfcheck.self_check_error(reference, primitive, dtype, "cpu") == 0.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_the_small_chain_check_passes_a_correct_chain(dtype):
-    error = dispatch.self_check_error(ToyBackend(), "small_chain", dtype, "cpu")
-    assert error <= dispatch.SELF_CHECK_TOLERANCE[torch.float32]
+    error = selfcheck.self_check_error(ToyBackend(), "small_chain", dtype, "cpu")
+    assert error <= selfcheck.SELF_CHECK_TOLERANCE[torch.float32]
 
 
 def test_no_backend_imports_dispatch():

@@ -33,12 +33,20 @@ def test_the_epilogue_moves_bytes_and_does_no_matrix_flops():
     assert work == Work(0.0, 4 * 64 * 256 * 3, 1)  # W read and written, D read
 
 
-def test_an_op_costs_what_the_plan_counts():
+def test_a_fused_chain_does_its_compositions_products_in_one_launch():
+    """The model counts a small chain by running the plan's composition of one (which dispatch is handed)
+    on meta tensors: the FLOPs are the composed polar factor's, as the cost model counts that op."""
     for provider in ("torch", "triton"):
-        work = gpu_model.op_work("decay_", (1024, 4096), torch.bfloat16, "bf16", provider, p=2)
-        assert work.flops == plan.cost("decay_", (1024, 4096), p=2, precision="bf16",
-                                       symmetric_at_half=provider != "torch")
-        assert work.launches > 10 and work.bytes > 0
+        fused = gpu_model.primitive_work("small_chain", (4, 64, 256), torch.bfloat16, "bf16", provider,
+                                         compose=plan.composed_chain, steps=5)
+        composed = gpu_model.composed_chain_work(plan.composed_chain, (4, 64, 256), torch.bfloat16, "bf16",
+                                                 provider, steps=5)
+        halves = gpu_model.halves_symmetric_products(provider)
+        assert fused.flops == composed.flops == plan.cost("polar", (4, 64, 256), precision="bf16", steps=5,
+                                                          symmetric_at_half=halves)
+        assert fused.launches == 1 < composed.launches
+    with pytest.raises(ValueError, match="compose="):
+        gpu_model.primitive_work("small_chain", (64, 256), torch.float32, "fp32", "torch")
 
 
 def test_the_prediction_is_the_roofline_over_the_efficiency_plus_launches():

@@ -83,6 +83,6 @@ def test_a_floors_matrix_vector_products_are_counted(op, p, shape):
         "spectral_power": lambda: plan.spectral_power(kernels, W, p, polar_c, "fp32", eps=1e-2),
         "power_update": lambda: plan.power_update(kernels, W, p, polar_c, "fp32", 1e-2),
     }
-    plan.routing._counted.cache_clear()
+    plan.costs._counted.cache_clear()
     assert _flops(lambda: plan.cost(op, shape, p=p, eps=1e-2)) == 0
     assert plan.cost(op, shape, p=p, eps=1e-2) == _flops(calls[op])

@@ -22,8 +22,9 @@ from spectral_ops.backends.cuda_backend import CudaBackend
 from spectral_ops.backends.torch_backend import TorchBackend
 from spectral_ops.backends.triton_backend import TritonBackend
 from spectral_ops.coefficients import NEWTON_SCHULZ_SIGN, polar_express_coefficients
-from spectral_ops.dispatch import SELF_CHECK_TOLERANCE, TF32_SELF_CHECK_TOLERANCE, PinnedKernels
+from spectral_ops.dispatch import PinnedKernels
 from spectral_ops.plan import Band, DecayRequest
+from spectral_ops.selfcheck import SELF_CHECK_TOLERANCE, TF32_SELF_CHECK_TOLERANCE
 from spectral_ops.triton_kernels import poly_step, sign_step, small, syrk, update
 
 from .checkout import bench_module

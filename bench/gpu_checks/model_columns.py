@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from spectral_ops import dispatch
+from spectral_ops import dispatch, plan
 
 from .cases import POLAR, Case
 
@@ -51,11 +51,13 @@ def work(case: Case, shape, dtype, precision: str, provider: str):
         return None
     if case.primitive is not None:
         primitive, operand = route(case, shape)
-        return gpu_model.primitive_work(primitive, operand, dtype, precision, provider)
+        return gpu_model.primitive_work(primitive, operand, dtype, precision, provider, compose=plan.composed_chain,
+                                        steps=len(POLAR))
     if case.op is not None:
         # The cases run with the ops' default iteration ("auto") and Polar Express's own step count.
         options = {"steps": len(POLAR), "sign_steps": len(POLAR), "iteration": "auto", **case.op_options}
-        return gpu_model.op_work(case.op, tuple(shape), dtype, precision, provider, **options)
+        return plan.work(case.op, tuple(shape), precision=precision, dtype=dtype,
+                         symmetric_at_half=gpu_model.halves_symmetric_products(provider), **options)
     return None
 
 

@@ -104,3 +104,20 @@ class UnroutedProducts(TorchDispatchMode):
         if func.overloadpacket.__name__ in MATRIX_PRODUCTS:
             return self.counting._count(*args[-2:])
         return func(*args, **(kwargs or {}))
+
+
+def placeholder_coefficients(count: int | None):
+    """``count`` steps of placeholder coefficients (their values do not change a count), or None: the
+    op's own design, as a call without them takes."""
+    return None if count is None else ((1.0, 0.0, 0.0),) * count
+
+
+def counted(run, shape: tuple, dtype: torch.dtype = torch.float32, symmetric_at_half: bool = False) -> Work:
+    """The :class:`Work` of ``run(kernels, W)`` on a meta ``W`` of ``shape`` and ``dtype``: :class:`CountingKernels`
+    counts each primitive (a symmetric product at half with ``symmetric_at_half``, as the GPU kernels compute
+    it) and :class:`UnroutedProducts` the products computed outside them."""
+    kernels = CountingKernels(symmetric_at_half)
+    W = torch.empty(shape, dtype=dtype, device="meta")
+    with UnroutedProducts(kernels):
+        run(kernels, W)
+    return kernels.work

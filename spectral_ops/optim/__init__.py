@@ -9,10 +9,10 @@
 =================  ============================================================
 """
 
+from ..matrix_views import matrix_view_of
 from .adamw import SpectralAdamW
 from .groups import (
     full_v_extra_decay,
-    matrix_view_of,
     module_wise_powers,
     param_groups_by_module,
     parameter_role,

@@ -16,6 +16,7 @@ import torch
 from .._checks import check_choice
 from ..decay import Band
 from ..decay_options import CONVENTIONS
+from ..matrix_views import matrix_view_of
 
 ROLE_PATTERNS = {
     "q": r"(^|\.)(q_proj|wq|query|to_q|q)\.weight$",
@@ -41,16 +42,6 @@ def parameter_role(name: str, param: torch.Tensor, patterns=None) -> str:
         if re.search(pattern, name):
             return role
     return "matrix"
-
-
-def matrix_view_of(module: torch.nn.Module, param: torch.Tensor) -> str | None:
-    """How a parameter of ``module`` holds matrices (SPEC 1.8): None for a vector or a matrix (nothing to
-    say), ``"flatten"`` for a convolution's filters (one matrix of output channels by the rest, as Muon
-    reads them), ``"batch"`` for any other tensor of 3 or more dimensions (stacked experts, heads,
-    parameter banks: leading dims index independent matrices)."""
-    if param.ndim <= 2:
-        return None
-    return "flatten" if isinstance(module, torch.nn.modules.conv._ConvNd) else "batch"
 
 
 def param_groups_by_module(model: torch.nn.Module, overrides=None, *, patterns=None,

@@ -10,9 +10,12 @@ The package reads top to bottom, each module using only those above it:
 * :mod:`.gram`: the Gram forms, :class:`GramPlan` (``X``, its Gram and squares, the polar factor,
   ``S_p``, the guard's bound on ``s_max``);
 * :mod:`.factorised`: the same forms from an SVD or eigendecomposition, :class:`FactorisedPlan`;
-* :mod:`.routing`: every choice of algorithm (:func:`route`, once per op call, passed down), the ops,
-  and their cost (:func:`cost`, :func:`work`: the FLOPs read off this very plan on meta tensors);
-* :mod:`.decay`: the decay of one stack (:func:`decay_`): the guard, the direction and the write.
+* :mod:`.routing`: every choice of algorithm (:func:`route`, once per op call, passed down) and the ops;
+* :mod:`.decay`: the decay of one stack (:func:`decay_`): the guard, the direction and the write;
+* :mod:`.costs`: what each op and the decay cost (:func:`cost`, :func:`work`: the FLOPs, bytes and
+  launches read off this very plan on meta tensors). Routing weighs the same counts
+  (:func:`~spectral_ops.backends.counting.counted`) without importing it: the decay that the cost
+  model counts runs the ops that route.
 
 **Precision** (:func:`~spectral_ops.precision.resolve_precision`) decides the dtype of the iteration's
 operands: every product takes them in that dtype, accumulates in fp32 (fp64 for ``"fp64"``) and rounds
@@ -27,6 +30,7 @@ Every name is importable from ``spectral_ops.plan`` as before the split (pickles
 # ruff: noqa: F401  (the re-exports are the package's names)
 
 from ..precision import FLOAT32_MATMUL_PRECISIONS, OPERAND_DTYPES, PRECISIONS, clip_precision, resolve_precision
+from .costs import cost, work
 from .decay import (
                          CLAMP_ORDER,
                          ROUNDINGS,
@@ -103,7 +107,6 @@ from .routing import (
                          band_projectors,
                          beyond_tensor_power_nan,
                          composed_chain,
-                         cost,
                          lifting,
                          msign,
                          plan_for,
@@ -116,7 +119,6 @@ from .routing import (
                          spectral_norm_bounds,
                          spectral_power,
                          svt,
-                         work,
 )
 from .thresholds import (
                          BAND_MODES,

@@ -1,13 +1,14 @@
-"""Route and cost: every choice of algorithm (:func:`route`), the ops that follow it, and what they cost.
+"""Route: every choice of algorithm (:func:`route`), and the ops that follow it.
 
 Each op takes ``kernels``, the object dispatch hands out for one op call
 (:func:`spectral_ops.dispatch.kernels_for`): one method per primitive of
 :mod:`spectral_ops.backends.base`, each call routed to a backend. The plan never chooses a backend and
 never imports dispatch; it only asks whether a fused small chain is available (``kernels.small_chain``
 returns None when none is). What it computes is chosen here, in one place and once per op call:
-:func:`route` (the method, an even power's iteration, chain or composed), weighing :func:`cost`, the
-FLOPs read off this very plan on meta tensors; the op passes its :class:`Route` down to the plan
-(:func:`plan_for`, :meth:`~.gram.GramPlan.scaled_direction`).
+:func:`route` (the method, an even power's iteration, chain or composed), weighing the FLOPs read off this
+very plan on meta tensors as the cost model counts them (:func:`~spectral_ops.backends.counting.counted`;
+the cost model itself, :mod:`.costs`, comes after the decay, which it counts too); the op passes its
+:class:`Route` down to the plan (:func:`plan_for`, :meth:`~.gram.GramPlan.scaled_direction`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .._checks import check_power
 from .._compile import constant_when_traced
+from ..backends.counting import Work, counted, placeholder_coefficients
 from ..coefficients import resolve_polar_coefficients
 from ..linalg import compute_dtype
 from ..precision import OPERAND_DTYPES, clip_precision, resolve_precision
 from .factorised import FactorisedPlan
-from .gram import GUARD_SQUARINGS, GramPlan, checked_finite
+from .gram import GramPlan, checked_finite
 from .iterations import GRAM_SPACE_PRECISIONS, GRAM_SPACE_SAVING, TENSOR_POWER_BOUND, floor_lifts, matrix_sign
 from .thresholds import GRAM_RESOLVES, Band, Scale
 
@@ -102,7 +103,8 @@ def route(shape, dtype: torch.dtype, device_type: str, p: int, precision: str, *
             method = "gram"
         elif band or floored or torch.is_tensor(p):  # a power on the device is floored, of either sign
             method = "svd"
-        elif integer and p % 2 and cost("spectral_power", (r, side), p=p) <= EIGH_PRODUCTS * 2 * r * r * side:
+        elif integer and p % 2 and (_power_flops((r, side), p, "rectangle", 8, False)
+                                    <= EIGH_PRODUCTS * 2 * r * r * side):
             method = "gram"
         elif p > 1:
             method = "eigh"
@@ -115,9 +117,7 @@ def route(shape, dtype: torch.dtype, device_type: str, p: int, precision: str, *
         if (not integer or p % 2 == 0) and precision in GRAM_SPACE_PRECISIONS:
             # A real power's iteration is its polar factor's: the rest costs the same either way.
             p_iterated = p if integer else 0
-            flops = {it: cost("spectral_power", (r, side), p=p_iterated, iteration=it, steps=steps,
-                              symmetric_at_half=True)
-                     for it in ("gram_space", "rectangle")}
+            flops = {it: _power_flops((r, side), p_iterated, it, steps, True) for it in ("gram_space", "rectangle")}
             if flops["gram_space"] <= (1 - GRAM_SPACE_SAVING) * flops["rectangle"]:
                 iteration = "gram_space"
     return Route(method, iteration, chain)
@@ -321,84 +321,18 @@ def spectral_norm_bounds(kernels, W: torch.Tensor, squarings: int):
     return log_lower.exp().clamp(max=torch.finfo(dtype).max).to(dtype), log_upper.exp().to(dtype)
 
 
-# ----- the cost, read off the plan on meta tensors
-
-@constant_when_traced  # read off the plan on meta tensors, not traced (nor its cache, which Dynamo would skip)
-def cost(op: str, shape: tuple, **options) -> float:
-    """The matrix FLOPs of one call of ``op`` (one of :data:`OPS`) on a float32 tensor of ``shape``
-    (a batch counts each matrix): :func:`work`'s FLOPs, with the same options."""
-    return work(op, shape, **options).flops
+# ----- what route weighs, counted on meta tensors as the cost model (plan.costs) counts
 
 
-@constant_when_traced
-def work(op: str, shape: tuple, *, p=0, precision: str = "fp32", iteration: str = "rectangle",
-         steps: int | None = 8, sign_steps: int | None = 8, band_mode: str | None = None, p_bot: int = 1,
-         guard: bool = False, symmetric_at_half: bool = False, eps: float | None = None,
-         threshold: float | None = None, dtype: torch.dtype = torch.float32):
-    """The :class:`~spectral_ops.backends.counting.Work` of one call of ``op`` (one of :data:`OPS`) on a
-    ``dtype`` tensor of ``shape`` (a batch counts each matrix): its matrix FLOPs, its primitives' bytes
-    and launches, read off the plan: it runs on meta tensors with
-    :class:`~spectral_ops.backends.counting.CountingKernels`, which counts each primitive, and
-    :class:`~spectral_ops.backends.counting.UnroutedProducts`, which counts the products the plan forms
-    outside them (the matrix-vector products of :meth:`~.gram.GramPlan.spectral_norm_estimate`).
-
-    At full cost this is what ``FlopCounterMode`` counts of the torch backend; ``symmetric_at_half``
-    gives the GPU kernels' count, each symmetric product (the Gram, ``A A``, the sign steps) at half.
-    ``p``, ``iteration`` (``"auto"`` routes as a call would), ``steps``, ``sign_steps``, ``band_mode``
-    and ``p_bot`` configure the op (``eps``: a floor, see :func:`spectral_power`); ``guard``: a decay's
-    stability bound is formed (a capturable step's clamp, every step; an eager one forms it only where
-    ``||W||_F`` does not settle the guard). The fused chains are not counted: their products are the
-    composed plan's.
-
-    A band op's ``steps``/``sign_steps`` None are designed for its thresholds
-    (:func:`~.thresholds.threshold_design`),
-    as a call without them is: at ``threshold`` (each threshold's ``tau / ||W||_F``), or where that is
-    None at the capturable design, which cannot read it.
-    """
-    if threshold is not None and not (isinstance(threshold, (int, float)) and threshold > 0):
-        raise ValueError(f"threshold is tau / ||W||_F, a number > 0 (or None), got {threshold!r}")
-    # A power_update without eps takes its default floor, as the op does.
-    p = check_power(p, eps=UPDATE_FLOOR if op == "power_update" and eps is None else eps, decay=op == "decay_")
-    return _counted(op, tuple(shape), p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard,
-                    symmetric_at_half, eps, threshold, dtype)
+@constant_when_traced  # counted on meta tensors, not traced (nor its cache, which Dynamo would skip)
+def _power_flops(shape: tuple, p: int, iteration: str, steps: int | None, symmetric_at_half: bool) -> float:
+    """What :func:`route` weighs: the FLOPs of ``S_p`` of an fp32 ``shape`` through ``iteration``, as
+    ``plan.cost("spectral_power", ...)`` counts them (counted here: the cost model runs the ops that route)."""
+    return _counted_power(shape, p, iteration, steps, symmetric_at_half).flops
 
 
-@functools.lru_cache(maxsize=4096)
-def _counted(op, shape, p, precision, iteration, steps, sign_steps, band_mode, p_bot, guard, symmetric_at_half, eps,
-             threshold, dtype):
-    from ..backends.counting import CountingKernels, UnroutedProducts
-    from .decay import DecayRequest, decay_  # the decay sits above the cost model, which counts it too
-
-    kernels = CountingKernels(symmetric_at_half)
-    W = torch.empty(shape, dtype=dtype, device="meta")
-    polar_coefficients, sign_coefficients = (None if count is None else ((1.0, 0.0, 0.0),) * count
-                                             for count in (steps, sign_steps))
-    band = Band(1.0, band_mode, p_bot) if band_mode else None
-    # Meta tensors have no values to read (sync=False): a threshold's ratio is the given one, or (None)
-    # the capturable design's.
-    calls = {
-        "polar": lambda: polar(kernels, W, polar_coefficients, precision),
-        "power_update": lambda: power_update(kernels, W, p, polar_coefficients, precision,
-                                             UPDATE_FLOOR if eps is None else eps),
-        "msign": lambda: msign(kernels, W, sign_coefficients, precision),
-        "spectral_power": lambda: spectral_power(kernels, W, p, polar_coefficients, precision, False, iteration,
-                                                 eps=eps),
-        "band_projectors": lambda: band_projectors(kernels, W, 1.0, sign_coefficients, precision, sync=False,
-                                                   threshold_ratio=threshold),
-        "band_direction": lambda: band_direction(kernels, W, p, band, polar_coefficients, sign_coefficients,
-                                                 precision, sync=False, threshold_ratio=threshold),
-        "svt": lambda: svt(kernels, W, 1.0, polar_coefficients, sign_coefficients, precision, sync=False,
-                           threshold_ratio=threshold),
-        "spectral_clip": lambda: spectral_clip(kernels, W, 0.5, 1.0, polar_coefficients, sign_coefficients, precision,
-                                               sync=False, threshold_ratio=threshold),
-        "spectral_norm_bounds": lambda: spectral_norm_bounds(kernels, W, GUARD_SQUARINGS),
-        "decay_": lambda: decay_(kernels, W, DecayRequest(
-            p, 1.0, 1.0, band=band, polar_coefficients=polar_coefficients, sign_coefficients=sign_coefficients,
-            precision=precision, iteration=iteration, stability="clamp" if guard else "ignore",
-            capturable=guard or threshold is None, method="gram", threshold_ratio=threshold)),
-    }
-    with UnroutedProducts(kernels):
-        calls[op]()
-    return kernels.work
-
-
+@functools.lru_cache(maxsize=1024)
+def _counted_power(shape: tuple, p: int, iteration: str, steps: int | None, symmetric_at_half: bool) -> Work:
+    coefficients = placeholder_coefficients(steps)
+    return counted(lambda kernels, W: spectral_power(kernels, W, p, coefficients, "fp32", False, iteration),
+                   shape, symmetric_at_half=symmetric_at_half)
