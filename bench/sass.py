@@ -8,6 +8,9 @@ API (stable: ``bench/gpu_checks/compile_only.py`` and ``tests/test_cuda_sass.py`
 ``find_cuobjdump(env=None) -> str | None``
     ``$CUOBJDUMP``, then ``cuobjdump`` on ``PATH``, next to ``nvcc`` (``$NVCC``, ``PATH``,
     ``/usr/local/cuda/bin``), then the copy Triton ships (``triton/backends/nvidia/bin``).
+``tool_label(path, version=None) -> str``
+    How a report names a CUDA binary tool: ``"cuobjdump 12.8 (bundled with triton 3.7.0)"`` or
+    ``"... (CUDA toolkit)"``, its version from ``--version`` unless given; never the path it ran from.
 ``resource_usage(path, *, arch=None, cuobjdump=None) -> {kernel: {"registers", "stack", "shared",
 "local", "constant", ...}}``
     From ``cuobjdump -res-usage``: one dict per kernel (its mangled name), the values ints (bytes,
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.metadata
 import importlib.util
 import os
 import re
@@ -87,6 +91,24 @@ def find_cuobjdump(env: Mapping[str, str] | None = None) -> str | None:
             if candidate.is_file():
                 return str(candidate)
     return None
+
+
+def tool_label(path: str | os.PathLike, version: str | None = None) -> str:
+    """``"NAME VERSION (ORIGIN)"`` for a CUDA binary tool at ``path``: a report says which tool made it and
+    which release, not where the writer's machine keeps it (a path names a local venv or home folder)."""
+    path = Path(path)
+    if version is None:
+        try:
+            text = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=60).stdout
+        except OSError:
+            text = ""
+        found = re.search(r"release (\d+\.\d+)", text)
+        version = found.group(1) if found else "(version unknown)"
+    if "triton" in path.parts:
+        origin = f"bundled with triton {importlib.metadata.version('triton')}"
+    else:
+        origin = "CUDA toolkit"
+    return f"{path.name} {version} ({origin})"
 
 
 def _run(kind: str, path: str | os.PathLike, arch: str | None, cuobjdump: str | None) -> str:

@@ -147,7 +147,7 @@ def compile_variant(job: dict) -> dict:
     kernel = getattr(importlib.import_module(job["module"]), job["name"])
     arch = job["arch"]
     ptxas = knobs.nvidia.ptxas
-    row = {**job["row"], "ptxas": f"{ptxas.version} ({ptxas.path})"}
+    row = {**job["row"], "ptxas": SASS.tool_label(ptxas.path, ptxas.version)}
     started = time.monotonic()
     try:
         compiled = triton.compile(ASTSource(kernel, job["signature"], job["constexprs"], job["attrs"]),
@@ -313,8 +313,8 @@ def compile_only(args) -> int:
     notable = [flag for flag in _NOTABLE_CPU_FLAGS if flag in cpu["flags"]]
     failed = [row for row in rows if row["ok"] is False]
     text = "\n".join([
-        f"# Kernel resources for {', '.join(archs)} (cuobjdump {SASS.find_cuobjdump()}; Triton's ptxas "
-        f"{knobs.nvidia.ptxas.version})", "",
+        f"# Kernel resources for {', '.join(archs)} ({SASS.tool_label(SASS.find_cuobjdump())}; "
+        f"{SASS.tool_label(knobs.nvidia.ptxas.path, knobs.nvidia.ptxas.version)})", "",
         f"Written by {source}.", "",
         f"No GPU: CPU {cpu['model']}, {cpu['cores']} cores (flags: "
         f"{', '.join(notable) or 'none of ' + '/'.join(_NOTABLE_CPU_FLAGS)}); "
