@@ -10,6 +10,9 @@ time and ``python -m spectral_ops`` shows it.
 
 This module measures and remembers; dispatch decides what is eligible (availability, capability,
 self-checks) and what to do when tuning does not apply. ``SPECTRAL_OPS_AUTOTUNE=0`` turns it off.
+It sits beside dispatch, below the plan, and runs no op: ``spectral_ops.tune``, which runs a training
+step's ops ahead of a compiled run so that this module times their primitives, lives above the ops, in
+:mod:`spectral_ops.step_tuning`.
 """
 
 from __future__ import annotations

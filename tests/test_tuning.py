@@ -344,6 +344,10 @@ def test_the_cache_lives_under_the_package_cache_directory(monkeypatch, tmp_path
     assert tuning.cached_files()[0]["environment"] == ENVIRONMENT
 
 
+# ----- spectral_ops.tune (spectral_ops/step_tuning.py, in the API layer: it runs the ops) and its command, timed
+# by this module's Autotuner through the fakes above
+
+
 def test_the_tune_command_fills_the_cache_and_the_report_shows_it(tuner, clock, tmp_path, monkeypatch):
     from spectral_ops.__main__ import main, tune
 
