@@ -73,3 +73,19 @@ def modelled_gpu(monkeypatch):
     """CPU tensors routed as on a GPU the cost model knows (nothing measured on it unless a test says)."""
     monkeypatch.setattr(dispatch, "_arch_of", lambda device: FAKE_GPU)
     return FAKE_GPU
+
+
+@pytest.fixture
+def clock():
+    """The fake clock of tests/timed_backends.py's backends."""
+    from timed_backends import FakeClock
+
+    return FakeClock()
+
+
+@pytest.fixture
+def tuner(monkeypatch, tmp_path, clock):
+    """An autotuner measuring CPU tensors with the fake ``clock``, caching under tmp_path."""
+    from timed_backends import fake_autotuner
+
+    return fake_autotuner(monkeypatch, tmp_path, clock)
