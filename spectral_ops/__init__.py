@@ -4,6 +4,11 @@ The public API is autograd-free and takes ``(..., m, n)`` tensors on CPU or CUDA
 float32, float16 or bfloat16. ``spectral_ops.plan`` holds the algorithm, ``spectral_ops.dispatch``
 routes each of its primitive calls to a backend (CUDA extension, then Triton, then PyTorch), and
 ``spectral_ops.reference`` holds the FP64 SVD oracles.
+
+The package is seven layers (README, "Architecture"; ``tests/test_layering.py`` holds each module to its
+own): training, metrics and experiments; optimizers; the API; the plan; dispatch; backends; foundations.
+An import runs only downwards, inside functions too. This module is the facade on top: it re-exports
+the public names and is imported by nothing of the package.
 """
 
 # The version check comes first: on a torch older than supported, a later import may fail, and the

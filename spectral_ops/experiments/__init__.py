@@ -8,6 +8,9 @@ reduced settings in seconds (used by the tests); ``pure-decay --checkpoint PATH`
 weights of a training checkpoint (or its run folder, or a saved state dict) instead of the synthetic
 one, with ``--horizon`` and ``--coefficients``. Each experiment is a module with
 ``run(out_dir, quick=False, **options) -> markdown``.
+
+The top layer (README, "Architecture"): an experiment may use the training loop, never the other way
+round; what both need (writing a report) is :mod:`spectral_ops.reporting`.
 """
 
 from __future__ import annotations

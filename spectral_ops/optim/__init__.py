@@ -7,6 +7,11 @@
 ``SpectralSGD``    SGD with momentum + decoupled decay
 ``SpectralDecay``  the decay alone, for any optimizer (``.attach(optimizer)``)
 =================  ============================================================
+
+The optimizers layer (README, "Architecture"): below training and the experiments, above the API. What an
+optimizer needs of a weight's matrices or of the decay comes from the API (:mod:`spectral_ops.decay`,
+:mod:`spectral_ops.matrix_views`) and the plan; what does not need an optimizer (a module's reading of its
+parameters, ``matrix_view_of``, re-exported here) lives there, so that the layers below can use it too.
 """
 
 from ..matrix_views import matrix_view_of

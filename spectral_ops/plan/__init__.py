@@ -23,6 +23,10 @@ its result to it, as torch.optim.Muon's bf16 iteration does. The normalisation, 
 band thresholds and the decay arithmetic stay in the compute dtype (fp64 for fp64 weights or
 ``"fp64"``, fp32 otherwise), and the result is rounded to the weight's dtype once.
 
+The plan layer (README, "Architecture") sits below the API and above dispatch: it takes ``kernels`` from
+its caller and never imports dispatch, the API or anything above. What dispatch needs of the plan (the
+composition of a small chain) is handed to it by :mod:`spectral_ops.ops`.
+
 Every name is importable from ``spectral_ops.plan`` as before the split (pickles name
 ``spectral_ops.plan.Band`` and the like).
 """
