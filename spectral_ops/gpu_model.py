@@ -24,6 +24,7 @@ on the machine itself (no routing-cache entry); the GPU check prints it next to 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -115,7 +116,7 @@ def primitive_work(primitive: str, shape, dtype: torch.dtype, precision: str, pr
     ``decay_epilogue_`` the weight. A fused chain does the products of its composition (``compose``, the
     plan's, :func:`composed_chain_work`, of ``steps`` steps) in one launch."""
     if primitive == "small_chain":
-        composed = composed_chain_work(compose, shape, dtype, precision, provider, steps)
+        composed = composed_chain_work(compose, tuple(shape), dtype, precision, provider, steps)
         return Work(composed.flops, 2 * math.prod(shape) * dtype.itemsize, 1)
     counter = CountingKernels(halves_symmetric_products(provider))
     X = torch.empty(tuple(shape), dtype=dtype, device="meta")
@@ -131,7 +132,8 @@ def primitive_work(primitive: str, shape, dtype: torch.dtype, precision: str, pr
     return counter.work
 
 
-def composed_chain_work(compose, shape, dtype: torch.dtype, precision: str, provider: str, steps: int) -> Work:
+@functools.lru_cache(maxsize=1024)  # routing asks at every unmeasured call; the count runs a whole chain on meta
+def composed_chain_work(compose, shape: tuple, dtype: torch.dtype, precision: str, provider: str, steps: int) -> Work:
     """The work of a small chain on an ``X`` of ``shape`` as ``compose`` (the plan's composition of one,
     ``compose(kernels, X, p, coefficients, precision)``, which dispatch is handed) runs it on ``provider``'s
     primitives: the polar factor's ``steps`` steps, counted on meta tensors."""
