@@ -344,14 +344,17 @@ def test_the_fastest_provider_of_each_call_is_marked_against_the_routers_choice(
 def test_the_in_tree_build_records_itself_beside_its_module(gpu_checks, tmp_path, monkeypatch):
     """What `load_extension` reads: the record describes the in-tree build (its archs, or why it failed)."""
     from spectral_ops import _extension
-    from spectral_ops.build_config import parse_cuda_arch_list
+    from spectral_ops.build_config import hash_sources, parse_cuda_arch_list
 
     (tmp_path / "spectral_ops").mkdir()
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "gemm.cu").write_text("// the sources the module is built from\n")
     monkeypatch.setattr(gpu_checks.build, "ROOT", tmp_path)
     archs = parse_cuda_arch_list("90", source="test", ptx_for_newest=True)
     gpu_checks.build.write_build_record(archs, None, True, "")
     info = _extension.build_info(tmp_path / "spectral_ops")
     assert info["cuda_built"] and info["archs"] == ["sm_90", "compute_90"]
+    assert info["sources_sha256"] == hash_sources(tmp_path / "csrc")  # what tests/test_cuda_sass.py compares
     gpu_checks.build.write_build_record(archs, None, False, "cmake --build exited 1")
     info = _extension.build_info(tmp_path / "spectral_ops")
     assert not info["cuda_built"] and info["reason"] == "cmake --build exited 1" and info["archs"] == []
