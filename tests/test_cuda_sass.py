@@ -168,13 +168,12 @@ def read_module(module: Path, arch: str) -> dict:
     cached = CACHE / hashlib.sha256(module.read_bytes()).hexdigest()[:16] / f"{arch}.json"
     if not cached.exists():
         usage = sass.resource_usage(module, arch=arch, cuobjdump=CUOBJDUMP)
-        code = sass.sass_instructions(module, arch=arch, cuobjdump=CUOBJDUMP)
-        listed = listings(module, arch)
+        listed = listings(module, arch)  # the opcodes too: one disassembly of the module, not two (7 s each)
         names = sass.demangle(usage)
         cached.parent.mkdir(parents=True, exist_ok=True)
         partial = cached.with_suffix(f".{os.getpid()}.partial")  # suites of two checkouts may read it at once
-        partial.write_text(json.dumps({names[name]: [usage[name], code[name], hot_loop(listed[name])]
-                                       for name in usage}))
+        partial.write_text(json.dumps({names[name]: [usage[name], [opcode for _, _, opcode, _ in listed[name]],
+                                                     hot_loop(listed[name])] for name in usage}))
         partial.replace(cached)
     return {name: tuple(entry) for name, entry in json.loads(cached.read_text()).items()}
 
