@@ -57,6 +57,7 @@ def _write_build_info(command, *, cuda_built, reason):
     info = bc.build_info(
         cuda_built=cuda_built,
         reason=reason,
+        sources_sha256=bc.hash_sources(ROOT / "csrc") if cuda_built else "",
         archs=ARCHS,
         archs_source=bc.cuda_archs_source(ENV),
         nvcc_path=NVCC,

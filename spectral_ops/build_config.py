@@ -20,10 +20,12 @@ Environment variables:
 from __future__ import annotations
 
 import datetime
+import hashlib
 import os
 import re
 import shutil
 from collections.abc import Mapping
+from pathlib import Path
 from typing import NamedTuple
 
 ENV_NO_CUDA = "SPECTRAL_OPS_NO_CUDA"
@@ -213,10 +215,21 @@ def parse_nvcc_version(text: str) -> str | None:
     return match.group(1) if match else None
 
 
+def hash_sources(csrc: Path) -> str:
+    """The SHA-256 of the CUDA sources: every file of ``csrc`` (the checkout's ``csrc/``), by name and content.
+    The build record keeps it, so a reader of the built module's code (tests/test_cuda_sass.py) can tell
+    a module compiled from the checkout's sources from a stale one."""
+    digest = hashlib.sha256()
+    for path in sorted(csrc.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
 def build_info(
     *,
     cuda_built: bool,
     reason: str,
+    sources_sha256: str,
     archs: list[CudaArch],
     archs_source: str,
     nvcc_path: str | None,
@@ -239,5 +252,6 @@ def build_info(
         "archs_source": archs_source if cuda_built else "",
         "nvcc": nvcc_path,
         "nvcc_version": nvcc_version,
+        "sources_sha256": sources_sha256,
         "built_at": when.isoformat(timespec="seconds"),
     }

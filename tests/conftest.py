@@ -22,6 +22,23 @@ ONE_WORKER_MODULES = ("test_cuda_emulation", "test_cuda_sass", "test_dist_exit",
                       "test_train_distributed", "test_triton_gpu_check")
 
 
+# The modules that keep a worker longest, longest first: the one-worker modules above by their length, then those
+# with the longest single tests (compiled steps, launches, the Triton interpreter's composed paths). Run first,
+# they leave the short tests to fill both workers at the end: started late, one of them runs alone while the
+# other worker idles (the dry run of the GPU check alone takes 1 to 3 minutes).
+LONGEST_FIRST = ("test_triton_gpu_check", "test_cuda_emulation", "test_train_distributed", "test_optim_distributed",
+                 "test_experiments", "test_cuda_sass", "test_dist_exit", "test_integrations_torchtitan",
+                 "test_optim_compile", "test_readme", "test_triton_backend", "test_train", "test_optim_capturable",
+                 "test_dispatch")
+
+
+def pytest_collection_modifyitems(config, items):
+    """LONGEST_FIRST's modules first, in its order; every other module after them, in collection order. Whole
+    modules move, so a module's fixtures are still made once."""
+    rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
+
+
 def pytest_configure(config):
     """Each xdist worker takes its share of the cores for torch's threads (and hands it on to the processes
     its tests start): with more threads than cores, OpenMP threads wait on one another at every product
@@ -36,11 +53,14 @@ def pytest_configure(config):
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """xdist's default distribution (`-n` alone), with the tests of each of ONE_WORKER_MODULES as one unit
-    of work. (`--dist loadgroup` would do it from marks, but xdist 3.8 puts the group into item._nodeid,
-    which pytest 9's node ids no longer read.)"""
+    of work, handed out in the order of the collection (LONGEST_FIRST), not reordered by their number of tests.
+    (`--dist loadgroup` would do it from marks, but xdist 3.8 puts the group into item._nodeid, which pytest 9's
+    node ids no longer read.)"""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class OneWorkerModules(LoadScopeScheduling):
         def _split_scope(self, nodeid):

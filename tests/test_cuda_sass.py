@@ -1,15 +1,15 @@
 """What nvcc makes of the CUDA kernels for sm_90 and sm_80, read from the SASS: the only performance
 check that runs without a GPU, so it is strict.
 
-Every csrc/*.cu is compiled to an sm_90 cubin, and gemm.cu and syrk.cu (every tiled variant: 5 math
-modes x 2 grids x 4 operand layouts) also to an sm_80 one, as the CMake build compiles them (-O3),
-and read with cuobjdump through bench/sass.py. The cubins are cached under the package's cache
-directory (spectral_ops.environment.cache_dir(), in sass/) by the hash of the sources, flags and nvcc
-version, none of which names the checkout's path: every checkout and CI run of a machine shares them
-(the first, uncached run takes 6-8 minutes on 2 cores, later ones well under a second). Checked, on both
-archs:
+The code read is the built extension's own (spectral_ops/_C*.so: every csrc/*.cu compiled by the CMake
+build, -O3, for sm_80 and sm_90), disassembled with cuobjdump through bench/sass.py: nothing is compiled
+here. The build record (spectral_ops/_build_info.json) names the sources the module was built from, so a
+module older than csrc/ is refused, not read (`make test` reinstalls whenever csrc/ changes). What is
+read is cached under the package's cache directory (spectral_ops.environment.cache_dir(), in sass/) by
+the module's hash: disassembling it takes seconds per arch. Checked, on both archs:
   * no kernel spills (stack frame 0, no LDL/STL) but those in SPILL_EXCEPTIONS, each with its reason;
-  * the tiled kernels fit their launch bounds: registers * threads * kMinBlocks <= 65536;
+  * the tiled kernels (every variant: 5 math modes x 2 grids x 4 operand layouts) fit their launch
+    bounds: registers * threads * kMinBlocks <= 65536;
   * the tensor-core mainloops: fp16 and bf16 read every fragment with ldmatrix (LDSM), tf32 with
     ldmatrix wherever an operand is k-contiguous, and all of them fill shared memory with cp.async
     (LDGSTS); the FMA mode uses neither;
@@ -27,13 +27,13 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
-from spectral_ops import environment
-from spectral_ops.build_config import ENV_REQUIRE_CUDA, env_flag, find_nvcc
+from spectral_ops import _extension, environment
+from spectral_ops.build_config import ENV_REQUIRE_CUDA, env_flag, hash_sources
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -50,7 +50,6 @@ _spec.loader.exec_module(sass)
 # kernel would need fixing instead.
 SPILL_EXCEPTIONS = {}
 
-NVCC = find_nvcc(dict(os.environ))
 CUOBJDUMP = sass.find_cuobjdump()
 
 
@@ -67,36 +66,16 @@ def math_modes() -> list[str]:
     return re.findall(r"^\s*(k\w+),", body, re.M)
 
 
-def flags(arch: str) -> list[str]:
-    """nvcc's flags, run from the checkout's root (so they name no absolute path)."""
-    return ["-std=c++17", "-O3", "-DNDEBUG", f"-arch={arch}", "-cubin", "-Icsrc"]
-
-
-def compile_cubin(source: Path, arch: str) -> Path:
-    version = subprocess.run([NVCC, "--version"], capture_output=True, text=True, check=True).stdout
-    digest = hashlib.sha256(" ".join([version, *flags(arch)]).encode())
-    for path in sorted(CSRC.glob("*")):
-        digest.update(path.name.encode() + path.read_bytes())
-    target = CACHE / digest.hexdigest()[:16] / f"{source.stem}.cubin"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(f".{os.getpid()}.partial")  # suites of two checkouts may build it at once
-        result = subprocess.run([NVCC, *flags(arch), str(source.relative_to(ROOT)), "-o", str(partial)], cwd=ROOT,
-                                capture_output=True, text=True)
-        assert result.returncode == 0, f"nvcc failed on {source.name}:\n{result.stderr}"
-        partial.replace(target)
-    return target
-
-
 # "/*0a40*/   @!P0 BRA 0x1c30 ;" -> address, predicated, opcode, operands
 _LISTING = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 _FUNCTION = re.compile(r"^\s*Function : (\S+)\s*$")
 _TARGET = re.compile(r"0x([0-9a-f]+)\s*$")
 
 
-def listings(cubin: Path) -> dict[str, list[tuple[int, bool, str, str]]]:
-    """{mangled kernel: [(address, predicated, opcode, operands), ...]} from cuobjdump -sass."""
-    text = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+def listings(module: Path, arch: str) -> dict[str, list[tuple[int, bool, str, str]]]:
+    """{mangled kernel: [(address, predicated, opcode, operands), ...]} of one arch, from cuobjdump -sass."""
+    text = subprocess.run([CUOBJDUMP, "-sass", "-arch", arch, str(module)], capture_output=True, text=True,
+                          check=True).stdout
     code, current = {}, None
     for line in text.splitlines():
         if match := _FUNCTION.match(line):
@@ -161,42 +140,49 @@ def hot_loop(code) -> list[str]:
     return [code[i][2] for b in best[latch][1] for i in range(*blocks[b])]
 
 
-def read_cubin(source: Path, arch: str) -> dict:
-    """{demangled kernel name: [resource usage, opcodes, hot-loop opcodes]} of one source's cubin,
-    cached beside it (disassembling the tiled kernels takes seconds)."""
-    cubin = compile_cubin(source, arch)
-    cached = cubin.with_suffix(".json")
-    if not cached.exists():
-        usage = sass.resource_usage(cubin, cuobjdump=CUOBJDUMP)
-        code = sass.sass_instructions(cubin, cuobjdump=CUOBJDUMP)
-        listed = listings(cubin)
-        names = sass.demangle(usage)
-        partial = cached.with_suffix(f".{os.getpid()}.partial.json")
-        partial.write_text(json.dumps({names[name]: [usage[name], code[name], hot_loop(listed[name])]
-                                       for name in usage}))
-        partial.replace(cached)
-    return json.loads(cached.read_text())
+def unavailable(why: str) -> NoReturn:
+    """No SASS to read: a failure where the CUDA build is required (`make test` wherever nvcc is), else a skip."""
+    if env_flag(os.environ, ENV_REQUIRE_CUDA):
+        pytest.fail(f"{ENV_REQUIRE_CUDA}=1, but {why}")
+    pytest.skip(why)
 
 
-def read_all(jobs) -> dict:
-    if NVCC is None:
-        pytest.skip("nvcc not found: no SASS to check (CI has it)")
+def built_module(arch: str) -> Path:
+    """The extension module built from csrc/ as it is now, with code for ``arch``."""
+    info, spec = _extension.build_info(), importlib.util.find_spec("spectral_ops._C")
+    if info is None or not info["cuda_built"] or spec is None:
+        unavailable("the CUDA extension is not built here: no SASS to read (CI builds it)")
+    if info.get("sources_sha256") != hash_sources(CSRC):
+        unavailable("the CUDA extension was built from other sources than csrc/ now: rebuild it "
+                    "(pip install --no-build-isolation -e ., which `make test` runs when csrc/ changes)")
+    if arch not in info["archs"]:
+        unavailable(f"the CUDA extension was built for {info['archs']}, without {arch} (SPECTRAL_OPS_CUDA_ARCHS)")
     if CUOBJDUMP is None:
-        message = "cuobjdump not found (CUDA toolkit or Triton's copy; see bench/sass.py find_cuobjdump)"
-        if env_flag(os.environ, ENV_REQUIRE_CUDA):
-            pytest.fail(f"{ENV_REQUIRE_CUDA}=1 and nvcc is here, but {message}")
-        pytest.skip(message)
-    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        tables = list(pool.map(lambda job: read_cubin(*job), jobs))
-    return {name: tuple(entry) for table in tables for name, entry in table.items()}
+        unavailable("cuobjdump not found (CUDA toolkit or Triton's copy; see bench/sass.py find_cuobjdump)")
+    return Path(spec.origin)
+
+
+def read_module(module: Path, arch: str) -> dict:
+    """{demangled kernel name: (resource usage, opcodes, hot-loop opcodes)} of the module's code for
+    ``arch``, cached by the module's hash (disassembling the tiled kernels takes seconds)."""
+    cached = CACHE / hashlib.sha256(module.read_bytes()).hexdigest()[:16] / f"{arch}.json"
+    if not cached.exists():
+        usage = sass.resource_usage(module, arch=arch, cuobjdump=CUOBJDUMP)
+        listed = listings(module, arch)  # the opcodes too: one disassembly of the module, not two (7 s each)
+        names = sass.demangle(usage)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.partial")  # suites of two checkouts may read it at once
+        partial.write_text(json.dumps({names[name]: [usage[name], [opcode for _, _, opcode, _ in listed[name]],
+                                                     hot_loop(listed[name])] for name in usage}))
+        partial.replace(cached)
+    return {name: tuple(entry) for name, entry in json.loads(cached.read_text()).items()}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
 def kernels(request):
-    """{demangled kernel name: (resource usage, opcodes, hot-loop opcodes)}: every csrc/*.cu for sm_90,
-    the tiled kernels' sources (gemm.cu, syrk.cu) for sm_80, the arch their main loop is written for."""
-    sources = sorted(CSRC.glob("*.cu")) if request.param == "sm_90" else [CSRC / "gemm.cu", CSRC / "syrk.cu"]
-    return read_all([(source, request.param) for source in sources])
+    """{demangled kernel name: (resource usage, opcodes, hot-loop opcodes)}: every kernel of the built
+    extension for the arch, sm_90 or sm_80 (the one the tiled kernels' main loop is written for)."""
+    return read_module(built_module(request.param), request.param)
 
 
 def tiled(kernels):

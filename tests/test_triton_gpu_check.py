@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,16 +39,35 @@ def run(gpu_checks, argv) -> int:
 
 
 @pytest.fixture(scope="module")
-def dry_run(gpu_checks, tmp_path_factory):
-    """One dry run of every case, shared: under the interpreter it is the slow part of this module."""
-    out = tmp_path_factory.mktemp("dry_run")
-    exit_status = run(gpu_checks, ["--dry-run", "--out", str(out)])
-    return exit_status, json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.md").read_text()
+def dry_run(tmp_path_factory):
+    """One dry run of every case, shared: under the interpreter it is the slow part of this module. It runs as
+    on a GPU machine that has torch and triton but not this package, and no registry: from a plain copy of the
+    repository. ``python -S`` with the site-packages folder on PYTHONPATH imports torch and triton but skips the
+    ``.pth`` hook of this package's editable install. Its exit status, report and markdown, and the copy."""
+    import shutil
+    import sysconfig
+
+    root, folder = SCRIPT.parents[1], tmp_path_factory.mktemp("dry_run")
+    copy, out = folder / "checkout", folder / "results"
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout
+    for name in tracked.split():
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, copy / name)
+    env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    hidden = subprocess.run([sys.executable, "-S", "-c", "import spectral_ops"], cwd=folder, env=env,
+                            capture_output=True, text=True)
+    assert hidden.returncode != 0, "the installed package is still visible: the dry run would prove nothing"
+    result = subprocess.run([sys.executable, "-S", "bench/gpu_check.py", "--dry-run", "--out", str(out)],
+                            cwd=copy, env=env, capture_output=True, text=True, timeout=600)
+    assert (out / "gpu_check.json").exists(), result.stdout[-3000:] + result.stderr[-3000:]
+    return SimpleNamespace(exit_status=result.returncode, output=result.stdout[-3000:] + result.stderr[-3000:],
+                           report=json.loads((out / "gpu_check.json").read_text()),
+                           markdown=(out / "gpu_check.md").read_text())
 
 
 def test_dry_run_checks_every_case_that_runs_on_a_cpu_and_writes_the_report(gpu_checks, dry_run):
-    exit_status, report, markdown = dry_run
-    assert exit_status == 0
+    report, markdown = dry_run.report, dry_run.markdown
+    assert dry_run.exit_status == 0, dry_run.output
     checks = [row for row in report["results"] if row["kind"] == "check"]
     passed = {(row["case"], row["backend"]) for row in checks if row["status"] == "ok"}
     assert passed == {(case.name, case.backend) for case in gpu_checks.cases.REGISTRY if case.tiny_shapes}
@@ -60,7 +80,7 @@ def test_dry_run_checks_every_case_that_runs_on_a_cpu_and_writes_the_report(gpu_
 
 
 def test_dry_run_runs_the_headline_then_the_breadth_then_the_cuda_cases(gpu_checks, dry_run):
-    rows = dry_run[1]["results"]
+    rows = dry_run.report["results"]
     phases = [row["phase"] for row in rows]
     assert phases == sorted(phases, key=gpu_checks.runner.PHASES.index) and set(phases) == set(gpu_checks.runner.PHASES)
     headline = [row for row in rows if row["phase"] == "headline"]
@@ -101,7 +121,7 @@ def test_the_headline_runs_in_the_issues_order(gpu_checks):
 
 
 def test_skipped_is_never_ok_and_always_says_why(dry_run):
-    _, report, markdown = dry_run
+    report, markdown = dry_run.report, dry_run.markdown
     for row in report["results"]:
         assert (row["ok"] is True) == (row["status"] == "ok"), row
         if row["status"] == "skipped":
@@ -110,13 +130,13 @@ def test_skipped_is_never_ok_and_always_says_why(dry_run):
 
 
 def test_cuda_graph_and_muon_cases_are_skipped_on_a_cpu(dry_run):
-    rows = [row for row in dry_run[1]["results"] if "CUDA graph" in row["case"] or "Muon" in row["case"]]
+    rows = [row for row in dry_run.report["results"] if "CUDA graph" in row["case"] or "Muon" in row["case"]]
     assert len(rows) == 7
     assert all(row["status"] == "skipped" and row["ok"] is None and "CUDA" in row["reason"] for row in rows)
 
 
 def test_cuda_kernels_are_skipped_without_the_extension_or_a_gpu(gpu_checks, dry_run):
-    rows = [row for row in dry_run[1]["results"] if row["backend"] == "cuda"]
+    rows = [row for row in dry_run.report["results"] if row["backend"] == "cuda"]
     assert {row["case"] for row in rows} == {case.name for case in gpu_checks.cases.REGISTRY if case.backend == "cuda"}
     assert all(row["status"] == "skipped" and row["reason"] for row in rows)
 
@@ -283,35 +303,6 @@ def test_compile_only_builds_sm90_kernels_without_a_gpu(tmp_path):
         row["status"] == "ok" and row["registers"] > 0 for row in extension)
 
 
-def test_dry_run_starts_from_a_bare_copy_of_the_checkout(tmp_path):
-    """A GPU machine may have torch and triton but not this package, and no registry: the check must
-    start from a plain copy of the repository. ``python -S`` with the site-packages folder on
-    PYTHONPATH imports torch and triton but skips the ``.pth`` hook of this package's editable install."""
-    import shutil
-    import sysconfig
-
-    root = SCRIPT.parents[1]
-    copy = tmp_path / "checkout"
-    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout
-    for name in tracked.split():
-        (copy / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(root / name, copy / name)
-    env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
-    hidden = subprocess.run([sys.executable, "-S", "-c", "import spectral_ops"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True)
-    assert hidden.returncode != 0, "the installed package is still visible: the test would prove nothing"
-    out = tmp_path / "results"
-    result = subprocess.run([sys.executable, "-S", "bench/gpu_check.py", "--dry-run", "--only",
-                             "op decay_ p=2,syrk X X^T", "--out", str(out)],
-                            cwd=copy, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = json.loads((out / "gpu_check.json").read_text())["results"]
-    ran = {(row["case"], row["backend"]) for row in rows if row["status"] == "ok"}
-    assert ran >= {("op decay_ p=2", "triton"), ("op decay_ p=2", "auto"), ("syrk X X^T", "triton")}
-    assert all(row["status"] == "skipped" for row in rows if row["backend"] == "cuda")
-    assert "| op decay_ p=2 | triton |" in (out / "gpu_check.md").read_text()
-
-
 def test_timing_rows_carry_the_models_rate_prediction_and_the_routers_choice(gpu_checks, monkeypatch):
     """On an H100 (the model's table; no GPU needed): the Triton Gram of a 4096 x 4096 X computes one
     triangle, n^2 k = 4096^3 FLOPs, cuBLAS the whole 2 n^2 k; no measured efficiency, no prediction
@@ -344,14 +335,17 @@ def test_the_fastest_provider_of_each_call_is_marked_against_the_routers_choice(
 def test_the_in_tree_build_records_itself_beside_its_module(gpu_checks, tmp_path, monkeypatch):
     """What `load_extension` reads: the record describes the in-tree build (its archs, or why it failed)."""
     from spectral_ops import _extension
-    from spectral_ops.build_config import parse_cuda_arch_list
+    from spectral_ops.build_config import hash_sources, parse_cuda_arch_list
 
     (tmp_path / "spectral_ops").mkdir()
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "gemm.cu").write_text("// the sources the module is built from\n")
     monkeypatch.setattr(gpu_checks.build, "ROOT", tmp_path)
     archs = parse_cuda_arch_list("90", source="test", ptx_for_newest=True)
     gpu_checks.build.write_build_record(archs, None, True, "")
     info = _extension.build_info(tmp_path / "spectral_ops")
     assert info["cuda_built"] and info["archs"] == ["sm_90", "compute_90"]
+    assert info["sources_sha256"] == hash_sources(tmp_path / "csrc")  # what tests/test_cuda_sass.py compares
     gpu_checks.build.write_build_record(archs, None, False, "cmake --build exited 1")
     info = _extension.build_info(tmp_path / "spectral_ops")
     assert not info["cuda_built"] and info["reason"] == "cmake --build exited 1" and info["archs"] == []

@@ -52,10 +52,12 @@ def _nvcc_version(nvcc: str) -> str | None:
 
 def write_build_record(archs, nvcc: str | None, cuda_built: bool, reason: str) -> None:
     """``spectral_ops/_build_info.json`` for the in-tree build, as ``setup.py`` writes it for its own."""
-    from spectral_ops.build_config import BUILD_INFO_FILENAME, build_info
+    from spectral_ops.build_config import BUILD_INFO_FILENAME, build_info, hash_sources
 
-    info = build_info(cuda_built=cuda_built, reason=reason, archs=archs, archs_source="bench/gpu_check.py (this GPU)",
-                      nvcc_path=nvcc, nvcc_version=_nvcc_version(nvcc) if nvcc else None, env=os.environ)
+    info = build_info(cuda_built=cuda_built, reason=reason,
+                      sources_sha256=hash_sources(ROOT / "csrc") if cuda_built else "", archs=archs,
+                      archs_source="bench/gpu_check.py (this GPU)", nvcc_path=nvcc,
+                      nvcc_version=_nvcc_version(nvcc) if nvcc else None, env=os.environ)
     (ROOT / "spectral_ops" / BUILD_INFO_FILENAME).write_text(json.dumps(info, indent=2) + "\n")
 
 
