@@ -103,11 +103,12 @@ else
 	@echo "$(DEBIAN_TESTS): left out ($(DEBIAN_LEFT_OUT))"
 endif
 
-# `make test` in stages, run by make -j3 (test-stages): the suites need both cores, while the setup of the
-# oldest torch's venv and of the Debian chroot is mostly downloads and disk writes, and needs no suite. So
-# .venv's requirements install in the foreground while the other two build in the background, each into its
-# log under $(BACKGROUND_LOGS); ruff and the main suite start once .venv is ready; the oldest torch's subset
-# and the chroot's tests wait for the main suite and their own setup. A setup that failed does not stop the
+# `make test` in stages, run by make -j3 (test-stages). Each setup alone leaves a core idle (pip installs on
+# one, and waits on downloads and the disk; so do debootstrap and apt), and only .venv's is needed before the
+# main suite. So .venv's requirements install in the foreground while the oldest torch's venv and the Debian
+# chroot build in the background, each into its log under $(BACKGROUND_LOGS); ruff and the main suite start
+# once .venv is ready; the oldest torch's subset and the chroot's tests wait for the main suite and their own
+# setup. A setup that failed does not stop the
 # main suite: the stage that needs it fails, with its log's last lines. make waits for every job it started,
 # on a failure too, so nothing goes on running after it exits.
 test:
