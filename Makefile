@@ -20,24 +20,30 @@ COMPAT_TESTS := tests/test_main.py tests/test_compat.py tests/test_ops.py tests/
 # Where nvcc exists, the CUDA extension must build: a compile error fails `make test` (and CI).
 NVCC := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 export SPECTRAL_OPS_REQUIRE_CUDA ?= $(if $(NVCC),1,0)
-BUILD_FILES := requirements-test.txt pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*)
+PACKAGE_FILES := pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*)
 
 .PHONY: demo test test-debian test-avx2 compat bench clean
 
+# A venv in two steps, each with its stamp: its requirements, then the package itself. The editable install
+# writes into the working tree (the build record, and the CUDA module where nvcc exists), so `make test`
+# does it only while no suite runs; the requirements, the long step, touch nothing outside the venv.
 # $(1): the venv, $(2): its requirements files besides requirements-test.txt (its torch's first).
-define make_venv
+define install_requirements
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install --quiet $(foreach file,$(2),-r $(file)) -r requirements-test.txt
-	$(1)/bin/python -m pip install --quiet --no-build-isolation -e .
-	touch $(1)/.installed
+	touch $(1)/.requirements
 endef
 
 # The main venv also has the frameworks of docs/integrations.md (tests/test_integrations_*.py).
-$(STAMP): requirements-torch.txt requirements-integrations.txt $(BUILD_FILES)
-	$(call make_venv,$(VENV),requirements-torch.txt requirements-integrations.txt)
+$(VENV)/.requirements: requirements-torch.txt requirements-integrations.txt requirements-test.txt
+	$(call install_requirements,$(VENV),requirements-torch.txt requirements-integrations.txt)
 
-$(COMPAT_STAMP): requirements-torch-$(TORCH_SET).txt $(BUILD_FILES)
-	$(call make_venv,$(COMPAT_VENV),requirements-torch-$(TORCH_SET).txt)
+$(COMPAT_VENV)/.requirements: requirements-torch-$(TORCH_SET).txt requirements-test.txt
+	$(call install_requirements,$(COMPAT_VENV),requirements-torch-$(TORCH_SET).txt)
+
+%/.installed: %/.requirements $(PACKAGE_FILES)
+	$*/bin/python -m pip install --quiet --no-build-isolation -e .
+	touch $@
 
 demo: $(STAMP)
 	$(PY) -m spectral_ops
@@ -97,14 +103,60 @@ else
 	@echo "$(DEBIAN_TESTS): left out ($(DEBIAN_LEFT_OUT))"
 endif
 
+# `make test` in stages, run by make -j3 (test-stages). Each setup alone leaves a core idle (pip installs on
+# one, and waits on downloads and the disk; so do debootstrap and apt), and only .venv's is needed before the
+# main suite. So .venv's requirements install in the foreground while the oldest torch's venv and the Debian
+# chroot build in the background, each into its log under $(BACKGROUND_LOGS); ruff and the main suite start
+# once .venv is ready; the oldest torch's subset and the chroot's tests wait for the main suite and their own
+# setup. A setup that failed does not stop the
+# main suite: the stage that needs it fails, with its log's last lines. make waits for every job it started,
+# on a failure too, so nothing goes on running after it exits.
+test:
+	@$(MAKE) --no-print-directory -j3 test-stages
+
+BACKGROUND_LOGS := build/test-setup
+
+# $(1): the file to make, $(2): its log's name. The recipe always succeeds; the exit status goes to a file
+# that background_result reads.
+define make_in_background
+	@mkdir -p $(BACKGROUND_LOGS)
+	@echo "making $(1) in the background (log: $(BACKGROUND_LOGS)/$(2).log)"
+	@+$(MAKE) --no-print-directory $(1) > $(BACKGROUND_LOGS)/$(2).log 2>&1; echo $$? > $(BACKGROUND_LOGS)/$(2).status
+endef
+
+define background_result
+	@test "$$(cat $(BACKGROUND_LOGS)/$(2).status)" = 0 || { tail -n 30 $(BACKGROUND_LOGS)/$(2).log; \
+		echo "making $(1) failed: above, the end of its log $(BACKGROUND_LOGS)/$(2).log"; exit 1; }
+endef
+
+.PHONY: test-stages test-main test-oldest background-oldest background-debian
+
+background-oldest:
+	$(call make_in_background,$(COMPAT_VENV)/.requirements,torch-$(TORCH_SET))
+
+background-debian:
+ifeq ($(DEBIAN_CHROOT),1)
+	$(call make_in_background,$(DEBIAN_STAMP),debian-$(DEBIAN_SUITE))
+endif
+
 # Lint first (pyproject.toml's [tool.ruff]); the benchmarks run once each, untimed, as a smoke test (no
-# framework of docs/integrations.md may skip: -rfEs adds why any test skipped to the failures); then the core
-# of the suite at the oldest torch; then emerging-optimizers' tests in the Debian chroot.
-test: $(STAMP) $(COMPAT_STAMP)
+# framework of docs/integrations.md may skip: -rfEs adds why any test skipped to the failures).
+test-main: $(STAMP)
 	$(VENV)/bin/ruff check .
 	SPECTRAL_OPS_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest tests bench -q -rfEs --benchmark-disable $(XDIST) \
 		$(foreach file,$(DEBIAN_TESTS),--ignore=$(file))
+
+# Then the core of the suite at the oldest torch (the package's editable install only now: see above).
+test-oldest: background-oldest | test-main
+	$(call background_result,$(COMPAT_VENV)/.requirements,torch-$(TORCH_SET))
+	$(MAKE) --no-print-directory $(COMPAT_STAMP)
 	$(COMPAT_PY) -m pytest $(COMPAT_TESTS) -q $(XDIST)
+
+# The last stage, once all the others are done: emerging-optimizers' tests in the Debian chroot.
+test-stages: test-oldest background-debian
+ifeq ($(DEBIAN_CHROOT),1)
+	$(call background_result,$(DEBIAN_STAMP),debian-$(DEBIAN_SUITE))
+endif
 	$(MAKE) --no-print-directory test-debian
 
 # The suite with the kernels an AVX2-only CPU runs (bf16 emulated, MKL's AVX2 GEMM), on a CPU with
