@@ -116,12 +116,13 @@ test:
 
 BACKGROUND_LOGS := build/test-setup
 
-# $(1): the file to make, $(2): its log's name. The recipe always succeeds; the exit status goes to a file
-# that background_result reads.
+# $(1): the file to make, $(2): its log's name, at a lower priority (nice), so that .venv's setup, which the
+# main suite waits for, gets the cores first. The recipe always succeeds; the exit status goes to a file that
+# background_result reads.
 define make_in_background
 	@mkdir -p $(BACKGROUND_LOGS)
 	@echo "making $(1) in the background (log: $(BACKGROUND_LOGS)/$(2).log)"
-	@+$(MAKE) --no-print-directory $(1) > $(BACKGROUND_LOGS)/$(2).log 2>&1; echo $$? > $(BACKGROUND_LOGS)/$(2).status
+	@+nice -n 10 $(MAKE) --no-print-directory $(1) > $(BACKGROUND_LOGS)/$(2).log 2>&1; echo $$? > $(BACKGROUND_LOGS)/$(2).status
 endef
 
 define background_result
