@@ -13,13 +13,12 @@ from spectral_ops import dispatch, gpu_model
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Modules whose tests share a costly module- or session-scoped fixture (a build kept under build/, every
-# experiment run once, a multi-process launch, the dry run of the GPU check, the compiled counts of torch's own
-# optimizers that test_optim_compile compares with), or that load the cores on purpose
+# experiment run once, a multi-process launch, the dry run of the GPU check), or that load the cores on purpose
 # (test_dist_exit's launches beside a busy loop). Under pytest-xdist (`make test` runs `-n auto`) each runs on one
 # worker, so its fixture is made once, not once per worker, no two workers write the same build folder, and one
 # busy loop at a time contends for the cores; every other test goes to whichever worker is free.
 ONE_WORKER_MODULES = ("test_cuda_emulation", "test_cuda_sass", "test_dist_exit", "test_experiments",
-                      "test_integrations_torchtitan", "test_optim_compile", "test_optim_distributed",
+                      "test_integrations_torchtitan", "test_optim_distributed",
                       "test_train_distributed", "test_triton_gpu_check")
 
 
