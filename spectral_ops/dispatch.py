@@ -227,8 +227,8 @@ def _modelled_order(primitive: str, device, dtype, shape, precision, steps: int)
         # The composed chain: the fused one's FLOPs and traffic, in one launch per product of its steps.
         fused = gpu_model.primitive_work(primitive, shape, dtype, precision, "torch", compose=_compose_small_chain,
                                          steps=steps)
-        launches = gpu_model.composed_chain_work(_compose_small_chain, tuple(shape), torch.float32, "fp32", "torch",
-                                                 steps).launches
+        launches = gpu_model.composed_chain_work(_compose_small_chain, tuple(shape), dtype, precision, "torch",
+                                                 steps).launches  # the count just made for `fused`, cached
         predicted[COMPOSED] = gpu_model.predict_ms(arch, "torch", Work(fused.flops, fused.bytes, launches), precision)
     ranked = sorted((ms, name not in ("torch", COMPOSED), name) for name, ms in predicted.items() if ms is not None)
     return [name for _, _, name in ranked]

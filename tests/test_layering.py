@@ -145,7 +145,6 @@ def test_a_planted_upward_import_fails_the_check(tmp_path, planted):
     with open(root / file, "a") as handle:
         handle.write("\n\n" + function)
     graph = import_graph(root)
-    assert upward_imports(graph) or import_circle(graph)
     if file == "dispatch.py":
         assert upward_imports(graph) == ["spectral_ops.dispatch -> spectral_ops.optim"]
     else:
