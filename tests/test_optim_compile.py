@@ -56,9 +56,14 @@ TORCH = {
 }
 
 
-def run(build, bias: bool, *, compiled: bool, scheduled: bool, tensor_lr: bool = False):
+def run(build, bias: bool, *, compiled: bool, scheduled: bool, tensor_lr: bool = False, backend: str = "inductor"):
     """``STEPS`` steps of ``build(model, lr)``: the final parameters, and Dynamo's graphs and graph
-    breaks where ``compiled``."""
+    breaks where ``compiled`` (with ``backend``).
+
+    Dynamo's profile-guided dynamism (``automatic_dynamic_local_pgo``) is off: it keeps what earlier
+    compiles of a frame found dynamic, on disk in Inductor's cache, keyed by file, line and function,
+    and every case here compiles the same ``step`` frame, so a case's count would depend on the cases,
+    tests and runs before it. Without it each case starts from nothing, as torch's does."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -70,21 +75,27 @@ def run(build, bias: bool, *, compiled: bool, scheduled: bool, tensor_lr: bool =
     def step():
         optimizer.step()
 
-    step = torch.compile(step) if compiled else step
-    for index in range(STEPS):
-        inputs, targets = batch(index)
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(inputs), targets).backward()
-        step()
-        if scheduler is not None:
-            scheduler.step()
+    step = torch.compile(step, backend=backend) if compiled else step
+    with torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):
+        for index in range(STEPS):
+            inputs, targets = batch(index)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(inputs), targets).backward()
+            step()
+            if scheduler is not None:
+                scheduler.step()
     counts = (counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
     return [param.detach().clone() for param in model.parameters()], counts
 
 
 @functools.cache
 def torch_counts(name: str, scheduled: bool, tensor_lr: bool):
-    return run(TORCH[name], name == "adamw", compiled=True, scheduled=scheduled, tensor_lr=tensor_lr)[1]
+    """torch's optimizer's graphs and breaks. Dynamo decides both before any backend sees a graph (the
+    counts are the same under Inductor: checked for these five runs when this was written), and nothing
+    else of torch's run is read, so its graphs go to the eager backend: Inductor's code generation and
+    C++ builds of torch's own steps would cost a new machine seconds per graph and check nothing."""
+    return run(TORCH[name], name == "adamw", compiled=True, scheduled=scheduled, tensor_lr=tensor_lr,
+               backend="eager")[1]
 
 
 # With a scheduler, torch's own Muon specialises its lr (``p.add_(update, alpha=-adjusted_lr)``): compiled
