@@ -3,7 +3,8 @@
 The API layer's part: validation, the heads as stacks of matrices (views), one call of the plan
 (:func:`spectral_ops.plan.qk_cap`, where the algorithm is) and the write of the heads it changed. A
 ``DTensor`` weight (FSDP2, tensor parallelism) is gathered whole on every rank, capped there (every rank
-computes the same bits), and each rank writes its own part back.
+computes the same bits), and each rank writes its own part back. Also a model's reading of its attention
+pairs (:func:`attention_pairs`), which needs no optimizer (``optim.QKCap`` applies the cap to them).
 """
 
 from __future__ import annotations
@@ -150,3 +151,47 @@ def _write_heads(weight: torch.Tensor, whole: torch.Tensor, heads: torch.Tensor,
                           .to_local() for tensor in (whole, changed))
     local = weight.to_local()
     local[changed_part] = part[changed_part]
+
+
+# How a model's pairs are given where attention_pairs cannot read them.
+GIVEN_PAIRS = "spectral_ops.optim.QKCap(pairs=[(q_weight, k_weight, num_heads, num_kv_heads), ...], cap=...)"
+
+
+def _head_dim(module: torch.nn.Module, name: str) -> int:
+    """The head size of the attention ``module``: its ``head_dim``, else its ``config.head_dim``, else its
+    ``config.hidden_size // config.num_attention_heads`` (Hugging Face's default)."""
+    config = getattr(module, "config", None)
+    for value in (getattr(module, "head_dim", None), getattr(config, "head_dim", None)):
+        if value is not None:
+            return value
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if hidden is not None and heads:
+        return hidden // heads
+    raise ValueError(f"cannot tell the head size of {name or 'the model'} ({type(module).__name__}): it has no "
+                     "head_dim attribute, nor a config with head_dim or hidden_size and num_attention_heads; give "
+                     f"it one, or give the pairs yourself: {GIVEN_PAIRS}")
+
+
+def attention_pairs(model: torch.nn.Module) -> dict[str, tuple]:
+    """``{module path: (q_weight, k_weight, num_heads, num_kv_heads)}`` for every module of ``model`` with
+    ``q_proj`` and ``k_proj`` children holding a ``.weight`` (Llama-style Hugging Face models' ``self_attn``,
+    the reference model's ``attention``), with the head counts from its head size (:func:`_head_dim`)."""
+    pairs = {}
+    for name, module in model.named_modules():
+        q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
+        if not (isinstance(getattr(q, "weight", None), torch.Tensor) and isinstance(getattr(k, "weight", None),
+                                                                                    torch.Tensor)):
+            continue
+        head_dim = _head_dim(module, name)
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"{name}: its head size must be an integer >= 1, got {head_dim!r}")
+        rows = {"q_proj": q.weight.shape[0], "k_proj": k.weight.shape[0]}
+        uneven = {child: count for child, count in rows.items() if count % head_dim}
+        if uneven:
+            raise ValueError(f"{name}: the rows of {', '.join(f'{c} ({n})' for c, n in uneven.items())} do not split "
+                             f"into heads of its head size {head_dim}; give the pairs yourself: {GIVEN_PAIRS}")
+        pairs[name] = (q.weight, k.weight, rows["q_proj"] // head_dim, rows["k_proj"] // head_dim)
+    if not pairs:
+        raise ValueError(f"{type(model).__name__} has no module with q_proj and k_proj children holding a weight "
+                         f"(Llama-style attention); give the pairs yourself: {GIVEN_PAIRS}")
+    return pairs

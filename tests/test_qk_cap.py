@@ -18,7 +18,7 @@ import torch
 from spectral_ops import qk_cap_, reference
 from spectral_ops.linalg import matrix_with_spectrum, relative_error
 from spectral_ops.optim import QKCap
-from spectral_ops.optim.qk_cap import attention_pairs
+from spectral_ops.qk_cap import attention_pairs
 from spectral_ops.train import Transformer, preset
 from spectral_ops.train.model import ModelConfig, apply_rotary
 
@@ -104,6 +104,19 @@ def test_a_changed_factor_is_its_clip_at_the_split_threshold(num_kv, method, dty
             assert t_q * t_k == pytest.approx(cap, rel=1e-12)
             expected = reference.spectral_clip_svd(head_rows(k_before, H)[h].double(), high=t_k)
             assert relative_error(head_rows(k, H)[h], expected) < CLIP_TOLERANCE[dtype], h
+
+
+def test_a_mode_just_above_its_threshold_is_capped_on_the_gram_route():
+    """A threshold 1e-4 below the top mode, among 63 modes at 0.9 of it: a projector at the threshold itself
+    leaves 1.6e-5 of the excess (the mode is within its design's resolution); the cap's, 1% below, none."""
+    spectrum = torch.cat([torch.ones(1), torch.full((63,), 0.9)]).double()
+    q = matrix_with_spectrum((2, 64, 128), spectrum).flatten(0, 1)
+    k = matrix_with_spectrum((64, 128), spectrum, seed=1)
+    q_before, cap = q.clone(), 1 - 1e-4
+    qk_cap_(q, k, 2, cap, num_kv_heads=1, method="gram")  # s_max(W_k) = 1: t_q = cap
+    assert float(head_norms(q, 2).max() * head_norms(k, 1)) <= cap * (1 + PRODUCT_TOLERANCE[torch.float64])
+    expected = reference.spectral_clip_svd(q_before.unflatten(0, (2, 64)), high=cap)
+    assert relative_error(q.unflatten(0, (2, 64)), expected) < CLIP_TOLERANCE[torch.float64]
 
 
 def test_bf16_weights_are_capped_to_their_rounding():

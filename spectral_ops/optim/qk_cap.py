@@ -16,48 +16,7 @@ import torch
 
 from .._checks import check_coefficient
 from ..ops import check_method, check_precision
-from ..qk_cap import check_heads, qk_cap_
-
-
-def _head_dim(module: torch.nn.Module, name: str) -> int:
-    """The head size of the attention ``module``: its ``head_dim``, else its ``config.head_dim``, else its
-    ``config.hidden_size // config.num_attention_heads`` (Hugging Face's default)."""
-    config = getattr(module, "config", None)
-    for value in (getattr(module, "head_dim", None), getattr(config, "head_dim", None)):
-        if value is not None:
-            return value
-    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
-    if hidden is not None and heads:
-        return hidden // heads
-    raise ValueError(f"cannot tell the head size of {name or 'the model'} ({type(module).__name__}): it has no "
-                     "head_dim attribute, nor a config with head_dim or hidden_size and num_attention_heads; give "
-                     "it one, or pass pairs=[(q_weight, k_weight, num_heads, num_kv_heads), ...]")
-
-
-def attention_pairs(model: torch.nn.Module) -> dict[str, tuple]:
-    """``{module path: (q_weight, k_weight, num_heads, num_kv_heads)}`` for every module of ``model`` with
-    ``q_proj`` and ``k_proj`` children holding a ``.weight`` (Llama-style Hugging Face models' ``self_attn``,
-    the reference model's ``attention``), with the head counts from its head size (:func:`_head_dim`)."""
-    pairs = {}
-    for name, module in model.named_modules():
-        q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
-        if not (isinstance(getattr(q, "weight", None), torch.Tensor) and isinstance(getattr(k, "weight", None),
-                                                                                    torch.Tensor)):
-            continue
-        head_dim = _head_dim(module, name)
-        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
-            raise ValueError(f"{name}: its head size must be an integer >= 1, got {head_dim!r}")
-        rows = {"q_proj": q.weight.shape[0], "k_proj": k.weight.shape[0]}
-        uneven = {child: count for child, count in rows.items() if count % head_dim}
-        if uneven:
-            raise ValueError(f"{name}: the rows of {', '.join(f'{c} ({n})' for c, n in uneven.items())} do not split "
-                             f"into heads of its head size {head_dim}; pass pairs=[(q_weight, k_weight, num_heads, "
-                             "num_kv_heads), ...] for it")
-        pairs[name] = (q.weight, k.weight, rows["q_proj"] // head_dim, rows["k_proj"] // head_dim)
-    if not pairs:
-        raise ValueError(f"{type(model).__name__} has no module with q_proj and k_proj children holding a weight "
-                         "(Llama-style attention); pass pairs=[(q_weight, k_weight, num_heads, num_kv_heads), ...]")
-    return pairs
+from ..qk_cap import attention_pairs, check_heads, qk_cap_
 
 
 class QKCap:
@@ -66,8 +25,9 @@ class QKCap:
 
     ``pairs``: ``[(q_weight, k_weight, num_heads, num_kv_heads), ...]`` (``num_kv_heads`` may be left out or
     None: one key head per query head), named ``"0"``, ``"1"``, ..., or a mapping of names to them; or
-    ``model``: the pairs of its attention modules (:func:`attention_pairs`), named by module path. ``cap``
-    (required, a finite number > 0), ``method`` and ``precision`` as :func:`~spectral_ops.qk_cap_` takes them.
+    ``model``: the pairs of its attention modules (:func:`spectral_ops.qk_cap.attention_pairs`), named by module
+    path. ``cap`` (required, a finite number > 0), ``method`` and ``precision`` as :func:`~spectral_ops.qk_cap_`
+    takes them.
 
     After each application: :attr:`bounds`, each pair's bounds before it (per q head, as ``qk_cap_`` returns
     them); :attr:`clipped`, per pair, the q heads capped so far (those whose bound exceeded the cap, counted at
