@@ -34,6 +34,7 @@ from .ops import (
     spectral_power,
     svt,
 )
+from .qk_cap import qk_cap_
 from .step_tuning import tune
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "polar",
     "polar_express_coefficients",
     "power_update",
+    "qk_cap_",
     "reference",
     "spectral_decay",
     "spectral_decay_",

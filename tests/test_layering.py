@@ -25,7 +25,7 @@ LAYERS = {
     "training, metrics and experiments": ("", "__main__", "train", "experiments", "metrics", "analysis",
                                           "reporting"),
     "optimizers": ("optim",),
-    "API": ("ops", "decay", "decay_options", "matrix_views", "step_tuning"),
+    "API": ("ops", "decay", "decay_options", "matrix_views", "qk_cap", "step_tuning"),
     "plan": ("plan",),
     "dispatch": ("dispatch", "tuning", "gpu_model", "selfcheck"),
     "backends": ("backends", "_extension"),

@@ -668,6 +668,29 @@ def _scenario_hsdp(mesh, rank, world):
             t.clone(), mesh2, [Replicate(), Shard(dim if t.ndim >= 2 else 0)]))
 
 
+def _scenario_qk_cap(mesh, rank, world):
+    """spectral_ops.qk_cap_ on DTensor weights (FSDP2's Shard(0), uneven: 18 rows; FSDP2 over tensor parallelism's
+    strided shard on the 2-d mesh), with a key per query head and with shared keys: each gathered whole, capped
+    alike on every rank, each rank's rows written back, bitwise the call on plain tensors in one process."""
+    from torch.distributed.tensor import Shard
+
+    from spectral_ops import qk_cap_
+
+    generator = torch.Generator().manual_seed(40)
+    for kv in (6, 3):
+        q, k = torch.randn(6 * 3, 16, generator=generator), torch.randn(kv * 3, 16, generator=generator)
+        expected_q, expected_k = q.clone(), k.clone()
+        bounds = qk_cap_(expected_q, expected_k, 6, 1.0, num_kv_heads=kv)  # on plain tensors
+        cap = float(bounds.median())
+        expected_q, expected_k = q.clone(), k.clone()
+        expected = qk_cap_(expected_q, expected_k, 6, cap, num_kv_heads=kv)
+        assert not torch.equal(expected_q, q)  # some heads are over the cap
+        for place in (lambda i, t: _spread(t, mesh, Shard(0)), _fsdp_over_tp(_mesh_2d(world))):
+            spread_q, spread_k = place(0, q), place(0, k)
+            torch.testing.assert_close(qk_cap_(spread_q, spread_k, 6, cap, num_kv_heads=kv), expected, rtol=0, atol=0)
+            assert torch.equal(_whole(spread_q), expected_q) and torch.equal(_whole(spread_k), expected_k)
+
+
 def _scenarios(folder: Path, world: int) -> dict:
     from torch.distributed.tensor import Replicate
 
@@ -716,6 +739,7 @@ def _scenarios(folder: Path, world: int) -> dict:
         "the step waits for gloo to let go": _scenario_step_waits_for_gloo_to_let_go,
         "every buffer handed to gloo is lent": _scenario_every_buffer_handed_to_gloo_is_lent,
         "fsdp model": _scenario_fsdp_model,
+        "qk cap on dtensors": _scenario_qk_cap,
         "checkpoint": lambda mesh, rank, world: _scenario_checkpoint(mesh, rank, world, folder),
     }
     scenarios["hsdp: replicated over one mesh dim, sharded over the other"] = _scenario_hsdp

@@ -6,6 +6,7 @@
                    + decay, with an internal AdamW for non-matrix parameters
 ``SpectralSGD``    SGD with momentum + decoupled decay
 ``SpectralDecay``  the decay alone, for any optimizer (``.attach(optimizer)``)
+``QKCap``          the spectral QK cap after each step of any optimizer
 =================  ============================================================
 
 The optimizers layer (README, "Architecture"): below training and the experiments, above the API. What an
@@ -26,9 +27,11 @@ from .groups import (
 )
 from .hook import SpectralDecay
 from .muon import SpectralMuon
+from .qk_cap import QKCap
 from .sgd import SpectralSGD
 
 __all__ = [
+    "QKCap",
     "SpectralAdamW",
     "SpectralDecay",
     "SpectralMuon",

@@ -60,6 +60,7 @@ from .decay import (
 )
 from .factorised import FactorisedPlan
 from .gram import (
+                         ESTIMATE_SQUARINGS,
                          GUARD_SQUARINGS,
                          NORM_ROUNDING,
                          RELATIVE_ROUNDING_CAP,
@@ -103,9 +104,11 @@ from .routing import (
                          FACTORISATIONS,
                          METHODS,
                          OPS,
+                         QK_CAP_SQUARINGS,
                          UPDATE_FLOOR,
                          UPDATE_SCALES,
                          USEFUL_SQUARINGS,
+                         QKCapOutcome,
                          Route,
                          band_direction,
                          band_projectors,
@@ -117,6 +120,7 @@ from .routing import (
                          polar,
                          polar_factor,
                          power_update,
+                         qk_cap,
                          route,
                          routed,
                          spectral_clip,

@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..linalg import SpectralFactors, compute_dtype, power_weights, relative_powers
-from .gram import GUARD_SQUARINGS, GramPlan
+from .gram import ESTIMATE_SQUARINGS, GUARD_SQUARINGS, GramPlan
 from .thresholds import FactorisedThresholds
 
 
@@ -53,6 +53,11 @@ class FactorisedPlan(GramPlan):
         log_s_max = self.log_scale[..., 0, 0] + self.factors.s.amax(-1).double().log()
         widening = math.log1p(self.shape[-2] * torch.finfo(self.dtype).eps)
         yield log_s_max - widening, log_s_max + widening
+
+    def spectral_norm_estimate(self, squarings: int = ESTIMATE_SQUARINGS) -> torch.Tensor:
+        """``s_max(Xn)`` from the factorisation (compute dtype, ``(..., 1, 1)``), exact to its rounding: no
+        squarings (``squarings`` is the Gram route's, not read)."""
+        return self.factors.s.amax(-1)[..., None, None].to(self.dtype)
 
     def mode_powers(self, q: int) -> torch.Tensor:
         """The unscaled ``s^q`` of each mode (float64, ``(..., r)``; ``q = 0``: 1 on the non-zero modes)."""

@@ -298,6 +298,79 @@ def spectral_clip(kernels, W: torch.Tensor, low, high, polar_coefficients, sign_
     return checked_finite(result, "spectral_clip") if sync else result
 
 
+# qk_cap's s_max estimates (GramPlan.spectral_norm_estimate): Gn^(2^16) before the Rayleigh quotient's sweeps,
+# within 4e-7 of s_max, far inside the cap's promise (fp32: every pair within 1e-4 of the cap). They decide
+# which pairs are over the cap, and a GQA group's q threshold, cap / s_max(W_k^g), follows the key's estimate.
+QK_CAP_SQUARINGS = 16
+
+
+@dataclass(frozen=True)
+class QKCapOutcome:
+    """What :func:`qk_cap` computed, nothing written: ``bounds``, each q head's ``s_max(W_q^h) s_max(W_k^g)``
+    before the cap (``(H,)``, float64); the q heads over the cap (``q_heads``, indices into the stack) and
+    their clipped values (``q_values``, ``(n, d_h, D)`` in the weights' dtype, None where no head is over);
+    the k heads clipped and their values (with shared keys none: ``k_heads`` empty, ``k_values`` None)."""
+
+    bounds: torch.Tensor
+    q_heads: torch.Tensor
+    q_values: torch.Tensor | None
+    k_heads: torch.Tensor
+    k_values: torch.Tensor | None
+
+
+def qk_cap(kernels, Q: torch.Tensor, K: torch.Tensor, cap: float, polar_coefficients, sign_coefficients,
+           precision: str | None = None, method: str = "gram") -> QKCapOutcome:
+    """The spectral QK cap (SPEC 11) of the query heads ``Q`` (``(H, d_h, D)``) and the key heads ``K``
+    (``(KV, d_h, D)``, ``H`` a multiple of ``KV``; q head ``h`` reads k head ``h // (H / KV)``): afterwards every
+    pair has ``s_max(W_q^h) s_max(W_k^g) <= cap``, each changed factor clipped, ``U min(s, t) V^T``
+    (:meth:`~.thresholds.GramThresholds.clip` with ``hard_cap``, one stack per side, a threshold per head).
+
+    ``a = s_max(W_q^h)``, ``b = s_max(W_k^g)`` (:data:`QK_CAP_SQUARINGS`; the factorisation's own on its route).
+    With a key per query head (``KV = H``) an over-cap pair's factors are clipped at ``t_q = sqrt(cap a / b)`` and
+    ``t_k = sqrt(cap b / a)``: both shrink by ``sqrt(cap / (a b))``, so ``t_q t_k = cap`` whatever the estimates,
+    and the pair keeps its balance (QK-Clip's square-root split). A shared key (``KV < H``: GQA, MQA) is never
+    touched: each over-cap q head is clipped at ``t_q = cap / b`` (Kimi K2's rule for MLA's shared rotary key),
+    so a pair within the cap keeps its q and k heads as they are even where another of its group is over.
+
+    Precision None: :func:`~spectral_ops.precision.clip_precision` (fp32 operands, fp64 for float64). Which
+    pairs are over is read on the host, and only those heads are clipped (no head: no clip at all)."""
+    precision = clip_precision(precision, Q.dtype)
+    method = routed(kernels, Q, 0, precision, method, band=True).method
+    log_q, log_k = (_log_spectral_norms(plan_for(W, kernels, precision, method)) for W in (Q, K))
+    shared = Q.shape[0] > K.shape[0]
+    log_k_of_q = log_k.repeat_interleave(Q.shape[0] // K.shape[0])
+    log_bounds, log_cap = log_q + log_k_of_q, math.log(cap)
+    q_heads = (log_bounds > log_cap).nonzero()[:, 0]  # one host read: only these heads change
+    if shared:
+        k_heads, log_q_threshold, log_k_threshold = q_heads[:0], log_cap - log_k_of_q[q_heads], None
+    else:
+        shrink = 0.5 * (log_cap - log_bounds[q_heads])  # ln sqrt(cap / (a b)): t_q t_k = cap exactly
+        k_heads, log_q_threshold, log_k_threshold = q_heads, log_q[q_heads] + shrink, log_k[q_heads] + shrink
+    return QKCapOutcome(
+        log_bounds.exp(), q_heads, _capped(kernels, Q, q_heads, log_q_threshold, polar_coefficients,
+                                            sign_coefficients, precision, method),
+        k_heads, _capped(kernels, K, k_heads, log_k_threshold, polar_coefficients, sign_coefficients, precision,
+                         method))
+
+
+def _log_spectral_norms(plan: GramPlan) -> torch.Tensor:
+    """``ln s_max`` of each matrix of the plan's stack (float64, ``-inf`` for a zero one)."""
+    estimate = plan.spectral_norm_estimate(QK_CAP_SQUARINGS)
+    return plan.log_scale[..., 0, 0] + estimate[..., 0, 0].double().log()
+
+
+def _capped(kernels, W: torch.Tensor, heads: torch.Tensor, log_threshold, polar_coefficients, sign_coefficients,
+            precision: str, method: str) -> torch.Tensor | None:
+    """The matrices ``heads`` of the stack ``W`` clipped at ``exp(log_threshold)`` (one per matrix), in ``W``'s
+    dtype; None for no head."""
+    if not len(heads):
+        return None
+    plan = plan_for(W.index_select(0, heads), kernels, precision, method)
+    threshold = log_threshold.exp()[:, None, None]
+    clipped = plan.thresholds.clip(None, threshold, polar_coefficients, sign_coefficients, hard_cap=True)
+    return checked_finite(plan.result(*clipped).to(W.dtype), "qk_cap_")
+
+
 def composed_chain(kernels, X: torch.Tensor, p, coefficients, precision: str, sign: bool = False) -> torch.Tensor:
     """A small chain (:meth:`~spectral_ops.backends.base` ``small_chain``) as the plan composes it where
     no backend fuses one, on ``kernels`` without a chain: the ``sign`` iteration, or ``S_p``. Dispatch

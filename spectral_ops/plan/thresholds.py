@@ -418,8 +418,10 @@ class GramThresholds:
         return self.final_product(P_top, plan.Xn - shift * plan.polar(design.polar).to(plan.dtype)), \
             plan.log_scale
 
-    def clip(self, low, high, polar_coefficients, sign_coefficients):
+    def clip(self, low, high, polar_coefficients, sign_coefficients, hard_cap: bool = False):
         """``U diag(clamp(s, low, high)) V^T``, scaled: ``(D, ln c)``; a bound that is None is not applied.
+        Each bound is a number, a 0-d tensor or one per matrix (``(..., 1, 1)``); the design is for the
+        smallest ratio of the stack (:meth:`threshold_ratio`), which resolves every shallower one too.
 
         ``X - P_top(high) (X - high Q)`` caps the modes above ``high`` (the soft-threshold at ``high``
         taken off), and ``+ P_bot(low) (low Q - X)`` lifts those below ``low``: two rectangular products
@@ -427,15 +429,22 @@ class GramThresholds:
         singular vectors (``Q`` is 0 there) and stays 0. ``high / c`` above 1 caps nothing, as surely as
         the exact one; ``low / c`` is not capped (a floor above ``s_max`` lifts every mode to it). The
         polar factor is designed for the lower bound, a lift: down to the zero cutoff, and only on the
-        modes above it (:meth:`lifting_polar`)."""
+        modes above it (:meth:`lifting_polar`).
+
+        ``hard_cap``: ``high`` is a bound that no mode may exceed (:func:`~.routing.qk_cap`'s). A mode
+        within :data:`THRESHOLD_RESOLUTION` of a projector's threshold is partly projected, so one just
+        above ``high`` would keep part of its excess; the projector is therefore placed that far below
+        ``high``, where every mode at or above ``high`` is resolved and capped at ``high``, and those
+        within about 2% below it may move up towards ``high``, never beyond it."""
         plan = self.plan
-        high_design = None if high is None else self.design(high, polar_coefficients, sign_coefficients)
+        top = high * (1.0 - THRESHOLD_RESOLUTION) if hard_cap and high is not None else high  # the projector's
+        high_design = None if high is None else self.design(top, polar_coefficients, sign_coefficients)
         low_design = None if low is None else self.design(low, polar_coefficients, sign_coefficients, lifts=True)
         Q = self.lifting_polar(low_design or high_design).to(plan.dtype)
         clipped = plan.Xn
         if high is not None:
             shift = ratio(high, plan.log_scale, 1.0, plan.dtype)
-            clipped = self.final_product(self.projector(high, high_design), clipped - shift * Q,
+            clipped = self.final_product(self.projector(top, high_design), clipped - shift * Q,
                                          alpha=-1.0, Y=clipped)
         if low is not None:
             below = ratio(low, plan.log_scale, math.inf, plan.dtype) * Q - plan.Xn
@@ -490,7 +499,8 @@ class FactorisedThresholds:
         shift = ratio(t, plan.log_scale, 1.0, torch.float64)[..., 0]
         return plan.factors.modes((plan.factors.s.double() - shift).clamp_min(0)), plan.log_scale
 
-    def clip(self, low, high, polar_coefficients, sign_coefficients):
+    def clip(self, low, high, polar_coefficients, sign_coefficients, hard_cap: bool = False):
+        """Exact at every bound (``hard_cap`` needs nothing more here)."""
         plan = self.plan
         s = plan.factors.s.double()
         clipped = s

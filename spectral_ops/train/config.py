@@ -55,6 +55,7 @@ class TrainConfig:
     lambda_v: float | None = None
     p0_mode: str = "explicit"
     stability: str = "clamp"
+    qk_cap: float = 0.0
     # Muon's orthogonalisation; None: bf16 on a GPU (torch.optim.Muon's), fp32 on a CPU, where bf16
     # matmuls without native bf16 arithmetic are ~100x slower than fp32.
     muon_precision: str | None = None
@@ -195,6 +196,8 @@ FIELD_HELP = {
     "stability": "p > 1 stability guard: raise, warn, clamp or ignore. clamp, as the optimizers default to: an "
                  "unattended run should shrink a too-large step, not stop at it; each clamp is logged with its factor "
                  "(spectral_ops.decay logger) and counted in optimizer.clamped",
+    "qk_cap": "cap every attention head's s_max(W_q) s_max(W_k) at this after each step (spectral_ops.optim.QKCap: "
+              "a data-free bound on the logits, docs/api.md); 0: no cap",
     "muon_precision": "Muon's orthogonalisation precision (none: bf16 on a GPU, fp32 on a CPU)",
     "log_every": "steps between validations, log lines and metrics (and the last step)",
     "checkpoint_every": "steps between checkpoints (0: only at the end)",

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
+from ..optim import QKCap
 from ..optim.distributed import lend, let_go, local, whole
 from ..progress import progress as progress_bar  # `progress` is the flag that turns it off
 from . import monitor
@@ -283,15 +284,17 @@ def check_finite_weights(model, step: int, out: Path, processes: Processes | Non
                                  f"measuring or checkpointing them (the last checkpoint in {out} is kept)")
 
 
-def save_checkpoint(out: Path, model, optimizer, step: int, history: list, config: TrainConfig) -> None:
+def save_checkpoint(out: Path, model, optimizer, step: int, history: list, config: TrainConfig,
+                    qk_cap: QKCap | None = None) -> None:
     """Write to a temporary file, shift the older checkpoints down (the oldest drops out), then
     rename: a crash never leaves a half-written checkpoint, and one cut between the shift and the
-    rename leaves the previous checkpoint as ``checkpoint.1.pt``, where resuming looks next."""
+    rename leaves the previous checkpoint as ``checkpoint.1.pt``, where resuming looks next. ``qk_cap``:
+    the run's (``--qk-cap``), whose state goes in too."""
     check_finite_weights(model, step, out)
     paths = checkpoint_paths(out, config.keep_checkpoints)
     temporary = paths[0].with_suffix(".tmp")
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "history": history,
-             "config": to_dict(config)}
+             "config": to_dict(config), **qk_cap_state(qk_cap)}
     write_aside(temporary, lambda handle: torch.save(state, handle))
     install_checkpoint(temporary, paths)
 
@@ -333,8 +336,13 @@ def sharded_state(model, optimizer) -> dict:
     return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
+def qk_cap_state(qk_cap: QKCap | None) -> dict:
+    """What a checkpoint holds of the run's QK cap: its state dict, under ``"qk_cap"``, where there is one."""
+    return {} if qk_cap is None else {"qk_cap": qk_cap.state_dict()}
+
+
 def save_sharded_checkpoint(out: Path, model, optimizer, step: int, history: list, config: TrainConfig,
-                            processes: Processes) -> None:
+                            processes: Processes, qk_cap: QKCap | None = None) -> None:
     """:func:`save_checkpoint` for ``--fsdp``/``--ddp`` (a collective): every process writes its shards
     into a temporary folder, rank 0 adds the run state, and once all are done rank 0 moves the folder
     into place, so a folder under a checkpoint's name is complete."""
@@ -349,7 +357,8 @@ def save_sharded_checkpoint(out: Path, model, optimizer, step: int, history: lis
         dcp.save(sharded_state(model, optimizer), checkpoint_id=temporary)  # raises on every process, or none
         if processes.main:
             # The counts agree on every process (the optimizer agrees on each skip and clamp).
-            run = {"step": step, "history": history, "config": to_dict(config), **optimizer.count_state()}
+            run = {"step": step, "history": history, "config": to_dict(config), **optimizer.count_state(),
+                   **qk_cap_state(qk_cap)}
             write_aside(temporary / RUN_STATE, lambda handle: torch.save(run, handle))
     except Exception as caught:
         error = caught
@@ -520,6 +529,8 @@ def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Process
     model = Transformer(config.model_config(corpus.vocab_size)).to(device)
     network = parallelise(model, processes)
     optimizer = build_optimizer(model, config, process_group=dist.group.WORLD if processes.mode == "ddp" else None)
+    # After each step: a step that raised caps nothing. Under --fsdp every process caps the gathered heads alike.
+    qk_cap = QKCap(model=model, cap=config.qk_cap).attach(optimizer) if config.qk_cap else None
     start, history = 0, []
     if processes.distributed:
         state = load_sharded_checkpoint(out, config, model, optimizer, processes, force) if resume else None
@@ -530,6 +541,8 @@ def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Process
             optimizer.load_state_dict(state["optimizer"])
     if state is not None:
         start, history = state["step"], state["history"]
+        if qk_cap is not None and "qk_cap" in state:  # absent only from a run resumed with --force
+            qk_cap.load_state_dict(state["qk_cap"])
     elif resume and processes.main:
         print(f"{out}: nothing to resume (no checkpoint); starting from step 0", file=sys.stderr)
     # After the checkpoint is accepted, so that a refused resume leaves the folder as it was.
@@ -591,9 +604,9 @@ def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Process
                 write_logs(out, history)
         if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
             if processes.distributed:
-                save_sharded_checkpoint(out, model, optimizer, done, history, config, processes)
+                save_sharded_checkpoint(out, model, optimizer, done, history, config, processes, qk_cap)
             else:
-                save_checkpoint(out, model, optimizer, done, history, config)
+                save_checkpoint(out, model, optimizer, done, history, config, qk_cap)
     if history and progress and processes.main:
         print(f"{out}: {summary_line(history[-1])}")
     return history
