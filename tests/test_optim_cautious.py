@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_optim_atomic import FaultAtWrite, InjectedFault, _assert_same, _everything, _watched
 from test_optim_capturable import gradients, host_reads_forbidden
 
 import spectral_ops as so
@@ -229,41 +228,7 @@ def test_a_standalone_spectral_decay_has_no_update_to_be_cautious_with():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-# ----- atomic, capturable
-
-
-SPECTRAL = dict(p=2, spectral_weight_decay=40.0, stability="clamp", decay_method="gram", rollback=True, cautious=True)
-
-
-@pytest.mark.filterwarnings("ignore:.*skipped the update")
-@pytest.mark.parametrize("skip", [False, True], ids=["clean", "skip"])
-def test_a_fault_at_any_write_of_a_cautious_step_changes_nothing(skip):
-    """As tests/test_optim_atomic.py: a fault at each write in turn, bitwise nothing changed, and a
-    retry is the clean step; with a NaN gradient, the skipped weight is left as it was."""
-    def situation():
-        model = tiny_model()
-        optimizer = SpectralAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **SPECTRAL)
-        gradients(model, 0)
-        optimizer.step()
-        gradients(model, 1)
-        if skip:
-            model[2].weight.grad[0, 0] = float("nan")
-        return model, optimizer
-
-    model, optimizer = situation()
-    skipped = model[2].weight.detach().clone()
-    with FaultAtWrite(_watched(model, optimizer)) as mode:
-        optimizer.step()
-    clean = _everything(model, optimizer)
-    assert torch.equal(model[2].weight, skipped) == skip
-    for fail_at in range(1, mode.writes + 1):
-        model, optimizer = situation()
-        before = _everything(model, optimizer)
-        with FaultAtWrite(_watched(model, optimizer), fail_at), pytest.raises(InjectedFault):
-            optimizer.step()
-        _assert_same(_everything(model, optimizer), before)
-        optimizer.step()
-        _assert_same(_everything(model, optimizer), clean)
+# ----- capturable (atomic: the cautious case of tests/test_optim_atomic.py)
 
 
 def _attached(model, **options):
