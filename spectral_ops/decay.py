@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -424,7 +425,14 @@ class PendingWrite:
     ``copies``, ``(owner, destination, source, mantissa)``: a target that is no view of its weight (a
     channels-last filter's matrix, a bf16 weight's fp32 value), copied back into it (split into the pair
     where ``mantissa`` is its low bits); ``update``, the optimizer's own element-wise update of the
-    parameters (``update(keep)`` allocates what it needs and returns the function that writes).
+    parameters (``update(keep)`` allocates what it needs and returns the :class:`UpdateWrite` that writes).
+
+    ``cautious`` (SPEC 11): each increment is kept only where it agrees with the step's own update ``u``
+    (:func:`cautious_`), and added after that update is written: ``u`` is the one ``update`` writes (its
+    :attr:`UpdateWrite.directions`), or, attached to another optimizer, that one's step, read as
+    ``W_before - W_after`` from ``before[i]``, a copy of target ``i`` (of its weight, for a target that is
+    no view of it) taken before that step (:meth:`keep_before`). ``views`` take a parameter-shaped ``u``
+    to each target's.
 
     What is checked (:meth:`checks`, before any write): ``checks`` are ``(owner, tensor, limit)``
     triples known when the step is prepared (the gradients); every decayed value, ``checked[owner]``
@@ -441,6 +449,12 @@ class PendingWrite:
     decayed: dict = field(default_factory=dict)
     increments: bool = False
     stochastic: bool = False
+    cautious: bool = False
+    before: dict = field(default_factory=dict)
+    # Target index -> the function that takes a tensor laid out as the target's parameter (this rank's
+    # part) to the view of it the target is of the parameter (its matrices, their rows); none where
+    # the target is the parameter, or no view of it (a copy, whose increment goes through to it).
+    views: dict = field(default_factory=dict)
     copies: list = field(default_factory=list)
     update: object = None
     checks: list = field(default_factory=list)
@@ -489,11 +503,33 @@ class PendingWrite:
                 + [(self.owners[i], value, finite_limit(value)) for i, value in self.decayed.items()]
                 + [(None, value, finite_limit(value)) for value in self.coefficients])
 
+    def destination(self, i: int, through: dict | None = None) -> torch.Tensor:
+        """What target ``i``'s increment is added to: the target, or the weight it is a copy of
+        (``through``: :meth:`_through`, where the caller has it)."""
+        through = self._through() if through is None else through
+        return through.get(id(self.tensors[i]), self.tensors[i])
+
+    def _through(self) -> dict:
+        return {id(source): destination for _, destination, source, _ in self.copies}
+
+    def keep_before(self) -> None:
+        """Copy, for a cautious record attached to another optimizer, what each increment is added to,
+        before that optimizer's step writes it: :meth:`commit` reads that step's ``u`` from it, and
+        computes its mask in it (the copy is the mask's only memory)."""
+        through = self._through()
+        self.before = {i: self.destination(i, through).clone() for i in self.decayed}
+
     def commit(self, keep=None) -> None:
         """Write the record, following ``keep`` (one decision per owner; None: write everything)."""
         keep = [True] * (max(self.owners, default=-1) + 1) if keep is None else keep
         write_update = None if self.update is None else self.update(keep)  # it allocates before the first write
         kept = [keep[owner] for owner in self.owners]
+        if self.cautious:
+            mask = self._cautious_mask(kept, write_update)  # it allocates before the first write too
+            if write_update is not None:
+                write_update()
+                write_update = None
+            mask()
         if self.increments:
             self._add_increments(kept)
         else:
@@ -530,18 +566,59 @@ class PendingWrite:
             elif kept[i] is not False:
                 self.tensors[i].copy_(torch.where(kept[i], value, self.tensors[i]))
 
+    def _cautious_mask(self, kept: list, update):
+        """Allocate what the mask of a cautious record needs (nothing where it reads ``u`` from
+        :attr:`before`, which it overwrites), and return the function that masks every increment
+        (:func:`cautious_`) once the step's update is written: ``u`` from ``update``'s directions,
+        read through each target's :attr:`views` (a direction laid out otherwise than its weight is
+        copied into the weight's layout first, once written), or from the copies taken before
+        another optimizer's step."""
+        through = self._through()
+        directions = None if update is None else update.directions()
+        copies, jobs = [], []
+        laid_out = {}  # owner -> its direction laid out as its weight is
+        for i, increment in self.decayed.items():
+            if kept[i] is False:
+                continue
+            destination = self.destination(i, through)
+            increment = increment.view(destination.shape)
+            if i in self.before:
+                jobs.append((increment, destination, self.before[i], None))
+                continue
+            owner = self.owners[i]
+            if owner not in laid_out:
+                weight, direction = directions[owner]
+                if direction.stride() != weight.stride():  # read through the weight's views: laid out as it
+                    copy = torch.empty_strided(weight.shape, weight.stride(), dtype=direction.dtype,
+                                               device=weight.device)
+                    copies.append((copy, direction))
+                    direction = copy
+                laid_out[owner] = direction
+            view = self.views.get(i)
+            direction = laid_out[owner] if view is None else view(laid_out[owner])
+            jobs.append((increment, None, direction.view(destination.shape), torch.empty_like(increment)))
+
+        def mask():
+            for copy, direction in copies:
+                copy.copy_(direction)
+            for increment, destination, update_signs, scratch in jobs:
+                if destination is not None:  # u is the other optimizer's step: before - after
+                    update_signs = scratch = update_signs.sub_(destination)
+                cautious_(increment, update_signs, scratch)
+        return mask
+
     def _add_increments(self, kept: list) -> None:
         # A device decision masks its increment in place first: the additions then allocate nothing
         # but a stochastic rounding's bits, and a skipped target adds exact zeros. A target that is no
         # view of its weight takes the increment through to the weight.
         added = []
-        through = {id(source): destination for _, destination, source, _ in self.copies}
+        through = self._through()
         for i, increment in self.decayed.items():
             if kept[i] is False:
                 continue
             if kept[i] is not True:
                 torch.where(kept[i], increment, increment.new_zeros(()), out=increment)
-            target = through.get(id(self.tensors[i]), self.tensors[i])
+            target = self.destination(i, through)
             added.append((target, increment.view(target.shape)))
         for target, increment in added:
             if self.stochastic and target.dtype in STOCHASTICALLY_ROUNDED:
@@ -549,6 +626,36 @@ class PendingWrite:
                 target.copy_(round_stochastic(target.float() + increment, target.dtype, noise))
             else:
                 target.add_(increment)
+
+
+@dataclass
+class UpdateWrite:
+    """What an optimizer record's ``update(keep)`` returns (see :class:`PendingWrite`), everything it
+    needs allocated: calling it writes the update. ``directions()`` (for a cautious decay, SPEC 11), per
+    parameter of the record, ``(weight, direction)``: the tensor the parameter's targets are views of (its
+    local part), and a tensor of its shape whose values, once the update is written, have the signs of
+    the update ``u`` it adds (``W <- W - lr u``): Adam's first moment, SGD's momentum, Muon's polar
+    factor; None for a parameter it does not write."""
+
+    write: Callable[[], None]
+    directions: Callable[[], list]
+
+    def __call__(self) -> None:
+        self.write()
+
+
+def cautious_(increment: torch.Tensor, update: torch.Tensor, scratch: torch.Tensor) -> None:
+    """SPEC 11's mask of a decay term, in place: ``increment`` is ``-s lambda T`` (the term ``T``,
+    ``S_p(W)`` or ``W``, times ``s lambda >= 0``), kept where ``u * T >= 0`` (``u * increment <= 0``) and
+    zero elsewhere: the decay acts only where it does not oppose the step's update ``u``, and wherever
+    ``u`` is 0. ``update``: ``u``, or any tensor with its signs; ``scratch``: a tensor of
+    ``increment``'s shape and dtype (``update`` itself where that may be overwritten). No host read and
+    no allocation: ``sign(u) * increment`` is exact (a product by -1, 0 or 1), so the test of its sign
+    is the test of ``u * increment``'s, which a product in the weights' dtype could underflow to 0."""
+    torch.sign(update, out=scratch)
+    scratch.mul_(increment)
+    scratch.le_(0)  # 1 where kept, 0 where the decay opposes u
+    increment.mul_(scratch)
 
 
 # The request whose random bits an attached decay's stochastic write draws (rounding_noise reads

@@ -80,6 +80,8 @@ OPTIMIZERS = {
                                                 **RECORDED),
     "muon": lambda params: _muon(params, **RECORDED),
     "decay": lambda params: SpectralDecay(params, lr=1e-2, ordinary_weight_decay=0.1, **RECORDED),
+    # Cautious (SPEC 11): the decay's increments, masked by the update, added after it.
+    "adamw-cautious": lambda params: SpectralAdamW(params, lr=1e-2, weight_decay=0.1, cautious=True, **RECORDED),
     # rollback asked by the second group only (#52): a step is one unit, recorded whole, the first
     # group's writes included (the record used to restore the second group's alone).
     "adamw-mixed": lambda params: SpectralAdamW([{"params": params[:2], "rollback": False},
@@ -142,7 +144,7 @@ def _writes_of_a_step(name, steps, skip) -> tuple:
 
 CASES = [(name, 1, False) for name in OPTIMIZERS] + [
     ("adamw", 0, False), ("sgd-dampening", 0, False), ("muon", 0, False),  # the step that creates the state
-    ("adamw", 1, True), ("muon", 1, True),  # a skipped parameter: its count is written
+    ("adamw", 1, True), ("muon", 1, True), ("adamw-cautious", 1, True),  # a skipped parameter: its count is written
 ]
 
 
@@ -281,12 +283,12 @@ def test_without_a_rollback_record_a_fault_inside_a_write_is_not_undone():
 # ----- attach: the decay is planned before the host's step and written after it
 
 
-def _attached(decay_attached=True):
+def _attached(decay_attached=True, cautious=False):
     """A tiny model whose torch AdamW has a SpectralDecay attached, after two steps, and the gradients
     of the next (``decay_attached=False``: detached then, the host's step alone)."""
     model = tiny_model()
     host = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
-    decay = SpectralDecay([p for p in model.parameters() if p.ndim == 2], **RECORDED).attach(host)
+    decay = SpectralDecay([p for p in model.parameters() if p.ndim == 2], cautious=cautious, **RECORDED).attach(host)
     for step in range(2):
         _gradients(model, step)
         host.step()
@@ -319,18 +321,19 @@ def _watching_the_decay(model, host, decay, fail_at=None, decays=True):
     return mode
 
 
-def test_attached_a_fault_in_the_decays_write_restores_it_and_leaves_the_hosts_step():
+@pytest.mark.parametrize("cautious", [False, True], ids=["plain", "cautious"])
+def test_attached_a_fault_in_the_decays_write_restores_it_and_leaves_the_hosts_step(cautious):
     """The decay's writes come after the host's step has returned: a fault at any of them restores the
     weights to what the host's step made them and the decay's counts to what they were, and raises."""
-    model, host, decay = _attached()
+    model, host, decay = _attached(cautious=cautious)
     with _watching_the_decay(model, host, decay) as mode:
         host.step()
     total = mode.writes
     assert total >= 2  # an addition per matrix, and the counts that change
-    reference_model, reference_host, _ = _attached(decay_attached=False)
+    reference_model, reference_host, _ = _attached(decay_attached=False, cautious=cautious)
     reference_host.step()
     for fail_at in range(1, total + 1):
-        model, host, decay = _attached()
+        model, host, decay = _attached(cautious=cautious)
         counts = decay.count_state()
         with _watching_the_decay(model, host, decay, fail_at), pytest.raises(InjectedFault):
             host.step()

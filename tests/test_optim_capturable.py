@@ -191,6 +191,10 @@ COMPILED = {
                             precision="fp32"),
     "sgd": lambda m: SpectralSGD(m.parameters(), lr=torch.tensor(1e-2), momentum=0.9, p=0, spectral_weight_decay=0.5,
                                  capturable=True),
+    # Cautious (SPEC 11): the decay's increments masked by Adam's first moment once the update is written.
+    "adamw-cautious": lambda m: SpectralAdamW(m.parameters(), lr=torch.tensor(1e-2), weight_decay=0.1, p=2,
+                                              spectral_weight_decay=0.5, stability="clamp", capturable=True,
+                                              cautious=True),
     "decay-attached": _attached_to_adamw,
 }
 

@@ -23,7 +23,7 @@ from .. import decay_options, deprecations
 from .._checks import check_same_device
 from ..decay import DecayOptions, PendingWrite, check_decay_options, prepare_decay, row_block
 from ..matrix_views import as_matrices, unambiguous_view
-from ..plan import is_zero, needs_direction, plain_factor
+from ..plan import is_prox, is_zero, needs_direction, plain_factor
 from .distributed import local, owner_decay
 
 
@@ -121,6 +121,26 @@ def check_decay_group(group: dict, *, spectral: str, ordinary: str) -> DecayOpti
     return options
 
 
+def check_cautious(group: dict) -> None:
+    """A cautious group (SPEC 11) masks each decay term ``lambda T`` it adds to the update by the sign of
+    ``u * T``: refused where the decay is no such term (``p0_mode="prox"``, the exact soft-threshold at
+    ``p = 0``, a map of the weights rather than a term added to the update) or where the sign of a
+    product is not defined (complex parameters)."""
+    if not isinstance(group["cautious"], bool):
+        raise TypeError(f"cautious must be True or False, got {group['cautious']!r}")
+    if not group["cautious"]:
+        return
+    if is_prox(group["p"], group["p0_mode"], group["band"]):
+        raise ValueError("cautious=True masks the decay term lambda_0 * S_0(W) added to the update, where it "
+                         "agrees in sign with the update; p0_mode='prox' soft-thresholds the spectrum instead (no "
+                         "such term): use p0_mode='explicit' with cautious=True, or cautious=False")
+    complex_param = next((param for param in group["params"] if param.is_complex()), None)
+    if complex_param is not None:
+        raise TypeError(f"cautious=True compares the signs of the update and of the decay, which a complex "
+                        f"{tuple(complex_param.shape)} parameter does not have: put it in a group with "
+                        "cautious=False")
+
+
 def matrix_view_of_parameter(param: torch.Tensor, group: dict) -> str:
     """How a step reads ``param``'s matrices: its group's ``matrix_view``, else the evident reading
     (:func:`unambiguous_view`), else ``"batch"`` (a group that does not say holds no parameter whose
@@ -186,6 +206,12 @@ def row_blocks_of(param: torch.Tensor, blocks) -> list:
     return [None] if not splits else [(start, start + size) for start, size in splits]
 
 
+def matrix_rows(param: torch.Tensor, view: str, rows) -> torch.Tensor:
+    """The rows ``rows`` of the matrices ``param`` holds, read as ``view``: a target of its decay, or the
+    same view of a tensor laid out as it (:attr:`PendingWrite.views <spectral_ops.decay.PendingWrite>`)."""
+    return row_block(as_matrices(param, view), rows)
+
+
 @torch.no_grad()
 def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, scale, spectral, ordinary,
                             blocks=None, layouts=None, exchange=None, increments=False) -> PendingWrite:
@@ -196,7 +222,13 @@ def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, scale
     :class:`~spectral_ops.optim.distributed.Layout` (None: computed here alone); the spectral direction
     of a spread matrix is computed on its owner through ``exchange``. ``increments``: the increments
     ``-s (lambda_p S_p(W) + lambda_1 W)`` of the pre-step weights instead of the new values, added to
-    the weights as they are at the commit (see :class:`~spectral_ops.decay.PendingWrite`)."""
+    the weights as they are at the commit (see :class:`~spectral_ops.decay.PendingWrite`).
+
+    A ``cautious`` group (SPEC 11) takes the increments, each term its own (the spectral
+    ``-s lambda_p S_p(W)`` and the ordinary ``-s lambda_1 W``; one where they share ``W``'s direction,
+    ``p = 1``), since each is masked by its own agreement with the step's update, after that update."""
+    cautious = bool(group["cautious"])
+    increments = increments or cautious
     layouts = layouts or [None] * len(params)
     write = PendingWrite(group=group, params=list(params), stochastic=increments and options.rounding == "stochastic")
     if write.stochastic and any(layout is not None and layout.replicated for layout in layouts):
@@ -207,12 +239,16 @@ def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, scale
         options = dataclasses.replace(options, rounding="nearest")
     views = [matrix_view_of_parameter(param, group) for param in params]
     matrices = [i for i, param in enumerate(params) if param.ndim >= 2]
-    if matrices and not (is_zero(spectral) and is_zero(ordinary) and group["band"] is None):
-        arguments = dict(scale=scale, spectral_weight_decay=spectral, ordinary_weight_decay=ordinary,
+    direction = needs_direction(options.p, spectral, options.band)
+    # A cautious matrix's ordinary term, where its spectral one has a direction of its own: decayed as
+    # the vectors' is, an increment of its own.
+    apart = matrices if cautious and direction and not is_zero(ordinary) else []
+    matrix_ordinary = 0.0 if apart else ordinary
+    if matrices and not (is_zero(spectral) and is_zero(matrix_ordinary) and group["band"] is None):
+        arguments = dict(scale=scale, spectral_weight_decay=spectral, ordinary_weight_decay=matrix_ordinary,
                          capturable=capturable(group), increment=increments)
         # On their owners: spread matrices that need whole-matrix work, and replicated ones rounded
         # stochastically (one draw of the bits, which every rank then takes).
-        direction = needs_direction(options.p, spectral, options.band)
         spread = [i for i in matrices if layouts[i] is not None
                   and (direction or (options.rounding == "stochastic" and layouts[i].replicated))]
         for view in dict.fromkeys(views[i] for i in spread):
@@ -225,20 +261,25 @@ def prepare_parameter_decay(params, group: dict, options: DecayOptions, *, scale
         if entries:
             whole = {i: decayed_matrices(local(params[i]), views[i], write, i) for i in matrices}
             tensors = [row_block(whole[i], rows) for i, rows in entries]
+            first, copied = len(write.tensors), {id(matrix) for _, _, matrix, _ in write.copies}
             write.include(prepare_decay(tensors, options, **arguments), [i for i, _ in entries],
                           [rows for _, rows in entries])
+            write.views.update((first + k, functools.partial(matrix_rows, view=views[i], rows=rows))
+                               for k, (i, rows) in enumerate(entries) if id(whole[i]) not in copied)
     vectors = [i for i, param in enumerate(params) if param.ndim < 2]
     check_replicas_round_alike(group, [params[i] for i in vectors], [layouts[i] for i in vectors], ordinary)
-    if vectors and not is_zero(ordinary):
+    ordinary_alone = vectors + apart
+    if ordinary_alone and not is_zero(ordinary):
         if options.rounding == "stochastic":  # rounded by the decay's epilogue, which writes matrices
-            part = prepare_decay([local(params[i]).view(1, -1) for i in vectors], options, scale=scale,
+            part = prepare_decay([local(params[i]).view(1, -1) for i in ordinary_alone], options, scale=scale,
                                  spectral_weight_decay=0.0, ordinary_weight_decay=ordinary,
                                  capturable=capturable(group))
         else:
-            tensors = [local(params[i]) for i in vectors]
-            part = PendingWrite(tensors, factors=dict.fromkeys(range(len(vectors)),
+            tensors = [local(params[i]) for i in ordinary_alone]
+            part = PendingWrite(tensors, factors=dict.fromkeys(range(len(ordinary_alone)),
                                                                plain_factor(scale, 0.0, ordinary, increments)))
-        write.include(part, vectors)
+        write.include(part, ordinary_alone)
     if increments:
         write.as_increments()
+    write.cautious = cautious
     return write

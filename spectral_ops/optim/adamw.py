@@ -7,7 +7,7 @@ import functools
 import torch
 
 from .._checks import check_coefficient, real_view
-from ..decay import PendingWrite
+from ..decay import PendingWrite, UpdateWrite
 from ._decay import capturable, decay_keywords
 from .base import CheckedUpdate, SpectralOptimizer, device_masks, largest_magnitudes, scalar, step_scalar
 from .distributed import local
@@ -97,12 +97,18 @@ class AdamUpdate(CheckedUpdate):
         return bounds
 
     def __call__(self, keep):
+        # The directions: the first moments, which the update divides by positive denominators (a
+        # skipped parameter's is left as it was, and so is its weight).
+        def directions():
+            return [(local(param), local(self.state[param]["exp_avg"])) for param in self.params]
+
         if capturable(self.group):
-            return functools.partial(adam_update_, self.params, self.group, self.state, device_masks(keep))
+            return UpdateWrite(functools.partial(adam_update_, self.params, self.group, self.state,
+                                                 device_masks(keep)), directions)
         kept = [i for i, kept in enumerate(keep) if kept is not False]
-        return functools.partial(adam_update_, [self.params[i] for i in kept], self.group, self.state,
-                                 denominators=[self.denominators[i] for i in kept],
-                                 step_sizes=[self.step_sizes[i] for i in kept])
+        return UpdateWrite(functools.partial(adam_update_, [self.params[i] for i in kept], self.group, self.state,
+                                             denominators=[self.denominators[i] for i in kept],
+                                             step_sizes=[self.step_sizes[i] for i in kept]), directions)
 
 
 @torch.no_grad()
@@ -220,9 +226,9 @@ class SpectralAdamW(SpectralOptimizer):
 
     @decay_keywords(after="weight_decay")
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, capturable=False, strict=False,
-                 rollback=False, process_group=None, **decay):
+                 rollback=False, process_group=None, cautious=False, **decay):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **decay, capturable=capturable,
-                        strict=strict, rollback=rollback)
+                        strict=strict, rollback=rollback, cautious=cautious)
         super().__init__(params, defaults, process_group=process_group)
 
     def check_options(self, group: dict) -> None:

@@ -39,12 +39,13 @@ from .._checks import (
     shared_memory_error,
     within_limits,
 )
-from ..decay import Band, DecayOptions, PendingWrite
+from ..decay import Band, DecayOptions, PendingWrite, UpdateWrite
 from ..deprecations import renamed_group_keys
 from ..plan import stability_terms
 from ..precision import outside_autocast
 from ._decay import (
     capturable,
+    check_cautious,
     check_decay_group,
     check_replicas_round_alike,
     decay_scale,
@@ -132,7 +133,8 @@ class CheckedUpdate:
     ``update``), checked before any write: once every group's step is prepared, :meth:`magnitudes`
     bound what it adds to each weight and what it writes into the state, and the step skips a
     parameter that either could make non-finite (:meth:`SpectralOptimizer.update_checks`).
-    ``update(keep)`` allocates what the writes need and returns the function that writes them."""
+    ``update(keep)`` allocates what the writes need and returns the
+    :class:`~spectral_ops.decay.UpdateWrite` that writes them."""
 
     def __init__(self, params, group: dict, state):
         self.params, self.group, self.state = list(params), group, state
@@ -148,18 +150,31 @@ class CheckedUpdate:
         raise NotImplementedError
 
 
+def at_positions(update: UpdateWrite, positions: list, count: int) -> UpdateWrite:
+    """``update``, which writes the parameters at ``positions`` of a record of ``count``, with its
+    directions at those positions (None at the others)."""
+    def directions():
+        placed = [None] * count
+        for position, direction in zip(positions, update.directions()):
+            placed[position] = direction
+        return placed
+    return UpdateWrite(update.write, directions)
+
+
 class ElementWiseUpdate(CheckedUpdate):
-    """The update of an element-wise optimizer, ``update_(params, group, state, masks=None)`` (SGD's):
-    computed as it is written (a copy of the state would be the price of computing it first), for the
-    parameters an eager step keeps, or for all of a capturable step's, masked by its device decisions."""
+    """The update of an element-wise optimizer, ``update_(params, group, state, masks=None)`` (SGD's,
+    which allocates and returns the :class:`~spectral_ops.decay.UpdateWrite` that writes): computed as it
+    is written (a copy of the state would be the price of computing it first), for the parameters an
+    eager step keeps, or for all of a capturable step's, masked by its device decisions."""
 
     update_ = None  # a staticmethod of the subclass
 
     def __call__(self, keep):
         if capturable(self.group):
-            return functools.partial(self.update_, self.params, self.group, self.state, device_masks(keep))
-        return functools.partial(self.update_, [param for param, kept in zip(self.params, keep) if kept is not False],
-                                 self.group, self.state)
+            return self.update_(self.params, self.group, self.state, device_masks(keep))
+        kept = [i for i, kept in enumerate(keep) if kept is not False]
+        return at_positions(self.update_([self.params[i] for i in kept], self.group, self.state), kept,
+                            len(self.params))
 
 
 def largest_magnitudes(tensors) -> list:
@@ -176,13 +191,15 @@ def largest_magnitudes(tensors) -> list:
 def weight_magnitudes(step: PendingWrite) -> list:
     """Per parameter of an optimizer's record, a 0-d float32 tensor at least the magnitude of every
     entry of its weight once the record's decay is written (the weight's own, a multiplied target's
-    times its factor, a decayed value's), or None for an empty one."""
+    times its factor, a decayed value's, the weight's plus its increments'), or None for an empty one."""
     bounds = largest_magnitudes(step.params)
     before = list(bounds)
     decayed = [i for i in step.decayed if bounds[step.owners[i]] is not None]
     for i, largest in zip(decayed, largest_magnitudes([step.decayed[i] for i in decayed])):
         if largest is not None:  # rows of a spread matrix this rank holds none of
-            bounds[step.owners[i]] = torch.maximum(bounds[step.owners[i]], largest)
+            owner = step.owners[i]
+            # An increment (a cautious decay's, added after the update) adds at most its magnitude.
+            bounds[owner] = bounds[owner] + largest if step.increments else torch.maximum(bounds[owner], largest)
     for i, factor in step.factors.items():
         owner = step.owners[i]
         if bounds[owner] is not None:
@@ -370,6 +387,7 @@ class SpectralOptimizer(Optimizer):
         for key in ("capturable", "strict", "rollback"):
             if not isinstance(group[key], bool):
                 raise TypeError(f"{key} must be True or False, got {group[key]!r}")
+        check_cautious(group)
         if group["differentiable"] is not False:
             raise ValueError(f"differentiable={group['differentiable']!r}: spectral_ops optimizers step without "
                              "autograd (no gradient flows through a step); leave differentiable=False")

@@ -32,6 +32,7 @@ an overflow) is raised on every rank, so that no rank writes a step another refu
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import threading
@@ -589,6 +590,13 @@ def owner_decay(exchange: Exchange, write: PendingWrite, sources, layouts, entri
     write.include(PendingWrite([part(k, as_matrices(sources[k], matrix_view), *rows)
                                 for (k, _), rows in zip(entries, entry_rows)]),
                   [owners[k] for k, _ in entries], [rows for _, rows in entries])
+
+    def view_of(tensor, k, rows):  # a target's view of a tensor laid out as its source
+        return part(k, as_matrices(tensor, matrix_view), *rows)
+
+    # A cautious decay reads the update through them (see PendingWrite.views).
+    write.views.update((base + index, functools.partial(view_of, k=k, rows=rows))
+                       for index, ((k, _), rows) in enumerate(zip(entries, entry_rows)))
     # One clamp factor per matrix: a stack's entry has one per matrix of the whole stack.
     batch_shapes = [shapes[k][:-2] if stacked[k] else () for k, _ in entries]
     counts = [math.prod(shape) for shape in batch_shapes]

@@ -189,9 +189,9 @@ class SpectralDecay(SpectralOptimizer):
     # spectral_weight_decay=None: not given, which a group that needs a spectral direction refuses (check_group).
     @decay_keywords(after="params", positional=3, spectral_weight_decay=None)
     def __init__(self, params, *, ordinary_weight_decay=0.0, lr=None, capturable=False, strict=False, rollback=False,
-                 process_group=None, **decay):
+                 process_group=None, cautious=False, **decay):
         super().__init__(params, dict(ordinary_weight_decay=ordinary_weight_decay, **decay, lr=lr,
-                                      capturable=capturable, strict=strict, rollback=rollback),
+                                      capturable=capturable, strict=strict, rollback=rollback, cautious=cautious),
                          process_group=process_group)
         self._handles = ()  # attached: the removable handles of the host's step pre- and post-hook
         self._attached = False  # a plain flag, which torch.compile reads where it cannot read a handle
@@ -351,6 +351,11 @@ class SpectralDecay(SpectralOptimizer):
                 by_host.setdefault(id(found[1]), (*found, []))[2].append(param)
             for owner, host, _ in by_host.values():  # an option set since attach: refused before any write
                 check_host_lr(owner, host)
+            if compiled and group["cautious"]:
+                raise ValueError("cautious=True attached reads the host's update from the weights its step writes, "
+                                 "after that step; a step torch.compile traces writes the decay before it (see "
+                                 "SpectralDecay._before_host_step). Compile a family optimizer with cautious=True "
+                                 "(SpectralAdamW, SpectralMuon, SpectralSGD), or step the host eagerly")
             return [self._prepare_decay_step(params, group, increments=not compiled, lr=host["lr"],
                                              peak_lr=host.get("initial_lr", _remember_peak(host)))
                     for _, host, params in by_host.values()]
@@ -371,6 +376,10 @@ class SpectralDecay(SpectralOptimizer):
         """Standalone use (``.step()``): decay with this object's own lr."""
         if group["lr"] is None:
             raise ValueError("SpectralDecay.step() needs lr= (or attach it to an optimizer)")
+        if group["cautious"]:
+            raise ValueError("cautious=True decays only where the decay agrees in sign with the step's update, and "
+                             "SpectralDecay.step() on its own has no update: attach it to the optimizer that steps "
+                             "these parameters (SpectralDecay(...).attach(optimizer)), or pass cautious=False")
         self._check_not_decayed_twice(params, group)
         return self._prepare_decay_step(params, group)
 
@@ -397,7 +406,10 @@ class SpectralDecay(SpectralOptimizer):
         never writes with a NaN lr); ``increments``: as the increments the post-hook adds."""
         if self._attached:
             self.check_coefficients(group, **lrs)
-        return self.prepare_write(params, group, increments=increments, **lrs)
+        write = self.prepare_write(params, group, increments=increments, **lrs)
+        if write.cautious:  # u is the host's step, read from the weights it changes (see PendingWrite)
+            write.keep_before()
+        return write
 
     def commit_group(self, step: PendingWrite, keep: list) -> None:
         super().commit_group(step, keep)

@@ -18,7 +18,7 @@ import torch
 
 from .. import plan
 from .._checks import check_choice, check_eps, check_power, check_steps
-from ..decay import PendingWrite
+from ..decay import PendingWrite, UpdateWrite
 from ..matrix_views import as_matrices, batched, matrix_dims
 from ..ops import check_precision, power_update
 from ..plan import OPERAND_DTYPES, UPDATE_FLOOR, UPDATE_SCALES, resolve_precision
@@ -144,13 +144,13 @@ class SpectralMuon(SpectralOptimizer):
                  adjust_lr_fn="match_rms_adamw", weight_decay=0.1, precision="bf16", heads=None, splits=None,
                  recipe=None, algorithm="muon", betas=(0.9, 0.95), eps=1e-8, capturable=False, strict=False,
                  rollback=False, process_group=None, update_power=0, update_eps=UPDATE_FLOOR, update_scale="polar",
-                 **decay):
+                 cautious=False, **decay):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
                         weight_decay=weight_decay, **decay, precision=precision,
                         heads=heads, splits=splits, recipe=recipe, update_power=update_power,
                         update_eps=update_eps, update_scale=update_scale, algorithm=algorithm, betas=betas, eps=eps,
-                        capturable=capturable, strict=strict, rollback=rollback)
+                        capturable=capturable, strict=strict, rollback=rollback, cautious=cautious)
         super().__init__(params, defaults, process_group=process_group)
 
     def check_options(self, group: dict) -> None:
@@ -268,7 +268,8 @@ class SpectralMuon(SpectralOptimizer):
         """The :class:`~spectral_ops.decay.PendingWrite` ``update`` of a Muon group: allocates
         everything first (the momenta of a capturable step, its masked directions and lrs: a skipped
         parameter adds an exact zero, whatever the lr; the directions of a filter whose matrix is no
-        view of it), and returns the function that writes the momenta and adds the directions."""
+        view of it), and returns the :class:`~spectral_ops.decay.UpdateWrite` that writes the momenta
+        and adds the directions."""
         masks = device_masks(keep) if capturable(group) else None
         lr = step_scalar(group["lr"], group)
         momenta, additions = [], []
@@ -304,7 +305,11 @@ class SpectralMuon(SpectralOptimizer):
                 self._store_momentum(param, group, buffer_value, count_value)
             for target, direction, scale in additions:
                 add_scaled_(target, direction, scale)
-        return write
+
+        def param_directions():  # each polar factor in its parameter's shape (a copy where it is no view)
+            return [None if kept is False else (local(param), direction.reshape(local(param).shape))
+                    for param, direction, kept in zip(params, directions, keep)]
+        return UpdateWrite(write, param_directions)
 
     def _update(self, param, group) -> torch.Tensor:
         """Muon's update (this rank's shard) in a temporary of its own: the momentum buffer after this

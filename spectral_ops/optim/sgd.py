@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..decay import PendingWrite
+from ..decay import PendingWrite, UpdateWrite
 from ._decay import decay_keywords
 from .base import ElementWiseUpdate, SpectralOptimizer, add_scaled_, largest_magnitudes, scalar, step_scalar
 from .distributed import local, state_like
@@ -26,9 +26,9 @@ class SpectralSGD(SpectralOptimizer):
 
     @decay_keywords(after="weight_decay")
     def __init__(self, params, lr=1e-3, momentum=0.9, dampening=0.0, nesterov=False, weight_decay=0.0,
-                 capturable=False, strict=False, rollback=False, process_group=None, **decay):
+                 capturable=False, strict=False, rollback=False, process_group=None, cautious=False, **decay):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov, weight_decay=weight_decay,
-                        **decay, capturable=capturable, strict=strict, rollback=rollback)
+                        **decay, capturable=capturable, strict=strict, rollback=rollback, cautious=cautious)
         super().__init__(params, defaults, process_group=process_group)
 
     def check_options(self, group: dict) -> None:
@@ -43,7 +43,7 @@ class SpectralSGD(SpectralOptimizer):
     def init_state(self, params: list, group: dict) -> None:
         """A zero momentum buffer where the first step then makes it the gradient, bit for bit, as
         torch's SGD does (``0 * momentum + g``); with dampening torch's first buffer is the undamped
-        gradient, so it is made as the step runs (:func:`momentum_update_`), as torch's is."""
+        gradient, so it is made as the step runs (:func:`momentum_update`), as torch's is."""
         if group["momentum"] != 0 and group["dampening"] == 0:
             for param in params:
                 self.state[param]["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
@@ -53,13 +53,14 @@ class SpectralSGD(SpectralOptimizer):
                                   update=MomentumUpdate(params, group, self.state))
 
 
-def momentum_update_(params, group: dict, state, masks=None) -> None:
-    """torch.optim.SGD's update (no weight decay) for a group. ``masks`` (capturable only): a False one
-    makes every operation an exact identity on its parameter (a buffer created then starts at zero
-    rather than at the gradient; its lr is taken as 0, so that a NaN lr adds nothing).
-
-    Everything that allocates (a first step's buffers, the masked gradients, the Nesterov sums) runs
-    before the first write, so that running out of memory cannot stop the update half-way."""
+def momentum_update(params, group: dict, state, masks=None) -> UpdateWrite:
+    """torch.optim.SGD's update (no weight decay) for a group, everything it allocates (a first step's
+    buffers, the masked gradients, the Nesterov sums) allocated now, before its first write, so that
+    running out of memory cannot stop it half-way: calling the result writes it. ``masks`` (capturable
+    only): a False one makes every operation an exact identity on its parameter (a buffer created then
+    starts at zero rather than at the gradient; its lr is taken as 0, so that a NaN lr adds nothing).
+    Its directions (:class:`~spectral_ops.decay.UpdateWrite`) are what it adds times the lr: the
+    gradient, the momentum buffer or the Nesterov sum."""
     momentum, dampening, nesterov = group["momentum"], group["dampening"], group["nesterov"]
     lr = step_scalar(group["lr"], group)
     updates = []
@@ -74,30 +75,38 @@ def momentum_update_(params, group: dict, state, masks=None) -> None:
         scratch = torch.empty_like(direction) if momentum != 0 and (nesterov or mask is not None) else None
         zero = None if mask is None else direction.new_zeros(())
         updates.append((param, mask, direction, scale, buffer, created, factor, scratch, zero))
-    for param, mask, direction, scale, buffer, created, factor, scratch, zero in updates:
-        if momentum != 0:
-            if created is not None:
-                state[param]["momentum_buffer"] = created
-                buffer = created
-            else:
-                local(buffer).mul_(factor).add_(direction, alpha=1 - dampening)
-            buffer = local(buffer)
-            if nesterov:
-                direction = torch.add(direction, buffer, alpha=momentum, out=scratch)
-            else:
-                direction = buffer
-            if mask is not None:
-                direction = torch.where(mask, direction, zero, out=scratch)
-        add_scaled_(local(param), direction, scale)
+
+    def write():
+        for param, mask, direction, scale, buffer, created, factor, scratch, zero in updates:
+            if momentum != 0:
+                if created is not None:
+                    state[param]["momentum_buffer"] = created
+                    buffer = created
+                else:
+                    local(buffer).mul_(factor).add_(direction, alpha=1 - dampening)
+                buffer = local(buffer)
+                if nesterov:
+                    direction = torch.add(direction, buffer, alpha=momentum, out=scratch)
+                else:
+                    direction = buffer
+                if mask is not None:
+                    direction = torch.where(mask, direction, zero, out=scratch)
+            add_scaled_(local(param), direction, scale)
+
+    def directions():
+        return [(local(param), direction if momentum == 0 else scratch if scratch is not None
+                 else local(buffer if created is None else created))
+                for param, _, direction, _, buffer, created, _, scratch, _ in updates]
+    return UpdateWrite(write, directions)
 
 
 class MomentumUpdate(ElementWiseUpdate):
-    """SGD's update (:func:`momentum_update_`), bounded from the gradient's and the buffer's largest
+    """SGD's update (:func:`momentum_update`), bounded from the gradient's and the buffer's largest
     magnitudes: the new buffer ``momentum buf + (1 - dampening) g`` (the gradient itself where a first
     step creates it), the direction (that buffer, plus ``g`` with Nesterov's ``g + momentum buf``), and
     ``lr`` times the direction added to the weight."""
 
-    update_ = staticmethod(momentum_update_)
+    update_ = staticmethod(momentum_update)
 
     def magnitudes(self) -> list:
         group = self.group
