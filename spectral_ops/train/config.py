@@ -55,6 +55,7 @@ class TrainConfig:
     lambda_v: float | None = None
     p0_mode: str = "explicit"
     stability: str = "clamp"
+    qk_clip: float = 0.0
     # Muon's orthogonalisation; None: bf16 on a GPU (torch.optim.Muon's), fp32 on a CPU, where bf16
     # matmuls without native bf16 arithmetic are ~100x slower than fp32.
     muon_precision: str | None = None
@@ -195,6 +196,9 @@ FIELD_HELP = {
     "stability": "p > 1 stability guard: raise, warn, clamp or ignore. clamp, as the optimizers default to: an "
                  "unattended run should shrink a too-large step, not stop at it; each clamp is logged with its factor "
                  "(spectral_ops.decay logger) and counted in optimizer.clamped",
+    "qk_clip": "Kimi K2's QK-Clip threshold tau on the attention logits (after the 1/sqrt(d_h) scale): after each "
+               "step, a head whose largest logit in that step's forward exceeded tau has its W_q and W_k rows scaled "
+               "by sqrt(tau / logit) (0: off; one process only)",
     "muon_precision": "Muon's orthogonalisation precision (none: bf16 on a GPU, fp32 on a CPU)",
     "log_every": "steps between validations, log lines and metrics (and the last step)",
     "checkpoint_every": "steps between checkpoints (0: only at the end)",
