@@ -293,10 +293,9 @@ def head_spectral_norms(model) -> torch.Tensor:
     norms = []
     for layer in model.layers:
         attention = layer.attention
-        pair = [torch.linalg.matrix_norm(linear.weight.detach().double().view(attention.n_heads, attention.head_dim,
-                                                                                 -1), ord=2)
-                for linear in (attention.q_proj, attention.k_proj)]
-        norms.append(torch.stack(pair))
+        heads = (attention.n_heads, attention.head_dim, -1)
+        norms.append(torch.stack([torch.linalg.matrix_norm(linear.weight.detach().double().view(heads), ord=2)
+                                  for linear in (attention.q_proj, attention.k_proj)]))
     return torch.stack(norms)
 
 
@@ -628,23 +627,25 @@ def draw(axis, question: str, grouped, methods, lrs, lr=None, tau=None) -> None:
     axis.legend(fontsize=6)
 
 
-def figures(grouped, methods, lrs, common, tau) -> tuple:
-    """The combined figure, and one per question: bits per byte, max logit, quantized bits per byte."""
-    shown = common if common is not None else lrs[0]
-    panels = [("bpb", None), ("entropy", None), ("int4", None), ("max_logit", shown), ("max_logit", lrs[-1]),
-              ("max_qk_product", lrs[-1])]
-    combined, axes = plt.subplots(2, 3, figsize=(16, 9))
-    for axis, (question, lr) in zip(axes.flat, panels):
-        draw(axis, question, grouped, methods, lrs, lr, tau)
-    combined.tight_layout()
-    singles = {}
-    for name, chosen in (("bpb", panels[:1]), ("max-logit", panels[3:5]), ("quantized", panels[2:3])):
-        figure, axes = plt.subplots(1, len(chosen), figsize=(6 * len(chosen), 4.5), squeeze=False)
-        for axis, (question, lr) in zip(axes.flat, chosen):
-            draw(axis, question, grouped, methods, lrs, lr, tau)
+# One figure per question, by its file's suffix: the stable range (stability.png), the logits and their
+# factors over training, the cost of int4 weights.
+FIGURES = {"": (("bpb", "lr"), ("entropy", "lr")),
+           "-max-logit": (("max_logit", "common"), ("max_logit", "largest"), ("max_qk_product", "largest")),
+           "-quantized": (("int4", "lr"),)}
+
+
+def figures(grouped, methods, lrs, common, tau) -> dict:
+    """The figure of each question in :data:`FIGURES`: the step series at the largest lr every method survives
+    (else the smallest) and at the grid's largest."""
+    at = {"lr": None, "common": common if common is not None else lrs[0], "largest": lrs[-1]}
+    drawn = {}
+    for suffix, panels in FIGURES.items():
+        figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+        for axis, (question, where) in zip(axes.flat, panels):
+            draw(axis, question, grouped, methods, lrs, at[where], tau)
         figure.tight_layout()
-        singles[name] = figure
-    return combined, singles
+        drawn[suffix] = figure
+    return drawn
 
 
 def run(out_dir, quick: bool = False, preset: str = "tiny", device: str = "cpu", workers: int = 1,
@@ -733,9 +734,9 @@ The same study on the `small` preset or a GPU:
                          "device": device, "workers": workers},
             "summary": summaries, "largest_common_stable_lr": common, "observation_cost_s": observation,
             "wall_s": wall, "runs": records}
-    combined, singles = figures(grouped, methods, lrs, common, tau)
-    write_outputs(out_dir, "stability", markdown, data, combined)
-    for name, figure in singles.items():
-        figure.savefig(Path(out_dir) / f"stability-{name}.png", dpi=FIGURE_DPI, bbox_inches="tight")
+    drawn = figures(grouped, methods, lrs, common, tau)
+    write_outputs(out_dir, "stability", markdown, data, drawn.pop(""))
+    for suffix, figure in drawn.items():
+        figure.savefig(Path(out_dir) / f"stability{suffix}.png", dpi=FIGURE_DPI, bbox_inches="tight")
         plt.close(figure)
     return markdown
