@@ -360,6 +360,7 @@ def _train_run(run: Run) -> dict:
         product = norms[:, 0] * norms[:, 1]
         input_norms = torch.stack([o.max_input_norm for o in observations]).double()
         series.append({"max_logit": max_logits.tolist(), "qk_product": product.tolist(),
+                       "s_q": norms[:, 0].tolist(), "s_k": norms[:, 1].tolist(),
                        "entropy": torch.stack([o.entropy for o in observations]).tolist(),
                        # SPEC 11's bound on every logit: ||x_i|| ||x_j|| s_max(W_q^h) s_max(W_k^h) / sqrt(d_h)
                        "logit_bound": (product * input_norms[:, None] ** 2 / math.sqrt(head_dim)).tolist()})
@@ -405,8 +406,8 @@ def final_measures(model, config: TrainConfig, processes: loop.Processes) -> dic
 
 def summarised_series(series: list[dict], complete: bool) -> dict:
     """Per run: the largest logit, the cap's bound and ``s_max(W_q^h) s_max(W_k^h)`` over training, each
-    head's lowest entropy, and the series every ``SERIES_EVERY`` steps (largest logit, lowest head entropy,
-    largest product), the last step included."""
+    head's lowest entropy, and the series every ``SERIES_EVERY`` steps, the last step included, of the largest
+    logit, the lowest head entropy, the largest product and its factors, and the bound."""
     if not series:
         return {}
     stacked = {key: np.array([entry[key] for entry in series]) for key in series[0]}  # (steps, layers, heads)
@@ -422,6 +423,7 @@ def summarised_series(series: list[dict], complete: bool) -> dict:
                           for name, key, reduce in (("max_logit", "max_logit", np.max),
                                                     ("min_entropy", "entropy", np.min),
                                                     ("max_qk_product", "qk_product", np.max),
+                                                    ("max_s_q", "s_q", np.max), ("max_s_k", "s_k", np.max),
                                                     ("max_logit_bound", "logit_bound", np.max))}},
             "completed": complete}
 
