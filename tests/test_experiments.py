@@ -262,3 +262,29 @@ def test_width_transfer_balance_scale_is_specs_adamw_scale_for_p_1():
     assert width_transfer.balance_scale(2e-3, 5.0, 1, 96) == pytest.approx(
         analysis.adamw_top_singular_value_scale(2e-3, 5.0, 96), rel=1e-12)
     assert width_transfer.balance_scale(2e-3, 5.0, 3, 96) == pytest.approx((2e-3 / 5.0 * 96**1.5) ** 0.25, rel=1e-12)
+
+
+def test_stability_records_follow_their_definitions(outputs):
+    from spectral_ops.experiments import stability
+
+    out, results = outputs
+    data = results["stability"][1]
+    protocol, runs = data["protocol"], data["runs"]
+    assert len(runs) == len(protocol["methods"]) * len(protocol["lrs"]) * len(protocol["seeds"])
+    for run in runs:
+        assert run["steps_run"] == protocol["settings"]["steps"] and math.isfinite(run["val_bpb"])
+        assert run["unstable_because"] == stability.instability(run["losses"], run["finite"],
+                                                                run["final_mean_entropy"])
+        assert run["spikes"] == stability.loss_spikes(run["losses"])
+        # SPEC 11's data-free bound held at every step of every trained model
+        assert run["bound_holds"] and run["max_logit"] <= run["max_logit_bound"]
+        assert 0 < run["quantization"]["int8"]["mean_error"] < run["quantization"]["int4"]["mean_error"]
+        # QK-Clip clipped exactly where a logit went over tau; the baseline never clips
+        clipping = protocol["methods"][run["method"]]["qk_clip"]
+        assert (run["qk_clipped_heads"] > 0) == (clipping and run["max_logit"] > protocol["qk_clip_tau"])
+    for method, summary in data["summary"].items():
+        stable = [lr for lr in protocol["lrs"]
+                  if not any(r["unstable"] for r in runs if r["method"] == method and r["lr"] == lr)]
+        assert summary["largest_stable_lr"] == max(stable, default=None)
+    for name in ("max-logit", "quantized"):  # the stable range is stability.png
+        assert (out / f"stability-{name}.png").read_bytes().startswith(PNG_SIGNATURE)

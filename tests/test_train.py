@@ -497,3 +497,20 @@ def test_a_moved_run_folder_resumes_with_other_run_keeping_fields_to_the_same_nu
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 6]
     by_step = {r["step"]: r for r in reference}
     assert resumed == [by_step[r["step"]] for r in resumed]
+
+
+def test_qk_clip_clips_after_every_step_and_is_refused_before_anything_is_written(tmp_path, corpus_dir, monkeypatch):
+    from spectral_ops.train.qk_clip import QKClip
+
+    factors = []
+    step = QKClip.step
+    monkeypatch.setattr(QKClip, "step", lambda self, *args: factors.append(step(self, *args)) or factors[-1])
+    train(tiny_run(tmp_path, corpus_dir, qk_clip=1e-3, steps=3), progress=False)
+    # once per step, on that step's own forward (the validations' eval forwards are not observed), and a
+    # threshold below every logit clips every head
+    assert len(factors) == 3 and all((f < 1).all() for f in factors)
+    with pytest.raises(ValueError, match="positive finite logit"):
+        train(tiny_run(tmp_path, corpus_dir, qk_clip=-1.0, out_dir=str(tmp_path / "refused")), progress=False)
+    assert not (tmp_path / "refused").exists()
+    with pytest.raises(ValueError, match="runs on one process"):
+        loop.parallel_mode(tiny_run(tmp_path, corpus_dir, qk_clip=100.0, ddp=True))

@@ -1,4 +1,4 @@
-"""``python -m spectral_ops.experiments NAME --out DIR [--quick] [pure-decay options]``."""
+"""``python -m spectral_ops.experiments NAME --out DIR [--quick] [pure-decay or stability options]``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import argparse
 
 from . import EXPERIMENTS, run
 
-PURE_DECAY_OPTIONS = ("checkpoint", "horizon", "coefficients")
+# The options an experiment takes besides --out and --quick.
+EXPERIMENT_OPTIONS = {"pure-decay": ("checkpoint", "horizon", "coefficients"),
+                      "stability": ("preset", "device", "workers", "methods")}
 
 
 def main(argv=None) -> None:
@@ -25,10 +27,20 @@ def main(argv=None) -> None:
     parser.add_argument("--coefficients", type=float, nargs="+", metavar="LAMBDA",
                         help="pure-decay only: the decay coefficients lambda applied to the checkpoint (default "
                              f"{' '.join(f'{lam:g}' for lam in COEFFICIENTS)})")
+    parser.add_argument("--preset", choices=("tiny", "small"),
+                        help="stability only: the training preset (default tiny)")
+    parser.add_argument("--device", help="stability only: cpu or cuda (default cpu)")
+    parser.add_argument("--workers", type=int, help="stability only: runs at once, each in a process of one thread "
+                        "(default 1: one after the other, in this process)")
+    parser.add_argument("--methods", type=lambda text: tuple(text.split(",")),
+                        help="stability only: the methods to run, comma-separated (default: all)")
     args = parser.parse_args(argv)
-    options = {key: getattr(args, key) for key in PURE_DECAY_OPTIONS if getattr(args, key) is not None}
-    if options and args.name != "pure-decay":
-        parser.error(f"{', '.join(f'--{key}' for key in options)} applies to pure-decay only")
+    options = {key: getattr(args, key) for keys in EXPERIMENT_OPTIONS.values() for key in keys
+               if getattr(args, key) is not None}
+    foreign = [key for key in options if key not in EXPERIMENT_OPTIONS.get(args.name, ())]
+    if foreign:
+        owner = next(name for name, keys in EXPERIMENT_OPTIONS.items() if foreign[0] in keys)
+        parser.error(f"{', '.join(f'--{key}' for key in foreign)} applies to {owner} only")
     print(run(args.name, args.out, quick=args.quick, **options))
 
 

@@ -56,6 +56,7 @@ class TrainConfig:
     p0_mode: str = "explicit"
     stability: str = "clamp"
     qk_cap: float = 0.0
+    qk_clip: float = 0.0
     # Muon's orthogonalisation; None: bf16 on a GPU (torch.optim.Muon's), fp32 on a CPU, where bf16
     # matmuls without native bf16 arithmetic are ~100x slower than fp32.
     muon_precision: str | None = None
@@ -198,6 +199,9 @@ FIELD_HELP = {
                  "(spectral_ops.decay logger) and counted in optimizer.clamped",
     "qk_cap": "cap every attention head's s_max(W_q) s_max(W_k) at this after each step (spectral_ops.optim.QKCap: "
               "a data-free bound on the logits, docs/api.md); 0: no cap",
+    "qk_clip": "Kimi K2's QK-Clip threshold tau on the attention logits (after the 1/sqrt(d_h) scale): after each "
+               "step, a head whose largest logit in that step's forward exceeded tau has its W_q and W_k rows scaled "
+               "by sqrt(tau / logit) (0: off; one process only)",
     "muon_precision": "Muon's orthogonalisation precision (none: bf16 on a GPU, fp32 on a CPU)",
     "log_every": "steps between validations, log lines and metrics (and the last step)",
     "checkpoint_every": "steps between checkpoints (0: only at the end)",

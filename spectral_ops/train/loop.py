@@ -41,6 +41,7 @@ from .config import PROTOCOL_PRESETS, TrainConfig, computed_differences, evaluat
 from .data import Corpus, load_corpus, train_batch, validation_batches
 from .model import Transformer, fully_shard_blocks, tensor_parallel_blocks
 from .optimizers import build_optimizer
+from .qk_clip import QKClip, checked_threshold
 from .schedule import lr_multiplier
 
 CHECKPOINT = "checkpoint.pt"
@@ -145,6 +146,9 @@ def parallel_mode(config: TrainConfig) -> str | None:
     if config.tp > 1 and not config.fsdp:
         raise ValueError(f"--tp {config.tp} splits the blocks of a model that FSDP2 shards over the groups of "
                          "processes: pass --fsdp with it")
+    if config.qk_clip and (config.fsdp or config.ddp):
+        raise ValueError(f"--qk-clip {config.qk_clip} runs on one process: its per-head maxima would need a maximum "
+                         "over the processes first, and FSDP2 shards the heads' rows; drop --qk-clip, or --fsdp/--ddp")
     if config.n_heads % config.tp:
         raise ValueError(f"--tp {config.tp}: the {config.n_heads} attention heads do not split over {config.tp} "
                          "processes (each computes n_heads / tp of them); pass a --tp that divides n_heads")
@@ -515,6 +519,8 @@ def train(config: TrainConfig, *, resume: bool = False, force: bool = False, pro
     with launched(config) as processes:
         corpus = load_corpus_once(config, processes)
         check_protocol_data(config, corpus)  # before anything is written: a refused run leaves no trace
+        if config.qk_clip:
+            checked_threshold(config.qk_clip)
         out = Path(config.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         if resume:
@@ -531,6 +537,7 @@ def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Process
     optimizer = build_optimizer(model, config, process_group=dist.group.WORLD if processes.mode == "ddp" else None)
     # After each step: a step that raised caps nothing. Under --fsdp every process caps the gathered heads alike.
     qk_cap = QKCap(model=model, cap=config.qk_cap).attach(optimizer) if config.qk_cap else None
+    qk_clip = QKClip(model, config.qk_clip) if config.qk_clip else None
     start, history = 0, []
     if processes.distributed:
         state = load_sharded_checkpoint(out, config, model, optimizer, processes, force) if resume else None
@@ -583,6 +590,8 @@ def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Process
         skips_before = skipped_updates(optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if qk_clip:  # after the step, on the logits of this step's forward (SPEC 11)
+            qk_clip.step()
         skipping = skipping + 1 if skipped_updates(optimizer) > skips_before else 0
         if config.max_skipped_steps and skipping >= config.max_skipped_steps:
             raise FloatingPointError(f"step {step}: the optimizer skipped updates with non-finite gradients in "

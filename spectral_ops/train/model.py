@@ -16,6 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# The side computation of an observed forward forms each sequence's (heads, seq, seq) scores in fp32,
+# a few sequences at a time: at most this many scores at once (64 MiB), so that a long sequence
+# (paper12's 4096 tokens: 6 heads x 4096^2 = 1e8 scores per sequence) is observed one sequence at a time.
+OBSERVED_SCORES = 2**24
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -71,6 +76,60 @@ def apply_rotary(x, cos, sin):
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
 
 
+@dataclass(frozen=True)
+class AttentionObservation:
+    """What the training forwards of one attention module showed since it was last read, per head
+    (:meth:`Attention.take_observation`): the largest attention logit, the scaled pre-softmax score
+    ``q_i . k_j / sqrt(d_h)`` over every sequence and every causal pair ``j <= i`` (Kimi K2's ``S_max^h``,
+    the logit QK-Clip compares with its threshold); the attention entropy ``H(row) / log(#keys)``
+    (:func:`spectral_ops.metrics.attention_entropy`: 0 = every query on one key, 1 = uniform) summed over
+    the sequences, each sequence's mean over its queries; and the largest norm of an input row ``x_i``,
+    which with the weights' spectral norms bounds every logit (SPEC 11)."""
+
+    max_logit: torch.Tensor  # (heads,) fp32
+    entropy_sum: torch.Tensor  # (heads,)
+    sequences: int
+    max_input_norm: torch.Tensor  # () fp32
+
+    @property
+    def entropy(self) -> torch.Tensor:
+        """Per head, the mean over the observed sequences of each one's mean entropy over its queries."""
+        return self.entropy_sum / self.sequences
+
+    def merged(self, other: "AttentionObservation") -> "AttentionObservation":
+        """This observation and ``other`` together (the micro-batches of one step)."""
+        return AttentionObservation(torch.maximum(self.max_logit, other.max_logit),
+                                    self.entropy_sum + other.entropy_sum, self.sequences + other.sequences,
+                                    torch.maximum(self.max_input_norm, other.max_input_norm))
+
+
+@torch.no_grad()
+def observe_attention(x: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> AttentionObservation:
+    """The :class:`AttentionObservation` of one forward: its input ``x`` (batch, seq, D) and its rotated
+    queries and keys ``q``, ``k`` (batch, heads, seq, head_dim). The scores are formed again in fp32
+    outside autocast, the kernel that computed the output (SDPA) reporting none of them. The entropy is
+    :func:`spectral_ops.metrics.attention_entropy`'s (each row's normalised by the log of its key count, the
+    first query, which sees one key, left out), in fp32: a metric, at twice the speed of its fp64."""
+    batch, heads, seq, head_dim = q.shape
+    causal = torch.zeros(seq, seq, device=q.device).masked_fill(
+        ~torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    log_keys = torch.log(torch.arange(2, seq + 1, dtype=torch.float32, device=q.device))
+    chunk = max(1, OBSERVED_SCORES // (heads * seq * seq))
+    max_logits, entropy_sums = [], []
+    with torch.autocast(q.device.type, enabled=False):
+        for start in range(0, batch, chunk):
+            queries, keys = (t[start:start + chunk].float().flatten(0, 1) for t in (q, k))
+            scores = torch.baddbmm(causal.expand(len(queries), seq, seq), queries, keys.transpose(-1, -2),
+                                   alpha=1 / math.sqrt(head_dim)).view(-1, heads, seq, seq)
+            max_logits.append(scores.amax(dim=(0, 2, 3)))
+            rows = torch.special.entr(scores.softmax(-1)).sum(-1)[..., 1:]  # (sequences, heads, seq - 1)
+            # Summed over the queries, then / (seq - 1): 0 for a single query, as metrics' safe ratio.
+            entropy_sums.append((rows / log_keys).sum(-1).sum(0) / max(seq - 1, 1))
+        max_input_norm = torch.linalg.vector_norm(x.float(), dim=-1).max()
+    return AttentionObservation(torch.stack(max_logits).amax(0), torch.stack(entropy_sums).sum(0), batch,
+                                max_input_norm)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -79,6 +138,17 @@ class Attention(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d, bias=False) for _ in range(4))
         self.keep_probabilities = False  # set by the metric logger to capture attention maps
         self.probabilities = None
+        # Set by QK-Clip and the stability experiment: each training-mode forward is then observed on the
+        # side (observe_attention), merged into `observation` until take_observation() reads it. Eval-mode
+        # forwards (validation, the metric logger's probe) are not: QK-Clip acts on what the step's own
+        # forward saw, as Kimi K2 defines it.
+        self.observe_logits = False
+        self.observation: AttentionObservation | None = None
+
+    def take_observation(self) -> AttentionObservation | None:
+        """What the training forwards showed since the last call (None: no observed forward), forgotten here."""
+        observation, self.observation = self.observation, None
+        return observation
 
     def forward(self, x, cos, sin):
         batch, seq, _ = x.shape
@@ -98,6 +168,9 @@ class Attention(nn.Module):
             out = self.probabilities.to(v.dtype) @ v
         else:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.observe_logits and self.training:
+            observed = observe_attention(x, q, k)
+            self.observation = observed if self.observation is None else self.observation.merged(observed)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
