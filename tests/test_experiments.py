@@ -265,7 +265,7 @@ def test_width_transfer_balance_scale_is_specs_adamw_scale_for_p_1():
 
 
 def test_stability_records_follow_their_definitions(outputs):
-    from spectral_ops.experiments import stability
+    from spectral_ops.experiments import stability_measures
 
     out, results = outputs
     data = results["stability"][1]
@@ -273,9 +273,9 @@ def test_stability_records_follow_their_definitions(outputs):
     assert len(runs) == len(protocol["methods"]) * len(protocol["lrs"]) * len(protocol["seeds"])
     for run in runs:
         assert run["steps_run"] == protocol["settings"]["steps"] and math.isfinite(run["val_bpb"])
-        assert run["unstable_because"] == stability.instability(run["losses"], run["finite"],
-                                                                run["final_mean_entropy"])
-        assert run["spikes"] == stability.loss_spikes(run["losses"])
+        assert run["unstable_because"] == stability_measures.instability(run["losses"], run["finite"],
+                                                                         run["final_mean_entropy"])
+        assert run["spikes"] == stability_measures.loss_spikes(run["losses"])
         # SPEC 11's data-free bound held at every step of every trained model
         assert run["bound_holds"] and run["max_logit"] <= run["max_logit_bound"]
         assert 0 < run["quantization"]["int8"]["mean_error"] < run["quantization"]["int4"]["mean_error"]

@@ -22,15 +22,14 @@ The top band is ``p = 4`` above ``s0`` and the baseline below (``Band(mode="two_
 per byte rose: 0.065 and 3.80 at lr 1e-2, against 0.28 and 3.44 for the same run at 3e-3, measured for this
 experiment, within 0.02 of the best lr's): a run is *unstable* when it
 diverged (a non-finite loss or weight, or a final loss above its first), when its final mean attention
-entropy on the validation probe is below :data:`ENTROPY_FLOOR`, or when its final loss is more than
-:data:`LOSS_MARGIN` above its own best (both smoothed over :data:`LOSS_WINDOW` steps).
+entropy on the validation probe is below :data:`~.stability_measures.ENTROPY_FLOOR`, or when its final loss is
+more than :data:`~.stability_measures.LOSS_MARGIN` above its own best (both smoothed over
+:data:`~.stability_measures.LOSS_WINDOW` steps): :mod:`~.stability_measures` defines each.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import inspect
 import logging
 import math
 import time
@@ -45,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import metrics
-from ..optim import SpectralAdamW
+from ..optim import QKCap, SpectralAdamW
 from ..optim.groups import ATTENTION_ROLES, MLP_ROLES
 from ..progress import progress
 from ..reporting import FIGURE_DPI, markdown_table, plt, write_outputs
@@ -54,11 +53,23 @@ from ..train.config import TrainConfig
 from ..train.config import preset as preset_config
 from ..train.data import load_corpus, train_batch, validation_batches
 from ..train.model import Transformer
-from ..train.monitor import MODULE_TYPES, probe_tokens
+from ..train.monitor import probe_tokens
 from ..train.optimizers import build_optimizer, param_groups
 from ..train.qk_clip import QKClip
 from ..train.schedule import lr_multiplier
 from .report import command_line
+from .stability_measures import (
+    ENTROPY_FLOOR,
+    LOSS_MARGIN,
+    LOSS_WINDOW,
+    SPIKE_FACTOR,
+    block_linears,
+    instability,
+    loss_spikes,
+    outlier_ratio,
+    quantization,
+    worst_loss_ratio,
+)
 
 # The baseline's ordinary decay: the common AdamW default for language models.
 LAMBDA_1 = 0.1
@@ -66,15 +77,9 @@ LAMBDA_1 = 0.1
 # data-free bound is the same tau at unit RMSNorm gains (cap_for). Neither touches a healthy run here: at lr
 # 3e-3 the baseline's largest logit stays below 36, its largest product below 3.0 (cap_for: 4.4 on tiny).
 QK_CLIP_TAU = 100.0
-# Collapse: a mean normalised entropy below 0.1 spreads a query over about 64^0.1 = 1.5 keys of a typical
-# 64 (0.065, the first look's at lr 1e-2, over 1.3; 0.28, the same run's at 3e-3, over 3.2).
-ENTROPY_FLOOR = 0.1
 # Stable is not good: the largest lr whose every seed stays within this of the method's best mean val bpb
 # (bits per byte) is reported beside the stable range.
 GOOD_MARGIN = 0.1
-LOSS_MARGIN = 0.1  # relative: a final loss 10% above the run's own best
-LOSS_WINDOW = 10
-SPIKE_FACTOR = 1.5  # a spike: a step whose loss exceeds 1.5x the lowest loss before it
 # The per-step series kept in the JSON: every this many steps, to 4 significant digits (the losses: every
 # step, to 1e-5 nats), about 4 kB per run.
 SERIES_EVERY = 5
@@ -109,15 +114,6 @@ class Method:
     qk_cap: bool = False
     qk_clip: bool = False
 
-    def missing(self) -> list[str]:
-        """The names this method calls that this checkout lacks."""
-        import spectral_ops.optim
-
-        absent = ["spectral_ops.optim.QKCap"] if self.qk_cap and not hasattr(spectral_ops.optim, "QKCap") else []
-        if self.cautious and "cautious" not in inspect.signature(SpectralAdamW).parameters:
-            absent.append("spectral_ops.optim.SpectralAdamW(cautious=True)")
-        return absent
-
 
 METHODS = {
     "adamw-p1": Method("AdamW, p = 1 (baseline)"),
@@ -133,97 +129,10 @@ METHODS = {
 
 
 def check_available(names) -> None:
-    """Refuse, before any run, a method this checkout cannot run (never skipped silently)."""
+    """Refuse, before any run, a method the study does not know."""
     unknown = [name for name in names if name not in METHODS]
     if unknown:
         raise ValueError(f"unknown stability methods {unknown}; choose from {', '.join(METHODS)}")
-    missing = {name: METHODS[name].missing() for name in names}
-    missing = {name: needs for name, needs in missing.items() if needs}
-    if missing:
-        details = "; ".join(f"{name} needs {', '.join(needs)}" for name, needs in missing.items())
-        raise RuntimeError(f"this checkout cannot run every stability method: {details} (issue #54's qk_cap_ and "
-                           "cautious decay); merge them, or pass --methods with those it has")
-
-
-# ----- the definitions: spikes, divergence, instability
-
-def loss_spikes(losses) -> int:
-    """Loss spikes: the steps whose loss exceeds ``SPIKE_FACTOR`` times the lowest loss before them and whose
-    previous step's does not (consecutive such steps are one spike)."""
-    spikes, lowest, inside = 0, math.inf, False
-    for loss in losses:
-        spiking = loss > SPIKE_FACTOR * lowest
-        spikes += spiking and not inside
-        inside, lowest = spiking, min(lowest, loss)
-    return spikes
-
-
-def worst_loss_ratio(losses) -> float:
-    """The largest ratio of a step's loss to the lowest loss up to it (1 for a loss that never rose)."""
-    return float(np.max(np.divide(losses, np.minimum.accumulate(losses))))
-
-
-def smoothed(losses) -> np.ndarray:
-    """The mean of each ``LOSS_WINDOW`` consecutive losses."""
-    return np.convolve(losses, np.ones(LOSS_WINDOW) / LOSS_WINDOW, mode="valid")
-
-
-def diverged(losses, finite: bool) -> bool:
-    """Non-finite (a loss, or the final weights), or a final loss above the first one."""
-    return not finite or not np.isfinite(losses).all() or smoothed(losses)[-1] > losses[0]
-
-
-def instability(losses, finite: bool, final_entropy: float) -> list[str]:
-    """Why a run is unstable (empty: stable): ``"diverged"``, ``"entropy collapse"``, ``"loss above its best"``."""
-    if diverged(losses, finite):
-        return ["diverged"]
-    reasons = ["entropy collapse"] if final_entropy < ENTROPY_FLOOR else []
-    window = smoothed(losses)
-    if window[-1] > (1 + LOSS_MARGIN) * window.min():
-        reasons.append("loss above its best")
-    return reasons
-
-
-# ----- quantization (SPEC 11, S^2D)
-
-def quantized(W: torch.Tensor, bits: int) -> torch.Tensor:
-    """Symmetric round-to-nearest per output channel (row): ``round(W / c) c`` with ``c = max|row| / (2^(b-1) - 1)``."""
-    levels = 2 ** (bits - 1) - 1
-    scale = W.abs().amax(dim=-1, keepdim=True) / levels
-    return torch.where(scale > 0, torch.round(W / torch.where(scale > 0, scale, 1)) * scale, W)
-
-
-def block_linears(model) -> dict[str, torch.nn.Linear]:
-    """The matrices the decay acts on: every linear layer of the blocks, by name."""
-    return {f"layers.{i}.{path}": layer.get_submodule(path) for i, layer in enumerate(model.layers)
-            for path in MODULE_TYPES.values()}
-
-
-@torch.no_grad()
-def quantization(model, validation, processes, from_nats: float) -> dict:
-    """The weight error ``||W - Q_b(W)||_F / ||W||_F`` (mean and largest over the block matrices) and the
-    validation bits per byte with every block matrix replaced by ``Q_b(W)``, for int8 and int4."""
-    record = {}
-    for bits in (8, 4):
-        copied = copy.deepcopy(model)
-        errors = []
-        for linear in block_linears(copied).values():
-            W = linear.weight
-            Q = quantized(W, bits)
-            errors.append(float(torch.linalg.matrix_norm(W - Q) / torch.linalg.matrix_norm(W)))
-            W.copy_(Q)
-        record[f"int{bits}"] = {"mean_error": float(np.mean(errors)), "max_error": float(max(errors)),
-                                "val_bpb": loop.validation_nats(copied, validation, processes) * from_nats}
-    return record
-
-
-@torch.no_grad()
-def outlier_ratio(model, tokens) -> dict:
-    """``max|a| / rms(a)`` of each block linear's input ``a`` on ``tokens`` (all its entries at once)."""
-    names = list(block_linears(model))
-    captured = metrics.capture(model, names, tokens)
-    ratios = [float(a.abs().max() / a.pow(2).mean().sqrt()) for a in (captured[n].args[0].float() for n in names)]
-    return {"max": max(ratios), "mean": float(np.mean(ratios))}
 
 
 # ----- one run
@@ -281,8 +190,6 @@ def build(model, config: TrainConfig, method: Method, s0: dict, run: Run):
                 tau = s0["attention" if group["role"] in ATTENTION_ROLES else "mlp"]
                 group["band"] = {"tau": tau, "mode": "two_band", "p_bot": 1, "spectral_weight_decay_bot": LAMBDA_1}
     if method.qk_cap:
-        from ..optim import QKCap
-
         QKCap(model=model, cap=cap_for(run.tau, config)).attach(optimizer)
     return optimizer, (QKClip(model, run.tau) if method.qk_clip else None)
 
