@@ -92,12 +92,13 @@ TIMING_REPEATS = 20  # forwards timed with and without the side observation
 SETTINGS = dict(steps=150, warmup_steps=10)
 LRS = (2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2, 6.4e-2, 1.28e-1)
 SEEDS = (0, 1, 2)
-# --quick: a smaller model for a few steps, two methods, two lrs, one seed, in seconds; its QK-Clip
-# threshold is low enough to act within those steps.
+# --quick: a smaller model for a few steps, four methods (QK-Clip, qk_cap_ and cautious decay besides the
+# baseline), two lrs, one seed, in seconds; its QK-Clip threshold (and so the cap) is low enough to act
+# within those steps.
 QUICK_SETTINGS = dict(n_layers=1, d_model=64, n_heads=2, seq_len=32, batch_size=4, steps=12, warmup_steps=2,
                       val_batches=2)
 QUICK_LRS, QUICK_SEEDS = (1e-3, 6.4e-2), (0,)
-QUICK_METHODS = ("adamw-p1", "adamw-qk-clip")
+QUICK_METHODS = ("adamw-p1", "adamw-qk-clip", "adamw-qk-cap", "adamw-cautious-p2")
 QUICK_TAU = 0.5
 
 
