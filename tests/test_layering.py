@@ -22,7 +22,7 @@ PACKAGE = Path(spectral_ops.__file__).parent
 # Top to bottom. A module is named relative to the package ("" is spectral_ops/__init__.py, the public
 # facade), and a package's name places all of its modules.
 LAYERS = {
-    "training, metrics and experiments": ("", "__main__", "train", "experiments", "metrics", "analysis",
+    "training, metrics and experiments": ("", "__main__", "train", "experiments", "monitor", "metrics", "analysis",
                                           "reporting"),
     "optimizers": ("optim",),
     "API": ("ops", "decay", "decay_options", "matrix_views", "qk_cap", "step_tuning"),

@@ -129,6 +129,21 @@ def _held_optimizers(host) -> list[tuple[str, torch.optim.Optimizer]]:
     return held
 
 
+def attached_decays(host: torch.optim.Optimizer) -> list:
+    """The SpectralDecays attached to ``host`` or to an optimizer it holds (a container's, a wrapper's), in
+    that order: whose counts a monitor reports for ``host``."""
+    found = []
+    for optimizer in [host, *(value for _, value in _held_optimizers(host))]:
+        found += [decay for decay in _decays_on(optimizer) if decay not in found]
+    return found
+
+
+def _decays_on(optimizer: torch.optim.Optimizer) -> list:
+    """The SpectralDecays attached to ``optimizer`` itself (its step pre-hooks)."""
+    return [hook.__self__ for hook in getattr(optimizer, "_optimizer_step_pre_hooks", {}).values()
+            if isinstance(getattr(hook, "__self__", None), SpectralDecay)]
+
+
 def lr_groups(host: torch.optim.Optimizer) -> dict[int, tuple]:
     """Parameter id -> ``(the optimizer whose group it is, the group)``, for the groups that hold the lr
     each parameter of ``host`` is stepped with: ``host``'s own, and where one holds no ``lr``, as a
@@ -266,9 +281,7 @@ class SpectralDecay(SpectralOptimizer):
 
     def _check_no_second_decay(self, optimizer: torch.optim.Optimizer) -> None:
         mine = spectrally_decayed(self)
-        others = [hook.__self__ for hook in optimizer._optimizer_step_pre_hooks.values()
-                  if isinstance(getattr(hook, "__self__", None), SpectralDecay)]
-        for other in others:
+        for other in _decays_on(optimizer):
             if mine & spectrally_decayed(other):
                 raise ValueError("another SpectralDecay attached to this optimizer already decays some of these "
                                  "parameters; each parameter may take one spectral decay (detach the other, or "

@@ -1,0 +1,215 @@
+"""``SpectralMonitor``: a model's spectral metrics as flat scalars, cheap enough to log every few steps.
+
+Per matrix (a parameter of 2 or more dimensions, named by its module path, read as the matrices its
+``matrix_view`` says: one per expert of a stack, one for a conv filter): ``s_max`` by warm-started power
+iteration (:mod:`.power`), the Frobenius norm, the stable rank ``||W||_F^2 / s_max^2`` and the SPEC 3
+effective-lr proxy ``lr / ||W||_F``. Per attention module (:func:`spectral_ops.attention_pairs`): the SPEC 11
+logit bound ``s_max(W_q^h) s_max(W_k^g)`` of its worst head (and of each head with ``per_head=True``), GQA
+aware. Per optimizer: the decay's counts (docs/monitoring.md says what each means).
+"""
+
+from __future__ import annotations
+
+import numbers
+import zlib
+
+import torch
+
+from .. import metrics
+from ..matrix_views import as_matrices, matrix_view_of
+from ..optim.base import SpectralOptimizer
+from ..optim.hook import attached_decays
+from ..qk_cap import attention_pairs
+from .power import initial_vectors, power_iterations
+
+# What the monitor reports, by the first part of each scalar's name: a dashboard (TensorBoard, W&B, MLflow)
+# groups the scalars by it, so one panel holds one quantity for every matrix.
+MATRIX_METRICS = ("s_max", "frobenius", "stable_rank", "effective_lr")
+
+
+def _check_count(value, name: str, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+    return int(value)
+
+
+def _matrix_name(parameter_name: str) -> str:
+    """A parameter's module path (``.weight`` dropped: the module is what a user knows a matrix by)."""
+    return parameter_name.removesuffix(".weight")
+
+
+class _Stack:
+    """One parameter's matrices, ``(B, m, n)``, and the power iteration's vectors for them."""
+
+    def __init__(self, name: str, param: torch.Tensor, matrix_view: str | None, seed: int):
+        self.name, self.param, self.matrix_view, self.seed = name, param, matrix_view, seed
+        self.vectors = None  # (B, n), made at the first call
+
+    def matrices(self, dtype: torch.dtype) -> torch.Tensor:
+        stack = as_matrices(self.param.detach(), self.matrix_view)
+        return stack.reshape(-1, *stack.shape[-2:]).to(dtype)
+
+    def names(self) -> list[str]:
+        shape = self.param.shape
+        if self.param.ndim <= 2 or self.matrix_view != "batch":
+            return [self.name]
+        return [f"{self.name}.{'.'.join(map(str, index))}" for index in torch.cartesian_prod(
+            *[torch.arange(size) for size in shape[:-2]]).reshape(-1, len(shape) - 2).tolist()]
+
+
+class SpectralMonitor:
+    """A model's spectral metrics (module docstring), as ``{name: float}``, every ``every`` steps.
+
+    ``optimizers``: an optimizer, a list of them, or ``{label: optimizer}``; their groups give each matrix's lr
+    (the effective-lr proxy), and their decay counts are reported (a family optimizer's own, or those of the
+    ``SpectralDecay`` attached to it). ``iterations``: power iterations per matrix at each call after the
+    first, which makes ``first_iterations`` (the vectors then start at random). ``exact=True``: each matrix's
+    ``s_max`` by an FP64 SVD instead (an ``O(mn min(m, n))`` factorisation per matrix: small models, checks).
+    ``include(name, param)``: which matrices to report (all of 2 or more dimensions by default).
+    ``prefix`` begins every name. ``per_head``: the bound of every head, not only each module's largest.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizers=None, *, every: int = 50, iterations: int = 2,
+                 first_iterations: int = 30, exact: bool = False, per_head: bool = False, include=None,
+                 prefix: str = "spectral"):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.every = _check_count(every, "every", 1)
+        self.iterations = _check_count(iterations, "iterations", 1)
+        self.first_iterations = _check_count(first_iterations, "first_iterations", 1)
+        self.exact, self.per_head, self.prefix = bool(exact), bool(per_head), str(prefix)
+        self.optimizers = _labelled(optimizers)
+        self.stacks, seen = [], set()
+        for module_name, module in model.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                if param.ndim < 2 or id(param) in seen or (include is not None and not include(name, param)):
+                    continue  # a tied weight (an embedding and its head) is reported once, by its first name
+                seen.add(id(param))
+                self.stacks.append(_Stack(_matrix_name(name), param, matrix_view_of(module, param),
+                                          zlib.crc32(name.encode())))
+        self.attention = {path: (_Stack(f"{path}.q", q, "batch", zlib.crc32(f"{path}.q".encode())),
+                                 _Stack(f"{path}.k", k, "batch", zlib.crc32(f"{path}.k".encode())), heads, kv_heads)
+                          for path, (q, k, heads, kv_heads) in attention_pairs(model).items()}
+
+        # The decay steps each optimizer with a spectral decay has taken since now (a step post-hook: a step
+        # that raised took none), for its `decays` count.
+        self.steps = {label: 0 for label, optimizer in self.optimizers.items() if decay_counts(optimizer)}
+        self._handles = [self.optimizers[label].register_step_post_hook(self._counter(label)) for label in self.steps]
+
+    def _counter(self, label: str):
+        def count(optimizer, args, kwargs):
+            self.steps[label] += 1
+        return count
+
+    def close(self) -> None:
+        """Stop counting the optimizers' steps (remove the monitor's step hooks)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a log step: every ``every``-th, from step 0."""
+        return step % self.every == 0
+
+    def _key(self, metric: str, name: str) -> str:
+        return f"{self.prefix}.{metric}/{name}" if self.prefix else f"{metric}/{name}"
+
+    def _s_max(self, stack: _Stack, matrices: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            return torch.linalg.matrix_norm(matrices.to(torch.float64), ord=2)
+        if stack.vectors is None:
+            stack.vectors = initial_vectors(matrices.shape[0], matrices.shape[-1], matrices.dtype, matrices.device,
+                                            stack.seed)
+            iterations = self.first_iterations
+        else:
+            iterations = self.iterations
+        estimate, stack.vectors = power_iterations(matrices, stack.vectors.to(matrices.dtype), iterations)
+        return estimate
+
+    @torch.no_grad()
+    def compute(self) -> dict[str, float]:
+        """The metrics now, as ``{name: float}`` (one host read at the end)."""
+        lr_of = {id(param): group["lr"] for optimizer in self.optimizers.values() for group in optimizer.param_groups
+                 for param in group["params"] if "lr" in group}
+        values = {}  # name -> 0-d tensor, read once at the end
+        for stack in self.stacks:
+            matrices = stack.matrices(_compute_dtype(stack.param.dtype))
+            s_max = self._s_max(stack, matrices)
+            frobenius = torch.linalg.matrix_norm(matrices)
+            stable_rank = torch.where(s_max > 0, frobenius**2 / s_max.clamp_min(torch.finfo(s_max.dtype).tiny)**2, 0)
+            lr = lr_of.get(id(stack.param))
+            for i, name in enumerate(stack.names()):
+                values[self._key("s_max", name)] = s_max[i]
+                values[self._key("frobenius", name)] = frobenius[i]
+                values[self._key("stable_rank", name)] = stable_rank[i]
+                if lr is not None:
+                    values[self._key("effective_lr", name)] = metrics.effective_lr(matrices[i], lr).proxy
+        for path, (q_stack, k_stack, heads, kv_heads) in self.attention.items():
+            bounds = self._head_bounds(q_stack, k_stack, heads, kv_heads)
+            values[self._key("qk_bound", path)] = bounds.max()
+            if self.per_head:
+                for head, bound in enumerate(bounds):
+                    values[self._key("qk_bound", f"{path}.h{head}")] = bound
+        for label, optimizer in self.optimizers.items():
+            counts = decay_counts(optimizer)
+            if counts:
+                counts["decays"] = torch.tensor(float(self.steps.get(label, 0)))
+            values.update({self._key("decay", f"{label}.{count}"): value for count, value in counts.items()})
+        names = list(values)
+        read = torch.stack([torch.as_tensor(value, dtype=torch.float64).to("cpu") for value in values.values()]) \
+            if names else torch.zeros(0)
+        return dict(zip(names, read.tolist()))
+
+    def _head_bounds(self, q_stack: _Stack, k_stack: _Stack, heads: int, kv_heads: int) -> torch.Tensor:
+        dtype = _compute_dtype(q_stack.param.dtype)
+        q = q_stack.param.detach().to(dtype)
+        k = k_stack.param.detach().to(dtype)
+        head_dim = q.shape[0] // heads
+        s_q = self._s_max(q_stack, q.view(heads, head_dim, -1))
+        s_k = self._s_max(k_stack, k.view(kv_heads, head_dim, -1))
+        return s_q * s_k.repeat_interleave(heads // kv_heads)
+
+    def metrics_at(self, step: int) -> dict[str, float] | None:
+        """:meth:`compute` where ``step`` is :meth:`due`, else None."""
+        return self.compute() if self.due(step) else None
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for every floating dtype below fp64 (bf16 and fp16 weights are read once, widened)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _labelled(optimizers) -> dict:
+    if optimizers is None:
+        return {}
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return {"optimizer": optimizers}
+    if isinstance(optimizers, dict):
+        labelled = dict(optimizers)
+    else:
+        optimizers = list(optimizers)
+        labelled = {"optimizer" if len(optimizers) == 1 else f"optimizer{i}": o for i, o in enumerate(optimizers)}
+    for label, optimizer in labelled.items():
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizers[{label!r}] must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    return labelled
+
+
+def decay_counts(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The spectral decay's counts of ``optimizer`` (a family optimizer, or one a ``SpectralDecay`` is attached
+    to or to an optimizer it holds), over all its parameters, as 0-d tensors (no host read): ``skipped``
+    updates, ``clamped`` matrix decays (the stability guard reduced the coefficient) and
+    ``smallest_clamp_factor`` (1: never clamped). Empty for an optimizer without a spectral decay."""
+    owners = [optimizer] if isinstance(optimizer, SpectralOptimizer) else attached_decays(optimizer)
+    if not owners:
+        return {}
+    skips = [count for owner in owners for count in owner.skipped.values()]
+    clamps = [record for owner in owners for record in owner.clamped.values()]
+    device = (skips + [record.count for record in clamps] + [torch.zeros(())])[0].device
+
+    def total(tensors, dtype=torch.float64):
+        return torch.stack([t.to(device, dtype) for t in tensors]).sum() if tensors else torch.zeros((), dtype=dtype)
+
+    smallest = torch.stack([r.smallest_factor.to(device) for r in clamps]).amin() if clamps else torch.ones(())
+    return {"skipped": total(skips), "clamped": total([r.count for r in clamps]), "smallest_clamp_factor": smallest}
