@@ -19,7 +19,7 @@ from .. import metrics
 from ..matrix_views import as_matrices, matrix_view_of
 from ..optim.base import SpectralOptimizer
 from ..optim.hook import attached_decays
-from ..qk_cap import attention_pairs
+from ..qk_cap import attention_pairs, check_heads
 from .power import initial_vectors, power_iterations
 
 # What the monitor reports, by the first part of each scalar's name: a dashboard (TensorBoard, W&B, MLflow)
@@ -66,12 +66,14 @@ class SpectralMonitor:
     first, which makes ``first_iterations`` (the vectors then start at random). ``exact=True``: each matrix's
     ``s_max`` by an FP64 SVD instead (an ``O(mn min(m, n))`` factorisation per matrix: small models, checks).
     ``include(name, param)``: which matrices to report (all of 2 or more dimensions by default).
-    ``prefix`` begins every name. ``per_head``: the bound of every head, not only each module's largest.
+    ``prefix`` begins every name. ``attention``: the attention pairs whose logit bound is reported, ``"auto"``
+    (:func:`~spectral_ops.attention_pairs` of ``model``), None (none), or ``{path: (q_weight, k_weight,
+    num_heads, num_kv_heads)}``. ``per_head``: the bound of every head, not only each module's largest.
     """
 
     def __init__(self, model: torch.nn.Module, optimizers=None, *, every: int = 50, iterations: int = 2,
-                 first_iterations: int = 30, exact: bool = False, per_head: bool = False, include=None,
-                 prefix: str = "spectral"):
+                 first_iterations: int = 30, exact: bool = False, attention="auto", per_head: bool = False,
+                 include=None, prefix: str = "spectral"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.every = _check_count(every, "every", 1)
@@ -90,7 +92,7 @@ class SpectralMonitor:
                                           zlib.crc32(name.encode())))
         self.attention = {path: (_Stack(f"{path}.q", q, "batch", zlib.crc32(f"{path}.q".encode())),
                                  _Stack(f"{path}.k", k, "batch", zlib.crc32(f"{path}.k".encode())), heads, kv_heads)
-                          for path, (q, k, heads, kv_heads) in attention_pairs(model).items()}
+                          for path, (q, k, heads, kv_heads) in _attention(model, attention).items()}
 
         # The decay steps each optimizer with a spectral decay has taken since now (a step post-hook: a step
         # that raised took none), for its `decays` count.
@@ -173,6 +175,22 @@ class SpectralMonitor:
     def metrics_at(self, step: int) -> dict[str, float] | None:
         """:meth:`compute` where ``step`` is :meth:`due`, else None."""
         return self.compute() if self.due(step) else None
+
+
+def _attention(model: torch.nn.Module, attention) -> dict:
+    if attention is None:
+        return {}
+    if isinstance(attention, str) and attention == "auto":
+        return attention_pairs(model)
+    if not isinstance(attention, dict):
+        raise TypeError(f'attention must be "auto", None or {{path: (q_weight, k_weight, num_heads, num_kv_heads)}}, '
+                        f"got {type(attention).__name__}")
+    pairs = {}
+    for path, pair in attention.items():
+        q, k, heads, kv_heads = pair
+        heads, kv_heads, _ = check_heads(q, k, heads, kv_heads)
+        pairs[path] = (q, k, heads, kv_heads)
+    return pairs
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
