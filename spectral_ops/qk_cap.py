@@ -172,10 +172,11 @@ def _head_dim(module: torch.nn.Module, name: str) -> int:
                      f"it one, or give the pairs yourself: {GIVEN_PAIRS}")
 
 
-def attention_pairs(model: torch.nn.Module) -> dict[str, tuple]:
+def attention_pairs(model: torch.nn.Module, required: bool = True) -> dict[str, tuple]:
     """``{module path: (q_weight, k_weight, num_heads, num_kv_heads)}`` for every module of ``model`` with
     ``q_proj`` and ``k_proj`` children holding a ``.weight`` (Llama-style Hugging Face models' ``self_attn``,
-    the reference model's ``attention``), with the head counts from its head size (:func:`_head_dim`)."""
+    the reference model's ``attention``), with the head counts from its head size (:func:`_head_dim`). A
+    model with none raises where ``required`` (a cap with nothing to cap is a mistake), else gives ``{}``."""
     pairs = {}
     for name, module in model.named_modules():
         q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
@@ -191,7 +192,7 @@ def attention_pairs(model: torch.nn.Module) -> dict[str, tuple]:
             raise ValueError(f"{name}: the rows of {', '.join(f'{c} ({n})' for c, n in uneven.items())} do not split "
                              f"into heads of its head size {head_dim}; give the pairs yourself: {GIVEN_PAIRS}")
         pairs[name] = (q.weight, k.weight, rows["q_proj"] // head_dim, rows["k_proj"] // head_dim)
-    if not pairs:
+    if not pairs and required:
         raise ValueError(f"{type(model).__name__} has no module with q_proj and k_proj children holding a weight "
                          f"(Llama-style attention); give the pairs yourself: {GIVEN_PAIRS}")
     return pairs

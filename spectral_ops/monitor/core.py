@@ -181,7 +181,7 @@ def _attention(model: torch.nn.Module, attention) -> dict:
     if attention is None:
         return {}
     if isinstance(attention, str) and attention == "auto":
-        return attention_pairs(model)
+        return attention_pairs(model, required=False)  # a model without attention has no bound to report
     if not isinstance(attention, dict):
         raise TypeError(f'attention must be "auto", None or {{path: (q_weight, k_weight, num_heads, num_kv_heads)}}, '
                         f"got {type(attention).__name__}")
