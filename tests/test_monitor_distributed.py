@@ -24,6 +24,7 @@ rank ``||W||_F^2 / s_max^2`` has twice each error (measured 6e-7), the QK bound,
 
 from __future__ import annotations
 
+import functools
 import traceback
 
 import pytest
@@ -33,13 +34,14 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from spectral_ops.monitor import SpectralMonitor
+from spectral_ops.optim import SpectralAdamW
 from spectral_ops.train.model import ModelConfig, Transformer, fully_shard_blocks, tensor_parallel_blocks
 
 from process_results import run_ranks
 
 S_MAX, FROBENIUS = 2e-5, 1e-6
 TOLERANCE = {"s_max": S_MAX, "frobenius": FROBENIUS, "stable_rank": 2 * (S_MAX + FROBENIUS), "effective_lr": FROBENIUS,
-             "qk_bound": 2 * S_MAX}
+             "qk_bound": 2 * S_MAX, "decay": 0}
 # 3 heads of 10 rows: FSDP2's 15/15 split of q_proj and k_proj cuts the middle head in two.
 FSDP_MODEL = ModelConfig(vocab_size=37, n_layers=1, d_model=30, n_heads=3, mlp_hidden=44, max_seq_len=8)
 # Tensor parallelism splits the heads whole (4 heads over 2 ranks, or the 2 of a 2 x 2 mesh) and the MLP's 40
@@ -117,9 +119,9 @@ def _perturb(pairs, seed: int) -> None:
             spread.add_(change)
 
 
-def _monitors(spread, one, **options):
-    """A monitor of each model, each with an AdamW of lr 1e-2 (the effective-lr proxy)."""
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-2) for model in (spread, one)]
+def _monitors(spread, one, optimizer=torch.optim.AdamW, **options):
+    """A monitor of each model, each with an ``optimizer`` of lr 1e-2 (the effective-lr proxy)."""
+    optimizers = [optimizer(model.parameters(), lr=1e-2) for model in (spread, one)]
     return [SpectralMonitor(model, optimizer, per_head=True, **options)
             for model, optimizer in zip((spread, one), optimizers)], optimizers
 
@@ -139,9 +141,10 @@ def _only_all_reduces(collectives, iterations: int, monitor: SpectralMonitor) ->
 
 def _scenario_fsdp2(mesh, rank, world):
     """FSDP2 on the reference model: at the first call (30 iterations), and after an FSDP2 training step
-    (2 warm iterations), nothing gathered."""
+    (2 warm iterations), nothing gathered; the decay counts of a SpectralAdamW step as in one process."""
     spread, one = _model(FSDP_MODEL, lambda model: fully_shard_blocks(model, mesh)), _model(FSDP_MODEL)
-    (monitor, reference), optimizers = _monitors(spread, one)
+    (monitor, reference), optimizers = _monitors(spread, one, functools.partial(
+        SpectralAdamW, p=2, spectral_weight_decay=0.1))
     _only_all_reduces(_compare(monitor, reference), monitor.first_iterations, monitor)
     _train_step(zip((spread, one), optimizers))
     moved = _only_all_reduces(_compare(monitor, reference), monitor.iterations, monitor)
