@@ -18,10 +18,10 @@ which entries this rank holds, and so how it is read (:func:`reader`):
   The vector is split as the columns: ``A v = sum_r A_r v_r`` is one ``all_reduce`` per iteration (with each
   part's ``||v_r||^2``, which normalises ``v``), then each rank computes its part of ``A^T (A v)``.
 * **Gathered** (a :class:`Whole` of ``full_tensor()``): rows and columns both split (FSDP2 over
-  ``RowwiseParallel``, ``(Shard(0), Shard(1))`` on a 2-d mesh: ``A v`` would need a sum over the columns'
-  ranks and ``A^T u`` another over the rows' ranks, two collectives per iteration on two groups, for the
-  matrices that are a third of a Llama block), rows of a stack's matrices and the stack itself split
-  together (both sums again), and ``exact=True`` (an SVD needs the whole matrix).
+  ``RowwiseParallel``, ``(Shard(0), Shard(1))`` on a 2-d mesh; a stack split by its matrices and by their
+  columns): ``A v`` would need a sum over the columns' ranks and ``A^T u`` another over the rows' ranks, two
+  collectives per iteration on two groups, for matrices that are a third of a Llama block. And every spread
+  matrix with ``exact=True`` (an SVD needs the whole matrix).
 
 The power iteration then runs the same products on the same start vectors as in one process
 (:func:`~spectral_ops.monitor.power.initial_vectors` of the whole grid, this rank's part of them), so the
@@ -58,7 +58,7 @@ def reader(param: torch.Tensor, matrix_view: str | None, rows: int | None = None
         return Whole(lambda: local(param), matrix_view, grid)
     spread = {dim for dim in range(len(shape)) if any(part[dim] != ((0, shape[dim]),) for part in layout.parts)}
     if gather or not (spread <= set(row_dims) or spread <= set(column_dims)):
-        # Rows and columns both split (module docstring): each rank gathers the whole parameter.
+        # exact=True's SVD, or rows and columns both split (module docstring): every rank gathers it whole.
         return Whole(lambda: whole(param), matrix_view, grid)
     if spread <= set(row_dims):
         return Rows(param, layout, matrix_view, grid, row_dims)
@@ -103,9 +103,9 @@ class Whole:
 
 class Rows:
     """A parameter whose matrices' rows are spread over the ranks of ``layout.group`` (module docstring).
-    This rank holds rows of the matrices :attr:`touched` (ascending), ``counts`` of each; its matrices are
-    a ``(T, rows, n)`` stack of them, zero rows filling in where the counts differ (an attention head cut by
-    a shard: a zero row changes neither ``A^T A`` nor ``||A||_F``)."""
+    This rank holds rows of the matrices :attr:`touched` (ascending); its matrices are a ``(T, rows, n)`` stack
+    of them, zero rows filling in where it holds more rows of one than of another (an attention head cut by a
+    shard: a zero row changes neither ``A^T A`` nor ``||A||_F``)."""
 
     def __init__(self, param, layout, matrix_view, grid, row_dims):
         self.param, self.matrix_view, self.grid, self.group = param, matrix_view, grid, layout.group
