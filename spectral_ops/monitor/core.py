@@ -15,12 +15,11 @@ import zlib
 
 import torch
 
-from .. import metrics
-from ..matrix_views import as_matrices, matrix_view_of
+from ..matrix_views import matrix_view_of
 from ..optim.base import SpectralOptimizer
 from ..optim.hook import attached_decays
 from ..qk_cap import attention_pairs, check_heads
-from .power import initial_vectors, power_iterations
+from .sharded import Totals, reader
 
 # What the monitor reports, by the first part of each scalar's name: a dashboard (TensorBoard, W&B, MLflow)
 # groups the scalars by it, so one panel holds one quantity for every matrix.
@@ -43,11 +42,15 @@ class _Stack:
 
     def __init__(self, name: str, param: torch.Tensor, matrix_view: str | None, seed: int):
         self.name, self.param, self.matrix_view, self.seed = name, param, matrix_view, seed
-        self.vectors = None  # (B, n), made at the first call
+        self.vectors = None  # (B, n), made at the first call (this rank's part of them: sharded.py)
+        self.reader = None  # how this rank reads the matrices (sharded.reader), made at the first call
 
-    def matrices(self, dtype: torch.dtype) -> torch.Tensor:
-        stack = as_matrices(self.param.detach(), self.matrix_view)
-        return stack.reshape(-1, *stack.shape[-2:]).to(dtype)
+    def matrices(self, dtype: torch.dtype, gather: bool, rows: int | None = None) -> torch.Tensor:
+        """The matrices this rank holds of the parameter, or its part of them (sharded.py), in ``dtype``;
+        ``rows``: the matrices are blocks of that many rows (attention heads); ``gather``: whole ones."""
+        if self.reader is None:
+            self.reader = reader(self.param, self.matrix_view, rows, gather)
+        return self.reader.matrices(dtype)
 
     def names(self) -> list[str]:
         shape = self.param.shape
@@ -121,34 +124,43 @@ class SpectralMonitor:
         if self.exact:
             return torch.linalg.matrix_norm(matrices.to(torch.float64), ord=2)
         if stack.vectors is None:
-            stack.vectors = initial_vectors(matrices.shape[0], matrices.shape[-1], matrices.dtype, matrices.device,
-                                            stack.seed)
+            stack.vectors = stack.reader.start(stack.seed, matrices.dtype, matrices.device)
             iterations = self.first_iterations
         else:
             iterations = self.iterations
-        estimate, stack.vectors = power_iterations(matrices, stack.vectors.to(matrices.dtype), iterations)
+        estimate, stack.vectors = stack.reader.iterate(matrices, stack.vectors.to(matrices.dtype), iterations)
         return estimate
 
     @torch.no_grad()
     def compute(self) -> dict[str, float]:
-        """The metrics now, as ``{name: float}`` (one host read at the end)."""
+        """The metrics now, as ``{name: float}`` (one host read at the end).
+
+        Where parameters are spread over processes (FSDP2, tensor parallelism: docs/monitoring.md,
+        "Distributed"), this is a collective: every rank calls it, at the same step, and every rank gets the
+        same values."""
         lr_of = {id(param): group["lr"] for optimizer in self.optimizers.values() for group in optimizer.param_groups
                  for param in group["params"] if "lr" in group}
-        values = {}  # name -> 0-d tensor, read once at the end
+        # Each rank's part of the sums over ranks, all summed at once (sharded.Totals), then read.
+        totals, pending = Totals(), []
         for stack in self.stacks:
-            matrices = stack.matrices(_compute_dtype(stack.param.dtype))
-            s_max = self._s_max(stack, matrices)
-            frobenius = torch.linalg.matrix_norm(matrices)
+            matrices = stack.matrices(_compute_dtype(stack.param.dtype), self.exact)
+            pending.append((stack, stack.reader.s_max(totals, self._s_max(stack, matrices)),
+                         stack.reader.frobenius(totals, matrices)))
+        head_bounds = {path: self._head_bounds(*pair, totals) for path, pair in self.attention.items()}
+        totals.reduce()
+        values = {}  # name -> 0-d tensor, read once at the end
+        for stack, s_max, frobenius in pending:
+            s_max, frobenius = s_max(), frobenius()
             stable_rank = torch.where(s_max > 0, frobenius**2 / s_max.clamp_min(torch.finfo(s_max.dtype).tiny)**2, 0)
             lr = lr_of.get(id(stack.param))
             for i, name in enumerate(stack.names()):
                 values[self._key("s_max", name)] = s_max[i]
                 values[self._key("frobenius", name)] = frobenius[i]
                 values[self._key("stable_rank", name)] = stable_rank[i]
-                if lr is not None:
-                    values[self._key("effective_lr", name)] = metrics.effective_lr(matrices[i], lr).proxy
-        for path, (q_stack, k_stack, heads, kv_heads) in self.attention.items():
-            bounds = self._head_bounds(q_stack, k_stack, heads, kv_heads)
+                if lr is not None:  # SPEC 3's proxy (metrics.effective_lr's), of the norm summed over ranks
+                    values[self._key("effective_lr", name)] = lr / frobenius[i].to(torch.float64)
+        for path, bounds in head_bounds.items():
+            bounds = bounds()
             values[self._key("qk_bound", path)] = bounds.max()
             if self.per_head:
                 for head, bound in enumerate(bounds):
@@ -163,14 +175,15 @@ class SpectralMonitor:
             if names else torch.zeros(0)
         return dict(zip(names, read.tolist()))
 
-    def _head_bounds(self, q_stack: _Stack, k_stack: _Stack, heads: int, kv_heads: int) -> torch.Tensor:
-        dtype = _compute_dtype(q_stack.param.dtype)
-        q = q_stack.param.detach().to(dtype)
-        k = k_stack.param.detach().to(dtype)
-        head_dim = q.shape[0] // heads
-        s_q = self._s_max(q_stack, q.view(heads, head_dim, -1))
-        s_k = self._s_max(k_stack, k.view(kv_heads, head_dim, -1))
-        return s_q * s_k.repeat_interleave(heads // kv_heads)
+    def _head_bounds(self, q_stack: _Stack, k_stack: _Stack, heads: int, kv_heads: int, totals: Totals):
+        """Each q head's bound, as a function to call once ``totals`` are reduced."""
+        dtype, head_dim = _compute_dtype(q_stack.param.dtype), q_stack.param.shape[0] // heads
+        s_max = []
+        for stack in (q_stack, k_stack):
+            matrices = stack.matrices(dtype, self.exact, head_dim)
+            s_max.append(stack.reader.s_max(totals, self._s_max(stack, matrices)))
+        s_q, s_k = s_max
+        return lambda: s_q() * s_k().repeat_interleave(heads // kv_heads)
 
     def metrics_at(self, step: int) -> dict[str, float] | None:
         """:meth:`compute` where ``step`` is :meth:`due`, else None."""
