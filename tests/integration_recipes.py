@@ -1,4 +1,5 @@
-"""docs/integrations.md's recipes as the tests run them, and the frameworks they run in.
+"""The recipes of docs/integrations.md (and of docs/monitoring.md) as the tests run them, and the frameworks
+they run in.
 
 A section's ```python blocks run in order in one namespace, seeded with what the section says the
 user brings (a model, a dataset): the test then checks what they built."""
@@ -14,31 +15,34 @@ from pathlib import Path
 import pytest
 import torch
 
-INTEGRATIONS = Path(__file__).resolve().parent.parent / "docs" / "integrations.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+INTEGRATIONS = DOCS / "integrations.md"
+MONITORING = DOCS / "monitoring.md"
 
 # Set by `make test`: on the pinned torch, where requirements-integrations.txt is installed, a framework
 # that cannot be imported fails its tests instead of skipping them.
 REQUIRED = os.environ.get("SPECTRAL_OPS_REQUIRE_INTEGRATIONS") == "1"
 
 
-def sections() -> dict[str, list[str]]:
-    """Each ``## `` section of docs/integrations.md: its ```python blocks (none outside a section)."""
-    text = INTEGRATIONS.read_text()
+def sections(document: Path = INTEGRATIONS) -> dict[str, list[str]]:
+    """Each ``## `` section of ``document``: its ```python blocks (none outside a section)."""
+    text = document.read_text()
     parts = re.split(r"^## (.+)$", text, flags=re.MULTILINE)
     blocks = {title.strip(): re.findall(r"^```python\n(.*?)^```", body, flags=re.DOTALL | re.MULTILINE)
               for title, body in zip(parts[1::2], parts[2::2])}
     return {"": re.findall(r"^```python\n(.*?)^```", parts[0], flags=re.DOTALL | re.MULTILINE), **blocks}
 
 
-def run_recipe(section: str, **given) -> dict:
-    """Run the section's blocks, as written, in one namespace holding ``given``; return the namespace."""
-    blocks = sections()[section]
-    assert blocks, f"docs/integrations.md's section {section!r} has no python block"
+def run_recipe(section: str, *, document: Path = INTEGRATIONS, **given) -> dict:
+    """Run the section's blocks of ``document``, as written, in one namespace holding ``given``; return the
+    namespace."""
+    blocks = sections(document)[section]
+    assert blocks, f"{document.name}'s section {section!r} has no python block"
     namespace = {"__name__": "recipe", **given}
     for block in blocks:
         # dont_inherit: a block is compiled as a user's module is, without this file's __future__ imports (under
         # postponed annotations a dataclass defined in a block cannot resolve its fields' types).
-        exec(compile(block, f"{INTEGRATIONS}:{section}", "exec", dont_inherit=True), namespace)
+        exec(compile(block, f"{document}:{section}", "exec", dont_inherit=True), namespace)
     return namespace
 
 

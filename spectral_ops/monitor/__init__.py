@@ -9,5 +9,6 @@ of the API layer; nothing below imports it.
 
 from .core import MATRIX_METRICS, SpectralMonitor, decay_counts
 from .power import power_iterations
+from .writer import MetricsWriter
 
-__all__ = ["MATRIX_METRICS", "SpectralMonitor", "decay_counts", "power_iterations"]
+__all__ = ["MATRIX_METRICS", "MetricsWriter", "SpectralMonitor", "decay_counts", "power_iterations"]
