@@ -61,7 +61,7 @@ def test_a_warm_start_adds_the_iterations_of_every_call():
     model = torch.nn.Linear(4, 4, bias=False).double()
     with torch.no_grad():
         model.weight.copy_(matrix_with_spectrum((4, 4), s, seed=2))
-    monitor = SpectralMonitor(model, first_iterations=3, iterations=2)
+    monitor = SpectralMonitor(model, first_iterations=3, iterations=2, tolerance=0)  # no rounds past these
     values = [monitor.compute()["spectral.s_max/weight"] for _ in range(3)]
     start = initial_vectors(1, 4, torch.float64, "cpu", seed=monitor.stacks[0].seed)[0]
     for calls, value in enumerate(values, start=1):
@@ -223,7 +223,7 @@ def test_a_call_costs_two_matrix_vector_products_per_matrix_and_iteration():
     """The cost is O(mn) per matrix: each iteration is A v and A^T u, 2 m n FLOPs each (torch counts a
     multiply-add as 2); the QK bound runs the same on the q and k head stacks. No O(mn min(m, n)) work."""
     model = llama()
-    monitor = SpectralMonitor(model, iterations=2, first_iterations=2)
+    monitor = SpectralMonitor(model, iterations=2, first_iterations=2, tolerance=0)
     with FlopCounterMode(display=False) as counter:
         monitor.compute()
     matrices = [p for name, p in model.named_parameters() if p.ndim == 2]
@@ -231,6 +231,34 @@ def test_a_call_costs_two_matrix_vector_products_per_matrix_and_iteration():
                                                               layer.self_attn.k_proj.weight)]
     products = sum(p.numel() for p in matrices) + sum(p.numel() for p in attention)
     assert counter.get_total_flops() == 2 * 2 * 2 * products
+
+
+def test_more_rounds_follow_a_top_direction_that_turned_since_the_last_call():
+    """Between two calls the top right singular vector turns by 60 degrees (s_2/s_1 = 0.9): two warm
+    iterations leave the estimate far below; rounds until it settles (tolerance 1e-5 per round of 2, where a
+    round shrinks the error by (0.9)^8 = 0.43: it stops within ~1e-5 of the top) meet the SVD, at no more than
+    max_iterations. The FLOPs say how many were run."""
+    s = torch.tensor([1.0, 0.9, 0.5, 0.2])
+    before = matrix_with_spectrum((4, 6), s, seed=4)
+    U, _, Vh = torch.linalg.svd(before, full_matrices=False)
+    angle = torch.tensor(torch.pi / 3, dtype=torch.float64)
+    turned = Vh.clone()
+    turned[0], turned[1] = torch.cos(angle) * Vh[0] + torch.sin(angle) * Vh[1], \
+        -torch.sin(angle) * Vh[0] + torch.cos(angle) * Vh[1]
+    after = (U * s.double()) @ turned
+    errors, flops = {}, {}
+    for tolerance in (0, 1e-5):
+        model = torch.nn.Linear(6, 4, bias=False).double()
+        monitor = SpectralMonitor(model, tolerance=tolerance, max_iterations=60)
+        with torch.no_grad():
+            model.weight.copy_(before)
+            monitor.compute()
+            model.weight.copy_(after)
+        with FlopCounterMode(display=False) as counter:
+            errors[tolerance] = 1 - monitor.compute()["spectral.s_max/weight"] / float(svd_s(after)[0])
+        flops[tolerance] = counter.get_total_flops() // (2 * 2 * 24)  # iterations run
+    assert errors[0] > 1e-2 and flops[0] == 2
+    assert 0 <= errors[1e-5] <= 1e-4 and 2 < flops[1e-5] <= 60
 
 
 def test_due_and_metrics_at():
@@ -243,6 +271,9 @@ def test_due_and_metrics_at():
     ({"every": 0}, ValueError, "every must be an integer >= 1"),
     ({"every": 2.5}, ValueError, "every must be an integer >= 1"),
     ({"iterations": 0}, ValueError, "iterations must be an integer >= 1"),
+    ({"max_iterations": 0}, ValueError, "max_iterations must be an integer >= 1"),
+    ({"tolerance": 1.0}, ValueError, r"tolerance must be a number in \[0, 1\)"),
+    ({"tolerance": float("nan")}, ValueError, "tolerance must be"),
     ({"optimizers": [object()]}, TypeError, "must be a torch.optim.Optimizer"),
     ({"attention": "all"}, TypeError, "attention must be"),
 ])

@@ -65,9 +65,12 @@ class SpectralMonitor:
 
     ``optimizers``: an optimizer, a list of them, or ``{label: optimizer}``; their groups give each matrix's lr
     (the effective-lr proxy), and their decay counts are reported (a family optimizer's own, or those of the
-    ``SpectralDecay`` attached to it). ``iterations``: power iterations per matrix at each call after the
-    first, which makes ``first_iterations`` (the vectors then start at random). ``exact=True``: each matrix's
-    ``s_max`` by an FP64 SVD instead (an ``O(mn min(m, n))`` factorisation per matrix: small models, checks).
+    ``SpectralDecay`` attached to it). Each call runs ``iterations`` power iterations per matrix from the
+    vectors the last call ended with (``first_iterations`` at the first call, from random vectors), then more
+    rounds of ``iterations`` while an estimate still rose by more than ``tolerance`` (relative) in a round, up
+    to ``max_iterations`` in all (docs/monitoring.md, "Accuracy"; one host read per round). ``exact=True``:
+    each matrix's ``s_max`` by an FP64 SVD instead (an ``O(mn min(m, n))`` factorisation per matrix: small
+    models, checks).
     ``include(name, param)``: which matrices to report (all of 2 or more dimensions by default).
     ``prefix`` begins every name. ``attention``: the attention pairs whose logit bound is reported, ``"auto"``
     (:func:`~spectral_ops.attention_pairs` of ``model``), None (none), or ``{path: (q_weight, k_weight,
@@ -75,13 +78,17 @@ class SpectralMonitor:
     """
 
     def __init__(self, model: torch.nn.Module, optimizers=None, *, every: int = 50, iterations: int = 2,
-                 first_iterations: int = 30, exact: bool = False, attention="auto", per_head: bool = False,
-                 include=None, prefix: str = "spectral"):
+                 first_iterations: int = 30, tolerance: float = 1e-5, max_iterations: int = 100, exact: bool = False,
+                 attention="auto", per_head: bool = False, include=None, prefix: str = "spectral"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.every = _check_count(every, "every", 1)
         self.iterations = _check_count(iterations, "iterations", 1)
         self.first_iterations = _check_count(first_iterations, "first_iterations", 1)
+        self.max_iterations = _check_count(max_iterations, "max_iterations", 1)
+        if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not 0 <= tolerance < 1:
+            raise ValueError(f"tolerance must be a number in [0, 1) (0: no rounds past the first), got {tolerance!r}")
+        self.tolerance = float(tolerance)
         self.exact, self.per_head, self.prefix = bool(exact), bool(per_head), str(prefix)
         self.optimizers = _labelled(optimizers)
         self.stacks, seen = [], set()
@@ -128,7 +135,19 @@ class SpectralMonitor:
             iterations = self.first_iterations
         else:
             iterations = self.iterations
-        estimate, stack.vectors = stack.reader.iterate(matrices, stack.vectors.to(matrices.dtype), iterations)
+        estimate, vectors = stack.reader.iterate(matrices, stack.vectors.to(matrices.dtype), iterations)
+        done = iterations
+        # Rounds of `iterations` until no estimate of the stack moved by more than `tolerance` (relative) in the
+        # last one: the top direction can turn between two log steps (early in training, fast), more than a
+        # fixed count can follow. Every rank that shares the stack's collectives decides alike (any_rank).
+        while self.tolerance and done < self.max_iterations:
+            previous = estimate
+            rounds = min(self.iterations, self.max_iterations - done)
+            estimate, vectors = stack.reader.iterate(matrices, vectors, rounds)
+            done += rounds
+            if not stack.reader.any_rank((estimate - previous > self.tolerance * estimate).any()):
+                break
+        stack.vectors = vectors
         return estimate
 
     @torch.no_grad()

@@ -93,6 +93,10 @@ class Whole:
     def iterate(self, matrices, vectors, iterations):
         return power_iterations(matrices, vectors, iterations)
 
+    def any_rank(self, flag: torch.Tensor) -> bool:
+        """``flag`` (a 0-d bool) as every rank that shares this parameter's collectives decides it: here alone."""
+        return bool(flag)
+
     def s_max(self, totals, estimates):
         return lambda: estimates
 
@@ -150,6 +154,16 @@ class Rows:
 
     def iterate(self, matrices, vectors, iterations):
         return power_iterations(matrices, vectors, iterations, self._sum if self.split_count else None)
+
+    def any_rank(self, flag: torch.Tensor) -> bool:
+        """``flag`` on any rank of the group, where the split matrices' ``all_reduce`` binds the ranks to
+        iterate alike (each also iterates matrices it holds alone, whose flags differ); else this rank's."""
+        if not self.split_count:
+            return bool(flag)
+        summed = lend(self.group, flag.to(torch.int32).reshape(1))
+        dist.all_reduce(summed, group=self.group)
+        let_go([summed])
+        return bool(summed)
 
     def _sum(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` of the split matrices summed over the ranks: one ``all_reduce`` (every rank calls it, with
@@ -211,6 +225,10 @@ class Columns:
 
     def s_max(self, totals, estimates):
         return lambda: estimates
+
+    def any_rank(self, flag: torch.Tensor) -> bool:
+        """``flag``: the estimates, from the summed ``A v``, are the same bits on every rank, and so is it."""
+        return bool(flag)
 
     def frobenius(self, totals, matrices):
         total = totals.add(self.group, torch.linalg.matrix_norm(matrices).to(torch.float64) ** 2)
