@@ -120,7 +120,10 @@ def _perturb(pairs, seed: int) -> None:
 
 
 def _monitors(spread, one, optimizer=torch.optim.AdamW, **options):
-    """A monitor of each model, each with an ``optimizer`` of lr 1e-2 (the effective-lr proxy)."""
+    """A monitor of each model, each with an ``optimizer`` of lr 1e-2 (the effective-lr proxy). Without rounds
+    past the fixed iterations (``tolerance=0``) unless ``options`` say otherwise, so that the collectives can be
+    counted; :func:`_scenario_rounds` runs the default rounds."""
+    options.setdefault("tolerance", 0)
     optimizers = [optimizer(model.parameters(), lr=1e-2) for model in (spread, one)]
     return [SpectralMonitor(model, optimizer, per_head=True, **options)
             for model, optimizer in zip((spread, one), optimizers)], optimizers
@@ -206,17 +209,35 @@ class _Bank(torch.nn.Module):
                 setattr(module, param_name, torch.nn.Parameter(place(getattr(module, param_name).detach(), dim)))
 
 
-def _scenario_stacks_and_filters(mesh, rank, world, placements=None):
+def _scenario_stacks_and_filters(mesh, rank, world, placements=None, tolerance=0):
     """:class:`_Bank`'s weights each split on its dim (``placements(dim)``: on ``mesh``, ``[Shard(dim)]`` by
-    default), before and after a change of every weight. Nothing gathered."""
+    default), before and after a change of every weight. Nothing gathered. With a ``tolerance``, the rounds
+    until the estimates settle: a stack's ranks hold some matrices alone and share others, and decide alike."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     placements = placements or (lambda dim: [Shard(dim)])
     spread, one = _Bank(lambda value, dim: distribute_tensor(value, mesh, placements(dim))), _Bank()
-    monitor, reference = SpectralMonitor(spread, per_head=True), SpectralMonitor(one, per_head=True)
-    _only_all_reduces(_compare(monitor, reference), monitor.first_iterations, monitor)
-    _perturb(zip(one.parameters(), spread.parameters()), seed=4)
-    _only_all_reduces(_compare(monitor, reference), monitor.iterations, monitor)
+    monitor, reference = [SpectralMonitor(model, per_head=True, tolerance=tolerance) for model in (spread, one)]
+    for change in (None, 4):
+        if change is not None:
+            _perturb(zip(one.parameters(), spread.parameters()), seed=change)
+        collectives = _compare(monitor, reference)
+        if tolerance:
+            assert {name for name, _ in collectives.calls} == {"allreduce_"}, collectives.calls
+        else:
+            _only_all_reduces(collectives, monitor.iterations if change else monitor.first_iterations, monitor)
+
+
+def _scenario_rounds(mesh, rank, world):
+    """FSDP2 with the default rounds until the estimates settle, before and after a training step: the same
+    values as one process (which runs its own rounds), all_reduces only."""
+    spread, one = _model(FSDP_MODEL, lambda model: fully_shard_blocks(model, mesh)), _model(FSDP_MODEL)
+    (monitor, reference), optimizers = _monitors(spread, one, tolerance=1e-5)
+    for step in range(2):
+        if step:
+            _train_step(zip((spread, one), optimizers))
+        collectives = _compare(monitor, reference)
+        assert {name for name, _ in collectives.calls} == {"allreduce_"}, collectives.calls
 
 
 def _scenario_hsdp(mesh, rank, world):
@@ -269,9 +290,10 @@ def _scenarios(world: int) -> dict:
     heads cut in three places; the 2-d meshes): a launch costs seconds of every rank's imports."""
     if world == 4:
         return {"stacks and filters": _scenario_stacks_and_filters, "hsdp": _scenario_hsdp,
-                "fsdp2 over tensor parallel": _scenario_2d}
+                "fsdp2 over tensor parallel": _scenario_2d,
+                "stacks and filters, rounds": functools.partial(_scenario_stacks_and_filters, tolerance=1e-5)}
     return {"fsdp2": _scenario_fsdp2, "exact": _scenario_exact, "tensor parallel": _scenario_tensor_parallel,
-            "stacks and filters": _scenario_stacks_and_filters, "ddp": _scenario_ddp}
+            "stacks and filters": _scenario_stacks_and_filters, "ddp": _scenario_ddp, "rounds": _scenario_rounds}
 
 
 def _worker(rank: int, world: int) -> dict:

@@ -160,7 +160,7 @@ class Rows:
         iterate alike (each also iterates matrices it holds alone, whose flags differ); else this rank's."""
         if not self.split_count:
             return bool(flag)
-        summed = lend(self.group, flag.to(torch.int32).reshape(1))
+        summed = lend(self.group, flag.reshape(1).to(torch.int32))  # a new tensor: lend takes no view
         dist.all_reduce(summed, group=self.group)
         let_go([summed])
         return bool(summed)
