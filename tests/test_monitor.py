@@ -4,6 +4,8 @@ conv filters and tied weights, low precision, the decay counts, its cost in FLOP
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -13,6 +15,7 @@ from spectral_ops.monitor import SpectralMonitor, decay_counts, power_iterations
 from spectral_ops.monitor.power import initial_vectors
 from spectral_ops.optim import SpectralAdamW, SpectralDecay
 
+from integration_recipes import assert_bitwise_equal
 from optim_models import batch, tiny_model
 
 
@@ -204,7 +207,9 @@ def test_the_decay_counts_of_a_family_optimizer_and_of_an_attached_decay():
     with pytest.warns(RuntimeWarning, match="skipped"):
         step(model, family, 0, nan=True)
     step(model, family, 1)
+    state = copy.deepcopy(family.state_dict())
     values = monitor.compute()
+    assert_bitwise_equal(family.state_dict(), state)  # the monitor only reads
     assert values["spectral.decay/family.skipped"] == 1
     assert values["spectral.decay/family.decays"] == 2
     clamped = sum(int(record.count) for record in family.clamped.values())
