@@ -61,6 +61,8 @@ def weight_monitor(model, optimizer) -> SpectralMonitor:
 
 
 def _stacks(spectral: SpectralMonitor) -> list:
+    """Every matrix stack of the monitor, with its power iteration's vectors: the monitor has no state dict of
+    its own, so the checkpoint reads and restores them here."""
     return [*spectral.stacks, *(stack for q, k, *_ in spectral.attention.values() for stack in (q, k))]
 
 
