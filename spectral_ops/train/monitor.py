@@ -1,8 +1,11 @@
-"""What a run logs besides its losses, computed with ``spectral_ops.metrics``.
+"""What a run logs besides its losses, computed with ``spectral_ops.monitor`` and ``spectral_ops.metrics``.
 
 Weight metrics per matrix family (MLP gate, up and down, Q, K, V, O; one matrix per layer each, gate
-and up kept apart), averaged over layers: stable rank, effective rank, spectral and Frobenius norms,
-the effective-lr proxy ``lr / ||W||_F``. Then the QK-product stable rank, and on a fixed probe batch:
+and up kept apart), averaged over layers: the spectral norm, the Frobenius norm, the stable rank and the
+effective-lr proxy ``lr / ||W||_F`` from the run's :class:`~spectral_ops.monitor.SpectralMonitor` (``s_max``
+by its power iteration, warm from one log step to the next), which also gives the SPEC 11 logit bound
+``s_max(W_q^h) s_max(W_k^h)`` of the worst head; the effective rank, which needs every singular value, from
+an SVD (``metrics.matrix_metrics``). Then the QK-product stable rank, and on a fixed probe batch:
 normalised attention entropy, mean maximum attention probability, and the V activation metrics of
 SPEC 3/7.5 (eRank of the whole V projection's centred output and mean cross-head linear CKA, on
 ``metrics.V_SAMPLE_TOKENS`` sampled tokens per layer, averaged over layers).
@@ -16,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import metrics
+from ..monitor import SpectralMonitor
 from ..optim.distributed import whole
 
 # One family per projection: the SPEC 7.4 comparisons are per family (the 8 gate matrices of one
@@ -48,27 +52,58 @@ def probe_tokens(validation, n_tokens: int = metrics.V_SAMPLE_TOKENS) -> torch.T
     return inputs[: max(PROBE_SEQUENCES, math.ceil(n_tokens / inputs.shape[1]))]
 
 
-def _lr_of(optimizer) -> dict[int, float]:
-    return {id(p): float(group["lr"]) for group in optimizer.param_groups for p in group["params"]}
+def weight_monitor(model, optimizer) -> SpectralMonitor:
+    """The run's monitor of the family matrices and of each layer's attention pair: one per run, built after
+    the optimizer (it reads the groups' lr, and counts the optimizer's steps), so that its power iteration's
+    vectors stay warm from one log step to the next (a checkpoint keeps them: :func:`monitor_state`)."""
+    families = {id(weight) for kind in MODULE_TYPES for weight in family_weights(model, kind)}
+    return SpectralMonitor(model, optimizer, include=lambda name, param: id(param) in families, prefix="")
+
+
+def _stacks(spectral: SpectralMonitor) -> list:
+    """Every matrix stack of the monitor, with its power iteration's vectors: the monitor has no state dict of
+    its own, so the checkpoint reads and restores them here."""
+    return [*spectral.stacks, *(stack for q, k, *_ in spectral.attention.values() for stack in (q, k))]
+
+
+def monitor_state(spectral: SpectralMonitor) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps of the run's monitor: its power iteration's vectors, by matrix, so that a resumed
+    run logs what the uninterrupted run logs (its estimates depend on the log steps before)."""
+    return {stack.name: stack.vectors.cpu() for stack in _stacks(spectral) if stack.vectors is not None}
+
+
+def load_monitor_state(spectral: SpectralMonitor, state: dict[str, torch.Tensor]) -> None:
+    """The vectors of :func:`monitor_state` back into the run's monitor (a matrix without any starts afresh)."""
+    for stack in _stacks(spectral):
+        if stack.name in state:
+            stack.vectors = state[stack.name].to(stack.param.device)
 
 
 @torch.no_grad()
-def weight_metrics(model, optimizer) -> dict[str, float]:
-    """The weight metrics of the module docstring (under FSDP a collective: each weight is gathered,
-    one at a time, on every rank)."""
-    lr_of = _lr_of(optimizer)
+def weight_metrics(model, optimizer, spectral: SpectralMonitor | None = None) -> dict[str, float]:
+    """The weight metrics of the module docstring. ``spectral``: the run's monitor (:func:`weight_monitor`);
+    None, a new one, whose first call this is. Under FSDP a collective: every rank calls it (the monitor's
+    ``compute``, and the effective rank's SVD, which gathers each weight, one at a time, on every rank)."""
+    monitor = spectral or weight_monitor(model, optimizer)
+    try:
+        values = monitor.compute()
+    finally:
+        if spectral is None:
+            monitor.close()
+    layers = range(len(model.layers))
     record = {}
-    for kind in MODULE_TYPES:
-        weights = family_weights(model, kind)
-        gathered = [whole(w) for w in weights]
-        summary = metrics.matrix_metrics(torch.stack(gathered))
-        for name in ("stable_rank", "effective_rank", "spectral_norm", "frobenius_norm"):
-            record[f"{kind}/{name}"] = float(summary[name].mean())
-        proxies = [metrics.effective_lr(w, lr_of[id(p)]).proxy for p, w in zip(weights, gathered)]
-        record[f"{kind}/effective_lr"] = float(torch.stack(proxies).mean())
+    for kind, path in MODULE_TYPES.items():
+        def mean(metric: str) -> float:
+            return sum(values[f"{metric}/layers.{i}.{path}"] for i in layers) / len(layers)
+
+        ranks = metrics.matrix_metrics(torch.stack([whole(w) for w in family_weights(model, kind)]))["effective_rank"]
+        record.update({f"{kind}/stable_rank": mean("stable_rank"), f"{kind}/effective_rank": float(ranks.mean()),
+                       f"{kind}/spectral_norm": mean("s_max"), f"{kind}/frobenius_norm": mean("frobenius"),
+                       f"{kind}/effective_lr": mean("effective_lr")})
     qk = [metrics.qk_stable_rank(whole(layer.attention.q_proj.weight), whole(layer.attention.k_proj.weight),
                                  layer.attention.n_heads).mean() for layer in model.layers]
     record["qk/stable_rank"] = float(torch.stack(qk).mean())
+    record["qk/logit_bound"] = max(values[f"qk_bound/layers.{i}.attention"] for i in layers)
     return record
 
 
