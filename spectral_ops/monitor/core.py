@@ -162,7 +162,7 @@ class SpectralMonitor:
         # Each rank's part of the sums over ranks, all summed at once (sharded.Totals), then read.
         totals, pending = Totals(), []
         for stack in self.stacks:
-            matrices = stack.matrices(_compute_dtype(stack.param.dtype), self.exact)
+            matrices = stack.matrices(self._dtype(stack.param.dtype), self.exact)
             pending.append((stack, stack.reader.s_max(totals, self._s_max(stack, matrices)),
                          stack.reader.frobenius(totals, matrices)))
         head_bounds = {path: self._head_bounds(*pair, totals) for path, pair in self.attention.items()}
@@ -196,13 +196,18 @@ class SpectralMonitor:
 
     def _head_bounds(self, q_stack: _Stack, k_stack: _Stack, heads: int, kv_heads: int, totals: Totals):
         """Each q head's bound, as a function to call once ``totals`` are reduced."""
-        dtype, head_dim = _compute_dtype(q_stack.param.dtype), q_stack.param.shape[0] // heads
+        dtype, head_dim = self._dtype(q_stack.param.dtype), q_stack.param.shape[0] // heads
         s_max = []
         for stack in (q_stack, k_stack):
             matrices = stack.matrices(dtype, self.exact, head_dim)
             s_max.append(stack.reader.s_max(totals, self._s_max(stack, matrices)))
         s_q, s_k = s_max
         return lambda: s_q() * s_k().repeat_interleave(heads // kv_heads)
+
+    def _dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """fp64 where ``exact`` (every value to fp64's rounding); else fp32 for every floating dtype below fp64
+        (bf16 and fp16 weights are read once, widened)."""
+        return torch.float64 if self.exact or dtype == torch.float64 else torch.float32
 
     def metrics_at(self, step: int) -> dict[str, float] | None:
         """:meth:`compute` where ``step`` is :meth:`due`, else None."""
@@ -223,11 +228,6 @@ def _attention(model: torch.nn.Module, attention) -> dict:
         heads, kv_heads, _ = check_heads(q, k, heads, kv_heads)
         pairs[path] = (q, k, heads, kv_heads)
     return pairs
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for every floating dtype below fp64 (bf16 and fp16 weights are read once, widened)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _labelled(optimizers) -> dict:

@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from ..monitor import SpectralMonitor
 from ..optim import QKCap
 from ..optim.distributed import lend, let_go, local, whole
 from ..progress import progress as progress_bar  # `progress` is the flag that turns it off
@@ -290,16 +289,16 @@ def check_finite_weights(model, step: int, out: Path, processes: Processes | Non
 
 
 def save_checkpoint(out: Path, model, optimizer, step: int, history: list, config: TrainConfig,
-                    qk_cap: QKCap | None = None, spectral: SpectralMonitor | None = None) -> None:
+                    qk_cap: QKCap | None = None) -> None:
     """Write to a temporary file, shift the older checkpoints down (the oldest drops out), then
     rename: a crash never leaves a half-written checkpoint, and one cut between the shift and the
     rename leaves the previous checkpoint as ``checkpoint.1.pt``, where resuming looks next. ``qk_cap``:
-    the run's (``--qk-cap``), and ``spectral``, the run's weight monitor, whose states go in too."""
+    the run's (``--qk-cap``), whose state goes in too."""
     check_finite_weights(model, step, out)
     paths = checkpoint_paths(out, config.keep_checkpoints)
     temporary = paths[0].with_suffix(".tmp")
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "history": history,
-             "config": to_dict(config), **qk_cap_state(qk_cap), **weight_monitor_state(spectral)}
+             "config": to_dict(config), **qk_cap_state(qk_cap)}
     write_aside(temporary, lambda handle: torch.save(state, handle))
     install_checkpoint(temporary, paths)
 
@@ -346,15 +345,8 @@ def qk_cap_state(qk_cap: QKCap | None) -> dict:
     return {} if qk_cap is None else {"qk_cap": qk_cap.state_dict()}
 
 
-def weight_monitor_state(spectral: SpectralMonitor | None) -> dict:
-    """What a checkpoint holds of the run's weight monitor, under ``"weight_monitor"``: its power iteration's
-    vectors (:func:`monitor.monitor_state`), the same on every process."""
-    return {} if spectral is None else {"weight_monitor": monitor.monitor_state(spectral)}
-
-
 def save_sharded_checkpoint(out: Path, model, optimizer, step: int, history: list, config: TrainConfig,
-                            processes: Processes, qk_cap: QKCap | None = None,
-                            spectral: SpectralMonitor | None = None) -> None:
+                            processes: Processes, qk_cap: QKCap | None = None) -> None:
     """:func:`save_checkpoint` for ``--fsdp``/``--ddp`` (a collective): every process writes its shards
     into a temporary folder, rank 0 adds the run state, and once all are done rank 0 moves the folder
     into place, so a folder under a checkpoint's name is complete."""
@@ -370,7 +362,7 @@ def save_sharded_checkpoint(out: Path, model, optimizer, step: int, history: lis
         if processes.main:
             # The counts agree on every process (the optimizer agrees on each skip and clamp).
             run = {"step": step, "history": history, "config": to_dict(config), **optimizer.count_state(),
-                   **qk_cap_state(qk_cap), **weight_monitor_state(spectral)}
+                   **qk_cap_state(qk_cap)}
             write_aside(temporary / RUN_STATE, lambda handle: torch.save(run, handle))
     except Exception as caught:
         error = caught
@@ -546,7 +538,7 @@ def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Process
     # After each step: a step that raised caps nothing. Under --fsdp every process caps the gathered heads alike.
     qk_cap = QKCap(model=model, cap=config.qk_cap).attach(optimizer) if config.qk_cap else None
     qk_clip = QKClip(model, config.qk_clip) if config.qk_clip else None
-    spectral = monitor.weight_monitor(model, optimizer)  # one per run: its vectors stay warm between log steps
+    spectral = monitor.weight_monitor(model, optimizer)
     start, history = 0, []
     if processes.distributed:
         state = load_sharded_checkpoint(out, config, model, optimizer, processes, force) if resume else None
@@ -559,8 +551,6 @@ def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Process
         start, history = state["step"], state["history"]
         if qk_cap is not None and "qk_cap" in state:  # absent only from a run resumed with --force
             qk_cap.load_state_dict(state["qk_cap"])
-        # Absent from a checkpoint written before the loop kept it: the monitor then starts afresh.
-        monitor.load_monitor_state(spectral, state.get("weight_monitor", {}))
     elif resume and processes.main:
         print(f"{out}: nothing to resume (no checkpoint); starting from step 0", file=sys.stderr)
     # After the checkpoint is accepted, so that a refused resume leaves the folder as it was.
@@ -624,9 +614,9 @@ def run_steps(config: TrainConfig, corpus: Corpus, out: Path, processes: Process
                 write_logs(out, history)
         if (config.checkpoint_every and done % config.checkpoint_every == 0) or done == config.steps:
             if processes.distributed:
-                save_sharded_checkpoint(out, model, optimizer, done, history, config, processes, qk_cap, spectral)
+                save_sharded_checkpoint(out, model, optimizer, done, history, config, processes, qk_cap)
             else:
-                save_checkpoint(out, model, optimizer, done, history, config, qk_cap, spectral)
+                save_checkpoint(out, model, optimizer, done, history, config, qk_cap)
     if history and progress and processes.main:
         print(f"{out}: {summary_line(history[-1])}")
     return history

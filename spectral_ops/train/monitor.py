@@ -2,13 +2,13 @@
 
 Weight metrics per matrix family (MLP gate, up and down, Q, K, V, O; one matrix per layer each, gate
 and up kept apart), averaged over layers: the spectral norm, the Frobenius norm, the stable rank and the
-effective-lr proxy ``lr / ||W||_F`` from the run's :class:`~spectral_ops.monitor.SpectralMonitor` (``s_max``
-by its power iteration, warm from one log step to the next), which also gives the SPEC 11 logit bound
-``s_max(W_q^h) s_max(W_k^h)`` of the worst head; the effective rank, which needs every singular value, from
-an SVD (``metrics.matrix_metrics``). Then the QK-product stable rank, and on a fixed probe batch:
-normalised attention entropy, mean maximum attention probability, and the V activation metrics of
-SPEC 3/7.5 (eRank of the whole V projection's centred output and mean cross-head linear CKA, on
-``metrics.V_SAMPLE_TOKENS`` sampled tokens per layer, averaged over layers).
+effective-lr proxy ``lr / ||W||_F`` from the run's :class:`~spectral_ops.monitor.SpectralMonitor` (exact:
+:func:`weight_monitor` says why), which also gives the SPEC 11 logit bound ``s_max(W_q^h) s_max(W_k^h)`` of
+the worst head; the effective rank, which needs every singular value, from ``metrics.matrix_metrics``. Then
+the QK-product stable rank, and on a fixed probe batch: normalised attention entropy, mean maximum attention
+probability, and the V activation metrics of SPEC 3/7.5 (eRank of the whole V projection's centred output
+and mean cross-head linear CKA, on ``metrics.V_SAMPLE_TOKENS`` sampled tokens per layer, averaged over
+layers).
 """
 
 from __future__ import annotations
@@ -53,30 +53,12 @@ def probe_tokens(validation, n_tokens: int = metrics.V_SAMPLE_TOKENS) -> torch.T
 
 
 def weight_monitor(model, optimizer) -> SpectralMonitor:
-    """The run's monitor of the family matrices and of each layer's attention pair: one per run, built after
-    the optimizer (it reads the groups' lr, and counts the optimizer's steps), so that its power iteration's
-    vectors stay warm from one log step to the next (a checkpoint keeps them: :func:`monitor_state`)."""
+    """The run's monitor of the family matrices and of each layer's attention pair, ``exact=True``: the log
+    computes every family's SVD anyway (the effective rank needs every singular value), so the power
+    iteration would buy no time here, and exact values depend on the weights alone, not on the steps logged
+    before (a resumed run, or another ``--log-every``, logs the same numbers, and no state is checkpointed)."""
     families = {id(weight) for kind in MODULE_TYPES for weight in family_weights(model, kind)}
-    return SpectralMonitor(model, optimizer, include=lambda name, param: id(param) in families, prefix="")
-
-
-def _stacks(spectral: SpectralMonitor) -> list:
-    """Every matrix stack of the monitor, with its power iteration's vectors: the monitor has no state dict of
-    its own, so the checkpoint reads and restores them here."""
-    return [*spectral.stacks, *(stack for q, k, *_ in spectral.attention.values() for stack in (q, k))]
-
-
-def monitor_state(spectral: SpectralMonitor) -> dict[str, torch.Tensor]:
-    """What a checkpoint keeps of the run's monitor: its power iteration's vectors, by matrix, so that a resumed
-    run logs what the uninterrupted run logs (its estimates depend on the log steps before)."""
-    return {stack.name: stack.vectors.cpu() for stack in _stacks(spectral) if stack.vectors is not None}
-
-
-def load_monitor_state(spectral: SpectralMonitor, state: dict[str, torch.Tensor]) -> None:
-    """The vectors of :func:`monitor_state` back into the run's monitor (a matrix without any starts afresh)."""
-    for stack in _stacks(spectral):
-        if stack.name in state:
-            stack.vectors = state[stack.name].to(stack.param.device)
+    return SpectralMonitor(model, optimizer, include=lambda name, param: id(param) in families, prefix="", exact=True)
 
 
 @torch.no_grad()
