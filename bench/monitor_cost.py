@@ -102,8 +102,16 @@ def flops(call) -> int:
 
 
 def counted(run: Run, every: int) -> dict:
-    """The FLOPs of one training step and of one monitor call (warm and first), and their ratio at ``every``."""
-    step, warm, first = flops(run.step), flops(run.monitor.compute), flops(run.first_call)
+    """The FLOPs of one training step and of one monitor call (warm and first), and their ratio at ``every``.
+    The monitor's are counted without the rounds until it settles (``tolerance=0``): their number depends on
+    the weights, each costs what an iteration does, and the FLOPs stay those of the shapes alone."""
+    fixed = SpectralMonitor(run.model, tolerance=0)
+    try:
+        first = flops(fixed.compute)
+        warm = flops(fixed.compute)
+    finally:
+        fixed.close()
+    step = flops(run.step)
     return {"step": step, "monitor": warm, "first_call": first, "monitor_over_every_steps": warm / (every * step),
             "first_call_over_step": first / step}
 
@@ -168,11 +176,15 @@ def markdown(report: dict) -> str:
         f"`{report['command']}` on {machine_line(report['machine'])}. "
         f"The reference loop's training step (forward, backward, gradient clipping, the preset's default "
         f"optimizer step) against one `SpectralMonitor.compute()` on the same model (every matrix, the attention "
-        f"pairs' logit bound, the decay counts; {report['settings']['iterations']} power iterations per matrix "
-        f"when warm, {report['settings']['first_iterations']} at a first call), timed interleaved over "
+        f"pairs' logit bound, the decay counts; the default iterations: {report['settings']['first_iterations']} "
+        f"at a first call, {report['settings']['iterations']} at a warm one, then rounds of "
+        f"{report['settings']['iterations']} until no estimate rises by more than the tolerance, at most "
+        f"{report['settings']['max_iterations']} in all), timed interleaved over "
         f"{report['settings']['rounds']} rounds (medians), after {report['settings']['warmup']} warm-up steps. "
         f"**Cost** is `compute / ({every} steps)`: monitoring every {every} steps; goal at most "
-        f"{GOAL:.0%}. The first call (a new monitor: its vectors start at random) is shown against one step. "
+        f"{GOAL:.0%}. A warm call here follows one training step; {every} steps move the weights further, and the "
+        f"rounds may run longer: the first call (a new monitor: its vectors start at random, and a random init's "
+        f"close singular values take the most rounds) is the dearer bound, shown against one step. "
         f"`exact=True` takes every `s_max` from an FP64 SVD instead, the cost the power iteration saves.",
         "",
         f"| preset | threads | step (ms) | compute, warm (ms) | cost at every={every} | within {GOAL:.0%} | "
@@ -187,8 +199,13 @@ def markdown(report: dict) -> str:
                          f"{row['first_call_over_step']:.2f} | {row['exact_s'] * 1e3:.1f} | {row['exact_ratio']:.3%} |")
     lines += [
         "",
+        f"At its dearest, a first call every {every} steps: " + ", ".join(
+            f"{result['preset']} ({row['threads']} threads) {row['first_call_over_step'] / every:.2%}"
+            for result in report["presets"] for row in result["rows"]) + ".",
+        "",
         "FLOPs (products, `torch.utils.flop_counter`; the same on every machine): one training step, one warm "
-        "call and one first call of the monitor.",
+        "call and one first call of the monitor, without the rounds until it settles (`tolerance=0`: their number "
+        "depends on the weights; each round costs what its iterations do).",
         "",
         f"| preset | shape | parameters | matrices | attention modules | scalars | step FLOPs | monitor FLOPs, "
         f"warm | first call FLOPs | warm / ({every} steps) | first call / step |",
@@ -254,7 +271,7 @@ def main(argv=None) -> dict:
               "settings": {"every": args.every, "rounds": args.rounds, "warmup": args.warmup, "goal": GOAL,
                            "overrides": overrides,
                            **{name: inspect.signature(SpectralMonitor).parameters[name].default
-                              for name in ("iterations", "first_iterations")}}}
+                              for name in ("iterations", "first_iterations", "tolerance", "max_iterations")}}}
     threads = args.threads or sorted({1, torch.get_num_threads()})
     report["presets"] = [measure(name, overrides, threads, args.every, args.rounds, args.warmup)
                          for name in args.presets]
