@@ -29,7 +29,7 @@ ONE_WORKER_MODULES = ("test_cuda_emulation", "test_cuda_sass", "test_dist_exit",
 LONGEST_FIRST = ("test_triton_gpu_check", "test_cuda_emulation", "test_train_distributed", "test_optim_distributed",
                  "test_experiments", "test_cuda_sass", "test_dist_exit", "test_integrations_torchtitan",
                  "test_optim_compile", "test_readme", "test_triton_backend", "test_train", "test_optim_capturable",
-                 "test_dispatch")
+                 "test_dispatch", "test_monitor_distributed")
 
 
 def pytest_collection_modifyitems(config, items):
