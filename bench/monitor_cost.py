@@ -1,4 +1,4 @@
-"""``python bench/monitor_cost.py [--presets tiny small] [--threads 1 2] [--every 50] [--rounds 20] [--out-md FILE]``
+"""``python bench/monitor_cost.py [--presets tiny small] [--threads 1 2] [--every 50] [--rounds 3] [--out-md FILE]``
 
 What :class:`spectral_ops.monitor.SpectralMonitor` costs against the training it watches (issue #55: goal
 at most 2% of the training time when it runs every 50 steps), on the reference loop's ``tiny`` and
@@ -12,12 +12,14 @@ backward pass, the loss read on the host, the gradient clipping of ``grad_clip``
 optimizer with its defaults (every matrix, the attention pairs' logit bound, the decay counts).
 
 Timing: ``--warmup`` training steps first (the optimizer state, the allocator), then ``--rounds`` rounds in
-which each of these runs once, in the same order (interleaved: a slow spell of a shared machine hits each
-alike): a training step; ``compute()`` of the run's monitor, warm (after its first call, which runs
-before the rounds); the first ``compute()`` of a new monitor on the same model (``first_iterations`` from
-its seeded start; the monitor is closed after it); and ``compute()`` of an ``exact=True`` monitor, which
-takes each ``s_max`` from an FP64 SVD, the cost the power iteration saves. Each time is the median of its
-rounds, and the cost of monitoring is ``compute / (every * step)``: one call per ``every`` steps.
+which each of these runs, in the same order (interleaved: a slow spell of a shared machine hits each
+alike): ``every`` training steps, each timed; ``compute()`` of the run's monitor, warm (after its first call,
+which runs before the rounds), so ``every`` steps after its last call, as a run monitoring every ``every``
+steps calls it (the weights move between two calls, and the rounds until the estimates settle follow
+them); the first ``compute()`` of a new monitor on the same model (``first_iterations`` from its seeded
+start, then its rounds; the monitor is closed after it); and ``compute()`` of an ``exact=True`` monitor,
+which takes each ``s_max`` from an FP64 SVD, the cost the power iteration saves. Each time is the median of
+its rounds (of all steps, for the step), and the cost of monitoring is ``compute / (every * step)``.
 
 FLOPs, the same on every machine: one training step and one call of the monitor, warm and first, counted
 by ``torch.utils.flop_counter.FlopCounterMode`` (products only: the elementwise work of the optimizer, the
@@ -116,9 +118,9 @@ def counted(run: Run, every: int) -> dict:
             "first_call_over_step": first / step}
 
 
-def timed(run: Run, rounds: int, warmup: int) -> dict:
-    """Median seconds of each call over ``rounds`` interleaved rounds, after ``warmup`` training steps and the
-    run's monitor's first call."""
+def timed(run: Run, rounds: int, warmup: int, every: int) -> dict:
+    """Median seconds of each call over ``rounds`` interleaved rounds of ``every`` steps and the monitor calls,
+    after ``warmup`` training steps and the run's monitor's first call."""
     for _ in range(warmup):
         run.step()
     run.monitor.compute()  # its first call: after it the monitor is warm
@@ -128,9 +130,10 @@ def timed(run: Run, rounds: int, warmup: int) -> dict:
     try:
         for _ in range(rounds):
             for name, call in calls.items():
-                start = time.perf_counter()
-                call()
-                seconds[name].append(time.perf_counter() - start)
+                for _ in range(every if name == "step" else 1):
+                    start = time.perf_counter()
+                    call()
+                    seconds[name].append(time.perf_counter() - start)
     finally:
         exact.close()
     return {name: statistics.median(values) for name, values in seconds.items()}
@@ -150,7 +153,7 @@ def measure(name: str, overrides: dict, thread_counts: list[int], every: int, ro
     try:
         for threads in thread_counts:
             torch.set_num_threads(threads)
-            median = timed(Run(config), rounds, warmup)
+            median = timed(Run(config), rounds, warmup, every)
             result["rows"].append({
                 "threads": threads, "step_s": median["step"], "compute_s": median["compute"],
                 "first_call_s": median["first_call"], "exact_s": median["exact"],
@@ -182,9 +185,9 @@ def markdown(report: dict) -> str:
         f"{report['settings']['max_iterations']} in all), timed interleaved over "
         f"{report['settings']['rounds']} rounds (medians), after {report['settings']['warmup']} warm-up steps. "
         f"**Cost** is `compute / ({every} steps)`: monitoring every {every} steps; goal at most "
-        f"{GOAL:.0%}. A warm call here follows one training step; {every} steps move the weights further, and the "
-        f"rounds may run longer: the first call (a new monitor: its vectors start at random, and a random init's "
-        f"close singular values take the most rounds) is the dearer bound, shown against one step. "
+        f"{GOAL:.0%}. A warm call comes {every} training steps after the last, as in a run that monitors every "
+        f"{every} steps. The first call (a new monitor: its vectors start at random, and a random init's close "
+        f"singular values take the most rounds) is shown against one step. "
         f"`exact=True` takes every `s_max` from an FP64 SVD instead, the cost the power iteration saves.",
         "",
         f"| preset | threads | step (ms) | compute, warm (ms) | cost at every={every} | within {GOAL:.0%} | "
@@ -199,7 +202,7 @@ def markdown(report: dict) -> str:
                          f"{row['first_call_over_step']:.2f} | {row['exact_s'] * 1e3:.1f} | {row['exact_ratio']:.3%} |")
     lines += [
         "",
-        f"At its dearest, a first call every {every} steps: " + ", ".join(
+        f"A first call (made once per monitor), were it made every {every} steps: " + ", ".join(
             f"{result['preset']} ({row['threads']} threads) {row['first_call_over_step'] / every:.2%}"
             for result in report["presets"] for row in result["rows"]) + ".",
         "",
@@ -244,8 +247,9 @@ def parser() -> argparse.ArgumentParser:
                         help="torch thread counts to time each preset at (default: 1 and torch's default here)")
     parser.add_argument("--every", type=int, default=50,
                         help="steps between two monitor calls: the cost is compute / (every * step) (default: 50)")
-    parser.add_argument("--rounds", type=int, default=20,
-                        help="interleaved rounds of the timed calls; each time is the median (default: 20)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved rounds of --every timed steps and the timed monitor calls; each time is "
+                             "the median (default: 3)")
     parser.add_argument("--warmup", type=int, default=3, help="training steps before the timing (default: 3)")
     parser.add_argument("--set", dest="overrides", action="append", type=parse_override, default=[],
                         metavar="FIELD=VALUE",
