@@ -179,6 +179,16 @@ def test_low_precision_weights_are_read_in_fp32(dtype):
                                                                           rel=FP32_ROUNDING)
 
 
+def test_an_enclosing_autocast_changes_nothing():
+    """A host may call it inside its autocast (a callback of a mixed-precision loop): the values are the
+    ones outside, bit for bit, not bf16 products."""
+    model = tiny_model()
+    outside = SpectralMonitor(model).compute()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = SpectralMonitor(model).compute()
+    assert inside == outside
+
+
 def test_a_zero_matrix_reports_zeros_not_nan():
     model = torch.nn.Linear(3, 4, bias=False)
     torch.nn.init.zeros_(model.weight)

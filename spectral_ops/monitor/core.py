@@ -18,6 +18,7 @@ import torch
 from ..matrix_views import matrix_view_of
 from ..optim.base import SpectralOptimizer
 from ..optim.hook import attached_decays
+from ..precision import outside_autocast
 from ..qk_cap import attention_pairs, check_heads
 from .sharded import Totals, reader
 
@@ -150,6 +151,7 @@ class SpectralMonitor:
         stack.vectors = vectors
         return estimate
 
+    @outside_autocast  # a callback may run inside the host's autocast: its products would run in bf16
     @torch.no_grad()
     def compute(self) -> dict[str, float]:
         """The metrics now, as ``{name: float}`` (one host read at the end).
