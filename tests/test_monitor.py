@@ -179,6 +179,11 @@ def test_low_precision_weights_are_read_in_fp32(dtype):
                                                                           rel=FP32_ROUNDING)
 
 
+def test_a_compiled_model_reports_its_modules_by_their_own_names():
+    model = llama()
+    assert SpectralMonitor(torch.compile(model)).compute() == SpectralMonitor(model).compute()
+
+
 def test_an_enclosing_autocast_changes_nothing():
     """A host may call it inside its autocast (a callback of a mixed-precision loop): the values are the
     ones outside, bit for bit, not bf16 products."""

@@ -33,9 +33,15 @@ def _check_count(value, name: str, least: int) -> int:
     return int(value)
 
 
+def _path(name: str) -> str:
+    """A module's or parameter's name as the user's model has it: the same for a ``torch.compile``-d model,
+    which names them under its ``_orig_mod``."""
+    return name.replace("_orig_mod.", "")
+
+
 def _matrix_name(parameter_name: str) -> str:
     """A parameter's module path (``.weight`` dropped: the module is what a user knows a matrix by)."""
-    return parameter_name.removesuffix(".weight")
+    return _path(parameter_name).removesuffix(".weight")
 
 
 class _Stack:
@@ -99,11 +105,14 @@ class SpectralMonitor:
                 if param.ndim < 2 or id(param) in seen or (include is not None and not include(name, param)):
                     continue  # a tied weight (an embedding and its head) is reported once, by its first name
                 seen.add(id(param))
+                # Seeded by the reported name: the same start vectors under torch.compile's renaming.
                 self.stacks.append(_Stack(_matrix_name(name), param, matrix_view_of(module, param),
-                                          zlib.crc32(name.encode())))
-        self.attention = {path: (_Stack(f"{path}.q", q, "batch", zlib.crc32(f"{path}.q".encode())),
-                                 _Stack(f"{path}.k", k, "batch", zlib.crc32(f"{path}.k".encode())), heads, kv_heads)
-                          for path, (q, k, heads, kv_heads) in _attention(model, attention).items()}
+                                          zlib.crc32(_matrix_name(name).encode())))
+        self.attention = {}  # module path -> (its q heads' stack, its k heads', heads, kv heads)
+        for path, (q, k, heads, kv_heads) in _attention(model, attention).items():
+            names = [f"{_path(path)}.{side}" for side in ("q", "k")]
+            self.attention[_path(path)] = (*(_Stack(name, weight, "batch", zlib.crc32(name.encode()))
+                                             for name, weight in zip(names, (q, k))), heads, kv_heads)
 
         # The decay steps each optimizer with a spectral decay has taken since now (a step post-hook: a step
         # that raised took none), for its `decays` count.
