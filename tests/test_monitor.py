@@ -5,6 +5,7 @@ conv filters and tied weights, low precision, the decay counts, its cost in FLOP
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -200,6 +201,38 @@ def test_a_zero_matrix_reports_zeros_not_nan():
     values = SpectralMonitor(model, torch.optim.SGD(model.parameters(), lr=0.1)).compute()
     assert values["spectral.s_max/weight"] == 0 and values["spectral.stable_rank/weight"] == 0
     assert values["spectral.effective_lr/weight"] == float("inf")  # no scale to turn: metrics.effective_lr's rule
+
+
+def test_a_non_finite_weight_reports_non_finite_metrics_not_zeros():
+    model = torch.nn.Linear(3, 4, bias=False)
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    values = SpectralMonitor(model).compute()
+    assert all(math.isnan(values[f"spectral.{metric}/weight"]) for metric in ("s_max", "frobenius", "stable_rank"))
+
+
+def test_the_range_fp32_iterates_in():
+    """The iteration forms ``A^T A v``, of size ``s_max^2``: fp32 holds it while s_max is below ~1.8e19 (here
+    1e15: s_max^2 = 1e30), power.py's documented range; beyond it, ``exact=True`` computes in fp64."""
+    for scale, options in ((1e15, {}), (1e30, {"exact": True})):
+        model = torch.nn.Linear(3, 4, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(matrix_with_spectrum((4, 3), torch.tensor([1.0, 0.5, 0.25]), seed=5) * scale)
+        s = svd_s(model.weight)
+        values = SpectralMonitor(model, **options).compute()
+        # s_2/s_1 = 0.5: 30 iterations leave ~0.5^116 of the error; fp32 rounding remains.
+        assert values["spectral.s_max/weight"] == pytest.approx(float(s[0]), rel=FP32_ROUNDING)
+        assert values["spectral.frobenius/weight"] == pytest.approx(float(torch.linalg.vector_norm(s)),
+                                                                   rel=FP32_ROUNDING)
+
+
+def test_complex_and_meta_parameters_are_refused_when_it_is_built():
+    with pytest.raises(TypeError, match="complex64: the monitor reads real matrices; leave it out with include="):
+        SpectralMonitor(torch.nn.Linear(3, 4, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="on the meta device: build the monitor after"):
+        SpectralMonitor(torch.nn.Linear(3, 4, device="meta"))
+    model = torch.nn.Linear(3, 4, dtype=torch.complex64)
+    assert SpectralMonitor(model, include=lambda name, param: not param.is_complex()).compute() == {}
 
 
 def step(model, optimizer, index, nan=False):

@@ -33,6 +33,19 @@ def _check_count(value, name: str, least: int) -> int:
     return int(value)
 
 
+def _check_readable(name: str, param: torch.Tensor) -> None:
+    """A parameter whose metrics would be wrong or unreadable is refused when the monitor is built: a complex
+    one (read as real it would drop its imaginary part; the iteration's transposes are not adjoints), a
+    meta-device one (a model not yet materialised: the monitor would hold the parameters ``to_empty``
+    replaces)."""
+    if param.is_complex():
+        raise TypeError(f"{name} is {param.dtype}: the monitor reads real matrices; leave it out with "
+                        "include=lambda name, param: not param.is_complex()")
+    if param.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device: build the monitor after the model's weights exist "
+                         "(after to_empty() and loading them), as the optimizer is built")
+
+
 def _path(name: str) -> str:
     """A module's or parameter's name as the user's model has it: the same for a ``torch.compile``-d model,
     which names them under its ``_orig_mod``."""
@@ -105,12 +118,15 @@ class SpectralMonitor:
                 if param.ndim < 2 or id(param) in seen or (include is not None and not include(name, param)):
                     continue  # a tied weight (an embedding and its head) is reported once, by its first name
                 seen.add(id(param))
+                _check_readable(name, param)
                 # Seeded by the reported name: the same start vectors under torch.compile's renaming.
                 self.stacks.append(_Stack(_matrix_name(name), param, matrix_view_of(module, param),
                                           zlib.crc32(_matrix_name(name).encode())))
         self.attention = {}  # module path -> (its q heads' stack, its k heads', heads, kv heads)
         for path, (q, k, heads, kv_heads) in _attention(model, attention).items():
             names = [f"{_path(path)}.{side}" for side in ("q", "k")]
+            for name, weight in zip(names, (q, k)):
+                _check_readable(name, weight)
             self.attention[_path(path)] = (*(_Stack(name, weight, "batch", zlib.crc32(name.encode()))
                                              for name, weight in zip(names, (q, k))), heads, kv_heads)
 
@@ -181,7 +197,8 @@ class SpectralMonitor:
         values = {}  # name -> 0-d tensor, read once at the end
         for stack, s_max, frobenius in pending:
             s_max, frobenius = s_max(), frobenius()
-            stable_rank = torch.where(s_max > 0, frobenius**2 / s_max.clamp_min(torch.finfo(s_max.dtype).tiny)**2, 0)
+            # 0 for a zero matrix; a NaN weight's NaN stays NaN.
+            stable_rank = torch.where(s_max == 0, 0, frobenius**2 / s_max.clamp_min(torch.finfo(s_max.dtype).tiny)**2)
             lr = lr_of.get(id(stack.param))
             for i, name in enumerate(stack.names()):
                 values[self._key("s_max", name)] = s_max[i]
@@ -200,10 +217,12 @@ class SpectralMonitor:
             if counts:
                 counts["decays"] = torch.tensor(float(self.steps.get(label, 0)))
             values.update({self._key("decay", f"{label}.{count}"): value for count, value in counts.items()})
-        names = list(values)
-        read = torch.stack([torch.as_tensor(value, dtype=torch.float64).to("cpu") for value in values.values()]) \
-            if names else torch.zeros(0)
-        return dict(zip(names, read.tolist()))
+        # One read: every value stacked where the weights are, then one copy to the host.
+        device = next((value.device for value in values.values() if torch.is_tensor(value)
+                       and value.device.type != "cpu"), torch.device("cpu"))
+        read = torch.stack([torch.as_tensor(value, dtype=torch.float64).to(device) for value in values.values()]) \
+            if values else torch.zeros(0)
+        return dict(zip(values, read.tolist()))
 
     def _head_bounds(self, q_stack: _Stack, k_stack: _Stack, heads: int, kv_heads: int, totals: Totals):
         """Each q head's bound, as a function to call once ``totals`` are reduced."""

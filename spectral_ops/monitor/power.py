@@ -8,6 +8,9 @@ the top right singular vector its relative error after ``k`` iterations is at mo
 ``tan(theta)^2 (s_2 / s_1)^(2k) / 2``. The vectors are kept between calls (the warm start): weights move
 little between two log steps, so the iterations of all calls add up.
 
+Range: ``A^T A v`` is of size ``s_max^2``, so the estimate is finite while ``s_max^2`` fits the dtype
+(fp32: ``s_max`` up to about 1.8e19); ``exact=True`` computes in fp64.
+
 The work is ``4 B m n`` multiply-adds per iteration, ``O(mn)``, against the ``O(mn min(m, n))`` of an SVD.
 """
 
@@ -37,6 +40,8 @@ def power_iterations(stack: torch.Tensor, vectors: torch.Tensor, iterations: int
         if reduce_columns is not None:
             x = reduce_columns(x)
         estimate = (vectors * x).sum(-1).clamp_min(0)
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        vectors = torch.where(norm > 0, x / norm.clamp_min(torch.finfo(x.dtype).tiny), vectors)
+        # x is of size s_max^2: scaled by its largest entry first, its norm's squares cannot overflow.
+        largest = x.abs().amax(-1, keepdim=True)
+        x = x / largest.clamp_min(torch.finfo(x.dtype).tiny)
+        vectors = torch.where(largest > 0, x / torch.linalg.vector_norm(x, dim=-1, keepdim=True), vectors)
     return estimate.sqrt(), vectors
