@@ -208,11 +208,17 @@ def check_eps(eps, name: str = "eps") -> None:
 STEPS_BOUND = 1000
 
 
+def check_count(value, name: str) -> int:
+    """``value`` as a count: an integer >= 1 (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
 def check_steps(steps, name: str = "steps"):
     if steps is None:
         return None
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {steps!r}")
+    check_count(steps, name)
     if steps > STEPS_BOUND:
         raise ValueError(f"{name}={steps} is beyond the iterations' steps, at most {STEPS_BOUND}: Polar Express "
                          "converges in about 12 and Newton-Schulz's sign in about 30")

@@ -9,13 +9,11 @@ pairs (:func:`attention_pairs`), which needs no optimizer (``optim.QKCap`` appli
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 import torch.distributed as dist
 
 from . import dispatch, plan
-from ._checks import check_coefficient, check_finite, check_matrix
+from ._checks import check_coefficient, check_count, check_finite, check_matrix
 from .decay import _check_writable
 from .linalg import compute_dtype
 from .ops import check_method, check_precision
@@ -25,12 +23,6 @@ if dist.is_available():
     from torch.distributed.tensor import DTensor, distribute_tensor
 else:  # a torch built without torch.distributed: every weight is a plain tensor
     DTensor = ()
-
-
-def _check_head_count(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
 
 
 def check_heads(q_weight, k_weight, num_heads, num_kv_heads) -> tuple[int, int, int]:
@@ -46,8 +38,8 @@ def check_heads(q_weight, k_weight, num_heads, num_kv_heads) -> tuple[int, int, 
     if q_weight.device != k_weight.device:
         raise ValueError(f"q_weight is on {q_weight.device} and k_weight on {k_weight.device}: pass the two "
                          "projections of one attention, on one device")
-    num_heads = _check_head_count(num_heads, "num_heads")
-    num_kv_heads = num_heads if num_kv_heads is None else _check_head_count(num_kv_heads, "num_kv_heads")
+    num_heads = check_count(num_heads, "num_heads")
+    num_kv_heads = num_heads if num_kv_heads is None else check_count(num_kv_heads, "num_kv_heads")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}: each key head "
                          "serves num_heads / num_kv_heads query heads (GQA); pass the model's head counts")

@@ -15,6 +15,7 @@ import zlib
 
 import torch
 
+from .._checks import check_count
 from ..matrix_views import matrix_view_of
 from ..optim.base import SpectralOptimizer
 from ..optim.hook import attached_decays
@@ -25,12 +26,6 @@ from .sharded import Totals, reader
 # What the monitor reports, by the first part of each scalar's name: a dashboard (TensorBoard, W&B, MLflow)
 # groups the scalars by it, so one panel holds one quantity for every matrix.
 MATRIX_METRICS = ("s_max", "frobenius", "stable_rank", "effective_lr")
-
-
-def _check_count(value, name: str, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-    return int(value)
 
 
 def _check_readable(name: str, param: torch.Tensor) -> None:
@@ -102,10 +97,10 @@ class SpectralMonitor:
                  attention="auto", per_head: bool = False, include=None, prefix: str = "spectral"):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self.every = _check_count(every, "every", 1)
-        self.iterations = _check_count(iterations, "iterations", 1)
-        self.first_iterations = _check_count(first_iterations, "first_iterations", 1)
-        self.max_iterations = _check_count(max_iterations, "max_iterations", 1)
+        self.every = check_count(every, "every")
+        self.iterations = check_count(iterations, "iterations")
+        self.first_iterations = check_count(first_iterations, "first_iterations")
+        self.max_iterations = check_count(max_iterations, "max_iterations")
         if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real) or not 0 <= tolerance < 1:
             raise ValueError(f"tolerance must be a number in [0, 1) (0: no rounds past the first), got {tolerance!r}")
         self.tolerance = float(tolerance)
