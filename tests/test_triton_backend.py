@@ -52,7 +52,7 @@ def path(request):
 def forced(path):
     if dispatch.get_backend("triton") is not BACKENDS[path]:
         dispatch.register_backend(BACKENDS[path])
-    with so.use_backend("triton"):
+    with so.use_backend("triton"), triton_env.index_overflow_checks(False):
         yield path
 
 
@@ -66,11 +66,13 @@ def ran_on_triton(op):
 
 @pytest.mark.parametrize("dtype", triton_env.DTYPES)
 def test_the_dispatch_self_check_passes_for_every_primitive(forced, dtype):
-    # First in the module, so the other tests of each path reuse the cached check results.
+    # First in the module, so the other tests of each path reuse the cached check results. Every
+    # primitive with the interpreter's int32 overflow checks (tests/triton_env.py).
     backend = BACKENDS[forced]
     for primitive in PRIMITIVES:
         if backend.supports(primitive, torch.device("cpu"), dtype, (2, 24, 40), steps=8):
-            error = selfcheck.self_check_error(backend, primitive, dtype, "cpu")
+            with triton_env.index_overflow_checks(True):
+                error = selfcheck.self_check_error(backend, primitive, dtype, "cpu")
             assert error <= selfcheck.SELF_CHECK_TOLERANCE[dtype], primitive
     W = sample((20, 12), dtype)
     with warnings.catch_warnings():
@@ -314,7 +316,7 @@ def test_a_capturable_step_on_the_triton_backend_reads_nothing_back(name):
 
     from optim_models import tiny_model
 
-    with so.use_backend("triton"):
+    with so.use_backend("triton"), triton_env.index_overflow_checks(False):
         model = tiny_model()
         # The interpreter runs fp32 and fp16 (Muon's default orthogonalisation is bf16).
         precision = {"precision": "fp32"} if name.startswith("muon") else {}
