@@ -38,4 +38,9 @@ if __name__ == "__main__":
     use_this_checkout()
     from gpu_checks.main import main
 
-    sys.exit(main(args))
+    from spectral_ops import environment
+
+    # A dry run rehearses the GPU run, whose compiled kernels check no integer for overflow; the interpreter's
+    # int32 checks (two fifths of its time) run in the kernels' own tests, tests/test_triton_<kernel>.py.
+    with environment.interpreter_overflow_checks(not args.dry_run):
+        sys.exit(main(args))

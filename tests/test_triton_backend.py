@@ -4,6 +4,11 @@ The tests taking ``forced`` run twice, once per path: ``small`` (the default rou
 have a small side <= 128, so the one-program-per-matrix chain runs) and ``composed`` (the same backend
 without its small chain, so the plan composes every symmetric, product, sign and decay kernel).
 Tolerances are those of tests/test_ops.py for float32; float16 adds its own input/output rounding (2^-11).
+
+The interpreter's int32 overflow checks (``environment.interpreter_overflow_checks``), two fifths of the
+interpreted time, stay on in the dispatch self-check of every primitive (both paths, both dtypes) and in
+the kernels' own tests (``test_triton_<kernel>.py``); the accuracy grid, which launches the same kernels
+on matrices of the same sizes (sides under 50) again, runs without them.
 """
 
 import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
@@ -14,7 +19,7 @@ import pytest
 import torch
 
 import spectral_ops as so
-from spectral_ops import dispatch, reference, selfcheck
+from spectral_ops import dispatch, environment, reference, selfcheck
 from spectral_ops.backends.base import PRIMITIVES
 from spectral_ops.backends.triton_backend import TritonBackend, modules
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
@@ -52,7 +57,7 @@ def path(request):
 def forced(path):
     if dispatch.get_backend("triton") is not BACKENDS[path]:
         dispatch.register_backend(BACKENDS[path])
-    with so.use_backend("triton"), triton_env.index_overflow_checks(False):
+    with so.use_backend("triton"), environment.interpreter_overflow_checks(False):
         yield path
 
 
@@ -67,11 +72,11 @@ def ran_on_triton(op):
 @pytest.mark.parametrize("dtype", triton_env.DTYPES)
 def test_the_dispatch_self_check_passes_for_every_primitive(forced, dtype):
     # First in the module, so the other tests of each path reuse the cached check results. Every
-    # primitive with the interpreter's int32 overflow checks (tests/triton_env.py).
+    # primitive with the interpreter's int32 overflow checks (the module docstring).
     backend = BACKENDS[forced]
     for primitive in PRIMITIVES:
         if backend.supports(primitive, torch.device("cpu"), dtype, (2, 24, 40), steps=8):
-            with triton_env.index_overflow_checks(True):
+            with environment.interpreter_overflow_checks(True):
                 error = selfcheck.self_check_error(backend, primitive, dtype, "cpu")
             assert error <= selfcheck.SELF_CHECK_TOLERANCE[dtype], primitive
     W = sample((20, 12), dtype)
@@ -316,7 +321,7 @@ def test_a_capturable_step_on_the_triton_backend_reads_nothing_back(name):
 
     from optim_models import tiny_model
 
-    with so.use_backend("triton"), triton_env.index_overflow_checks(False):
+    with so.use_backend("triton"), environment.interpreter_overflow_checks(False):
         model = tiny_model()
         # The interpreter runs fp32 and fp16 (Muon's default orthogonalisation is bf16).
         precision = {"precision": "fp32"} if name.startswith("muon") else {}

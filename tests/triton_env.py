@@ -12,8 +12,6 @@ The variable then stays set for the whole session. That is harmless for the othe
 tensors the triton backend is only used when it is forced, so unforced calls still go to torch.
 """
 
-import contextlib
-import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -55,29 +53,6 @@ def _list_the_language_once() -> None:
 if os.environ["TRITON_INTERPRET"] == "1":
     _list_the_language_once()
 
-
-@contextlib.contextmanager
-def index_overflow_checks(enabled: bool):
-    """Turns the interpreter's int32 overflow checks on or off inside the block.
-
-    The interpreter checks every integer add, subtract and multiply of a kernel for int32 overflow: each one
-    again in int64, compared against the int32 range (``sanitize_overflow``; compiled kernels do this only
-    with ``debug=True``). That is about two fifths of the interpreted time. The kernels' unit tests
-    (``test_triton_<kernel>.py``) and the dispatch self-check of every primitive, both paths and dtypes
-    (``test_triton_backend.py``), keep the checks; the accuracy grid over the public API, which launches the
-    same kernels at the same extents again, turns them off. A compiled run or another interpreter: unchanged."""
-    from triton.runtime import interpreter
-
-    builder = getattr(interpreter, "interpreter_builder", None)
-    options = getattr(builder, "options", None)
-    if os.environ["TRITON_INTERPRET"] != "1" or not hasattr(options, "sanitize_overflow"):
-        yield
-        return
-    builder.options = dataclasses.replace(options, sanitize_overflow=enabled)
-    try:
-        yield
-    finally:
-        builder.options = options
 
 # 16 x 16 tiles, 16-deep steps: shapes up to 64 then span several tiles (and a ragged last one),
 # so the tile maps, masks and mirrored stores are exercised at interpreter-friendly sizes.
