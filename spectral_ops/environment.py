@@ -18,10 +18,7 @@ The build reads its own (``SPECTRAL_OPS_NO_CUDA`` and friends) in :mod:`spectral
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 BACKEND = "SPECTRAL_OPS_BACKEND"
@@ -39,30 +36,6 @@ def setting(name: str) -> str:
 
 def triton_interpreted() -> bool:
     return os.environ.get(TRITON_INTERPRET, "") == "1"
-
-
-@contextlib.contextmanager
-def interpreter_overflow_checks(enabled: bool) -> Iterator[None]:
-    """Turns the Triton interpreter's int32 overflow checks on or off inside the block.
-
-    The interpreter checks every integer add, subtract and multiply of a kernel for int32 overflow: each
-    one again in int64, compared against the int32 range (``sanitize_overflow``; a compiled kernel does
-    so only with ``debug=True``). That is about two fifths of the interpreted time. Without the
-    interpreter, or with an interpreter of another shape (another Triton), the block runs unchanged."""
-    builder = None
-    if triton_interpreted():
-        from triton.runtime import interpreter
-
-        builder = getattr(interpreter, "interpreter_builder", None)
-    options = getattr(builder, "options", None)
-    if not hasattr(options, "sanitize_overflow"):
-        yield
-        return
-    builder.options = dataclasses.replace(options, sanitize_overflow=enabled)
-    try:
-        yield
-    finally:
-        builder.options = options
 
 
 def autotune_enabled() -> bool:

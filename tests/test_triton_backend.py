@@ -5,10 +5,8 @@ have a small side <= 128, so the one-program-per-matrix chain runs) and ``compos
 without its small chain, so the plan composes every symmetric, product, sign and decay kernel).
 Tolerances are those of tests/test_ops.py for float32; float16 adds its own input/output rounding (2^-11).
 
-The interpreter's int32 overflow checks (``environment.interpreter_overflow_checks``), two fifths of the
-interpreted time, stay on in the dispatch self-check of every primitive (both paths, both dtypes) and in
-the kernels' own tests (``test_triton_<kernel>.py``); the accuracy grid, which launches the same kernels
-on matrices of the same sizes (sides under 50) again, runs without them.
+The dispatch self-check of every primitive (both paths, both dtypes) runs with the interpreter's int32
+overflow checks and the kernels' assertions (``spectral_ops.triton_kernels.interpreter``).
 """
 
 import triton_env  # noqa: F401  (sets TRITON_INTERPRET before the kernels are imported)
@@ -19,11 +17,12 @@ import pytest
 import torch
 
 import spectral_ops as so
-from spectral_ops import dispatch, environment, reference, selfcheck
+from spectral_ops import dispatch, reference, selfcheck
 from spectral_ops.backends.base import PRIMITIVES
 from spectral_ops.backends.triton_backend import TritonBackend, modules
 from spectral_ops.linalg import log_spaced_spectrum, matrix_with_spectrum, relative_error
 from spectral_ops.plan import OPS
+from spectral_ops.triton_kernels import interpreter
 
 TOLERANCE = {torch.float32: 5e-5, torch.float16: 5e-3}
 SHAPES = [(40, 24), (20, 36), (3, 33, 20), (2, 2, 17, 30)]  # tall, wide, batched, odd
@@ -57,7 +56,7 @@ def path(request):
 def forced(path):
     if dispatch.get_backend("triton") is not BACKENDS[path]:
         dispatch.register_backend(BACKENDS[path])
-    with so.use_backend("triton"), environment.interpreter_overflow_checks(False):
+    with so.use_backend("triton"):
         yield path
 
 
@@ -72,11 +71,11 @@ def ran_on_triton(op):
 @pytest.mark.parametrize("dtype", triton_env.DTYPES)
 def test_the_dispatch_self_check_passes_for_every_primitive(forced, dtype):
     # First in the module, so the other tests of each path reuse the cached check results. Every
-    # primitive with the interpreter's int32 overflow checks (the module docstring).
+    # primitive with the interpreter's int32 overflow checks on (the module docstring).
     backend = BACKENDS[forced]
     for primitive in PRIMITIVES:
         if backend.supports(primitive, torch.device("cpu"), dtype, (2, 24, 40), steps=8):
-            with environment.interpreter_overflow_checks(True):
+            with interpreter.overflow_checks():
                 error = selfcheck.self_check_error(backend, primitive, dtype, "cpu")
             assert error <= selfcheck.SELF_CHECK_TOLERANCE[dtype], primitive
     W = sample((20, 12), dtype)
@@ -321,7 +320,7 @@ def test_a_capturable_step_on_the_triton_backend_reads_nothing_back(name):
 
     from optim_models import tiny_model
 
-    with so.use_backend("triton"), environment.interpreter_overflow_checks(False):
+    with so.use_backend("triton"):
         model = tiny_model()
         # The interpreter runs fp32 and fp16 (Muon's default orthogonalisation is bf16).
         precision = {"precision": "fp32"} if name.startswith("muon") else {}

@@ -21,37 +21,10 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
+from spectral_ops.triton_kernels import interpreter  # noqa: E402
 from spectral_ops.triton_kernels.common import Config  # noqa: E402
 
-
-def _list_the_language_once() -> None:
-    """Triton's interpreter patches ``triton.language`` at every launch and at every call of a nested
-    ``@triton.jit`` function, each time listing every member of the language's modules with
-    ``inspect.getmembers`` to find its builtins: a tenth of the Triton tests' time. The builtins are fixed
-    once the language is imported, so they are listed once here; the patching itself is the interpreter's.
-    Where an interpreter has another shape (a newer triton), it is left as it is."""
-    import inspect
-
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    patch_builtin, patch_attr = getattr(interpreter, "_patch_builtin", None), getattr(interpreter, "_patch_attr", None)
-    if patch_builtin is None or patch_attr is None or \
-            list(inspect.signature(patch_builtin).parameters) != ["pkg", "builder", "scope"]:
-        return
-    builtins = {}
-
-    def patch_listed_builtins(pkg, builder, scope):
-        if pkg not in builtins:  # listed at the first launch, as the interpreter lists them there
-            builtins[pkg] = [(name, member) for name, member in inspect.getmembers(pkg) if tl.core.is_builtin(member)]
-        for name, member in builtins[pkg]:
-            patch_attr(pkg, name, member, builder, scope)
-
-    interpreter._patch_builtin = patch_listed_builtins
-
-
-if os.environ["TRITON_INTERPRET"] == "1":
-    _list_the_language_once()
+interpreter.speed_up()  # its bookkeeping, not the kernels' arithmetic (the module's docstring)
 
 
 # 16 x 16 tiles, 16-deep steps: shapes up to 64 then span several tiles (and a ragged last one),
