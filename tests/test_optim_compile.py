@@ -205,3 +205,27 @@ def test_an_invalid_option_set_on_a_group_raises_its_own_error_from_a_compiled_s
         group[key] = valid
     step()
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_traced_adamw_step_keeps_its_step_sizes_on_the_device():
+    """Dynamo treats a traced group as capturable, but a frame it resumes after a graph break sees the group's
+    own key, False on a CPU. Step sizes made there on the host (``count.item()``) were constants of that
+    frame's graph: ``stability="raise"``, whose guard breaks the step, compiled 40 graphs in 20 steps, again at
+    every step until the recompile limit. Traced, they are device tensors, made without a host read."""
+    from spectral_ops.optim.adamw import adam_denominators, steps_on_device
+
+    model = tiny_model()
+    optimizer = SpectralAdamW(model.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5)
+    inputs, targets = batch(0)
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+    optimizer.step()  # the state exists, its step counts on the CPU, as an eager group's
+    group = optimizer.param_groups[0]
+    assert not group["capturable"] and not steps_on_device(group)
+
+    def step_sizes():
+        return adam_denominators(group["params"], group, optimizer.state, steps_on_device(group))[1]
+
+    torch._dynamo.reset()
+    traced = torch.compile(step_sizes, backend="eager", fullgraph=True)()  # a host read would break the graph
+    assert all(isinstance(size, torch.Tensor) and size.ndim == 0 for size in traced)
+    torch.testing.assert_close(torch.stack(traced), torch.tensor(step_sizes(), dtype=torch.float32))

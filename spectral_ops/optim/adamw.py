@@ -38,12 +38,21 @@ def _adam_views(params, state) -> tuple:
             [real_view(local(param)) for param in params])
 
 
-def adam_denominators(params, group: dict, state) -> tuple[list, list]:
+def steps_on_device(group: dict) -> bool:
+    """Whether a step keeps its counts, bias corrections and step sizes on the device: a capturable group's,
+    and any step torch.compile traces. Dynamo treats a traced group as capturable, but a frame it resumes
+    after a graph break (``stability="raise"`` reads the host) sees the group's own key, False where the
+    parameters are on a CPU; a step size made on the host there is a constant of that frame's graph, which
+    then compiled again at every step until Dynamo's recompile limit."""
+    return capturable(group) or torch.compiler.is_compiling()
+
+
+def adam_denominators(params, group: dict, state, on_device: bool) -> tuple[list, list]:
     """Before any write, each parameter's denominator after this step, ``sqrt(v_t) / sqrt(1 - beta2^t) +
     eps`` (in a tensor of its own, from the second moment ``v_t`` this step will write), and its step
     size ``-lr / (1 - beta1^t)``: the numbers :func:`adam_update_` adds with, operation for operation
     as torch's AdamW forms them. Eager: the bias corrections computed on the host from the CPU step
-    counts; ``capturable=True``: on the device, the step sizes 0-d tensors."""
+    counts; ``on_device`` (:func:`steps_on_device`): on the device, the step sizes 0-d tensors."""
     beta1, beta2 = group["betas"]
     steps, grads, _, exp_avg_sqs, _ = _adam_views(params, state)
     denominators = [torch.empty_like(exp_avg_sq) for exp_avg_sq in exp_avg_sqs]
@@ -52,7 +61,7 @@ def adam_denominators(params, group: dict, state) -> tuple[list, list]:
     torch._foreach_addcmul_(denominators, grads, grads, value=1 - beta2)
     torch._foreach_sqrt_(denominators)
     counts = torch._foreach_add(steps, 1)
-    if capturable(group):
+    if on_device:
         counts = [count.to(param.device) for count, param in zip(counts, params)]
         corrections = torch._foreach_sqrt(torch._foreach_neg(torch._foreach_sub(torch._foreach_pow(beta2, counts), 1)))
         lr = step_scalar(group["lr"], group)
@@ -78,12 +87,14 @@ class AdamUpdate(CheckedUpdate):
     def __init__(self, params, group: dict, state):
         super().__init__(params, group, state)
         self.denominators = self.step_sizes = None
+        # Decided once, where the step is prepared: its commit may run in another frame, compiled or not.
+        self.on_device = steps_on_device(group)
 
     def magnitudes(self) -> list:
         if not self.params:
             return []
-        denominators, step_sizes = adam_denominators(self.params, self.group, self.state)
-        if not capturable(self.group):
+        denominators, step_sizes = adam_denominators(self.params, self.group, self.state, self.on_device)
+        if not self.on_device:
             self.denominators, self.step_sizes = denominators, step_sizes
         _, grads, exp_avgs, _, _ = _adam_views(self.params, self.state)
         bounds = []
@@ -102,9 +113,9 @@ class AdamUpdate(CheckedUpdate):
         def directions():
             return [(local(param), local(self.state[param]["exp_avg"])) for param in self.params]
 
-        if capturable(self.group):
+        if self.on_device:
             return UpdateWrite(functools.partial(adam_update_, self.params, self.group, self.state,
-                                                 device_masks(keep)), directions)
+                                                 device_masks(keep), on_device=True), directions)
         kept = [i for i, kept in enumerate(keep) if kept is not False]
         return UpdateWrite(functools.partial(adam_update_, [self.params[i] for i in kept], self.group, self.state,
                                              denominators=[self.denominators[i] for i in kept],
@@ -112,15 +123,16 @@ class AdamUpdate(CheckedUpdate):
 
 
 @torch.no_grad()
-def adam_update_(params, group: dict, state, masks=None, denominators=None, step_sizes=None) -> None:
+def adam_update_(params, group: dict, state, masks=None, denominators=None, step_sizes=None,
+                 on_device: bool | None = None) -> None:
     """One Adam step (no weight decay) for a group, with torch's multi-tensor (``_foreach``) ops.
 
     Eager (``capturable=False``): operation for operation as torch's AdamW, with the ``denominators``
-    and ``step_sizes`` of :func:`adam_denominators`, formed before the first write. ``capturable=True``:
-    the step counts live on the parameters' device and the bias corrections are device tensors, as in
-    torch's capturable Adam, so nothing is read back; ``lr`` may be a 0-d device tensor. ``masks``
-    (capturable only): one 0-d bool per parameter; a False one leaves the parameter and its state
-    unchanged.
+    and ``step_sizes`` of :func:`adam_denominators`, formed before the first write. ``on_device``
+    (default: the group's ``capturable``; :func:`steps_on_device`): the step counts live on the
+    parameters' device and the bias corrections are device tensors, as in torch's capturable Adam, so
+    nothing is read back; ``lr`` may be a 0-d device tensor. ``masks`` (on the device only): one 0-d
+    bool per parameter; a False one leaves the parameter and its state unchanged.
 
     Everything that allocates runs before the first write (the capturable denominators are allocated
     empty and filled in place), so that running out of memory cannot stop the update half-way.
@@ -128,12 +140,13 @@ def adam_update_(params, group: dict, state, masks=None, denominators=None, step
     if not params:
         return
     beta1, beta2 = group["betas"]
+    on_device = capturable(group) if on_device is None else on_device
     for param in params:
         param_state = state[param]
-        if capturable(group) and param_state["step"].device != param.device:  # capturable switched on later
+        if on_device and param_state["step"].device != param.device:  # capturable switched on later, or compiled
             param_state["step"] = param_state["step"].to(param.device)
     steps, grads, exp_avgs, exp_avg_sqs, params = _adam_views(params, state)
-    if capturable(group):
+    if on_device:
         denominators = [torch.empty_like(exp_avg_sq) for exp_avg_sq in exp_avg_sqs]
         _capturable_adam_update_(params, grads, exp_avgs, exp_avg_sqs, steps, denominators, group, masks)
         return
