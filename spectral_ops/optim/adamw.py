@@ -124,12 +124,12 @@ class AdamUpdate(CheckedUpdate):
 
 @torch.no_grad()
 def adam_update_(params, group: dict, state, masks=None, denominators=None, step_sizes=None,
-                 on_device: bool | None = None) -> None:
+                 on_device: bool = False) -> None:
     """One Adam step (no weight decay) for a group, with torch's multi-tensor (``_foreach``) ops.
 
-    Eager (``capturable=False``): operation for operation as torch's AdamW, with the ``denominators``
+    Eager (``on_device=False``): operation for operation as torch's AdamW, with the ``denominators``
     and ``step_sizes`` of :func:`adam_denominators`, formed before the first write. ``on_device``
-    (default: the group's ``capturable``; :func:`steps_on_device`): the step counts live on the
+    (:func:`steps_on_device`: capturable, or traced): the step counts live on the
     parameters' device and the bias corrections are device tensors, as in torch's capturable Adam, so
     nothing is read back; ``lr`` may be a 0-d device tensor. ``masks`` (on the device only): one 0-d
     bool per parameter; a False one leaves the parameter and its state unchanged.
@@ -140,7 +140,6 @@ def adam_update_(params, group: dict, state, masks=None, denominators=None, step
     if not params:
         return
     beta1, beta2 = group["betas"]
-    on_device = capturable(group) if on_device is None else on_device
     for param in params:
         param_state = state[param]
         if on_device and param_state["step"].device != param.device:  # capturable switched on later, or compiled
