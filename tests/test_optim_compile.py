@@ -13,6 +13,7 @@ do not). Every compiled trajectory is checked against eager.
 from __future__ import annotations
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -229,3 +230,22 @@ def test_a_traced_adamw_step_keeps_its_step_sizes_on_the_device():
     traced = torch.compile(step_sizes, backend="eager", fullgraph=True)()  # a host read would break the graph
     assert all(isinstance(size, torch.Tensor) and size.ndim == 0 for size in traced)
     torch.testing.assert_close(torch.stack(traced), torch.tensor(step_sizes(), dtype=torch.float32))
+
+
+def test_a_compiled_cpu_step_is_traced_once(caplog):
+    """A traced step reads the clamp counts, and no 0-d float64 CPU tensor among them: Dynamo gives every such
+    input a symbolic float (FakeTensor's memo of its ``item()``), which AOTAutograd's pass over Python scalars
+    then specialises by tracing the whole step again. A compiled CPU step whose stability clamp can act was
+    traced twice (a third of its compile time)."""
+    caplog.set_level(logging.INFO, logger="torch._dynamo")
+    torch._dynamo.reset()
+    model = tiny_model()
+    optimizer = SpectralAdamW(model.parameters(), lr=1e-2, p=2, spectral_weight_decay=0.5)
+    assert optimizer.param_groups[0]["stability"] == "clamp"
+    inputs, targets = batch(0)
+    torch.nn.functional.mse_loss(model(inputs), targets).backward()
+    with torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):  # as run() says why
+        torch.compile(optimizer.step, backend="aot_eager")()
+    assert any("torchdynamo done tracing" in record.getMessage() for record in caplog.records)
+    restarts = [record.getMessage() for record in caplog.records if "Restarting analysis" in record.getMessage()]
+    assert not restarts, restarts

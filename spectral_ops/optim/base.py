@@ -735,7 +735,7 @@ class SpectralOptimizer(Optimizer):
         is where the clamps are read, when convenient). Every matrix stepped in a group whose
         stability clamp can act appears from its first step on; a count of 0 means that it never was
         clamped."""
-        return self._by_name(self._counts.clamps)
+        return self._by_name(self._counts.clamp_records())
 
     @property
     def skipped(self) -> dict:

@@ -29,6 +29,9 @@ class StepCounts:
 
     def __init__(self):
         self.skips: dict[torch.Tensor, torch.Tensor] = {}  # int32, per parameter
+        # Each smallest factor is held as a 1-element vector, shown 0-d by clamp_records(): torch.compile makes a
+        # symbolic float of every 0-d float64 CPU tensor a traced step reads (FakeTensor's memo of its item()), and
+        # Inductor's scalar pass then specialises it by tracing the whole step again.
         self.clamps: dict[torch.Tensor, ClampRecord] = {}
         self.warned_skips: set[str] = set()  # parameter names
         self.logged_clamps: set[str] = set()  # matrix names (see SpectralOptimizer.matrix_name)
@@ -58,8 +61,12 @@ class StepCounts:
     def clamp_record(self, param: torch.Tensor) -> ClampRecord:
         if param not in self.clamps:
             self.clamps[param] = ClampRecord(torch.zeros((), dtype=torch.int32, device=param.device),
-                                             torch.ones((), dtype=torch.float64, device=param.device))
+                                             torch.ones(1, dtype=torch.float64, device=param.device))
         return self.clamps[param]
+
+    def clamp_records(self) -> dict:
+        """The clamps per parameter as :class:`ClampRecord` of 0-d tensors (views of the counts)."""
+        return {param: ClampRecord(count, smallest.view(())) for param, (count, smallest) in self.clamps.items()}
 
     def of(self, param: torch.Tensor) -> list:
         """The count tensors of ``param`` (what a step's rollback record keeps)."""
@@ -134,14 +141,17 @@ class StepCounts:
         if self.skips:
             state["skipped"] = {i: self.skips[param].clone() for i, param in enumerate(params) if param in self.skips}
         if self.clamps:
-            state["clamped"] = {i: [t.clone() for t in self.clamps[param]] for i, param in enumerate(params)
-                                if param in self.clamps}
+            records = self.clamp_records()
+            state["clamped"] = {i: [t.clone() for t in records[param]] for i, param in enumerate(params)
+                                if param in records}
         return state
 
     def load(self, state: dict, params: list) -> None:
         """Replace the counts by those of :meth:`state` (or of a whole state dict); what was reported stays."""
         self.skips = {params[int(i)]: count.to(device=params[int(i)].device, dtype=torch.int32)
                       for i, count in state.get("skipped", {}).items()}
-        self.clamps = {params[int(i)]: ClampRecord(count.to(device=params[int(i)].device, dtype=torch.int32),
-                                                   smallest.to(device=params[int(i)].device, dtype=torch.float64))
-                       for i, (count, smallest) in state.get("clamped", {}).items()}
+        self.clamps = {}
+        for i, (count, smallest) in state.get("clamped", {}).items():
+            device = params[int(i)].device
+            self.clamps[params[int(i)]] = ClampRecord(count.to(device=device, dtype=torch.int32),
+                                                      smallest.to(device=device, dtype=torch.float64).reshape(1))
