@@ -69,11 +69,26 @@ def judge(exit_codes: list, results: Path) -> list:
     return outcomes
 
 
-def run_ranks(worker, world_size: int, *args, timeout: float = TIMEOUT) -> list:
-    """``worker(rank, world_size, *args)`` in each of ``world_size`` spawned processes, a Gloo process
-    group over them started first; each rank's return value (JSON), judged by :func:`judge`. ``worker``
-    must be importable by name (a module-level function), as the spawned processes import it."""
-    context = multiprocessing.get_context("spawn")
+# What every rank imports, imported once by the fork server that the ranks of run_ranks fork from (a fresh
+# interpreter importing them takes about 4 s of CPU, most of a short launch).
+RANK_IMPORTS = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+                "torch.distributed.checkpoint", "spectral_ops", "spectral_ops.optim")
+
+
+def run_ranks(worker, world_size: int, *args, timeout: float = TIMEOUT, interpreter_exit: bool = False) -> list:
+    """``worker(rank, world_size, *args)`` in each of ``world_size`` processes, a Gloo process group over them
+    started first; each rank's return value (JSON), judged by :func:`judge`. ``worker`` must be importable by
+    name (a module-level function), as the processes import it.
+
+    The processes fork from multiprocessing's fork server, which imported :data:`RANK_IMPORTS` (and the
+    first launch's worker module) once, and end as a forked process does, without the interpreter's exit
+    (``os._exit``: no atexit handler, no teardown of torch's). ``interpreter_exit``: each a fresh
+    interpreter (spawn) that ends as a program does, for what happens at that exit."""
+    if interpreter_exit:
+        context = multiprocessing.get_context("spawn")
+    else:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload([*RANK_IMPORTS, worker.__module__])  # read when the server starts
     with tempfile.TemporaryDirectory() as results:
         processes = [context.Process(target=_rank_main, args=(worker, rank, world_size, results, args))
                      for rank in range(world_size)]

@@ -121,7 +121,7 @@ def test_a_lent_buffer_owes_python_nothing_once_let_go():
     Python drop to a Gloo worker after let_go had returned (2 ranks on 2 loaded cores); a program that ends
     while one is owed can abort: 5 of 10 one-process runs that ended at once did, the GIL's switch interval
     raised to 30 s to widen the window."""
-    for outcome in run_ranks(_lent_buffers_owe_python_nothing, 2, 2000):
+    for outcome in run_ranks(_lent_buffers_owe_python_nothing, 2, 2000, interpreter_exit=True):
         assert outcome["pending"] == 0, outcome
         assert outcome["inference"] == [False, [0.0, 1.0, 2.0], 2], outcome  # a pinned copy outside the mode
         assert "a tensor of its own" in outcome["view"], outcome

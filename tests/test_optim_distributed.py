@@ -892,12 +892,12 @@ def _aborted(rank: int, world: int, when: str) -> dict:
 # One process per launch: a rank that dies while another still connects would fail that one too.
 def test_a_rank_aborted_before_writing_its_result_fails_the_launch():
     with pytest.raises(AssertionError, match=r"^rank 0 exited with code -6 before writing its result$"):
-        run_ranks(_aborted, 1, "before")
+        run_ranks(_aborted, 1, "before", interpreter_exit=True)
 
 
 def test_a_rank_aborted_after_writing_its_result_is_tolerated_with_a_warning():
     with pytest.warns(RuntimeWarning, match="rank 0 wrote its result, then was aborted"):
-        assert run_ranks(_aborted, 1, "after") == [{"rank": 0}]
+        assert run_ranks(_aborted, 1, "after", interpreter_exit=True) == [{"rank": 0}]
 
 
 @pytest.mark.parametrize("exit_codes, written, failure", [
