@@ -6,18 +6,30 @@ import json
 import math
 from pathlib import Path
 
-try:
-    import matplotlib
-except ImportError as error:  # an optional dependency of the package
-    raise ImportError("the experiments draw their figures with matplotlib: "
-                      "pip install 'spectral-ops[plots]'") from error
-
-matplotlib.use("Agg")  # files only: reports are written on headless machines
-import matplotlib.pyplot as plt  # noqa: E402
-
-from .provenance import machine, machine_line  # noqa: E402
+from .provenance import machine, machine_line
 
 FIGURE_DPI = 100
+
+
+def pyplot():
+    """matplotlib's pyplot, drawing to files only, imported at the first figure: a second of every start of
+    the training CLI went to importing it, where only the figures need it (a sweep's tables do not)."""
+    try:
+        import matplotlib
+    except ImportError as error:  # an optional dependency of the package
+        raise ImportError("the experiments draw their figures with matplotlib: "
+                          "pip install 'spectral-ops[plots]'") from error
+    matplotlib.use("Agg")  # files only: reports are written on headless machines
+    import matplotlib.pyplot
+
+    return matplotlib.pyplot
+
+
+def __getattr__(name: str):
+    """``plt``: :func:`pyplot`, for the modules that draw (``from ..reporting import plt``)."""
+    if name == "plt":
+        return pyplot()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def format_number(value) -> str:
@@ -61,5 +73,5 @@ def write_outputs(out_dir, name: str, markdown: str, data: dict, figure) -> dict
     paths["md"].write_text(with_machine(markdown))
     paths["json"].write_text(json.dumps(_json_safe({**data, "machine": machine()}), indent=2, allow_nan=False) + "\n")
     figure.savefig(paths["png"], dpi=FIGURE_DPI, bbox_inches="tight")
-    plt.close(figure)
+    pyplot().close(figure)
     return paths
