@@ -201,3 +201,16 @@ def test_a_step_after_state_clear_is_a_fresh_optimizers_first_step(name):
     fresh = _cleared_build(name, list(fresh_model.parameters()))
     after_clear = train(model, optimizer, 2, start=2)
     assert_same_values(after_clear, train(fresh_model, fresh, 2, start=2))
+
+
+def test_stepping_after_a_load_leaves_the_loaded_counts_as_they_were():
+    """The skip and clamp counts are updated in place by every step: loaded, they are copies, so a state dict
+    kept by the caller (to load again, or to save elsewhere) keeps the counts it held."""
+    model, optimizer = trained("adamw-clamped")
+    saved = optimizer.state_dict()
+    before = copy.deepcopy(saved)
+    optimizer.load_state_dict(saved)
+    train(model, optimizer, 2, start=3)
+    assert int(optimizer.count_state()["clamped"][0][0]) > int(before["clamped"][0][0])
+    assert_same_values(saved["clamped"], before["clamped"])
+    assert_same_values(saved["skipped"], before["skipped"])

@@ -31,7 +31,7 @@ class StepCounts:
         self.skips: dict[torch.Tensor, torch.Tensor] = {}  # int32, per parameter
         # Each smallest factor is held as a 1-element vector, shown 0-d by clamp_records(): torch.compile makes a
         # symbolic float of every 0-d float64 CPU tensor a traced step reads (FakeTensor's memo of its item()), and
-        # Inductor's scalar pass then specialises it by tracing the whole step again.
+        # AOTAutograd's pass over Python scalars then specialises it by tracing the whole step again.
         self.clamps: dict[torch.Tensor, ClampRecord] = {}
         self.warned_skips: set[str] = set()  # parameter names
         self.logged_clamps: set[str] = set()  # matrix names (see SpectralOptimizer.matrix_name)
@@ -147,11 +147,12 @@ class StepCounts:
         return state
 
     def load(self, state: dict, params: list) -> None:
-        """Replace the counts by those of :meth:`state` (or of a whole state dict); what was reported stays."""
-        self.skips = {params[int(i)]: count.to(device=params[int(i)].device, dtype=torch.int32)
+        """Replace the counts by copies of those of :meth:`state` (or of a whole state dict: steps update the
+        counts in place, and the caller's dict keeps its own); what was reported stays."""
+        self.skips = {params[int(i)]: count.to(device=params[int(i)].device, dtype=torch.int32, copy=True)
                       for i, count in state.get("skipped", {}).items()}
         self.clamps = {}
         for i, (count, smallest) in state.get("clamped", {}).items():
             device = params[int(i)].device
-            self.clamps[params[int(i)]] = ClampRecord(count.to(device=device, dtype=torch.int32),
-                                                      smallest.to(device=device, dtype=torch.float64).reshape(1))
+            smallest = smallest.to(device=device, dtype=torch.float64, copy=True).reshape(1)
+            self.clamps[params[int(i)]] = ClampRecord(count.to(device=device, dtype=torch.int32, copy=True), smallest)
