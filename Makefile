@@ -27,10 +27,19 @@ PACKAGE_FILES := pyproject.toml setup.py CMakeLists.txt $(wildcard csrc/*)
 # A venv in two steps, each with its stamp: its requirements, then the package itself. The editable install
 # writes into the working tree (the build record, and the CUDA module where nvcc exists), so `make test`
 # does it only while no suite runs; the requirements, the long step, touch nothing outside the venv.
+# The requirements go in with uv: it downloads and unpacks in parallel (.venv's from nothing, 2 cores: 66 s,
+# against pip's 148 s), and compiles the bytecode that Python would otherwise compile at every import where
+# PYTHONDONTWRITEBYTECODE is set. uv reads no pip configuration, so the wheel folders pip is pointed at
+# (PIP_FIND_LINKS, find-links in pip's configuration files) are handed on: where a machine keeps torch's CPU
+# build in one, it is taken as pip would take it. pip still makes the editable install (below).
+UV := uv==0.13.10
+PIP_WHEEL_FOLDERS = $(sort $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 # $(1): the venv, $(2): its requirements files besides requirements-test.txt (its torch's first).
 define install_requirements
 	$(PYTHON) -m venv $(1)
-	$(1)/bin/python -m pip install --quiet $(foreach file,$(2),-r $(file)) -r requirements-test.txt
+	$(1)/bin/python -m pip install --quiet $(UV)
+	$(1)/bin/uv pip install --quiet --native-tls --compile-bytecode --python $(1)/bin/python \
+		$(foreach folder,$(PIP_WHEEL_FOLDERS),--find-links $(folder)) $(foreach file,$(2),-r $(file)) -r requirements-test.txt
 	touch $(1)/.requirements
 endef
 
