@@ -16,9 +16,17 @@ API (stable: ``bench/gpu_checks/compile_only.py`` and ``tests/test_cuda_sass.py`
     From ``cuobjdump -res-usage``: one dict per kernel (its mangled name), the values ints (bytes,
     apart from ``registers``). Every ``KEY:VALUE`` field of the line is kept, lower-cased, with
     ``REG`` renamed ``registers`` and ``CONSTANT[0]`` ``constant``.
+``sass_listing(path, *, arch=None, cuobjdump=None) -> {kernel: [(address, predicated, opcode, operands), ...]}``
+    From ``cuobjdump -sass``: each kernel's instructions in order, the full opcode with its modifiers
+    and without the predicate (``"LDSM.16.MT88.4"``, ``"HMMA.16816.F32.BF16"``), whether a predicate
+    guards it, and its operands (a branch's target last: ``"0x1c30"``).
 ``sass_instructions(path, *, arch=None, cuobjdump=None) -> {kernel: [opcode, ...]}``
-    From ``cuobjdump -sass``: each kernel's instructions in order, as the full opcode with its
-    modifiers and without the predicate (``"LDSM.16.MT88.4"``, ``"HMMA.16816.F32.BF16"``).
+    The opcodes of ``sass_listing``.
+``module_kernels(path, arch, *, cuobjdump=None) -> {demangled kernel: {"usage": {...}, "listing": [...]}}``
+    ``resource_usage`` and ``sass_listing`` of one arch of a built module, cached by the module's
+    SHA-256 under the package's cache directory (``sass/``): disassembling ``spectral_ops/_C*.so`` takes
+    seconds per arch, and its readers (``tests/test_cuda_sass.py``, the GPU check's ``--compile-only``)
+    share one disassembly per build.
 ``base_opcode(opcode) -> str``
     ``"LDSM.16.MT88.4" -> "LDSM"``.
 ``opcode_counts(opcodes) -> collections.Counter``
@@ -46,8 +54,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -61,8 +71,8 @@ _ARCH = re.compile(r"^\s*(?:arch = |code for )(sm_\w+)")
 _USAGE_FUNCTION = re.compile(r"^\s*Function (\S+):\s*$")
 _USAGE_FIELD = re.compile(r"([A-Z_]+(?:\[\d+\])?):(\d+)")
 _SASS_FUNCTION = re.compile(r"^\s*Function : (\S+)\s*$")
-# "/*0a40*/   @!P0 LDSM.16.MT88.4 R4, [R2] ;" -> "LDSM.16.MT88.4"
-_SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
+# "/*0a40*/   @!P0 BRA 0x1c30 ;" -> address, predicate, opcode, operands
+_SASS_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
 _FIELD_NAMES = {"REG": "registers", "CONSTANT[0]": "constant"}
 # Local-memory opcodes: spilled registers and stack-allocated arrays both live there.
 _LOCAL_OPCODES = {"LDL", "STL"}
@@ -147,12 +157,12 @@ def resource_usage(path: str | os.PathLike, *, arch: str | None = None,
     return usage
 
 
-def sass_instructions(path: str | os.PathLike, *, arch: str | None = None,
-                      cuobjdump: str | None = None) -> dict[str, list[str]]:
-    code: dict[str, list[str]] = {}
+def sass_listing(path: str | os.PathLike, *, arch: str | None = None,
+                 cuobjdump: str | None = None) -> dict[str, list[tuple[int, bool, str, str]]]:
+    code: dict[str, list[tuple[int, bool, str, str]]] = {}
     seen_arch: dict[str, str | None] = {}
     current_arch = None
-    current: list[str] | None = None
+    current: list | None = None
     for line in _run("-sass", path, arch, cuobjdump).splitlines():
         if m := _ARCH.match(line):
             current_arch, current = m.group(1), None
@@ -160,8 +170,34 @@ def sass_instructions(path: str | os.PathLike, *, arch: str | None = None,
             current = []
             _store(code, seen_arch, m.group(1), current_arch, current)
         elif current is not None and (m := _SASS_INSTRUCTION.match(line)):
-            current.append(m.group(1))
+            address, predicate, opcode, operands = m.groups()
+            current.append((int(address, 16), predicate is not None, opcode, operands.strip()))
     return code
+
+
+def sass_instructions(path: str | os.PathLike, *, arch: str | None = None,
+                      cuobjdump: str | None = None) -> dict[str, list[str]]:
+    return {name: [opcode for _, _, opcode, _ in listing]
+            for name, listing in sass_listing(path, arch=arch, cuobjdump=cuobjdump).items()}
+
+
+def module_kernels(path: str | os.PathLike, arch: str, *, cuobjdump: str | None = None) -> dict[str, dict]:
+    from spectral_ops import environment
+
+    path = Path(path)
+    # "-kernels": the tables cached before this function (opcodes and hot loops, by the test) were "{arch}.json".
+    folder = environment.cache_dir() / "sass" / hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    cached = folder / f"{arch}-kernels.json"
+    if not cached.exists():
+        usage = resource_usage(path, arch=arch, cuobjdump=cuobjdump)
+        listing = sass_listing(path, arch=arch, cuobjdump=cuobjdump)
+        names = demangle(usage)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(f".{os.getpid()}.partial")  # two readers (suites, workers) may write at once
+        partial.write_text(json.dumps({names[name]: {"usage": usage[name], "listing": listing.get(name, [])}
+                                       for name in usage}))
+        partial.replace(cached)
+    return json.loads(cached.read_text())
 
 
 def base_opcode(opcode: str) -> str:

@@ -6,7 +6,8 @@ build, -O3, for sm_80 and sm_90), disassembled with cuobjdump through bench/sass
 here. The build record (spectral_ops/_build_info.json) names the sources the module was built from, so a
 module older than csrc/ is refused, not read (`make test` reinstalls whenever csrc/ changes). What is
 read is cached under the package's cache directory (spectral_ops.environment.cache_dir(), in sass/) by
-the module's hash: disassembling it takes seconds per arch. Checked, on both archs:
+the module's hash (bench/sass.py's module_kernels, which the GPU check's --compile-only reads too):
+disassembling it takes seconds per arch. Checked, on both archs:
   * no kernel spills (stack frame 0, no LDL/STL) but those in SPILL_EXCEPTIONS, each with its reason;
   * the tiled kernels (every variant: 5 math modes x 2 grids x 4 operand layouts) fit their launch
     bounds: registers * threads * kMinBlocks <= 65536;
@@ -20,24 +21,20 @@ the module's hash: disassembling it takes seconds per arch. Checked, on both arc
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import NoReturn
 
 import pytest
 
-from spectral_ops import _extension, environment
+from spectral_ops import _extension
 from spectral_ops.build_config import ENV_REQUIRE_CUDA, env_flag, hash_sources
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
-CACHE = environment.cache_dir() / "sass"
 ARCHS = ("sm_90", "sm_80")
 REGISTERS_PER_SM = 65536
 
@@ -66,24 +63,8 @@ def math_modes() -> list[str]:
     return re.findall(r"^\s*(k\w+),", body, re.M)
 
 
-# "/*0a40*/   @!P0 BRA 0x1c30 ;" -> address, predicated, opcode, operands
-_LISTING = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
-_FUNCTION = re.compile(r"^\s*Function : (\S+)\s*$")
+# A branch's target, its last operand: "0x1c30".
 _TARGET = re.compile(r"0x([0-9a-f]+)\s*$")
-
-
-def listings(module: Path, arch: str) -> dict[str, list[tuple[int, bool, str, str]]]:
-    """{mangled kernel: [(address, predicated, opcode, operands), ...]} of one arch, from cuobjdump -sass."""
-    text = subprocess.run([CUOBJDUMP, "-sass", "-arch", arch, str(module)], capture_output=True, text=True,
-                          check=True).stdout
-    code, current = {}, None
-    for line in text.splitlines():
-        if match := _FUNCTION.match(line):
-            current = code.setdefault(match.group(1), [])
-        elif current is not None and (match := _LISTING.match(line)):
-            address, predicated, opcode, operands = match.groups()
-            current.append((int(address, 16), predicated is not None, opcode, operands.strip()))
-    return code
 
 
 def basic_blocks(code):
@@ -164,18 +145,10 @@ def built_module(arch: str) -> Path:
 
 def read_module(module: Path, arch: str) -> dict:
     """{demangled kernel name: (resource usage, opcodes, hot-loop opcodes)} of the module's code for
-    ``arch``, cached by the module's hash (disassembling the tiled kernels takes seconds)."""
-    cached = CACHE / hashlib.sha256(module.read_bytes()).hexdigest()[:16] / f"{arch}.json"
-    if not cached.exists():
-        usage = sass.resource_usage(module, arch=arch, cuobjdump=CUOBJDUMP)
-        listed = listings(module, arch)  # the opcodes too: one disassembly of the module, not two (7 s each)
-        names = sass.demangle(usage)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_suffix(f".{os.getpid()}.partial")  # suites of two checkouts may read it at once
-        partial.write_text(json.dumps({names[name]: [usage[name], [opcode for _, _, opcode, _ in listed[name]],
-                                                     hot_loop(listed[name])] for name in usage}))
-        partial.replace(cached)
-    return {name: tuple(entry) for name, entry in json.loads(cached.read_text()).items()}
+    ``arch``, read through bench/sass.py's cache (one disassembly per build, which the GPU check's
+    ``--compile-only`` reads too)."""
+    return {name: (kernel["usage"], [opcode for _, _, opcode, _ in kernel["listing"]], hot_loop(kernel["listing"]))
+            for name, kernel in sass.module_kernels(module, arch, cuobjdump=CUOBJDUMP).items()}
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -202,15 +202,14 @@ def extension_resources(arch: str) -> list[dict]:
     if found is None:
         return [{**head, "ok": None, "status": "skipped", "reason": "not built (python -m spectral_ops says why)"}]
     gpu = f"sm_{arch[2:]}"
-    usage = SASS.resource_usage(found.origin, arch=gpu)
-    if not usage:
+    kernels = SASS.module_kernels(found.origin, gpu)  # cached: tests/test_cuda_sass.py reads the same
+    if not kernels:
         return [{**head, "ok": None, "status": "skipped", "reason": f"the build holds no {gpu} code (python -m "
                  "spectral_ops lists what it holds): set SPECTRAL_OPS_CUDA_ARCHS and rebuild"}]
-    names = SASS.demangle(usage)
-    code = SASS.sass_instructions(found.origin, arch=gpu)
     rows = []
-    for name in sorted(usage, key=names.get):
-        row = {**head, "kernel": names[name], **_resources(usage[name]), **SASS.features(code.get(name, []))}
+    for name in sorted(kernels):
+        opcodes = [opcode for _, _, opcode, _ in kernels[name]["listing"]]
+        row = {**head, "kernel": name, **_resources(kernels[name]["usage"]), **SASS.features(opcodes)}
         row["ok"] = row["static_shared"] <= STATIC_SHARED_LIMIT
         row["status"] = "ok" if row["ok"] else "failed"
         rows.append(row)
