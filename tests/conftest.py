@@ -12,6 +12,14 @@ from spectral_ops import dispatch, gpu_model
 # fail: "Cannot call @triton.jit'd outside of the scope of a kernel"). setdefault: a GPU machine may set 0.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Inductor's C++ kernels use the best vector ISA that /proc/cpuinfo lists and that passes a probe: a kernel built
+# for it and loaded in a child Python, per ISA and per process. torch 2.12's child imports torch for it (about 2 s
+# each, 9 s of every process that compiles at the oldest torch: the test subset of `make test` there spent a
+# sixth of its time on it); a new machine also builds the probes (about 9 s). The suite takes the CPU's flags as
+# they are (TORCHINDUCTOR_VEC_ISA_OK=1: the same choice wherever they are true; it tests none of Inductor's own
+# ISA detection); its processes inherit it. A value already set wins.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
 # Modules whose tests share a costly module- or session-scoped fixture (a build kept under build/, every
 # experiment run once, a multi-process launch, the dry run of the GPU check), or that load the cores on purpose
 # (test_dist_exit's launches beside a busy loop). Under pytest-xdist (`make test` runs `-n auto`) each runs on one
