@@ -147,16 +147,28 @@ def test_a_tensor_lr_compiles_once(name):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
-def test_stability_raise_reads_the_host_and_raises_from_a_compiled_step():
+def test_stability_raise_reads_the_host_and_raises_from_a_compiled_step(caplog):
     """The one host read of a compiled step: the guard of ``stability="raise"`` (not the default). It
     splits the step at graph breaks (docs/optimizers.md), gives eager's numbers, and raises before
-    any weight is written."""
+    any weight is written.
+
+    The frames that resume after those breaks reach the gradients, which ``zero_grad()`` drops at every
+    step, through their parameters: reached first through the state's keys, a gradient was guarded by its
+    identity, and every step compiled them again (18 graphs in 20 steps, 11 now)."""
     def build(model, lr):
         return SpectralAdamW(model.parameters(), lr=lr, p=2, spectral_weight_decay=0.5, stability="raise")
 
     eager, _ = run(build, True, compiled=False, scheduled=False)
-    compiled, (_, breaks) = run(build, True, compiled=True, scheduled=False)
+    caplog.set_level(logging.DEBUG, logger="torch._dynamo")
+    torch._logging.set_logs(recompiles=True)
+    try:
+        compiled, (_, breaks) = run(build, True, compiled=True, scheduled=False)
+    finally:
+        torch._logging.set_logs()
     assert breaks >= 1
+    assert any("Recompiling function" in record.getMessage() for record in caplog.records)  # the log is read
+    invalidated = {record.getMessage() for record in caplog.records if "got deallocated" in record.getMessage()}
+    assert not invalidated, invalidated
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 

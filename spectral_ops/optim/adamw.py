@@ -32,7 +32,8 @@ def _adam_views(params, state) -> tuple:
     """The step counts, and the real views of the gradients, moments and parameters Adam's arithmetic
     reads: a DTensor's moments are DTensors sharded like it (for torch.distributed.checkpoint), and the
     update is element-wise, so each rank runs it on its own shards."""
-    return ([state[param]["step"] for param in params], [real_view(local(param.grad)) for param in params],
+    grads = [real_view(local(param.grad)) for param in params]  # before the state: SpectralOptimizer.check_step
+    return ([state[param]["step"] for param in params], grads,
             [real_view(local(state[param]["exp_avg"])) for param in params],
             [real_view(local(state[param]["exp_avg_sq"])) for param in params],
             [real_view(local(param)) for param in params])

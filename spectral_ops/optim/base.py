@@ -616,8 +616,13 @@ class SpectralOptimizer(Optimizer):
         differ)."""
         if group["lr"] is not None:  # an attached SpectralDecay's lr is the host's: checked as it prepares
             self.check_coefficients(group)
-        for param in params:
-            weight, name = local(param), None
+        # Every parameter through ``params`` before any through the state: Dynamo guards an object that it
+        # reaches through a dict's keys (``self.state``'s) by identity, and what it reaches from it too, so a
+        # gradient would be guarded by identity, and ``zero_grad()``, which drops it, would make every step
+        # compile the frame again (a frame of its own after ``stability="raise"``'s graph breaks).
+        weights = [local(param) for param in params]
+        for param, weight in zip(params, weights):
+            name = None
             if overlaps_itself(weight):  # a step writes the parameter in place
                 raise shared_memory_error(weight, f"{type(self).__name__}: {self.parameter_name(group, param)}",
                                           "Give the parameter memory of its own: param.data = param.data.contiguous()")
