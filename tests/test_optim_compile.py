@@ -57,8 +57,9 @@ TORCH = {
 }
 
 
-def run(build, bias: bool, *, compiled: bool, scheduled: bool, tensor_lr: bool = False, backend: str = "inductor"):
-    """``STEPS`` steps of ``build(model, lr)``: the final parameters, and Dynamo's graphs and graph
+def run(build, bias: bool, *, compiled: bool, scheduled: bool, tensor_lr: bool = False, backend: str = "inductor",
+        steps: int = STEPS):
+    """``steps`` steps of ``build(model, lr)``: the final parameters, and Dynamo's graphs and graph
     breaks where ``compiled`` (with ``backend``).
 
     Dynamo's profile-guided dynamism (``automatic_dynamic_local_pgo``) is off: it keeps what earlier
@@ -78,7 +79,7 @@ def run(build, bias: bool, *, compiled: bool, scheduled: bool, tensor_lr: bool =
 
     step = torch.compile(step, backend=backend) if compiled else step
     with torch._dynamo.config.patch(automatic_dynamic_local_pgo=False):
-        for index in range(STEPS):
+        for index in range(steps):
             inputs, targets = batch(index)
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(inputs), targets).backward()
@@ -159,15 +160,8 @@ def test_stability_raise_reads_the_host_and_raises_from_a_compiled_step(caplog):
         return SpectralAdamW(model.parameters(), lr=lr, p=2, spectral_weight_decay=0.5, stability="raise")
 
     eager, _ = run(build, True, compiled=False, scheduled=False)
-    caplog.set_level(logging.DEBUG, logger="torch._dynamo")
-    torch._logging.set_logs(recompiles=True)
-    try:
-        compiled, (_, breaks) = run(build, True, compiled=True, scheduled=False)
-    finally:
-        torch._logging.set_logs()
+    (compiled, (_, breaks)), invalidated = recompiles_for_dropped_objects(caplog, build, True)
     assert breaks >= 1
-    assert any("Recompiling function" in record.getMessage() for record in caplog.records)  # the log is read
-    invalidated = {record.getMessage() for record in caplog.records if "got deallocated" in record.getMessage()}
     assert not invalidated, invalidated
     for a, b in zip(eager, compiled):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
@@ -185,6 +179,33 @@ def test_stability_raise_reads_the_host_and_raises_from_a_compiled_step(caplog):
     # (eager, it forgets it): step 0 and zero moments, so the next step is still the first.
     for state in optimizer.state.values():
         assert int(state["step"]) == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+
+
+def recompiles_for_dropped_objects(caplog, build, bias: bool, **options) -> tuple:
+    """A compiled :func:`run` of ``build`` with Dynamo's recompile log on: what it returned, and the
+    recompiles of a frame whose guards held an object that has since been freed (a gradient that
+    ``zero_grad()`` dropped, guarded by its identity)."""
+    caplog.set_level(logging.DEBUG, logger="torch._dynamo")
+    torch._logging.set_logs(recompiles=True)
+    try:
+        result = run(build, bias, compiled=True, scheduled=False, **options)
+    finally:
+        torch._logging.set_logs()
+    assert any("Recompiling function" in record.getMessage() for record in caplog.records)  # the log is read
+    return result, {record.getMessage() for record in caplog.records if "got deallocated" in record.getMessage()}
+
+
+def test_muons_frames_after_the_raise_guards_breaks_compile_no_more_as_gradients_are_dropped(caplog):
+    """As AdamW's above: SpectralMuon's frames after ``stability="raise"``'s breaks reach the gradients
+    through the parameters they are given (from the second step on, two of them compiled again at every
+    step before: 25 graphs in 20 steps, 13 now). The second step shows it. The graphs go to the eager
+    backend: the guards are Dynamo's, whatever compiles the graphs."""
+    def build(model, lr):
+        return SpectralMuon(matrices(model), lr=lr, p=2, spectral_weight_decay=0.5, precision="fp32",
+                            stability="raise")
+
+    _, invalidated = recompiles_for_dropped_objects(caplog, build, False, backend="eager", steps=2)
+    assert not invalidated, invalidated
 
 
 def test_an_invalid_option_set_on_a_group_raises_its_own_error_from_a_compiled_step():

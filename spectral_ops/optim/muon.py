@@ -255,7 +255,8 @@ class SpectralMuon(SpectralOptimizer):
     def prepare_group(self, params, group: dict) -> PendingWrite:
         if group["algorithm"] == "adamw":
             return prepare_adam_step(self, params, group)
-        updates = [self._update(param, group) for param in params]
+        grads = [local(param.grad) for param in params]  # before the state: SpectralOptimizer.check_step
+        updates = [self._update(param, grad, group) for param, grad in zip(params, grads)]
         powers = [self.update_power_at(group, self.state[param]["step"]) for param in params]
         # directions[i]: the polar factors the commit adds to params[i] (this rank's rows; checked[i] is
         # the same, as the checks read it), filled in when they are computed.
@@ -273,6 +274,7 @@ class SpectralMuon(SpectralOptimizer):
         masks = device_masks(keep) if capturable(group) else None
         lr = step_scalar(group["lr"], group)
         momenta, additions = [], []
+        targets = [local(param) for param in params]  # before self.layout's dict: SpectralOptimizer.check_step
         for index, (param, direction) in enumerate(zip(params, directions)):
             if keep[index] is False:
                 continue
@@ -287,7 +289,7 @@ class SpectralMuon(SpectralOptimizer):
             rows, cols = matrix_dims(param.shape, view)
             layout = self.layout(param)
             held = None if layout is None else layout.local_rows(view)
-            target = local(param)
+            target = targets[index]
             if view != "flatten" or target.ndim <= 2 or target.is_contiguous():
                 target = as_matrices(target, view)
                 blocks = [(local_block(target, start, start + size, held), local_block(direction, start, start + size,
@@ -311,13 +313,12 @@ class SpectralMuon(SpectralOptimizer):
                     for param, direction, kept in zip(params, directions, keep)]
         return UpdateWrite(write, param_directions)
 
-    def _update(self, param, group) -> torch.Tensor:
+    def _update(self, param, grad, group) -> torch.Tensor:
         """Muon's update (this rank's shard) in a temporary of its own: the momentum buffer after this
         step (an EMA of the gradients, as torch.optim.Muon keeps it), then, in place, Nesterov's lerp of
         the gradient towards it. The state's buffer is advanced only when the step commits, in place
         and to the same numbers (:meth:`_store_momentum`): a skipped step leaves it as it was, and it
         keeps its address, so that a step allocates one full-size temporary here, as torch's does."""
-        grad = local(param.grad)
         update = local(self.state[param]["momentum_buffer"]).lerp(grad, 1 - group["momentum"])
         if group["nesterov"]:
             torch.lerp(grad, update, group["momentum"], out=update)
