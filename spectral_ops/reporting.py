@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -11,6 +12,7 @@ from .provenance import machine, machine_line
 FIGURE_DPI = 100
 
 
+@functools.cache
 def pyplot():
     """matplotlib's pyplot, drawing to files only, imported at the first figure: a second of every start of
     the training CLI went to importing it, where only the figures need it (a sweep's tables do not)."""
